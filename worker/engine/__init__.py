@@ -1,0 +1,1 @@
+"""The serving engine: KV pool, scheduler and executors (torch and simulated)."""
