@@ -1,4 +1,5 @@
 """The ``kvroute`` command: one entry point, one subcommand per job."""
+
 import sys
 
 

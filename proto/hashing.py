@@ -162,9 +162,7 @@ def as_token_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
         lo, hi = int(arr.min()), int(arr.max())
         if lo < 0 or hi > MAX_TOKEN_ID:
             bad = int(np.flatnonzero((arr < 0) | (arr > MAX_TOKEN_ID))[0])
-            raise ValueError(
-                f"token_ids[{bad}]={int(arr[bad])} is outside [0, {MAX_TOKEN_ID}]"
-            )
+            raise ValueError(f"token_ids[{bad}]={int(arr[bad])} is outside [0, {MAX_TOKEN_ID}]")
     return arr.astype(_U64, copy=False)
 
 
