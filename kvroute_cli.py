@@ -1,10 +1,47 @@
-"""The ``kvroute`` command: one entry point, one subcommand per job."""
+"""The ``kvroute`` command: one entry point, one subcommand per job.
 
+Each subcommand lives with the package it drives and is imported only when used, so
+``kvroute router`` never imports torch.
+"""
+
+from __future__ import annotations
+
+import importlib
 import sys
+
+# subcommand -> (module, function, one-line help)
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "up": ("router.fleet", "main", "start N local workers and a router (the quick start)"),
+    "worker": ("worker.cli", "main", "run one serving worker (gRPC)"),
+    "router": ("router.cli", "main", "run the cache-aware router (gRPC)"),
+    "generate": ("router.client", "main", "send one prompt to a router and print the output"),
+    "explain": ("router.client", "explain_main", "show each worker's match, load and cost"),
+    "replay": ("bench.replay.cli", "main", "replay a trace against routing policies"),
+    "workload": ("bench.workload", "main", "generate a synthetic workload trace"),
+}
+
+
+def _usage() -> str:
+    width = max(len(name) for name in COMMANDS)
+    lines = ["usage: kvroute COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, _, help_) in COMMANDS.items()]
+    lines += ["", "Run 'kvroute COMMAND --help' for a command's options."]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    raise SystemExit("kvroute: no subcommands yet")
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    name, rest = args[0], args[1:]
+    if name not in COMMANDS:
+        print(f"kvroute: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module_name, func_name, _ = COMMANDS[name]
+    func = getattr(importlib.import_module(module_name), func_name)
+    result = func(rest)
+    return int(result or 0)
 
 
 if __name__ == "__main__":
