@@ -1,0 +1,355 @@
+"""A small client for the router: ``RouterClient`` (async) and the ``kvroute generate`` /
+``kvroute explain`` commands.
+
+    async with RouterClient("127.0.0.1:50051") as client:
+        result = await client.generate("Hello", max_new_tokens=16)
+        print(result.text, result.worker_id, result.cached_prompt_tokens)
+
+A prompt is either text (the worker tokenizes it; the router routes it approximately, see
+``router.service.servicer``) or a sequence of token ids.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from kvroute_proto import kvroute_pb2 as pb
+from kvroute_proto import kvroute_pb2_grpc as pb_grpc
+
+Prompt = str | Sequence[int]
+
+_FINISH_NAMES = {
+    pb.FINISH_REASON_UNSPECIFIED: "unspecified",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_MAX_CONTEXT: "max_context",
+    pb.FINISH_REASON_ABORT: "abort",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateOptions:
+    """Sampling and partition options of one request."""
+
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    ignore_eos: bool = False
+    extra_key: str = ""
+    request_id: str = ""
+    priority: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateResult:
+    """A finished request: the output and who served it."""
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str
+    worker_id: str
+    attempts: int
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerScoreView:
+    """One worker's line of an Explain answer."""
+
+    worker_id: str
+    address: str
+    healthy: bool
+    matched_tokens: int
+    inflight_prefill_tokens: int
+    cost: float
+    num_running: int
+    num_waiting: int
+
+
+@dataclass(frozen=True, slots=True)
+class ExplainResult:
+    policy: str
+    prompt_tokens: int
+    chosen_worker_id: str
+    workers: tuple[WorkerScoreView, ...]
+
+
+def build_request(prompt: Prompt, options: GenerateOptions) -> pb.GenerateRequest:
+    """The GenerateRequest for ``prompt`` (text or token ids)."""
+    req = pb.GenerateRequest(
+        request_id=options.request_id,
+        sampling=pb.SamplingParams(
+            max_new_tokens=options.max_new_tokens,
+            temperature=options.temperature,
+            top_p=options.top_p,
+            top_k=options.top_k,
+            ignore_eos=options.ignore_eos,
+        ),
+        partition=pb.Partition(extra_key=options.extra_key),
+        priority=options.priority,
+    )
+    if options.seed is not None:
+        req.sampling.seed = options.seed
+    if isinstance(prompt, str):
+        req.prompt_text = prompt
+    else:
+        req.prompt_token_ids.ids.extend(int(t) for t in prompt)
+    return req
+
+
+class RouterClient:
+    """An async client of one router. ``tenant`` sets the tenant metadata header."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        tenant: str | None = None,
+        tenant_header: str = "x-tenant-id",
+        timeout_s: float | None = 60.0,
+    ) -> None:
+        self.address = address
+        self._timeout_s = timeout_s
+        self._metadata = ((tenant_header, tenant),) if tenant else ()
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = pb_grpc.RouterStub(self._channel)
+
+    async def __aenter__(self) -> RouterClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def stream(
+        self, prompt: Prompt, options: GenerateOptions | None = None
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """The raw response stream: TokenChunk messages, then one Finished."""
+        req = build_request(prompt, options or GenerateOptions())
+        call = self._stub.Generate(req, timeout=self._timeout_s, metadata=self._metadata)
+        try:
+            async for msg in call:
+                yield msg
+        finally:
+            call.cancel()
+
+    async def generate(
+        self, prompt: Prompt, options: GenerateOptions | None = None
+    ) -> GenerateResult:
+        """Run one request to completion."""
+        texts: list[str] = []
+        tokens: list[int] = []
+        request_id = ""
+        async for msg in self.stream(prompt, options):
+            request_id = msg.request_id or request_id
+            if msg.HasField("chunk"):
+                tokens.extend(msg.chunk.token_ids)
+                texts.append(msg.chunk.text)
+            elif msg.HasField("finished"):
+                fin = msg.finished
+                return GenerateResult(
+                    request_id=request_id,
+                    text="".join(texts),
+                    token_ids=tuple(tokens),
+                    finish_reason=_FINISH_NAMES.get(fin.reason, str(fin.reason)),
+                    worker_id=fin.worker_id,
+                    attempts=fin.attempts,
+                    prompt_tokens=fin.usage.prompt_tokens,
+                    cached_prompt_tokens=fin.usage.cached_prompt_tokens,
+                    completion_tokens=fin.usage.completion_tokens,
+                )
+        raise ConnectionError(f"router {self.address} ended the stream without a Finished message")
+
+    async def explain(
+        self, prompt: Prompt, options: GenerateOptions | None = None
+    ) -> ExplainResult:
+        """Where the router would send ``prompt`` and why."""
+        req = pb.ExplainRequest(request=build_request(prompt, options or GenerateOptions()))
+        resp = await self._stub.Explain(req, timeout=self._timeout_s, metadata=self._metadata)
+        return ExplainResult(
+            policy=resp.policy,
+            prompt_tokens=resp.prompt_tokens,
+            chosen_worker_id=resp.chosen_worker_id,
+            workers=tuple(
+                WorkerScoreView(
+                    worker_id=w.worker_id,
+                    address=w.address,
+                    healthy=w.healthy,
+                    matched_tokens=w.matched_tokens,
+                    inflight_prefill_tokens=w.inflight_prefill_tokens,
+                    cost=w.cost,
+                    num_running=w.load.num_running,
+                    num_waiting=w.load.num_waiting,
+                )
+                for w in resp.workers
+            ),
+        )
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort an in-flight request; True when some worker was running it."""
+        resp = await self._stub.Abort(
+            pb.AbortRequest(request_id=request_id), timeout=self._timeout_s, metadata=self._metadata
+        )
+        return resp.found
+
+
+# ---- command line ----------------------------------------------------------------------
+
+
+def _common_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--router", default="127.0.0.1:50051", help="router HOST:PORT")
+    parser.add_argument(
+        "--token-ids",
+        action="store_true",
+        help="PROMPT is a comma-separated list of token ids instead of text",
+    )
+    parser.add_argument("--tenant", default=None, help="tenant id sent as metadata")
+    parser.add_argument(
+        "--tenant-header", default="x-tenant-id", help="metadata key of the tenant id"
+    )
+    parser.add_argument("--extra-key", default="", help="partition extra_key (e.g. a LoRA name)")
+    parser.add_argument("--timeout", type=float, default=60.0, help="deadline in seconds")
+    parser.add_argument("prompt", metavar="PROMPT", help="the prompt")
+    return parser
+
+
+def _parse_prompt(args: argparse.Namespace) -> Prompt:
+    if not args.token_ids:
+        return args.prompt
+    try:
+        return [int(t) for t in args.prompt.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise SystemExit(
+            f"--token-ids: PROMPT must be comma-separated ints, got {args.prompt!r}"
+        ) from None
+
+
+def _client(args: argparse.Namespace) -> RouterClient:
+    return RouterClient(
+        args.router, tenant=args.tenant, tenant_header=args.tenant_header, timeout_s=args.timeout
+    )
+
+
+def _rpc_error(exc: grpc.aio.AioRpcError) -> int:
+    print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+    return 1
+
+
+async def _generate(args: argparse.Namespace) -> int:
+    options = GenerateOptions(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+        extra_key=args.extra_key,
+    )
+    prompt = _parse_prompt(args)
+    async with _client(args) as client:
+        if not args.stream:
+            r = await client.generate(prompt, options)
+            print(r.text if r.text else " ".join(map(str, r.token_ids)))
+        else:
+            fin = None
+            async for msg in client.stream(prompt, options):
+                if msg.HasField("chunk"):
+                    out = msg.chunk.text or "".join(f" {t}" for t in msg.chunk.token_ids)
+                    print(out, end="", flush=True)
+                else:
+                    fin = msg.finished
+            print()
+            if fin is None:
+                print("error: the stream ended without a Finished message", file=sys.stderr)
+                return 1
+            r = GenerateResult(
+                request_id="",
+                text="",
+                token_ids=(),
+                finish_reason=_FINISH_NAMES.get(fin.reason, str(fin.reason)),
+                worker_id=fin.worker_id,
+                attempts=fin.attempts,
+                prompt_tokens=fin.usage.prompt_tokens,
+                cached_prompt_tokens=fin.usage.cached_prompt_tokens,
+                completion_tokens=fin.usage.completion_tokens,
+            )
+        if args.verbose:
+            print(
+                f"worker={r.worker_id} cached_prompt_tokens={r.cached_prompt_tokens}"
+                f"/{r.prompt_tokens} completion_tokens={r.completion_tokens}"
+                f" finish={r.finish_reason} attempts={r.attempts}",
+                file=sys.stderr,
+            )
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    """``kvroute generate``: send one prompt through a router and print the output."""
+    parser = _common_parser(
+        "kvroute generate", "Send one prompt through a router and print the generated text."
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--seed", type=int, default=None, help="sampling seed")
+    parser.add_argument("--stream", action="store_true", help="print tokens as they arrive")
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="also print (on stderr) which worker served it and how many tokens were cached",
+    )
+    args = parser.parse_args(argv)
+    try:
+        return asyncio.run(_generate(args))
+    except grpc.aio.AioRpcError as exc:
+        return _rpc_error(exc)
+
+
+def format_explain(result: ExplainResult) -> str:
+    """A human-readable table of an Explain answer."""
+    lines = [
+        f"policy={result.policy} prompt_tokens={result.prompt_tokens} "
+        f"chosen={result.chosen_worker_id or '(none)'}",
+        f"  {'worker':<16} {'address':<22} {'ok':<3} {'matched':>8} {'inflight':>9} "
+        f"{'run':>4} {'wait':>5} {'cost':>12}",
+    ]
+    for w in result.workers:
+        mark = "*" if w.worker_id == result.chosen_worker_id else " "
+        lines.append(
+            f"{mark} {w.worker_id:<16} {w.address:<22} {'yes' if w.healthy else 'no':<3} "
+            f"{w.matched_tokens:>8} {w.inflight_prefill_tokens:>9} {w.num_running:>4} "
+            f"{w.num_waiting:>5} {w.cost:>12.4g}"
+        )
+    return "\n".join(lines)
+
+
+async def _explain(args: argparse.Namespace) -> int:
+    async with _client(args) as client:
+        result = await client.explain(
+            _parse_prompt(args), GenerateOptions(extra_key=args.extra_key)
+        )
+    print(format_explain(result))
+    return 0
+
+
+def explain_main(argv: list[str]) -> int:
+    """``kvroute explain``: each worker's cached match, load and cost, and the pick."""
+    parser = _common_parser(
+        "kvroute explain", "Show where the router would send PROMPT: per worker match, load, cost."
+    )
+    args = parser.parse_args(argv)
+    try:
+        return asyncio.run(_explain(args))
+    except grpc.aio.AioRpcError as exc:
+        return _rpc_error(exc)
