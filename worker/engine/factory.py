@@ -1,0 +1,89 @@
+"""Build an executor and its tokenizer from the worker's settings.
+
+``torch``: the real model (a local HF checkpoint with ``model_dir``, otherwise the tiny
+random default) over a KV pool of ``num_kv_slots`` on CUDA when present, else CPU.
+``sim``: the simulated executor (no math) paired with the byte tokenizer. torch is only
+imported for ``torch``, so a sim-only process never pays for it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from worker.engine.tokenizer import ByteTokenizer, Tokenizer
+from worker.engine.types import Executor
+
+if TYPE_CHECKING:
+    from worker.engine.model import LlamaForCausalLM
+
+EXECUTOR_KINDS = ("torch", "sim")
+TINY_VOCAB_SIZE = 512  # >= the byte tokenizer's 260 ids; a round size for the tiny model
+
+
+def default_device() -> str:
+    """``cuda`` when a GPU is visible, else ``cpu``."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def build_tiny_default(seed: int = 0, device: str = "cpu") -> LlamaForCausalLM:
+    """The default random Llama (vocab 512, hidden 64, 2 layers, 4 heads / 2 KV heads,
+    4096 context, float32) whose EOS is the byte tokenizer's."""
+    from worker.engine.model import build_tiny_model, tiny_config
+
+    cfg = tiny_config(vocab_size=TINY_VOCAB_SIZE, eos_token_id=ByteTokenizer.EOS)
+    return build_tiny_model(seed, device=device, config=cfg)
+
+
+def build_executor(
+    kind: str,
+    *,
+    model_dir: str | Path | None = None,
+    num_kv_slots: int,
+    device: str | None = None,
+    seed: int = 0,
+) -> tuple[Executor, Tokenizer]:
+    """An Executor and the Tokenizer that matches its vocab.
+
+    Raises ValueError for an unknown ``kind``, a ``num_kv_slots`` below 1, or a
+    ``model_dir`` given to ``sim``; ModelLoadError for a bad model directory.
+    """
+    if num_kv_slots < 1:
+        raise ValueError(f"num_kv_slots must be >= 1, got {num_kv_slots}")
+    match kind:
+        case "torch":
+            return _build_torch(model_dir, num_kv_slots, device, seed)
+        case "sim":
+            if model_dir is not None:
+                raise ValueError("model_dir: only the 'torch' executor loads a model")
+            return _build_sim(seed)
+        case _:
+            raise ValueError(f"executor kind must be one of {EXECUTOR_KINDS}, got {kind!r}")
+
+
+def _build_torch(
+    model_dir: str | Path | None, num_kv_slots: int, device: str | None, seed: int
+) -> tuple[Executor, Tokenizer]:
+    from worker.engine.loader import load_model
+    from worker.engine.torch_executor import TorchExecutor
+
+    dev = device or default_device()
+    tokenizer: Tokenizer
+    if model_dir is None:
+        model = build_tiny_default(seed, dev)
+        tokenizer = ByteTokenizer()
+    else:
+        loaded = load_model(model_dir, device=dev)
+        model, tokenizer = loaded.model, loaded.tokenizer
+    return TorchExecutor.create(model, num_kv_slots, seed=seed), tokenizer
+
+
+def _build_sim(seed: int) -> tuple[Executor, Tokenizer]:
+    # Imported lazily: another module's owner maintains it; the torch path never needs it.
+    from worker.engine.sim_executor import SimExecutor
+
+    tokenizer = ByteTokenizer()
+    executor = SimExecutor(vocab_size=TINY_VOCAB_SIZE, eos_token_id=tokenizer.eos_token_id)
+    return executor, tokenizer

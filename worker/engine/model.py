@@ -1,0 +1,335 @@
+"""A Llama-architecture decoder (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU)
+that reads and writes the paged KV pool.
+
+Parameter names equal Hugging Face's ``LlamaForCausalLM`` state dict (``model.embed_tokens``,
+``model.layers.N.self_attn.q_proj``, ..., ``model.norm``, ``lm_head``), so a checkpoint loads
+with ``load_state_dict`` and ``save_hf`` writes one that ``transformers`` reads.
+
+A forward pass runs one packed sequence of T new tokens from several requests:
+
+    tokens: [ prefill item 0 (n0 tokens) | prefill item 1 (n1) | ... | decode (1 per item) ]
+
+Projections and MLP run on all T tokens at once. Each layer first writes the new tokens' K/V
+into their slots, then attends per request over the K/V gathered by slot index:
+a prefill item over ``slots[:start_pos + n]`` with a causal mask offset by ``start_pos``;
+the decode items together over a padded [B, max_len] gather with a length mask.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.engine.kv_pool import KVPool
+
+
+@dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """Llama-3 style frequency-dependent rotary scaling (``rope_type: llama3``)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaConfig:
+    """Architecture hyper-parameters (names follow HF ``config.json`` where they exist)."""
+
+    vocab_size: int = 512
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 16
+    max_position_embeddings: int = 4096
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default=())
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"LlamaConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"LlamaConfig.num_attention_heads ({self.num_attention_heads}) must be a "
+                f"multiple of num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"LlamaConfig.head_dim must be even, got {self.head_dim}")
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The first end-of-sequence id (the Executor protocol carries one)."""
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+
+def tiny_config(*, vocab_size: int = 512, eos_token_id: int | None = None) -> LlamaConfig:
+    """The default model: small enough that tests and the CPU demo run in milliseconds."""
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        eos_token_ids=() if eos_token_id is None else (eos_token_id,),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillSeq:
+    """Where one prefill item sits in the packed batch."""
+
+    token_offset: int  # first row of this item's new tokens in the packed batch
+    num_new: int
+    start_pos: int  # absolute position of the first new token (= cached prefix length)
+    ctx_slots: torch.Tensor  # int64 [start_pos + num_new]: every slot it attends to
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeGroup:
+    """The decode items: one new token each, rows ``token_offset .. token_offset + B``."""
+
+    token_offset: int
+    ctx_slots: torch.Tensor  # int64 [B, max_len], padded with a valid slot
+    ctx_mask: torch.Tensor  # bool [B, 1, 1, max_len], True where a key is visible
+
+
+@dataclass(frozen=True, slots=True)
+class PagedBatch:
+    """Inputs of one forward pass over the packed tokens."""
+
+    input_ids: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T]
+    write_slots: torch.Tensor  # int64 [T]
+    prefill: tuple[PrefillSeq, ...]
+    decode: DecodeGroup | None
+    logit_rows: torch.Tensor  # int64 [R]: rows whose logits are wanted
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
+    """Rotary inverse frequencies [head_dim / 2] in float32, with llama3 scaling if set."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (
+        config.rope_theta
+        ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim)
+    )
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, blended, scaled)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LlamaConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        h, d, bias = config.hidden_size, config.head_dim, config.attention_bias
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
+
+    def _expand_kv(self, kv: torch.Tensor) -> torch.Tensor:
+        """[..., kv_heads, L, D] -> [..., heads, L, D]: query head h reads kv head h // rep."""
+        rep = self.num_heads // self.num_kv_heads
+        return kv if rep == 1 else kv.repeat_interleave(rep, dim=-3)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: PagedBatch,
+        pool: KVPool,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        # Write first, then read: every item's context (new tokens included) is in the pool.
+        pool.write(self.layer_idx, batch.write_slots, k, v)
+
+        out = torch.empty_like(q)
+        for seq in batch.prefill:
+            rows = slice(seq.token_offset, seq.token_offset + seq.num_new)
+            ks, vs = pool.gather(self.layer_idx, seq.ctx_slots)  # [L, kvh, D]
+            qi = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+            ki = self._expand_kv(ks.transpose(0, 1)).unsqueeze(0).to(q.dtype)
+            vi = self._expand_kv(vs.transpose(0, 1)).unsqueeze(0).to(q.dtype)
+            if seq.start_pos == 0:
+                oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=self.scale)
+            else:
+                # Query i (absolute position start_pos + i) sees keys 0 .. start_pos + i.
+                key_pos = torch.arange(ks.shape[0], device=x.device)
+                query_pos = seq.start_pos + torch.arange(seq.num_new, device=x.device)
+                mask = key_pos[None, :] <= query_pos[:, None]
+                oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=self.scale)
+            out[rows] = oi[0].transpose(0, 1)
+
+        group = batch.decode
+        if group is not None:
+            bsz = group.ctx_slots.shape[0]
+            rows = slice(group.token_offset, group.token_offset + bsz)
+            ks, vs = pool.gather(self.layer_idx, group.ctx_slots)  # [B, L, kvh, D]
+            qd = q[rows].unsqueeze(2)  # [B, H, 1, D]
+            kd = self._expand_kv(ks.transpose(1, 2)).to(q.dtype)  # [B, H, L, D]
+            vd = self._expand_kv(vs.transpose(1, 2)).to(q.dtype)
+            od = F.scaled_dot_product_attention(
+                qd, kd, vd, attn_mask=group.ctx_mask, scale=self.scale
+            )
+            out[rows] = od.squeeze(2)
+
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=bias)
+        self.up_proj = nn.Linear(h, i, bias=bias)
+        self.down_proj = nn.Linear(i, h, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: PagedBatch,
+        pool: KVPool,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, pool)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaBackbone(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder plus LM head; ``forward`` runs one packed, paged batch."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaBackbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        # Derived from the config, kept in float32 whatever the weights' dtype (so it is
+        # neither a parameter nor a buffer that .to(dtype) would round).
+        self._inv_freq = rope_inv_freq(config)
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """cos/sin [T, 1, head_dim] for absolute ``positions`` (computed in float32)."""
+        if self._inv_freq.device != positions.device:
+            self._inv_freq = self._inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * self._inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+    def forward(self, batch: PagedBatch, pool: KVPool) -> torch.Tensor:
+        """Float32 logits [R, vocab] for ``batch.logit_rows``; writes the new tokens' K/V."""
+        x = self.model.embed_tokens(batch.input_ids)
+        cos, sin = self.rope(batch.positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, batch, pool)
+        hidden = self.model.norm(x[batch.logit_rows])
+        return self.lm_head(hidden).float()
+
+
+def init_random(model: LlamaForCausalLM, seed: int) -> LlamaForCausalLM:
+    """Deterministic random weights (fan-in scaled, so logits are O(1) and greedy choices
+    are well separated, which keeps equality tests robust to float rounding)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if name.endswith("layernorm.weight") or name == "model.norm.weight":
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
+            elif name.endswith("bias"):
+                param.zero_()
+            elif name == "model.embed_tokens.weight":
+                param.copy_(torch.randn(param.shape, generator=gen))
+            else:
+                param.copy_(torch.randn(param.shape, generator=gen) * param.shape[-1] ** -0.5)
+    return model
+
+
+def build_tiny_model(
+    seed: int = 0, *, device: str = "cpu", config: LlamaConfig | None = None
+) -> LlamaForCausalLM:
+    """The default random model (fixed seed -> identical weights on every machine)."""
+    cfg = config or tiny_config()
+    model = init_random(LlamaForCausalLM(cfg), seed)
+    return model.to(device=device, dtype=cfg.dtype).eval()

@@ -1,0 +1,199 @@
+"""TorchExecutor: the Executor protocol over a real Llama model and the paged KV pool.
+
+It packs the step's prefill chunks and decode tokens into one batch (see model.py for the
+layout), runs the model under ``torch.inference_mode``, samples one token per item that
+asks for one, and records the wall time of the pass for ``step_cost_s``. It reads
+``time.perf_counter`` on purpose: it measures real compute, it is not a sans-I/O core.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from worker.engine.kv_pool import KVPool, KVPoolConfig
+from worker.engine.model import DecodeGroup, LlamaForCausalLM, PagedBatch, PrefillSeq
+from worker.engine.sampling import Sampler
+from worker.engine.types import ForwardItem
+
+
+class TorchExecutor:
+    """Runs forward passes of ``model`` over ``kv_pool`` on ``device``."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_pool: KVPool,
+        device: str | torch.device,
+        *,
+        seed: int = 0,
+    ) -> None:
+        cfg = model.config
+        pool_cfg = kv_pool.config
+        pool_shape = (pool_cfg.num_layers, pool_cfg.num_kv_heads, pool_cfg.head_dim)
+        model_shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+        if pool_shape != model_shape:
+            raise ValueError(
+                f"kv_pool: (layers, kv_heads, head_dim) = {pool_shape} does not match the "
+                f"model's {model_shape}"
+            )
+        self.model = model
+        self.kv_pool = kv_pool
+        self.device = torch.device(device)
+        self.vocab_size: int = cfg.vocab_size
+        self.max_context_tokens: int = cfg.max_position_embeddings
+        self.eos_token_id: int | None = cfg.eos_token_id
+        self._sampler = Sampler(seed)
+        self._last_cost_s = 0.0
+
+    @classmethod
+    def create(cls, model: LlamaForCausalLM, num_kv_slots: int, *, seed: int = 0) -> TorchExecutor:
+        """An executor with a fresh pool of ``num_kv_slots`` on the model's device/dtype."""
+        param = next(model.parameters())
+        cfg = model.config
+        pool = KVPool(
+            KVPoolConfig(
+                num_slots=num_kv_slots,
+                num_layers=cfg.num_hidden_layers,
+                num_kv_heads=cfg.num_key_value_heads,
+                head_dim=cfg.head_dim,
+                dtype=param.dtype,
+                device=str(param.device),
+            )
+        )
+        return cls(model, pool, param.device, seed=seed)
+
+    # -- Executor protocol -------------------------------------------------------------
+
+    def forward(self, prefill: list[ForwardItem], decode: list[ForwardItem]) -> list[int]:
+        """One token per item, prefill items first then decode (-1 where sample=False)."""
+        start = time.perf_counter()
+        items = [*prefill, *decode]
+        logits = self.forward_logits(prefill, decode)
+        wanted = [i for i, item in enumerate(items) if item.sample]
+        tokens = [-1] * len(items)
+        if wanted:
+            picked = self._sampler.sample(
+                logits[wanted],
+                [items[i].sampling for i in wanted],
+                [items[i].num_generated for i in wanted],
+            )
+            for i, token in zip(wanted, picked, strict=True):
+                tokens[i] = token
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._last_cost_s = time.perf_counter() - start
+        return tokens
+
+    def step_cost_s(self, prefill: list[ForwardItem], decode: list[ForwardItem]) -> float:
+        """Measured wall time of the last ``forward`` (the arguments are not used)."""
+        return self._last_cost_s
+
+    # -- logits (used by forward, and by tests comparing numerics) ---------------------
+
+    def forward_logits(self, prefill: list[ForwardItem], decode: list[ForwardItem]) -> torch.Tensor:
+        """Float32 logits [len(prefill) + len(decode), vocab] at each item's last new token.
+        Writes every new token's K/V into its slot."""
+        batch = self._build_batch(prefill, decode, all_positions=False)
+        with torch.inference_mode():
+            return self.model(batch, self.kv_pool)
+
+    def prompt_logits(self, item: ForwardItem) -> torch.Tensor:
+        """Float32 logits [len(item.token_ids), vocab] at every new position of one prefill."""
+        batch = self._build_batch([item], [], all_positions=True)
+        with torch.inference_mode():
+            return self.model(batch, self.kv_pool)
+
+    # -- batch packing -----------------------------------------------------------------
+
+    def _check_item(self, item: ForwardItem, where: str) -> tuple[np.ndarray, np.ndarray]:
+        tokens = np.asarray(item.token_ids, dtype=np.int64).reshape(-1)
+        slots = np.asarray(item.slots, dtype=np.int64).reshape(-1)
+        n, end = len(tokens), item.start_pos + len(tokens)
+        rid = item.request_id
+        if n == 0:
+            raise ValueError(f"{where}[{rid}].token_ids: empty; need >= 1 token")
+        if where == "decode" and n != 1:
+            raise ValueError(f"decode[{rid}].token_ids: {n} tokens; a decode item has 1")
+        if item.start_pos < 0:
+            raise ValueError(f"{where}[{rid}].start_pos: {item.start_pos} is negative")
+        if end > self.max_context_tokens:
+            raise ValueError(
+                f"{where}[{rid}]: context {end} exceeds max_context_tokens "
+                f"{self.max_context_tokens}"
+            )
+        if len(slots) < end:
+            raise ValueError(
+                f"{where}[{rid}].slots: {len(slots)} slots for a context of {end} tokens"
+            )
+        slots = slots[:end]
+        if slots.min() < 0 or slots.max() >= self.kv_pool.num_slots:
+            raise ValueError(f"{where}[{rid}].slots: out of range [0, {self.kv_pool.num_slots})")
+        if tokens.min() < 0 or tokens.max() >= self.vocab_size:
+            raise ValueError(f"{where}[{rid}].token_ids: out of range [0, {self.vocab_size})")
+        return tokens, slots
+
+    def _build_batch(
+        self, prefill: list[ForwardItem], decode: list[ForwardItem], *, all_positions: bool
+    ) -> PagedBatch:
+        if not prefill and not decode:
+            raise ValueError("forward: no prefill and no decode items")
+        dev = self.device
+        ids: list[np.ndarray] = []
+        positions: list[np.ndarray] = []
+        writes: list[np.ndarray] = []
+        seqs: list[PrefillSeq] = []
+        logit_rows: list[int] = []
+        offset = 0
+        for item in prefill:
+            tokens, slots = self._check_item(item, "prefill")
+            n = len(tokens)
+            ids.append(tokens)
+            positions.append(np.arange(item.start_pos, item.start_pos + n, dtype=np.int64))
+            writes.append(slots[item.start_pos :])
+            seqs.append(
+                PrefillSeq(
+                    token_offset=offset,
+                    num_new=n,
+                    start_pos=item.start_pos,
+                    ctx_slots=torch.from_numpy(slots).to(dev),
+                )
+            )
+            logit_rows.extend(range(offset, offset + n) if all_positions else [offset + n - 1])
+            offset += n
+
+        group = None
+        if decode:
+            checked = [self._check_item(item, "decode") for item in decode]
+            lengths = np.array([len(s) for _, s in checked], dtype=np.int64)
+            max_len = int(lengths.max())
+            # Pad each row with its own first slot (a valid index); the mask hides it.
+            table = np.empty((len(decode), max_len), dtype=np.int64)
+            for row, (_, slots) in enumerate(checked):
+                table[row, : len(slots)] = slots
+                table[row, len(slots) :] = slots[0]
+            for item, (tokens, slots) in zip(decode, checked, strict=True):
+                ids.append(tokens)
+                positions.append(np.array([item.start_pos], dtype=np.int64))
+                writes.append(slots[item.start_pos :])
+            mask = np.arange(max_len)[None, :] < lengths[:, None]
+            group = DecodeGroup(
+                token_offset=offset,
+                ctx_slots=torch.from_numpy(table).to(dev),
+                ctx_mask=torch.from_numpy(mask).to(dev)[:, None, None, :],
+            )
+            logit_rows.extend(range(offset, offset + len(decode)))
+
+        write_slots = np.concatenate(writes)
+        if len(np.unique(write_slots)) != len(write_slots):
+            raise ValueError("forward: two new tokens in one step write the same KV slot")
+        return PagedBatch(
+            input_ids=torch.from_numpy(np.concatenate(ids)).to(dev),
+            positions=torch.from_numpy(np.concatenate(positions)).to(dev),
+            write_slots=torch.from_numpy(write_slots).to(dev),
+            prefill=tuple(seqs),
+            decode=group,
+            logit_rows=torch.tensor(logit_rows, dtype=torch.int64, device=dev),
+        )
