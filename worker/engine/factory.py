@@ -2,7 +2,8 @@
 
 ``torch``: the real model (a local HF checkpoint with ``model_dir``, otherwise the tiny
 random default) over a KV pool of ``num_kv_slots`` on CUDA when present, else CPU.
-``sim``: the simulated executor (no math) paired with the byte tokenizer. torch is only
+``sim``: the simulated executor (no math; its tokens are hashed, so ``seed`` and ``device``
+do not apply) paired with the byte tokenizer. torch is only
 imported for ``torch``, so a sim-only process never pays for it.
 """
 
@@ -58,7 +59,7 @@ def build_executor(
         case "sim":
             if model_dir is not None:
                 raise ValueError("model_dir: only the 'torch' executor loads a model")
-            return _build_sim(seed)
+            return _build_sim()
         case _:
             raise ValueError(f"executor kind must be one of {EXECUTOR_KINDS}, got {kind!r}")
 
@@ -80,10 +81,12 @@ def _build_torch(
     return TorchExecutor.create(model, num_kv_slots, seed=seed), tokenizer
 
 
-def _build_sim(seed: int) -> tuple[Executor, Tokenizer]:
+def _build_sim() -> tuple[Executor, Tokenizer]:
     # Imported lazily: another module's owner maintains it; the torch path never needs it.
-    from worker.engine.sim_executor import SimExecutor
+    from worker.engine.sim_executor import SimCostModel, SimExecutor, SimExecutorConfig
 
     tokenizer = ByteTokenizer()
-    executor = SimExecutor(vocab_size=TINY_VOCAB_SIZE, eos_token_id=tokenizer.eos_token_id)
-    return executor, tokenizer
+    # The vocab matches the byte tokenizer, so every simulated token decodes (or is a
+    # special); the cost model stays the Llama-3-8B one.
+    config = SimExecutorConfig(vocab_size=tokenizer.vocab_size, eos_token_id=tokenizer.eos_token_id)
+    return SimExecutor(SimCostModel(), config), tokenizer
