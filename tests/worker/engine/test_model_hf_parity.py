@@ -1,0 +1,75 @@
+"""Our Llama equals transformers' LlamaForCausalLM on the same HF-format checkpoint.
+
+transformers is a test-only dependency; this file is skipped when it is not installed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from worker.engine.factory import build_tiny_default
+from worker.engine.loader import load_model, save_hf
+from worker.engine.model import LlamaForCausalLM, RopeScaling, build_tiny_model, tiny_config
+from worker.engine.torch_executor import TorchExecutor
+from worker.engine.types import ForwardItem, SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+RTOL = 1e-4
+
+
+def our_logits(model: LlamaForCausalLM, ids: np.ndarray) -> torch.Tensor:
+    ex = TorchExecutor.create(model, len(ids))
+    slots = np.random.default_rng(0).permutation(len(ids))
+    return ex.prompt_logits(ForwardItem("r", ids, 0, slots, SamplingParams()))
+
+
+def hf_logits(model_dir, ids: np.ndarray) -> torch.Tensor:
+    hf = transformers.LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return hf(torch.from_numpy(ids)[None]).logits[0].float()
+
+
+def assert_rel_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
+    rel = (ours - ref).abs().max() / ref.abs().max()
+    assert rel.item() < RTOL
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {},
+        {"tie_word_embeddings": True},
+        {
+            "rope_theta": 500000.0,
+            "rope_scaling": RopeScaling(
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=256,  # one band blended
+            ),
+        },
+        {"num_key_value_heads": 1},
+    ],
+    ids=["tiny-default", "tied", "llama3-rope", "mqa"],
+)
+def test_logits_match_transformers(tmp_path, variant):
+    cfg = dataclasses.replace(tiny_config(), **variant)
+    model = build_tiny_model(seed=3, config=cfg)
+    save_hf(model, tmp_path)
+    ids = np.random.default_rng(5).integers(0, cfg.vocab_size, 150).astype(np.int64)
+    assert_rel_close(our_logits(model, ids), hf_logits(tmp_path, ids))
+
+
+def test_default_model_round_trips_and_matches_transformers(tmp_path):
+    model = build_tiny_default(seed=0)
+    save_hf(model, tmp_path)
+    loaded = load_model(tmp_path).model
+    ids = np.random.default_rng(6).integers(0, 512, 64).astype(np.int64)
+    ours = our_logits(model, ids)
+    torch.testing.assert_close(our_logits(loaded, ids), ours, atol=0, rtol=0)
+    assert_rel_close(ours, hf_logits(tmp_path, ids))
