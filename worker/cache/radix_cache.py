@@ -1,24 +1,58 @@
-"""Radix KV cache (SGLang RadixAttention behaviour). SKELETON: implementation in progress.
+"""Radix KV cache: SGLang's RadixAttention tree, with an O(log n) eviction heap and an outbox.
 
 Pure Python + numpy: imports neither asyncio, grpc, torch nor a clock (inject ``clock``).
+
+The tree maps token prefixes to KV slots. Edges carry runs of tokens; a node boundary is a
+point where two cached sequences stopped agreeing. Inserting [1,2,4,5] next to [1,2,3]:
+
+    root ── [1,2,3]          ==>      root ── [1,2] ─┬─ [3]
+                                                      └─ [4,5]
+
+Children are keyed by (partition id, first page of the edge), so partitions never share a
+node. Granularity is ``page_size``: keys are page-aligned and edges split on page boundaries.
+
+Sizes: every cached token is either *protected* (its node's lock_ref > 0) or *evictable*.
+Only unlocked leaves are eviction candidates; they live in a persistent heap keyed by the
+strategy's ``priority(node)``. A leaf whose key changes (touched, hit) gets a fresh entry and
+a new version stamp; stale entries are skipped when popped and purged once they outnumber
+live ones, so evicting k nodes costs O(k log n), never a rebuild over every leaf.
+
+With ``CacheConfig.block_size`` set, every change of the set of full blocks the tree holds is
+appended to an outbox (BlockStored / BlockRemoved / AllCleared) drained by take_events();
+see block_events.py for which node holds which block.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from kvroute_proto.events import DEFAULT_PARTITION, KvEvent, Partition, Snapshot
+from kvroute_proto.events import (
+    DEFAULT_PARTITION,
+    AllCleared,
+    KvEvent,
+    Partition,
+    Snapshot,
+)
+from worker.cache import block_events, debug
 from worker.cache.allocator import SlotAllocator
 from worker.cache.base import CacheConfig, CacheReq, MatchResult, PrefixCache
 from worker.cache.eviction import get_strategy
+from worker.cache.keys import as_slots, as_tokens
+from worker.cache.node import TreeNode
+
+_I64 = np.int64
+_EMPTY_SLOTS = np.empty(0, dtype=_I64)
+_EMPTY_SLOTS.flags.writeable = False
+_HEAP_SLACK = 64  # stale heap entries tolerated beyond the live count before a purge
 
 
 class RadixCache(PrefixCache):
-    """Radix tree of cached token prefixes -> KV slots (see module docstring)."""
+    """Radix tree of cached token prefixes -> KV slots (see the module docstring)."""
 
     def __init__(
         self,
@@ -26,14 +60,155 @@ class RadixCache(PrefixCache):
         allocator: SlotAllocator,
         clock: Callable[[], float] | None = None,
     ) -> None:
+        if not isinstance(config.page_size, int) or config.page_size < 1:
+            raise ValueError(f"page_size must be an int >= 1, got {config.page_size!r}")
+        if config.block_size is not None and (
+            not isinstance(config.block_size, int) or config.block_size < 1
+        ):
+            raise ValueError(f"block_size must be None or an int >= 1, got {config.block_size!r}")
         self.config = config
         self.page_size = config.page_size
+        self.block_size = config.block_size
         self.allocator = allocator
+        self._priority_of = get_strategy(config.eviction_policy)
+        # Default clock: a logical counter, so recency is an order, never a wall time.
         self._clock = clock if clock is not None else itertools.count(1).__next__
-        self._priority = get_strategy(config.eviction_policy)
+        self._page_bytes = 8 * config.page_size
+        self._node_ids = itertools.count(1)
+        self._versions = itertools.count(1)
+        self._partition_ids: dict[Partition, int] = {}
+        self._partitions: list[Partition] = []
+        self._events: list[KvEvent] = []
+        self._root = TreeNode(0, None, b"", _EMPTY_SLOTS, -1, 0, self._clock())
+        self._heap: list[tuple[Any, int, int, TreeNode]] = []
+        self._num_candidates = 0
+        self._evictable = 0
+        self._protected = 0
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def root(self) -> TreeNode:
+        return self._root
+
+    def evictable_size(self) -> int:
+        """Tokens eviction can reclaim (every unlocked node)."""
+        return self._evictable
+
+    def protected_size(self) -> int:
+        """Tokens on locked paths."""
+        return self._protected
+
+    @property
+    def total_size(self) -> int:
+        return self._evictable + self._protected
+
+    @property
+    def num_evictable_leaves(self) -> int:
+        return self._num_candidates
+
+    def _pid(self, partition: Partition) -> int:
+        pid = self._partition_ids.get(partition)
+        if pid is None:
+            if not isinstance(partition, Partition):
+                raise TypeError(f"partition must be a Partition, got {type(partition).__name__}")
+            pid = len(self._partitions)
+            self._partition_ids[partition] = pid
+            self._partitions.append(partition)
+        return pid
+
+    # ------------------------------------------------------------------ match
 
     def match_prefix(self, token_ids: Any, partition: Partition = DEFAULT_PARTITION) -> MatchResult:
-        raise NotImplementedError
+        """Longest cached page-aligned prefix of ``token_ids`` in ``partition``.
+
+        Refreshes recency of every node on the matched path; splits the last node when the
+        match ends inside its edge (no KV moves).
+        """
+        key = as_tokens(token_ids)
+        pid = self._pid(partition)
+        n = len(key)
+        n -= n % self.page_size
+        if n == 0:
+            return MatchResult(_EMPTY_SLOTS, self._root)
+        now = self._clock()
+        key = key[:n]
+        node, pieces = self._walk(key, key.tobytes(), pid, now)
+        if node.heap_ver >= 0:
+            self._push(node)  # a touched leaf: re-key it
+        if not pieces:
+            return MatchResult(_EMPTY_SLOTS, node)
+        slots = np.concatenate(pieces) if len(pieces) > 1 else pieces[0].copy()
+        return MatchResult(slots, node)
+
+    def _walk(self, key: np.ndarray, kb: bytes, pid: int, now: float) -> tuple[TreeNode, list]:
+        """Descend along ``key``; returns the deepest matched node and the slot pieces."""
+        pb = self._page_bytes
+        n8 = len(kb)
+        node = self._root
+        children = node.children
+        pos8 = 0
+        pieces: list[np.ndarray] = []
+        while pos8 < n8:
+            child = children.get((pid, kb[pos8 : pos8 + pb]))
+            if child is None:
+                break
+            ekb = child.kb
+            if kb.startswith(ekb, pos8):
+                child.last_access = now
+                pieces.append(child.value)
+                pos8 += len(ekb)
+                node = child
+                children = child.children
+                continue
+            # The match ends inside this edge: split it; the new parent is the last node.
+            node = self._split(child, self._common_len(key, pos8 >> 3, ekb))
+            node.last_access = now
+            pieces.append(node.value)
+            break
+        return node, pieces
+
+    def _common_len(self, key: np.ndarray, pos: int, ekb: bytes) -> int:
+        """Page-aligned length of the common prefix of key[pos:] and an edge (numpy compare)."""
+        num = min(len(ekb) >> 3, len(key) - pos)
+        neq = np.frombuffer(ekb, dtype=_I64, count=num) != key[pos : pos + num]
+        i = int(neq.argmax())
+        if not neq[i]:
+            i = num
+        return i - i % self.page_size
+
+    def _split(self, child: TreeNode, k: int) -> TreeNode:
+        """Cut ``child``'s edge after k tokens; returns the new parent (it inherits the lock
+        count, priority, hit count and times of the shared prefix)."""
+        parent = child.parent
+        assert parent is not None and 0 < k < child.num_tokens
+        k8 = 8 * k
+        kb = child.kb
+        new = TreeNode(
+            next(self._node_ids),
+            parent,
+            kb[:k8],
+            child.value[:k],
+            child.pid,
+            child.start,
+            child.creation_time,
+        )
+        new.last_access = child.last_access
+        new.lock_ref = child.lock_ref
+        new.priority = child.priority
+        new.hit_count = child.hit_count
+        child.kb = kb[k8:]
+        child.value = child.value[k:]
+        child.start += k
+        child.parent = new
+        pb = self._page_bytes
+        new.children[(child.pid, child.kb[:pb])] = child
+        parent.children[(child.pid, kb[:pb])] = new
+        if self.block_size is not None:
+            block_events.split_hashes(new, child, self.block_size)
+        return new
+
+    # ------------------------------------------------------------------ insert
 
     def insert(
         self,
@@ -42,38 +217,308 @@ class RadixCache(PrefixCache):
         partition: Partition = DEFAULT_PARTITION,
         priority: int = 0,
     ) -> int:
-        raise NotImplementedError
+        """Cache a page-aligned key with its slots; returns how many leading tokens were
+        already cached. The tree takes ownership of ``slots[returned:]``; the caller frees
+        its own ``slots[:returned]`` where they differ from the tree's copy."""
+        key = as_tokens(token_ids)
+        value = as_slots(slots, len(key), self.allocator.num_slots)
+        if len(key) % self.page_size:
+            raise ValueError(
+                f"insert: len(token_ids)={len(key)} must be a multiple of "
+                f"page_size={self.page_size}"
+            )
+        pid = self._pid(partition)
+        prefix_len, _, _ = self._insert(key, value, pid, priority, True)
+        return prefix_len
+
+    def _insert(
+        self, key: np.ndarray, value: np.ndarray, pid: int, priority: int, count_hit: bool
+    ) -> tuple[int, TreeNode, list[np.ndarray]]:
+        """The insert walk: returns (already-cached length, last node, slot pieces of the
+        whole key as the tree now holds them)."""
+        n = len(key)
+        if n == 0:
+            return 0, self._root, []
+        now = self._clock()
+        kb = key.tobytes()
+        n8 = len(kb)
+        pb = self._page_bytes
+        hit = 1 if count_hit else 0
+        node = self._root
+        children = node.children
+        pos8 = 0
+        pieces: list[np.ndarray] = []
+        while pos8 < n8:
+            child = children.get((pid, kb[pos8 : pos8 + pb]))
+            if child is None:
+                break
+            ekb = child.kb
+            split = not kb.startswith(ekb, pos8)
+            if split:
+                child = self._split(child, self._common_len(key, pos8 >> 3, ekb))
+            child.last_access = now
+            child.hit_count += hit
+            if priority > child.priority:
+                child.priority = priority
+            pieces.append(child.value)
+            pos8 += len(child.kb)
+            node = child
+            if split:
+                break
+            children = child.children
+        prefix_len = pos8 >> 3
+        if pos8 < n8:
+            node = self._new_leaf(node, key, kb, value, prefix_len, pid, now)
+            node.hit_count = hit
+            node.priority = priority
+            self._push(node)
+            pieces.append(node.value)
+        elif node.heap_ver >= 0:
+            self._push(node)  # an existing leaf was touched: re-key it
+        return prefix_len, node, pieces
+
+    def _new_leaf(
+        self,
+        parent: TreeNode,
+        key: np.ndarray,
+        kb: bytes,
+        value: np.ndarray,
+        pos: int,
+        pid: int,
+        now: float,
+    ) -> TreeNode:
+        """Hang key[pos:] below ``parent`` as a new unlocked leaf (not yet in the heap)."""
+        if parent.heap_ver >= 0:  # the parent stops being a leaf
+            parent.heap_ver = -1
+            self._num_candidates -= 1
+        pos8 = 8 * pos
+        new = TreeNode(next(self._node_ids), parent, kb[pos8:], value[pos:].copy(), pid, pos, now)
+        parent.children[(pid, kb[pos8 : pos8 + self._page_bytes])] = new
+        self._evictable += len(key) - pos
+        if self.block_size is not None:
+            part = self._partitions[pid]
+            toks = block_events.hash_new_node(new, key, part.seed, self.block_size)
+            if toks is not None:
+                self._events.append(block_events.stored_event(new, toks, part))
+        return new
+
+    # ------------------------------------------------------------------ requests
+
+    def _check_req(self, req: CacheReq) -> tuple[np.ndarray, np.ndarray, int]:
+        key = as_tokens(req.token_ids)
+        slots = as_slots(req.slots, len(key), self.allocator.num_slots)
+        pid = self._pid(req.partition)
+        node = req.last_node
+        self._check_node(node, "req.last_node")
+        num_tree = req.num_tree_tokens
+        if num_tree != node.end or num_tree > len(key):
+            raise ValueError(
+                f"req.num_tree_tokens={num_tree} must equal the end of req.last_node "
+                f"({node.end}) and be <= len(token_ids)={len(key)}"
+            )
+        if node is not self._root and node.pid != pid:
+            raise ValueError(
+                f"req.partition={req.partition!r} differs from the partition of req.last_node "
+                f"({self._partitions[node.pid]!r}); keys of different partitions cannot mix"
+            )
+        return key, slots, pid
 
     def cache_finished_req(self, req: CacheReq) -> None:
-        raise NotImplementedError
+        """Insert the request's page-aligned KV, free its duplicate slots and its unaligned
+        tail, drop its lock. Afterwards the request owns nothing (slots emptied)."""
+        key, slots, pid = self._check_req(req)
+        n = len(key)
+        aligned = n - n % self.page_size
+        num_tree = req.num_tree_tokens
+        prefix_len, _, _ = self._insert(key[:aligned], slots[:aligned], pid, req.priority, True)
+        assert prefix_len >= num_tree, "the request's locked path must still be cached"
+        # [num_tree, prefix_len): the tree already had these tokens -> duplicates.
+        # [aligned, n): a partial page the tree cannot hold.
+        self.allocator.free(np.concatenate((slots[num_tree:prefix_len], slots[aligned:])))
+        self.dec_lock_ref(req.last_node)
+        req.slots = _EMPTY_SLOTS.copy()
+        req.num_tree_tokens = 0
+        req.last_node = self._root
 
     def cache_unfinished_req(self, req: CacheReq) -> None:
-        raise NotImplementedError
+        """Between prefill chunks: insert the page-aligned KV computed so far, move the
+        request's lock to the new deepest node and point its slots at the tree's copy.
+        A partial tail page stays owned by the request."""
+        key, slots, pid = self._check_req(req)
+        n = len(key)
+        aligned = n - n % self.page_size
+        num_tree = req.num_tree_tokens
+        if aligned == num_tree:
+            return
+        prefix_len, node, pieces = self._insert(
+            key[:aligned], slots[:aligned], pid, req.priority, False
+        )
+        self.allocator.free(slots[num_tree:prefix_len])
+        pieces.append(slots[aligned:])
+        req.slots = np.concatenate(pieces)
+        self.inc_lock_ref(node)
+        self.dec_lock_ref(req.last_node)
+        req.last_node = node
+        req.num_tree_tokens = aligned
+
+    # ------------------------------------------------------------------ locks
+
+    def _check_node(self, node: Any, what: str) -> None:
+        if not isinstance(node, TreeNode):
+            raise TypeError(f"{what} must be a TreeNode of this cache, got {type(node).__name__}")
+        if node is self._root:
+            return
+        top = node
+        while top.parent is not None:
+            top = top.parent
+        if top is not self._root:
+            raise ValueError(f"{what} is not in this cache (evicted, reset or foreign)")
+
+    def inc_lock_ref(self, node: TreeNode) -> None:
+        """Protect the path root..node from eviction (the root itself is a no-op)."""
+        self._check_node(node, "inc_lock_ref(node)")
+        if node is self._root:
+            return
+        node.direct_locks += 1
+        root = self._root
+        while node is not root:
+            if node.lock_ref == 0:
+                size = len(node.value)
+                self._evictable -= size
+                self._protected += size
+                if node.heap_ver >= 0:
+                    node.heap_ver = -1
+                    self._num_candidates -= 1
+            node.lock_ref += 1
+            node = node.parent
+
+    def dec_lock_ref(self, node: TreeNode) -> None:
+        """Undo one inc_lock_ref(node); ValueError (nothing changed) when none is held."""
+        self._check_node(node, "dec_lock_ref(node)")
+        if node is self._root:
+            return
+        if node.direct_locks <= 0:
+            raise ValueError(f"dec_lock_ref: {node!r} holds no lock (count would go below 0)")
+        node.direct_locks -= 1
+        root = self._root
+        while node is not root:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                size = len(node.value)
+                self._protected -= size
+                self._evictable += size
+                if not node.children:
+                    self._push(node)
+            node = node.parent
+
+    # ------------------------------------------------------------------ eviction
+
+    def _push(self, node: TreeNode) -> None:
+        """(Re-)enter an unlocked leaf into the eviction heap with its current key."""
+        if node.heap_ver < 0:
+            self._num_candidates += 1
+        ver = next(self._versions)
+        node.heap_ver = ver
+        heap = self._heap
+        heapq.heappush(heap, (self._priority_of(node), node.node_id, ver, node))
+        if len(heap) > 2 * self._num_candidates + _HEAP_SLACK:
+            # Purge stale entries: amortised O(1) per push, since it runs only after the
+            # heap has doubled past the live count.
+            self._heap = [e for e in heap if e[3].heap_ver == e[2]]
+            heapq.heapify(self._heap)
 
     def evict(self, num_tokens: int) -> int:
-        raise NotImplementedError
-
-    def inc_lock_ref(self, node: Any) -> None:
-        raise NotImplementedError
-
-    def dec_lock_ref(self, node: Any) -> None:
-        raise NotImplementedError
+        """Free at least ``num_tokens`` slots from unlocked leaves, best candidate first; a
+        parent joins the candidates the moment it becomes an unlocked leaf. Returns the number
+        of tokens freed (less only when nothing else is evictable)."""
+        if num_tokens < 0:
+            raise ValueError(f"evict: num_tokens must be >= 0, got {num_tokens}")
+        heap = self._heap
+        root = self._root
+        pb = self._page_bytes
+        events = self._events if self.block_size is not None else None
+        freed = 0
+        pieces: list[np.ndarray] = []
+        while freed < num_tokens and heap:
+            _, _, ver, node = heapq.heappop(heap)
+            if node.heap_ver != ver:
+                continue  # stale entry
+            node.heap_ver = -1
+            self._num_candidates -= 1
+            parent = node.parent
+            del parent.children[(node.pid, node.kb[:pb])]
+            node.parent = None
+            pieces.append(node.value)
+            freed += len(node.value)
+            if events is not None and len(node.hashes):
+                events.append(block_events.removed_event(node))
+            if parent is not root and parent.lock_ref == 0 and not parent.children:
+                self._push(parent)
+        self._evictable -= freed
+        if pieces:
+            self.allocator.free(np.concatenate(pieces) if len(pieces) > 1 else pieces[0])
+        return freed
 
     def reset(self) -> None:
-        raise NotImplementedError
+        """Drop every unlocked node and free its slots; locked paths (requests in flight)
+        stay. Emits AllCleared, then BlockStored for whatever locked blocks remain."""
+        root = self._root
+        pieces: list[np.ndarray] = []
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            for ckey, child in list(node.children.items()):
+                if child.lock_ref == 0:
+                    del node.children[ckey]
+                    pieces.extend(self._detach_subtree(child))
+                else:
+                    stack.append(child)
+        self._heap = []
+        self._num_candidates = 0
+        self._evictable = 0
+        if pieces:
+            self.allocator.free(np.concatenate(pieces))
+        if self.block_size is not None:
+            self._events.append(AllCleared())
+            self._events.extend(block_events.held_blocks(root, self.block_size, self._partitions))
 
-    def evictable_size(self) -> int:
-        raise NotImplementedError
+    @staticmethod
+    def _detach_subtree(top: TreeNode) -> list[np.ndarray]:
+        pieces = []
+        stack = [top]
+        while stack:
+            node = stack.pop()
+            pieces.append(node.value)
+            stack.extend(node.children.values())
+            node.parent = None
+            node.heap_ver = -1
+        return pieces
 
-    def protected_size(self) -> int:
-        raise NotImplementedError
+    # ------------------------------------------------------------------ events
 
     def take_events(self) -> list[KvEvent]:
-        raise NotImplementedError
+        """Drain the event outbox (always empty when block_size is None)."""
+        events, self._events = self._events, []
+        return events
 
     def snapshot(self, worker_id: str, epoch: int, seq: int) -> Snapshot:
-        raise NotImplementedError
+        """Every held block, one BlockStored run per node, parents first (empty, with
+        block_size 0, when events are off)."""
+        if self.block_size is None:
+            return Snapshot(worker_id, epoch, seq, 0, ())
+        blocks = block_events.held_blocks(self._root, self.block_size, self._partitions)
+        return Snapshot(worker_id, epoch, seq, self.block_size, tuple(blocks))
 
-    @property
-    def root(self) -> Any:
-        raise NotImplementedError
+    # ------------------------------------------------------------------ debugging
+
+    def pretty_print(self) -> str:
+        """The tree as indented text (edge length, first tokens, lock count, hits)."""
+        return debug.format_tree(self)
+
+    def structure(self, partition: Partition = DEFAULT_PARTITION) -> dict:
+        """Nested {edge tokens tuple: {...children}} of one partition, for exact tests."""
+        return debug.structure(self, self._partition_ids.get(partition, -2))
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError on any structural inconsistency (O(tree); for tests)."""
+        debug.check_invariants(self)
