@@ -1,0 +1,15 @@
+"""Trace replay: does cache-aware routing pay?
+
+``kvroute replay`` plays a Mooncake-format trace against a fleet of workers under several
+routing policies and reports hit rate, TTFT, end-to-end latency, throughput and load
+imbalance per policy, next to two upper bounds (one pooled cache of N times the capacity,
+and an infinite cache). Two modes:
+
+- ``sim`` (:mod:`bench.replay.sim`): a discrete-event simulation under a virtual clock that
+  runs the real :class:`router.core.RouterCore` and, per worker, the real engine (radix cache
+  and scheduler) over the simulated executor. Deterministic for a seed.
+- ``live`` (:mod:`bench.replay.live`): real worker and router processes on loopback gRPC.
+
+Modules: :mod:`~bench.replay.trace` (parsing, token expansion), :mod:`~bench.replay.report`
+(metrics, table, JSON), :mod:`~bench.replay.plot`, :mod:`~bench.replay.cli`.
+"""

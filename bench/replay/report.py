@@ -1,0 +1,213 @@
+"""Replay metrics: per-request results -> per-policy summary -> table and JSON.
+
+Pure and synchronous; imports neither asyncio, grpc nor a clock.
+
+Definitions (all times in trace seconds -- virtual in sim mode, wall time * speedup in live):
+
+- ``hit_rate`` = prompt tokens served from cache / prompt tokens, over completed requests
+  (from each request's final usage: ``cached_prompt_tokens / prompt_tokens``).
+- ``prefill_tokens`` = prompt tokens actually computed (prompt - cached).
+- ``ttft`` = first token time - arrival; ``e2e`` = finish time - arrival.
+- ``throughput_tok_s`` = generated tokens / (last finish - first arrival).
+- ``load_imbalance`` = max / mean of prefill tokens computed per worker (1.0 = even).
+
+The JSON is a pure function of the results, so a deterministic simulation gives the same
+JSON byte for byte; wall-clock time is kept out of it (the table prints it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class RequestResult:
+    """What happened to one request (mutable while the replay runs)."""
+
+    index: int
+    arrival_s: float
+    prompt_tokens: int
+    worker_id: str | None = None
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.error is None and self.finish_s is not None
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyReport:
+    """One policy's row of the report."""
+
+    policy: str
+    requests: int
+    errors: int
+    hit_rate: float
+    prompt_tokens: int
+    cached_tokens: int
+    prefill_tokens: int
+    completion_tokens: int
+    ttft_p50_s: float
+    ttft_p99_s: float
+    e2e_p50_s: float
+    e2e_p99_s: float
+    throughput_tok_s: float
+    load_imbalance: float
+    prefill_tokens_per_worker: dict[str, int] = field(default_factory=dict)
+    requests_per_worker: dict[str, int] = field(default_factory=dict)
+    extra: dict[str, float | int] = field(default_factory=dict)  # mode-specific counters
+    wall_s: float = 0.0  # not in the JSON (not deterministic)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d.pop("wall_s")
+        return d
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    if not values:
+        return math.nan
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q))
+
+
+def _r(x: float, digits: int = 6) -> float:
+    """Round for stable, readable JSON."""
+    return x if math.isnan(x) else round(x, digits)
+
+
+def summarize(
+    policy: str,
+    results: Iterable[RequestResult],
+    worker_ids: Sequence[str],
+    *,
+    extra: dict[str, float | int] | None = None,
+    wall_s: float = 0.0,
+) -> PolicyReport:
+    """Fold per-request results into a :class:`PolicyReport`."""
+    results = list(results)
+    done = [r for r in results if r.done]
+    errors = sum(1 for r in results if r.error is not None or r.finish_s is None)
+    prompt = sum(r.prompt_tokens for r in done)
+    cached = sum(r.cached_tokens for r in done)
+    completion = sum(r.completion_tokens for r in done)
+    per_worker = dict.fromkeys(worker_ids, 0)
+    count_per_worker = dict.fromkeys(worker_ids, 0)
+    for r in done:
+        if r.worker_id is not None:
+            per_worker[r.worker_id] = (
+                per_worker.get(r.worker_id, 0) + r.prompt_tokens - (r.cached_tokens)
+            )
+            count_per_worker[r.worker_id] = count_per_worker.get(r.worker_id, 0) + 1
+    ttft = [r.first_token_s - r.arrival_s for r in done if r.first_token_s is not None]
+    e2e = [r.finish_s - r.arrival_s for r in done]  # type: ignore[operator]
+    if done:
+        start = min(r.arrival_s for r in results)
+        end = max(r.finish_s for r in done)  # type: ignore[type-var]
+        throughput = completion / (end - start) if end > start else math.nan
+    else:
+        throughput = math.nan
+    loads = list(per_worker.values())
+    mean_load = sum(loads) / len(loads) if loads else 0.0
+    imbalance = max(loads) / mean_load if mean_load > 0 else 1.0
+    return PolicyReport(
+        policy=policy,
+        requests=len(results),
+        errors=errors,
+        hit_rate=_r(cached / prompt if prompt else 0.0),
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        prefill_tokens=prompt - cached,
+        completion_tokens=completion,
+        ttft_p50_s=_r(_percentile(ttft, 50)),
+        ttft_p99_s=_r(_percentile(ttft, 99)),
+        e2e_p50_s=_r(_percentile(e2e, 50)),
+        e2e_p99_s=_r(_percentile(e2e, 99)),
+        throughput_tok_s=_r(throughput, 3),
+        load_imbalance=_r(imbalance, 4),
+        prefill_tokens_per_worker=per_worker,
+        requests_per_worker=count_per_worker,
+        extra=dict(extra or {}),
+        wall_s=wall_s,
+    )
+
+
+@dataclass(slots=True)
+class ReplayReport:
+    """The whole replay: setup, one row per policy, and the two hit-rate upper bounds."""
+
+    setup: dict[str, object]
+    policies: list[PolicyReport] = field(default_factory=list)
+    pooled_hit_rate: float | None = None
+    infinite_hit_rate: float | None = None
+
+    def to_json(self) -> dict:
+        return {
+            "setup": self.setup,
+            "pooled_hit_rate": self.pooled_hit_rate,
+            "infinite_hit_rate": self.infinite_hit_rate,
+            "policies": [p.to_json() for p in self.policies],
+        }
+
+    def dumps(self) -> str:
+        """Deterministic JSON text (sorted keys, NaN written as null)."""
+        return json.dumps(_nan_to_none(self.to_json()), indent=2, sort_keys=True) + "\n"
+
+    def policy(self, name: str) -> PolicyReport:
+        for p in self.policies:
+            if p.policy == name:
+                return p
+        raise KeyError(f"no policy {name!r} in the report")
+
+    def format_table(self) -> str:
+        """A fixed-width table, one row per policy, bounds underneath."""
+        head = (
+            f"{'policy':<14} {'hit':>6} {'/pool':>6} {'prefill Mtok':>12} {'ttft p50':>9} "
+            f"{'ttft p99':>9} {'e2e p50':>8} {'e2e p99':>8} {'tok/s':>8} {'imbal':>6} "
+            f"{'reqs':>6} {'err':>4} {'wall s':>7}"
+        )
+        lines = [head, "-" * len(head)]
+        for p in self.policies:
+            ratio = (
+                f"{p.hit_rate / self.pooled_hit_rate:6.1%}" if self.pooled_hit_rate else f"{'-':>6}"
+            )
+            lines.append(
+                f"{p.policy:<14} {p.hit_rate:6.1%} {ratio} {p.prefill_tokens / 1e6:12.2f} "
+                f"{_fmt_s(p.ttft_p50_s):>9} {_fmt_s(p.ttft_p99_s):>9} "
+                f"{_fmt_s(p.e2e_p50_s):>8} {_fmt_s(p.e2e_p99_s):>8} "
+                f"{p.throughput_tok_s:8.0f} {p.load_imbalance:6.2f} {p.requests:6d} "
+                f"{p.errors:4d} {p.wall_s:7.1f}"
+            )
+        bounds = []
+        if self.pooled_hit_rate is not None:
+            bounds.append(f"pooled bound (1 cache x N capacity): {self.pooled_hit_rate:.1%}")
+        if self.infinite_hit_rate is not None:
+            bounds.append(f"infinite bound (no eviction): {self.infinite_hit_rate:.1%}")
+        if bounds:
+            lines.append("; ".join(bounds))
+        return "\n".join(lines)
+
+
+def _fmt_s(x: float) -> str:
+    if math.isnan(x):
+        return "-"
+    return f"{x * 1000:.0f}ms" if x < 1 else f"{x:.2f}s"
+
+
+def _nan_to_none(obj: object) -> object:
+    match obj:
+        case float() if math.isnan(obj):
+            return None
+        case dict():
+            return {k: _nan_to_none(v) for k, v in obj.items()}
+        case list() | tuple():
+            return [_nan_to_none(v) for v in obj]
+    return obj
