@@ -1,0 +1,154 @@
+"""The Engine facade: one worker's cache + allocator + scheduler + executor.
+
+Sans-I/O: imports neither asyncio, grpc, torch nor a clock. The clock is injected and only
+the cache reads it (LRU recency); the engine never reads time itself, so the same code runs
+under the replay simulator's virtual clock (advance it by ``last_step_cost_s`` after each
+``step()``).
+
+Single-threaded and not thread-safe: the worker service calls every method from one
+dedicated thread.
+
+Typical loop::
+
+    engine = Engine(EngineConfig(), SimExecutor(), clock=time.monotonic)
+    engine.add_request(EngineRequest("r1", np.array([1, 2, 3])))
+    while engine.has_work():
+        for out in engine.step():
+            ...  # stream out.new_token_ids; out.finish_reason/usage on the last one
+        events = engine.take_events()  # publish to the router
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+from kvroute_proto.events import KvEvent, LoadReport, Snapshot
+from worker.cache.allocator import SlotAllocator
+from worker.cache.base import CacheConfig, PrefixCache
+from worker.engine.engine_config import EngineConfig
+from worker.engine.scheduler import Scheduler
+from worker.engine.stats import EngineStats, ModelLimits
+from worker.engine.types import EngineRequest, Executor, RequestOutput
+
+__all__ = ["Engine", "EngineConfig", "EngineStats"]
+
+
+def build_cache(
+    config: EngineConfig, allocator: SlotAllocator, clock: Callable[[], float]
+) -> PrefixCache:
+    """The radix cache, or the disabled control when ``enable_cache`` is off."""
+    cache_config = CacheConfig(
+        page_size=config.page_size,
+        eviction_policy=config.eviction_policy,
+        block_size=config.block_size,
+    )
+    if config.enable_cache:
+        from worker.cache.radix_cache import RadixCache
+
+        return RadixCache(cache_config, allocator, clock)
+    from worker.cache.disabled import DisabledCache
+
+    return DisabledCache(cache_config, allocator, clock)
+
+
+class Engine:
+    """Accepts requests, runs one scheduling iteration + forward per ``step()``."""
+
+    def __init__(
+        self, config: EngineConfig, executor: Executor, clock: Callable[[], float]
+    ) -> None:
+        self.config = config
+        self.executor = executor
+        self.allocator = SlotAllocator(config.num_kv_slots)
+        self.cache = build_cache(config, self.allocator, clock)
+        limits = ModelLimits(
+            vocab_size=executor.vocab_size,
+            max_context_tokens=executor.max_context_tokens,
+            eos_token_id=executor.eos_token_id,
+        )
+        self.scheduler = Scheduler(
+            config, self.cache, self.allocator, limits, random.Random(config.seed)
+        )
+        self._last_step_cost_s = 0.0
+
+    # -- model limits (from the executor)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.executor.vocab_size
+
+    @property
+    def max_context_tokens(self) -> int:
+        return self.executor.max_context_tokens
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.executor.eos_token_id
+
+    # -- requests
+
+    def add_request(self, req: EngineRequest) -> None:
+        """Validate and enqueue. Raises InvalidRequestError (field + limit),
+        DuplicateRequestError (id in flight) or QueueFullError (max_waiting_requests)."""
+        self.scheduler.add(req)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request at any stage, freeing every slot and lock it held. Returns False
+        for an unknown (or already finished) id. No further output is produced for it."""
+        return self.scheduler.abort(request_id)
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduling iteration + forward. Each output carries the new token(s) of one
+        request; the last one of a request has ``finish_reason`` and ``usage``."""
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            self._last_step_cost_s = 0.0
+            return []
+        tokens = self.executor.forward(batch.prefill, batch.decode)
+        self._last_step_cost_s = self.executor.step_cost_s(batch.prefill, batch.decode)
+        return self.scheduler.process(batch, tokens)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    @property
+    def last_step_cost_s(self) -> float:
+        """The executor's ``step_cost_s`` of the last step (0 when it ran nothing)."""
+        return self._last_step_cost_s
+
+    # -- events, reports, leak checks
+
+    def take_events(self) -> list[KvEvent]:
+        """Drain the cache's event outbox (stored / removed / cleared blocks)."""
+        return self.cache.take_events()
+
+    def snapshot(self, worker_id: str, epoch: int, seq: int) -> Snapshot:
+        """Every block the cache holds, as of (epoch, seq)."""
+        return self.cache.snapshot(worker_id, epoch, seq)
+
+    def load_report(self) -> LoadReport:
+        s = self.scheduler
+        return LoadReport(
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            num_queued_prefill_tokens=s.num_queued_prefill_tokens(),
+            num_free_kv_tokens=self.allocator.num_free,
+            num_evictable_kv_tokens=self.cache.evictable_size(),
+            num_total_kv_tokens=self.allocator.num_slots,
+        )
+
+    def stats(self) -> EngineStats:
+        return self.scheduler.stats()
+
+    @property
+    def num_free_slots(self) -> int:
+        return self.allocator.num_free
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting

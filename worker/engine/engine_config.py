@@ -1,0 +1,66 @@
+"""EngineConfig: every knob of the serving engine (cache, scheduler, limits) in one value.
+
+Pure: imports neither asyncio, grpc, torch nor a clock. Re-exported by ``worker.engine.engine``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Settings of one engine. The first twelve fields are the TEAM.md contract; the rest are
+    additions with defaults.
+
+    * ``new_token_reserve_ratio``: admission keeps ``ratio * min(remaining new tokens, 4096)``
+      free KV tokens per running request for its future decode tokens, so a fresh admission
+      does not force a retraction on the next step (SGLang's new_token_ratio, fixed).
+      0 admits greedily and leaves overflow to retraction.
+    * ``in_batch_dedup_min_tokens``: hold a waiting request whose not-yet-cached prefix shares
+      at least this many tokens with a request being prefilled (0 turns the dedup off).
+    * ``lpm_rematch_budget``: most waiting requests whose prefix match LPM refreshes per step;
+      the rest keep a stale estimate (counted in ``EngineStats.num_lpm_stale_estimates``).
+    * ``clamp_max_new_tokens``: accept prompt + max_new_tokens > max_context_tokens and stop
+      such a request with ``FinishReason.MAX_CONTEXT`` instead of rejecting it.
+    """
+
+    worker_id: str = "worker-0"
+    num_kv_slots: int = 65536
+    page_size: int = 1
+    block_size: int = 16
+    eviction_policy: str = "lru"
+    schedule_policy: str = "lpm"
+    max_running_requests: int = 256
+    max_waiting_requests: int = 4096
+    max_prefill_tokens_per_step: int = 8192
+    chunk_size: int = 2048
+    enable_cache: bool = True
+    seed: int = 0
+    new_token_reserve_ratio: float = 0.25
+    in_batch_dedup_min_tokens: int = 32
+    lpm_rematch_budget: int = 512
+    clamp_max_new_tokens: bool = False
+
+    def __post_init__(self) -> None:
+        positive = (
+            "num_kv_slots",
+            "page_size",
+            "block_size",
+            "max_running_requests",
+            "max_waiting_requests",
+            "max_prefill_tokens_per_step",
+            "chunk_size",
+        )
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"EngineConfig.{name} must be an int >= 1, got {value!r}")
+        for name in ("in_batch_dedup_min_tokens", "lpm_rematch_budget"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"EngineConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if not 0.0 <= self.new_token_reserve_ratio <= 1.0:
+            raise ValueError(
+                f"EngineConfig.new_token_reserve_ratio must be in [0, 1], "
+                f"got {self.new_token_reserve_ratio}"
+            )

@@ -1,0 +1,474 @@
+"""The serving loop's brain: waiting queue, cache-aware admission, chunked prefill,
+continuous-batching decode, retraction, abort and stop conditions.
+
+Sans-I/O: imports neither asyncio, grpc, torch nor a clock. Randomness is an injected
+``random.Random``; the cache gets the injected clock from the engine.
+
+One step, in order::
+
+    schedule()                                    process(batch, tokens)
+      1. decode: one KV slot per decoding request   prefill items: insert the computed KV
+         (evict; retract victims if still short)      (cache_unfinished_req), final chunk ->
+      2. continue the chunked prefill, if any         decoding; decode items: append token
+      3. admit waiting requests in policy order       stop checks -> cache_finished_req
+         (lock the matched prefix, budget, dedup)
+
+Retraction inserts the victim's computed KV into the tree before releasing it
+(``cache_finished_req`` = insert + unlock), so the retry recomputes little; its generated
+tokens are kept (context = prompt + generated) and never re-emitted.
+
+In-batch prefix dedup: a waiting request whose uncached prefix shares at least
+``in_batch_dedup_min_tokens`` tokens with a request being prefilled is held until that
+prefix is in the tree. Overlap is found by block hashes (chained, so "block k of B is in the
+set" is monotone in k and a binary search finds the shared length).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass, field
+
+from worker.cache.allocator import SlotAllocator
+from worker.cache.base import PrefixCache
+from worker.engine.engine_config import EngineConfig
+from worker.engine.request import Req, ReqStatus, reserve_tokens, validate_request
+from worker.engine.schedule_policy import make_policy
+from worker.engine.stats import Counters, EngineStats, ModelLimits
+from worker.engine.types import EngineRequest, FinishReason, ForwardItem, RequestOutput, Usage
+from worker.errors import DuplicateRequestError, QueueFullError
+
+logger = logging.getLogger(__name__)
+
+_WAITING = ReqStatus.WAITING
+_PREFILLING = ReqStatus.PREFILLING
+_DECODING = ReqStatus.DECODING
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """What one step runs: forward items and the requests they belong to (same order)."""
+
+    prefill: list[ForwardItem] = field(default_factory=list)
+    prefill_reqs: list[Req] = field(default_factory=list)
+    decode: list[ForwardItem] = field(default_factory=list)
+    decode_reqs: list[Req] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.prefill or self.decode)
+
+
+class Scheduler:
+    """Owns every in-flight request; drives the cache and the allocator."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        cache: PrefixCache,
+        allocator: SlotAllocator,
+        limits: ModelLimits,
+        rng: random.Random,
+    ) -> None:
+        self.config = config
+        self.cache = cache
+        self.allocator = allocator
+        self.limits = limits
+        self.policy = make_policy(config.schedule_policy, rng)
+        self.counters = Counters()
+        self._root = cache.root
+        self._reqs: dict[str, Req] = {}
+        self._waiting: dict[str, Req] = {}  # insertion order; requeued ones go to the end
+        self._num_requeued = 0  # requeued (retracted) requests now waiting
+        self._decoding: dict[str, Req] = {}
+        self._chunked: Req | None = None
+        self._next_seq = 0
+        self._version = 0  # bumped whenever the tree's content may have changed
+        self._rematch_cursor = 0
+        self._warned_stale = False
+        self._dedup = config.enable_cache and config.in_batch_dedup_min_tokens > 0
+
+    # ------------------------------------------------------------------ requests in / out
+
+    def add(self, er: EngineRequest) -> None:
+        """Validate and enqueue; raises InvalidRequestError, DuplicateRequestError or
+        QueueFullError (nothing changes on error)."""
+        if er.request_id in self._reqs:
+            raise DuplicateRequestError("request_id", f"{er.request_id!r} is already in flight")
+        lim = self.limits
+        max_new = validate_request(er, self.config, lim.vocab_size, lim.max_context_tokens)
+        if len(self._waiting) >= self.config.max_waiting_requests:
+            raise QueueFullError(
+                f"waiting queue is full: max_waiting_requests={self.config.max_waiting_requests}"
+            )
+        req = Req(er, self._next_seq, max_new, self._root)
+        self._next_seq += 1
+        self._reqs[er.request_id] = req
+        self._waiting[er.request_id] = req
+        self.counters.num_requests += 1
+        self.counters.prompt_tokens += req.prompt_len
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request at any stage, releasing its slots and locks. False if unknown.
+        An aborted request produces no further output."""
+        req = self._reqs.pop(request_id, None)
+        if req is None:
+            return False
+        match req.status:
+            case ReqStatus.WAITING:
+                self._remove_waiting(req)
+            case ReqStatus.DECODING:
+                del self._decoding[request_id]
+                self._release(req)
+            case ReqStatus.PREFILLING:
+                if self._chunked is req:
+                    self._chunked = None
+                self._release(req)
+        req.status = ReqStatus.FINISHED
+        self.counters.num_aborted += 1
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self._reqs)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._decoding) + (self._chunked is not None)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    # ------------------------------------------------------------------ schedule
+
+    def schedule(self) -> ScheduledBatch:
+        """Pick this step's work and allocate its KV slots."""
+        self.counters.num_steps += 1
+        batch = ScheduledBatch()
+        if self._decoding:
+            self._schedule_decode(batch)
+        budget = self.config.max_prefill_tokens_per_step
+        if self._chunked is not None:
+            budget = self._continue_chunked(batch, budget)
+        if self._waiting and budget > 0:
+            self._admit(batch, budget)
+        return batch
+
+    def _make_free(self, n: int) -> bool:
+        """Evict until ``n`` slots are free; True if they are."""
+        free = self.allocator.num_free
+        if free >= n:
+            return True
+        evicted = self.cache.evict(n - free)
+        if evicted:
+            self._version += 1
+            self.counters.num_evicted_tokens += evicted
+        return self.allocator.num_free >= n
+
+    def _schedule_decode(self, batch: ScheduledBatch) -> None:
+        while not self._make_free(len(self._decoding)):
+            victim = self._pick_victim()
+            if victim is None:
+                raise AssertionError("one decoding request cannot get a KV slot (pool too small)")
+            self._retract(victim)
+        decoding = list(self._decoding.values())
+        if not decoding:
+            return
+        slots = self.allocator.alloc(len(decoding))
+        assert slots is not None
+        items = batch.decode
+        for r, slot in zip(decoding, slots.tolist(), strict=True):
+            pos = r.num_computed  # == num_tokens - 1: the last sampled token
+            r.slot_buf[pos] = slot
+            items.append(
+                ForwardItem(
+                    r.request_id,
+                    r.token_buf[pos : pos + 1],
+                    pos,
+                    r.slot_buf[: pos + 1],
+                    r.sampling,
+                    True,
+                    len(r.output_ids),
+                )
+            )
+        batch.decode_reqs = decoding
+
+    def _pick_victim(self) -> Req | None:
+        """Lowest priority, then fewest generated tokens, then newest; None if at most one
+        request is left running."""
+        candidates = list(self._decoding.values())
+        if self._chunked is not None:
+            candidates.append(self._chunked)
+        if len(candidates) <= 1:
+            return None
+        return min(candidates, key=lambda r: (r.priority, len(r.output_ids), -r.seq))
+
+    def _retract(self, req: Req) -> None:
+        """Insert the victim's computed KV into the tree, release it, requeue it."""
+        if req is self._chunked:
+            self._chunked = None
+        else:
+            del self._decoding[req.request_id]
+        self._release(req)
+        req.status = _WAITING
+        req.requeued = True
+        req.match_version = -1
+        self._num_requeued += 1
+        self._waiting[req.request_id] = req
+        self.counters.num_retractions += 1
+        logger.debug("retracted %s after %d generated tokens", req.request_id, len(req.output_ids))
+
+    def _release(self, req: Req) -> None:
+        """cache_finished_req: insert what was computed, free the rest, drop the lock."""
+        req.sync_cache_views()
+        self.cache.cache_finished_req(req.cache_req)
+        req.reset_cache_state(self._root)
+        self._version += 1
+
+    def _continue_chunked(self, batch: ScheduledBatch, budget: int) -> int:
+        r = self._chunked
+        assert r is not None
+        start = r.num_computed
+        chunk = min(r.num_tokens - start, self.config.chunk_size, budget)
+        if not self._make_free(chunk):
+            chunk = self.allocator.num_free
+        if chunk <= 0:
+            return budget
+        self._add_prefill(batch, r, start, chunk)
+        return budget - chunk
+
+    def _add_prefill(self, batch: ScheduledBatch, r: Req, start: int, chunk: int) -> None:
+        slots = self.allocator.alloc(chunk)
+        assert slots is not None
+        end = start + chunk
+        r.slot_buf[start:end] = slots
+        batch.prefill.append(
+            ForwardItem(
+                r.request_id,
+                r.token_buf[start:end],
+                start,
+                r.slot_buf[:end],
+                r.sampling,
+                end == r.num_tokens,
+                len(r.output_ids),
+            )
+        )
+        batch.prefill_reqs.append(r)
+        self.counters.computed_prefill_tokens += chunk
+
+    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
+        cfg = self.config
+        num_running = self.num_running
+        if num_running >= cfg.max_running_requests:
+            return
+        waiting = list(self._waiting.values())
+        policy = self.policy
+        if policy.uses_prefix_match:
+            self._refresh_estimates(waiting)
+        ordered = policy.order(waiting, self._num_requeued == 0)
+
+        ratio = cfg.new_token_reserve_ratio
+        reserved = 0
+        if ratio:
+            reserved = sum(reserve_tokens(r, ratio) for r in self._decoding.values())
+        cache = self.cache
+        alloc = self.allocator
+        min_dedup = cfg.in_batch_dedup_min_tokens
+        inflight: set[int] = set()
+        chunked = self._chunked
+        if self._dedup and chunked is not None:
+            inflight.update(chunked.context_hashes(cfg.block_size).tolist())
+        version = self._version
+        for r in ordered:
+            if num_running >= cfg.max_running_requests or budget <= 0:
+                break
+            ctx_len = r.num_tokens
+            match = cache.match_prefix(r.token_buf[: ctx_len - 1], r.partition)
+            m = match.num_matched
+            r.est_match = m
+            r.est_node_key = id(match.last_node)
+            r.match_version = version
+            extend = ctx_len - m
+            if inflight and extend >= min_dedup and self._shares_inflight_prefix(r, m, inflight):
+                self.counters.num_dedup_holds += 1
+                continue
+            chunk = min(extend, cfg.chunk_size, budget)
+            if chunk < extend and chunked is not None:
+                continue  # one chunked prefill at a time
+            node = match.last_node
+            cache.inc_lock_ref(node)
+            need = chunk + (reserved + reserve_tokens(r, ratio) if num_running else 0)
+            if alloc.num_free + cache.evictable_size() < need or not self._make_free(chunk):
+                cache.dec_lock_ref(node)
+                break
+            # Admitted.
+            self._remove_waiting(r)
+            if r.cached_prompt_tokens is None:
+                r.cached_prompt_tokens = min(m, r.prompt_len)
+                self.counters.cached_prompt_tokens += r.cached_prompt_tokens
+            r.slot_buf[:m] = match.slots
+            cr = r.cache_req
+            cr.last_node = node
+            cr.num_tree_tokens = m
+            r.num_computed = m
+            r.status = _PREFILLING
+            self._add_prefill(batch, r, m, chunk)
+            if chunk < extend:
+                chunked = self._chunked = r
+            num_running += 1
+            budget -= chunk
+            reserved += reserve_tokens(r, ratio)
+            if self._dedup and extend >= min_dedup:
+                inflight.update(r.context_hashes(cfg.block_size).tolist())
+
+    def _shares_inflight_prefix(self, r: Req, matched: int, inflight: set[int]) -> bool:
+        """Whether a request being prefilled will insert >= min tokens of r's uncached prefix."""
+        bs = self.config.block_size
+        hashes = r.context_hashes(bs)
+        lo, hi = 0, len(hashes)  # the first `lo` blocks are shared
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if int(hashes[mid - 1]) in inflight:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo * bs - matched >= self.config.in_batch_dedup_min_tokens
+
+    def _refresh_estimates(self, waiting: list[Req]) -> None:
+        """Re-match waiting requests whose estimate predates the last tree change, at most
+        ``lpm_rematch_budget`` per step, rotating so every request is refreshed in turn."""
+        n = len(waiting)
+        version = self._version
+        budget = self.config.lpm_rematch_budget
+        start = self._rematch_cursor % n
+        stale = 0
+        cache = self.cache
+        for i in range(n):
+            r = waiting[(start + i) % n]
+            if r.match_version == version:
+                continue
+            if budget == 0:
+                stale += 1
+                continue
+            budget -= 1
+            match = cache.match_prefix(r.token_buf[: r.num_tokens - 1], r.partition)
+            r.est_match = match.num_matched
+            r.est_node_key = id(match.last_node)
+            r.match_version = version
+        used = self.config.lpm_rematch_budget - budget
+        self.counters.num_lpm_rematches += used
+        self._rematch_cursor = start + used
+        if stale:
+            self.counters.num_lpm_stale_estimates += stale
+            if not self._warned_stale:
+                self._warned_stale = True
+                logger.warning(
+                    "lpm: %d waiting requests ordered on stale prefix matches "
+                    "(lpm_rematch_budget=%d per step); LPM stays on, estimates refresh in turn",
+                    stale,
+                    self.config.lpm_rematch_budget,
+                )
+
+    def _remove_waiting(self, r: Req) -> None:
+        del self._waiting[r.request_id]
+        if r.requeued:
+            r.requeued = False
+            self._num_requeued -= 1
+
+    # ------------------------------------------------------------------ results
+
+    def process(self, batch: ScheduledBatch, tokens: list[int]) -> list[RequestOutput]:
+        """Apply one step's sampled tokens: cache prefills, stop checks, outputs."""
+        outputs: list[RequestOutput] = []
+        cache = self.cache
+        for item, r, tok in zip(batch.prefill, batch.prefill_reqs, tokens, strict=False):
+            r.num_computed = item.start_pos + len(item.token_ids)
+            r.sync_cache_views()
+            if not item.sample:  # a non-final chunk: insert it, keep going next step
+                cache.cache_unfinished_req(r.cache_req)
+                r.sync_cache_views()
+                self._version += 1
+                continue
+            if r is self._chunked:
+                self._chunked = None
+            reason = self._append_token(r, tok)
+            if reason is not None:
+                outputs.append(self._finish(r, reason, tok))
+                continue
+            r.status = _DECODING
+            self._decoding[r.request_id] = r
+            cache.cache_unfinished_req(r.cache_req)
+            r.sync_cache_views()
+            self._version += 1
+            outputs.append(RequestOutput(r.request_id, (tok,)))
+        offset = len(batch.prefill)
+        for j, r in enumerate(batch.decode_reqs):
+            tok = tokens[offset + j]
+            r.num_computed += 1
+            reason = self._append_token(r, tok)
+            if reason is not None:
+                outputs.append(self._finish(r, reason, tok))
+            else:
+                outputs.append(RequestOutput(r.request_id, (tok,)))
+        return outputs
+
+    def _append_token(self, r: Req, tok: int) -> FinishReason | None:
+        n = r.num_tokens
+        r.token_buf[n] = tok
+        r.num_tokens = n + 1
+        r.output_ids.append(tok)
+        self.counters.generated_tokens += 1
+        sp = r.sampling
+        if tok in r.stop_ids:
+            return FinishReason.STOP
+        if tok == self.limits.eos_token_id and not sp.ignore_eos:
+            return FinishReason.STOP
+        if len(r.output_ids) >= sp.max_new_tokens:
+            return FinishReason.LENGTH
+        if r.num_tokens >= self.limits.max_context_tokens:
+            return FinishReason.MAX_CONTEXT
+        return None
+
+    def _finish(self, r: Req, reason: FinishReason, tok: int) -> RequestOutput:
+        if r.status is _DECODING:
+            del self._decoding[r.request_id]
+        del self._reqs[r.request_id]
+        self._release(r)
+        r.status = ReqStatus.FINISHED
+        self.counters.num_finished += 1
+        usage = Usage(r.prompt_len, r.cached_prompt_tokens or 0, len(r.output_ids))
+        return RequestOutput(r.request_id, (tok,), reason, usage)
+
+    # ------------------------------------------------------------------ reports
+
+    def num_queued_prefill_tokens(self) -> int:
+        """Prefill tokens still to compute: waiting contexts minus their cached estimate,
+        plus the rest of the chunked prefill."""
+        total = sum(r.num_tokens - r.est_match for r in self._waiting.values())
+        if self._chunked is not None:
+            total += self._chunked.num_tokens - self._chunked.num_computed
+        return total
+
+    def stats(self) -> EngineStats:
+        c = self.counters
+        return EngineStats(
+            num_requests=c.num_requests,
+            num_finished=c.num_finished,
+            num_aborted=c.num_aborted,
+            prompt_tokens=c.prompt_tokens,
+            cached_prompt_tokens=c.cached_prompt_tokens,
+            computed_prefill_tokens=c.computed_prefill_tokens,
+            generated_tokens=c.generated_tokens,
+            num_retractions=c.num_retractions,
+            num_steps=c.num_steps,
+            num_dedup_holds=c.num_dedup_holds,
+            num_lpm_rematches=c.num_lpm_rematches,
+            num_lpm_stale_estimates=c.num_lpm_stale_estimates,
+            num_evicted_tokens=c.num_evicted_tokens,
+            num_running=self.num_running,
+            num_waiting=self.num_waiting,
+            num_free_kv_tokens=self.allocator.num_free,
+            num_evictable_kv_tokens=self.cache.evictable_size(),
+            num_protected_kv_tokens=self.cache.protected_size(),
+            num_total_kv_tokens=self.allocator.num_slots,
+        )
