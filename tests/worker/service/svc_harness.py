@@ -1,0 +1,123 @@
+"""Harness of the worker service tests: a real grpc.aio server on 127.0.0.1 port 0 over a
+real Engine with the sim executor (zero cost and no pacing unless a test asks)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from kvroute_proto import kvroute_pb2 as pb
+from kvroute_proto import kvroute_pb2_grpc as pb_grpc
+from worker.engine.engine import Engine, EngineConfig
+from worker.engine.sim_executor import SimCostModel, SimExecutor, SimExecutorConfig
+from worker.engine.stats import EngineStats
+from worker.engine.tokenizer import ByteTokenizer
+from worker.service.convert import RequestLimits
+from worker.service.engine_runner import RunnerConfig
+from worker.service.server import WorkerServer, WorkerServerConfig
+
+BYTE_VOCAB = ByteTokenizer().vocab_size  # 260
+MAX_CONTEXT = 512
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSetup:
+    """What a test may vary about the worker under test."""
+
+    engine: EngineConfig = field(
+        default_factory=lambda: EngineConfig(
+            worker_id="w-test", num_kv_slots=4096, block_size=4, in_batch_dedup_min_tokens=0
+        )
+    )
+    sim: SimExecutorConfig = field(
+        default_factory=lambda: SimExecutorConfig(
+            vocab_size=BYTE_VOCAB, max_context_tokens=MAX_CONTEXT, eos_token_id=ByteTokenizer.EOS
+        )
+    )
+    cost: SimCostModel = field(default_factory=SimCostModel.zero)
+    runner: RunnerConfig = field(default_factory=lambda: RunnerConfig(load_interval_s=0))
+    replay_buffer_size: int = 1024
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    epoch: int | None = None
+    tokenizer: bool = True
+
+
+@dataclass
+class Worker:
+    """A running worker and a client channel to it."""
+
+    server: WorkerServer
+    engine: Engine
+    channel: grpc.aio.Channel
+    stub: pb_grpc.WorkerStub
+
+    async def stats(self) -> EngineStats:
+        return await self.server.runner.call(self.engine.stats)
+
+    async def generate(self, request: pb.GenerateRequest, **kwargs) -> list[pb.GenerateResponse]:
+        return [msg async for msg in self.stub.Generate(request, **kwargs)]
+
+    async def assert_no_leak(self) -> None:
+        """Once idle: no request left, no slot locked, every slot free or evictable."""
+        await self.server.runner.wait_until_idle()
+        s = await self.stats()
+        assert (s.num_running, s.num_waiting, s.num_protected_kv_tokens) == (0, 0, 0)
+        assert s.num_free_kv_tokens + s.num_evictable_kv_tokens == s.num_total_kv_tokens
+        assert self.server.runner.num_in_flight == 0
+
+
+@contextlib.asynccontextmanager
+async def running_worker(setup: WorkerSetup | None = None) -> AsyncIterator[Worker]:
+    setup = setup or WorkerSetup()
+    executor = SimExecutor(setup.cost, setup.sim)
+    engine = Engine(setup.engine, executor, clock=_fake_clock())
+    config = WorkerServerConfig(
+        engine=setup.engine,
+        executor_kind="sim",
+        replay_buffer_size=setup.replay_buffer_size,
+        runner=setup.runner,
+        limits=setup.limits,
+        shutdown_grace_s=2.0,
+    )
+    tokenizer = ByteTokenizer() if setup.tokenizer else None
+    server = WorkerServer(engine, tokenizer, config, epoch=setup.epoch)
+    port = await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield Worker(server, engine, channel, pb_grpc.WorkerStub(channel))
+    finally:
+        await server.stop(grace_s=1.0)
+
+
+def _fake_clock() -> Callable[[], float]:
+    """A clock that ticks 1 ms per read: the engine's timestamps without wall time."""
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 1e-3
+        return now[0]
+
+    return clock
+
+
+def token_request(
+    ids: list[int], *, request_id: str = "", max_new_tokens: int = 8, **sampling
+) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        request_id=request_id,
+        prompt_token_ids=pb.TokenIds(ids=ids),
+        sampling=pb.SamplingParams(max_new_tokens=max_new_tokens, **sampling),
+    )
+
+
+def text_request(
+    text: str, *, request_id: str = "", max_new_tokens: int = 8, **sampling
+) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        request_id=request_id,
+        prompt_text=text,
+        sampling=pb.SamplingParams(max_new_tokens=max_new_tokens, **sampling),
+    )

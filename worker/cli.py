@@ -1,0 +1,218 @@
+"""``kvroute worker``: run one serving worker (gRPC).
+
+Stable output for parent processes (the fleet launcher parses it): once the server is bound,
+exactly one line ``listening on HOST:PORT`` is printed to stdout and flushed. Everything else
+(logs) goes to stderr. SIGINT/SIGTERM start a graceful shutdown: health NOT_SERVING, KV
+event streams end, in-flight requests get ``--grace-s`` seconds, then the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+import time
+from collections.abc import Coroutine
+from typing import Any
+
+from worker.engine.engine_config import EngineConfig
+from worker.errors import ModelLoadError
+from worker.service.convert import RequestLimits
+from worker.service.engine_runner import RunnerConfig
+from worker.service.server import WorkerServer, WorkerServerConfig
+
+log = logging.getLogger("kvroute.worker")
+
+_ENGINE_DEFAULTS = EngineConfig()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvroute worker",
+        description="Run one kvroute serving worker: a radix KV cache, a continuous-batching "
+        "engine and the Worker gRPC service (Generate, Abort, SubscribeKvEvents, GetLoad, "
+        "health, reflection). Prints 'listening on HOST:PORT' on stdout once bound.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    net = p.add_argument_group("server")
+    net.add_argument("--host", default="127.0.0.1", help="address to bind")
+    net.add_argument("--port", type=int, default=0, help="port to bind (0 = pick a free one)")
+    net.add_argument("--worker-id", default=_ENGINE_DEFAULTS.worker_id, help="this worker's id")
+    net.add_argument(
+        "--grace-s", type=float, default=10.0, help="shutdown grace for in-flight requests"
+    )
+    net.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+
+    model = p.add_argument_group("model")
+    model.add_argument(
+        "--executor",
+        choices=("torch", "sim"),
+        default="sim",
+        help="torch: the real model (CUDA if present); sim: cost model, no math",
+    )
+    model.add_argument(
+        "--model",
+        metavar="DIR",
+        default=None,
+        help="HF model directory (torch; default: a tiny random Llama)",
+    )
+    model.add_argument("--device", default=None, help="torch device (default: cuda if present)")
+    model.add_argument("--seed", type=int, default=0, help="model init and sampling seed")
+    model.add_argument(
+        "--sim-speedup",
+        type=float,
+        default=0.0,
+        help="sim only: sleep modelled step time / X after each step "
+        "(1 = real time, 0 = no pacing)",
+    )
+
+    eng = p.add_argument_group("engine")
+    eng.add_argument(
+        "--kv-slots", type=int, default=_ENGINE_DEFAULTS.num_kv_slots, help="KV pool size in tokens"
+    )
+    eng.add_argument("--page-size", type=int, default=_ENGINE_DEFAULTS.page_size)
+    eng.add_argument(
+        "--block-size",
+        type=int,
+        default=_ENGINE_DEFAULTS.block_size,
+        help="tokens per KV event block (announced to routers)",
+    )
+    eng.add_argument("--eviction-policy", default=_ENGINE_DEFAULTS.eviction_policy)
+    eng.add_argument("--schedule-policy", default=_ENGINE_DEFAULTS.schedule_policy)
+    eng.add_argument("--max-running", type=int, default=_ENGINE_DEFAULTS.max_running_requests)
+    eng.add_argument(
+        "--max-waiting",
+        type=int,
+        default=_ENGINE_DEFAULTS.max_waiting_requests,
+        help="waiting queue limit (beyond it: RESOURCE_EXHAUSTED)",
+    )
+    eng.add_argument(
+        "--chunk-size",
+        type=int,
+        default=_ENGINE_DEFAULTS.chunk_size,
+        help="chunked prefill size in tokens",
+    )
+    eng.add_argument("--no-cache", action="store_true", help="disable the radix cache")
+
+    ev = p.add_argument_group("KV events")
+    ev.add_argument(
+        "--replay-buffer",
+        type=int,
+        default=1024,
+        help="event batches kept for subscribers that reconnect",
+    )
+    ev.add_argument(
+        "--subscriber-queue",
+        type=int,
+        default=1024,
+        help="live batches a subscriber may lag before its stream is dropped",
+    )
+    ev.add_argument(
+        "--load-interval-s",
+        type=float,
+        default=1.0,
+        help="seconds between load report batches (0 = off)",
+    )
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> WorkerServerConfig:
+    """The server config the flags describe (raises ValueError naming a bad flag)."""
+    if args.sim_speedup and args.executor != "sim":
+        raise ValueError("--sim-speedup applies to --executor sim only")
+    engine = EngineConfig(
+        worker_id=args.worker_id,
+        num_kv_slots=args.kv_slots,
+        page_size=args.page_size,
+        block_size=args.block_size,
+        eviction_policy=args.eviction_policy,
+        schedule_policy=args.schedule_policy,
+        max_running_requests=args.max_running,
+        max_waiting_requests=args.max_waiting,
+        chunk_size=args.chunk_size,
+        enable_cache=not args.no_cache,
+        seed=args.seed,
+    )
+    return WorkerServerConfig(
+        engine=engine,
+        executor_kind=args.executor,
+        host=args.host,
+        port=args.port,
+        replay_buffer_size=args.replay_buffer,
+        runner=RunnerConfig(
+            pace_speedup=args.sim_speedup,
+            load_interval_s=args.load_interval_s,
+            subscriber_queue_size=args.subscriber_queue,
+        ),
+        limits=RequestLimits(),
+        shutdown_grace_s=args.grace_s,
+    )
+
+
+def build_server(args: argparse.Namespace) -> WorkerServer:
+    """Build the executor, tokenizer, engine and server the flags describe."""
+    from worker.engine.engine import Engine
+    from worker.engine.factory import build_executor
+
+    config = config_from_args(args)
+    executor, tokenizer = build_executor(
+        args.executor,
+        model_dir=args.model,
+        num_kv_slots=args.kv_slots,
+        device=args.device,
+        seed=args.seed,
+    )
+    engine = Engine(config.engine, executor, clock=time.monotonic)
+    return WorkerServer(engine, tokenizer, config)
+
+
+async def serve(server: WorkerServer) -> None:
+    """Run until SIGINT/SIGTERM (or the server terminates), then stop gracefully."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        port = await server.start()
+        print(f"listening on {server.config.host}:{port}", flush=True)
+        waiter = asyncio.create_task(server.wait_for_termination())
+        stopper = asyncio.create_task(stop.wait())
+        await asyncio.wait((waiter, stopper), return_when=asyncio.FIRST_COMPLETED)
+        for task in (waiter, stopper):
+            task.cancel()
+        log.info("shutting down (grace %.1fs)", server.config.shutdown_grace_s)
+    finally:
+        await server.stop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+def _run(coro: Coroutine[Any, Any, None]) -> None:
+    try:
+        import uvloop
+    except ImportError:  # e.g. Windows: plain asyncio
+        asyncio.run(coro)
+    else:
+        uvloop.run(coro)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        server = build_server(args)
+    except (ValueError, ModelLoadError) as exc:
+        print(f"kvroute worker: {exc}", file=sys.stderr)
+        return 2
+    _run(serve(server))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,177 @@
+"""Protobuf <-> engine types for the worker service.
+
+With :mod:`kvroute_proto.codec`, the only worker module that touches generated protobuf
+classes. Decoding validates what the proto allows but the engine cannot take (an unset
+prompt, a text too long to tokenize, non-finite sampling values) and raises
+:class:`~worker.errors.InvalidRequestError` naming the field and the limit; the engine
+validates the rest (vocabulary, context length, duplicate ids).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from kvroute_proto import codec
+from kvroute_proto import kvroute_pb2 as pb
+from kvroute_proto.events import EventBatch, LoadReport, Snapshot
+from worker.engine.types import EngineRequest, FinishReason, SamplingParams, Usage
+from worker.errors import InvalidRequestError
+
+MAX_REQUEST_ID_CHARS = 256
+
+
+class TextEncoder(Protocol):
+    """The part of a tokenizer that request decoding needs."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """Service-level limits applied while decoding a GenerateRequest."""
+
+    default_max_new_tokens: int = 16  # used when sampling.max_new_tokens is 0
+    max_prompt_text_chars: int = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """What GetLoad answers: the worker's identity, geometry and current load."""
+
+    worker_id: str
+    epoch: int
+    block_size: int
+    page_size: int
+    kv_capacity_tokens: int
+    max_context_tokens: int
+    vocab_size: int
+    executor: str
+    load: LoadReport
+
+
+_FINISH_REASONS = {
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.MAX_CONTEXT: pb.FINISH_REASON_MAX_CONTEXT,
+    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
+}
+
+
+# ---- decoding ----------------------------------------------------------------------------
+
+
+def sampling_from_pb(msg: pb.SamplingParams, limits: RequestLimits) -> SamplingParams:
+    """Decode sampling settings; 0 means "default/off" where the proto says so."""
+    if not math.isfinite(msg.temperature) or msg.temperature < 0:
+        raise InvalidRequestError(
+            "sampling.temperature", f"must be a finite number >= 0, got {msg.temperature}"
+        )
+    if not math.isfinite(msg.top_p) or not 0 <= msg.top_p <= 1:
+        raise InvalidRequestError("sampling.top_p", f"must be in [0, 1], got {msg.top_p}")
+    return SamplingParams(
+        max_new_tokens=msg.max_new_tokens or limits.default_max_new_tokens,
+        temperature=float(msg.temperature),
+        top_p=float(msg.top_p) if msg.top_p > 0 else 1.0,
+        top_k=msg.top_k,
+        seed=msg.seed if msg.HasField("seed") else None,
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+    )
+
+
+def request_from_pb(
+    msg: pb.GenerateRequest,
+    *,
+    tokenizer: TextEncoder | None,
+    limits: RequestLimits,
+    new_request_id: Callable[[], str],
+) -> EngineRequest:
+    """Decode a GenerateRequest into an EngineRequest (empty request_id -> a new one)."""
+    request_id = msg.request_id or new_request_id()
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequestError(
+            "request_id", f"at most {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}"
+        )
+    match msg.WhichOneof("prompt"):
+        case "prompt_token_ids":
+            token_ids = np.asarray(msg.prompt_token_ids.ids, dtype=np.int64)
+        case "prompt_text":
+            token_ids = _encode_text(msg.prompt_text, tokenizer, limits)
+        case _:
+            raise InvalidRequestError(
+                "prompt", "set one of prompt_token_ids or prompt_text (neither was set)"
+            )
+    if token_ids.size == 0:
+        raise InvalidRequestError("prompt", "must contain at least 1 token, got 0")
+    return EngineRequest(
+        request_id=request_id,
+        prompt_token_ids=token_ids,
+        sampling=sampling_from_pb(msg.sampling, limits),
+        partition=codec.partition_from_pb(msg.partition),
+        priority=msg.priority,
+    )
+
+
+def _encode_text(text: str, tokenizer: TextEncoder | None, limits: RequestLimits) -> np.ndarray:
+    if tokenizer is None:
+        raise InvalidRequestError(
+            "prompt_text", "this worker has no tokenizer; send prompt_token_ids"
+        )
+    if len(text) > limits.max_prompt_text_chars:
+        raise InvalidRequestError(
+            "prompt_text",
+            f"at most {limits.max_prompt_text_chars} characters, got {len(text)}",
+        )
+    return np.asarray(tokenizer.encode(text), dtype=np.int64)
+
+
+# ---- encoding ----------------------------------------------------------------------------
+
+
+def chunk_to_pb(request_id: str, token_ids: Sequence[int], text: str) -> pb.GenerateResponse:
+    return pb.GenerateResponse(
+        request_id=request_id, chunk=pb.TokenChunk(token_ids=token_ids, text=text)
+    )
+
+
+def finished_to_pb(
+    request_id: str, reason: FinishReason, usage: Usage | None, worker_id: str
+) -> pb.GenerateResponse:
+    finished = pb.Finished(reason=_FINISH_REASONS[reason], worker_id=worker_id)
+    if usage is not None:
+        finished.usage.CopyFrom(
+            pb.Usage(
+                prompt_tokens=usage.prompt_tokens,
+                cached_prompt_tokens=usage.cached_prompt_tokens,
+                completion_tokens=usage.completion_tokens,
+            )
+        )
+    return pb.GenerateResponse(request_id=request_id, finished=finished)
+
+
+def abort_response_to_pb(found: bool) -> pb.AbortResponse:
+    return pb.AbortResponse(found=found)
+
+
+def worker_info_to_pb(info: WorkerInfo) -> pb.WorkerInfo:
+    return pb.WorkerInfo(
+        worker_id=info.worker_id,
+        epoch=info.epoch,
+        block_size=info.block_size,
+        page_size=info.page_size,
+        kv_capacity_tokens=info.kv_capacity_tokens,
+        max_context_tokens=info.max_context_tokens,
+        vocab_size=info.vocab_size,
+        executor=info.executor,
+        load=codec.load_to_pb(info.load),
+    )
+
+
+def stream_message_to_pb(item: EventBatch | Snapshot) -> pb.KvStreamMessage:
+    """One KV stream message (encoded once, shared by every subscriber)."""
+    return codec.stream_message_to_pb(item)

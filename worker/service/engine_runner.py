@@ -1,0 +1,369 @@
+"""Drives the (single-threaded) Engine from asyncio.
+
+Every Engine call runs on one dedicated thread (a 1-worker ThreadPoolExecutor) as a *job*.
+Jobs hand their results to the event loop with ``loop.call_soon_threadsafe`` in the order
+they ran, so request outputs, synthetic abort outputs and event batches reach the loop in
+engine order::
+
+    event loop                         engine thread (jobs run one at a time, FIFO)
+    ----------                         ---------------------------------------------
+    submit(req)      -- add job -->    engine.add_request
+    _run loop        -- step job -->   engine.step; take_events -> publisher -> batch
+       <-- call_soon_threadsafe(dispatch outputs), (fan out batch to subscribers)
+    abort(rid)       -- abort job -->  engine.abort; take_events -> batch
+    subscribe(e, s)  -- sub job   -->  take_events -> batch; replay or snapshot at last_seq;
+                                       register the subscriber (it gets every later batch)
+    load tick        -- load job  -->  take_events + load_report -> batch (own seq)
+
+The publisher and the subscriber set are touched on the engine thread only, which is what
+makes "snapshot at seq S, then live S+1.." exact. The step loop sleeps on an asyncio.Event
+when the engine has no work. With ``pace_speedup > 0`` it sleeps ``last_step_cost_s /
+pace_speedup`` after each step (the sim executor replaying in real time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from kvroute_proto import kvroute_pb2 as pb
+from kvroute_proto.events import EventBatch, LoadReport, Snapshot
+from worker.engine.types import EngineRequest, FinishReason, RequestOutput, Usage
+from worker.errors import DuplicateRequestError, WorkerError
+from worker.service import convert
+from worker.service.publisher import EventPublisher
+
+if TYPE_CHECKING:
+    from worker.engine.engine import Engine
+
+log = logging.getLogger("kvroute.worker.runner")
+T = TypeVar("T")
+
+
+class EngineStoppedError(WorkerError):
+    """The engine loop is not running (shutting down, or it crashed): gRPC UNAVAILABLE."""
+
+
+class SubscriberOverflowError(WorkerError):
+    """A subscriber fell more than its queue size behind: gRPC RESOURCE_EXHAUSTED."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerConfig:
+    """How the engine loop runs."""
+
+    pace_speedup: float = 0.0  # > 0: sleep last_step_cost_s / pace_speedup after a step
+    load_interval_s: float = 1.0  # a load report batch this often (0 = never)
+    subscriber_queue_size: int = 1024  # live messages a subscriber may lag before overflow
+
+    def __post_init__(self) -> None:
+        if self.pace_speedup < 0:
+            raise ValueError(f"pace_speedup must be >= 0, got {self.pace_speedup}")
+        if self.load_interval_s < 0:
+            raise ValueError(f"load_interval_s must be >= 0, got {self.load_interval_s}")
+        if self.subscriber_queue_size < 1:
+            raise ValueError(
+                f"subscriber_queue_size must be >= 1, got {self.subscriber_queue_size}"
+            )
+
+
+class RequestStream:
+    """The outputs of one request in engine order; the last one has a finish_reason."""
+
+    def __init__(self, request: EngineRequest) -> None:
+        self.request = request
+        self.num_generated = 0
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        if isinstance(item, RequestOutput):
+            self.num_generated += len(item.new_token_ids)
+        self._queue.put_nowait(item)
+
+    async def get(self) -> RequestOutput:
+        """The next output; raises what the engine loop failed with."""
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+class Subscription:
+    """One KV event subscriber: its first messages, then a bounded queue of live ones."""
+
+    def __init__(self, subscriber_id: str, max_queued: int) -> None:
+        self.subscriber_id = subscriber_id
+        self.max_queued = max_queued
+        self.initial: list[pb.KvStreamMessage] = []
+        self._queue: deque[pb.KvStreamMessage] = deque()
+        self._wake = asyncio.Event()
+        self._overflowed = False
+        self._closed = False
+
+    def push(self, msg: pb.KvStreamMessage) -> None:
+        if self._closed or self._overflowed:
+            return
+        if len(self._queue) >= self.max_queued:
+            self._overflowed = True
+            self._queue.clear()
+        else:
+            self._queue.append(msg)
+        self._wake.set()
+
+    def close(self) -> None:
+        """End the stream after what is queued (server shutdown)."""
+        self._closed = True
+        self._wake.set()
+
+    async def get(self) -> pb.KvStreamMessage | None:
+        """The next live message; None once closed; raises SubscriberOverflowError."""
+        while True:  # each turn either returns or waits for a push/close
+            if self._overflowed:
+                raise SubscriberOverflowError(
+                    f"subscriber {self.subscriber_id!r} fell more than "
+                    f"{self.max_queued} messages behind; resubscribe with the last seq seen"
+                )
+            if self._queue:
+                return self._queue.popleft()
+            if self._closed:
+                return None
+            self._wake.clear()
+            await self._wake.wait()
+
+
+class EngineRunner:
+    """Owns the engine thread, the step loop, request streams and KV event subscribers."""
+
+    def __init__(self, engine: Engine, publisher: EventPublisher, config: RunnerConfig) -> None:
+        self.engine = engine
+        self.publisher = publisher
+        self.config = config
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="kvroute-engine"
+        )
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._streams: dict[str, RequestStream] = {}
+        self._subscribers: set[Subscription] = set()  # engine thread only
+        self._live_subscriptions: set[Subscription] = set()  # event loop side, for close()
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()  # set while the loop sleeps with nothing to do
+        self._tasks: list[asyncio.Task[None]] = []
+        self._failure: BaseException | None = None
+        self._stopping = False
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the step loop (and the load ticker) on the running event loop."""
+        self._loop = asyncio.get_running_loop()
+        self._tasks.append(asyncio.create_task(self._step_loop(), name="engine-step-loop"))
+        if self.config.load_interval_s > 0:
+            self._tasks.append(asyncio.create_task(self._load_loop(), name="engine-load"))
+
+    def close_subscriptions(self) -> None:
+        """End every KV event stream cleanly (first step of a graceful shutdown)."""
+        for sub in self._live_subscriptions:
+            sub.close()
+
+    async def stop(self) -> None:
+        """Stop the loops, fail what is still in flight, and release the engine thread."""
+        self._stopping = True
+        self.close_subscriptions()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self._call(lambda: None)  # whatever job was running has finished
+        self._fail_all(EngineStoppedError("the worker is shutting down"))
+        self._pool.shutdown(wait=False)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    # ---- requests ------------------------------------------------------------------------
+
+    async def submit(self, request: EngineRequest) -> RequestStream:
+        """Add a request; raises InvalidRequestError, DuplicateRequestError, QueueFullError."""
+        self._check_running()
+        rid = request.request_id
+        if rid in self._streams:
+            raise DuplicateRequestError("request_id", f"{rid!r} is already in flight here")
+        stream = RequestStream(request)
+        self._streams[rid] = stream  # before the job: outputs may follow right after it
+        self._idle.clear()
+        try:
+            await self._call(self.engine.add_request, request)
+        except BaseException:
+            if self._streams.get(rid) is stream:
+                del self._streams[rid]
+            raise
+        self._wake.set()
+        return stream
+
+    def release(self, stream: RequestStream) -> None:
+        """The caller stopped reading ``stream`` before its end (cancelled, deadline): abort
+        it on the engine thread without waiting (safe to call from a cancelled task)."""
+        if self._streams.get(stream.request_id) is not stream:
+            return  # already finished
+        del self._streams[stream.request_id]
+        if not self._stopping:
+            self._pool.submit(self._job_abort, stream.request_id)
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort an in-flight request; its stream ends with FinishReason.ABORT."""
+        self._check_running()
+        return await self._call(self._job_abort, request_id)
+
+    # ---- KV events and load --------------------------------------------------------------
+
+    async def subscribe(self, subscriber_id: str, epoch: int, after_seq: int) -> Subscription:
+        """Register a subscriber; its ``initial`` messages are the replay (batches after
+        ``after_seq``) or a snapshot, and its queue gets every later batch."""
+        self._check_running()
+        sub = Subscription(subscriber_id, self.config.subscriber_queue_size)
+        initial = await self._call(self._job_subscribe, sub, epoch, after_seq)
+        sub.initial = [convert.stream_message_to_pb(item) for item in initial]
+        self._live_subscriptions.add(sub)
+        return sub
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        self._live_subscriptions.discard(sub)
+        if not self._stopping:
+            self._pool.submit(self._subscribers.discard, sub)
+
+    async def wait_until_idle(self) -> None:
+        """Wait until the engine has no work left (requests finished or aborted, aborts of
+        released streams applied); used by graceful shutdown and by tests."""
+        await self._idle.wait()
+
+    async def load_report(self) -> LoadReport:
+        self._check_running()
+        return await self._call(self.engine.load_report)
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the engine thread (tests use it to inspect the engine safely)."""
+        return await self._call(fn)
+
+    # ---- event loop side -----------------------------------------------------------------
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, fn, *args)
+
+    def _check_running(self) -> None:
+        if self._failure is not None:
+            raise EngineStoppedError(f"the engine loop failed: {self._failure!r}")
+        if self._stopping:
+            raise EngineStoppedError("the worker is shutting down")
+
+    async def _step_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while not self._stopping:
+                # Clear before the step: an add that lands after it sets the event again.
+                self._wake.clear()
+                started = loop.time()
+                has_work, cost_s = await self._call(self._job_step)
+                if self.config.pace_speedup > 0 and cost_s > 0:
+                    delay = cost_s / self.config.pace_speedup - (loop.time() - started)
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                if not has_work:
+                    self._idle.set()
+                    await self._wake.wait()
+                    self._idle.clear()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.exception("engine step failed; failing every in-flight request")
+            self._failure = exc
+            self._fail_all(EngineStoppedError(f"the engine loop failed: {exc!r}"))
+
+    async def _load_loop(self) -> None:
+        # A steady timer, not a poll: each tick publishes one load batch.
+        while not self._stopping:
+            await asyncio.sleep(self.config.load_interval_s)
+            if self._failure is None:
+                await self._call(self._job_load)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue  # released by its caller; the abort job is queued
+            if out.finish_reason is FinishReason.ABORT and out.usage is None:
+                out = RequestOutput(
+                    out.request_id,
+                    out.new_token_ids,
+                    FinishReason.ABORT,
+                    Usage(stream.num_prompt, 0, stream.num_generated),
+                )
+            stream.put(out)
+            if out.finish_reason is not None:
+                del self._streams[out.request_id]
+
+    def _fan_out(self, batch: EventBatch, targets: tuple[Subscription, ...]) -> None:
+        msg = convert.stream_message_to_pb(batch)  # encoded once for every subscriber
+        for sub in targets:
+            sub.push(msg)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream.put(exc)
+        self.close_subscriptions()
+
+    # ---- engine thread jobs --------------------------------------------------------------
+
+    def _post(self, fn: Callable[..., None], *args: Any) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(fn, *args)
+
+    def _publish(self, load: LoadReport | None = None) -> None:
+        batch = self.publisher.publish(self.engine.take_events(), load)
+        if batch is not None and self._subscribers:
+            self._post(self._fan_out, batch, tuple(self._subscribers))
+
+    def _job_step(self) -> tuple[bool, float]:
+        outputs = self.engine.step()
+        if outputs:
+            self._post(self._dispatch, outputs)
+        self._publish()
+        return self.engine.has_work(), self.engine.last_step_cost_s
+
+    def _job_abort(self, request_id: str) -> bool:
+        found = self.engine.abort(request_id)
+        if found:
+            self._post(self._dispatch, [RequestOutput(request_id, (), FinishReason.ABORT)])
+        self._publish()
+        return found
+
+    def _job_subscribe(
+        self, sub: Subscription, epoch: int, after_seq: int
+    ) -> list[EventBatch | Snapshot]:
+        self._publish()  # pending events first, so the snapshot is taken at last_seq
+        replay = self.publisher.resume(epoch, after_seq)
+        self._subscribers.add(sub)
+        if replay is not None:
+            return list(replay)
+        pub = self.publisher
+        return [self.engine.snapshot(pub.config.worker_id, pub.epoch, pub.last_seq)]
+
+    def _job_load(self) -> None:
+        self._publish(self.engine.load_report())
