@@ -43,6 +43,13 @@ def _require(raw: dict[str, Any], key: str, path: Path, kind: type) -> Any:
     return value
 
 
+def _optional(raw: dict[str, Any], key: str, path: Path, kind: type, default: Any) -> Any:
+    if raw.get(key) is None:
+        return default
+    value = _require(raw, key, path, kind)
+    return float(value) if kind is float else value
+
+
 def _eos_ids(value: Any, path: Path) -> tuple[int, ...]:
     match value:
         case None:
@@ -56,7 +63,8 @@ def _eos_ids(value: Any, path: Path) -> tuple[int, ...]:
 
 
 def _rope_scaling(raw: dict[str, Any], path: Path) -> RopeScaling | None:
-    value = raw.get("rope_scaling")
+    # transformers >= 5 writes "rope_parameters" (rope_theta and the scaling together).
+    value = raw.get("rope_scaling") or raw.get("rope_parameters")
     if value is None:
         return None
     if not isinstance(value, dict):
@@ -79,6 +87,13 @@ def _rope_scaling(raw: dict[str, Any], path: Path) -> RopeScaling | None:
         raise ModelLoadError(f"{path}: key 'rope_scaling' is malformed: {exc!r}") from exc
 
 
+def _rope_theta(raw: dict[str, Any], path: Path) -> float:
+    params = raw.get("rope_parameters")
+    if raw.get("rope_theta") is None and isinstance(params, dict):
+        return _optional(params, "rope_theta", path, float, 10000.0)
+    return _optional(raw, "rope_theta", path, float, 10000.0)
+
+
 def parse_config(raw: dict[str, Any], path: Path, dtype: torch.dtype) -> LlamaConfig:
     """A LlamaConfig from the parsed ``config.json`` dict (``path`` is for messages)."""
     model_type = raw.get("model_type")
@@ -88,8 +103,8 @@ def parse_config(raw: dict[str, Any], path: Path, dtype: torch.dtype) -> LlamaCo
         )
     hidden = _require(raw, "hidden_size", path, int)
     heads = _require(raw, "num_attention_heads", path, int)
-    kv_heads = raw.get("num_key_value_heads") or heads
-    head_dim = raw.get("head_dim") or (hidden // heads if heads else 0)
+    kv_heads = _optional(raw, "num_key_value_heads", path, int, heads)
+    head_dim = _optional(raw, "head_dim", path, int, hidden // heads if heads > 0 else 0)
     try:
         return LlamaConfig(
             vocab_size=_require(raw, "vocab_size", path, int),
@@ -99,14 +114,14 @@ def parse_config(raw: dict[str, Any], path: Path, dtype: torch.dtype) -> LlamaCo
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(raw.get("rope_theta", 10000.0)),
+            max_position_embeddings=_optional(raw, "max_position_embeddings", path, int, 2048),
+            rms_norm_eps=_optional(raw, "rms_norm_eps", path, float, 1e-6),
+            rope_theta=_rope_theta(raw, path),
             rope_scaling=_rope_scaling(raw, path),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", False)),
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            bos_token_id=raw.get("bos_token_id"),
+            bos_token_id=_optional(raw, "bos_token_id", path, int, None),
             eos_token_ids=_eos_ids(raw.get("eos_token_id"), path),
             dtype=dtype,
         )

@@ -86,8 +86,9 @@ class IncrementalDetokenizer:
     Decoding token by token breaks multi-byte characters and, for BPE/SentencePiece
     tokenizers, spacing that depends on neighbours. So it decodes a small window: the ids
     since ``prefix`` (already emitted) and compares with the emitted part of the window.
-    A delta ending in U+FFFD (an incomplete UTF-8 sequence) is held back until the next id
-    completes it, at most ``max_pending`` ids; ``flush`` emits whatever is left.
+    Trailing ids whose text ends in U+FFFD (an incomplete UTF-8 sequence) are held back
+    until later ids complete them, at most ``max_pending`` ids (so invalid bytes cannot
+    stall the stream); ``flush`` emits whatever is left.
 
         ids:   [ ... emitted ... | prefix .. read) | read .. end ]
                                   emitted context     pending
@@ -112,18 +113,21 @@ class IncrementalDetokenizer:
     def _emit(self, *, force: bool) -> str:
         if self._read == len(self._ids):
             return ""
-        window = self._tok.decode(self._ids[self._prefix :])
         done = self._tok.decode(self._ids[self._prefix : self._read])
-        pending = len(self._ids) - self._read
-        if not force and window.endswith("\ufffd") and pending < self.max_pending:
-            return ""
-        if len(window) <= len(done) or not window.startswith(done):
-            # Nothing visible yet (e.g. a special token), or the tokenizer rewrote the
-            # context; only advance once the window decodes to something new.
-            if not force:
-                return ""
-            delta = window[len(done) :] if window.startswith(done) else window
-        else:
-            delta = window[len(done) :]
+        # Try the whole window, then back off over a trailing incomplete character
+        # (a few ids at most) so a large push still emits its complete part at once.
+        lowest = max(self._read + 1, len(self._ids) - self.max_pending + 1)
+        for end in range(len(self._ids), lowest - 1, -1):
+            window = self._tok.decode(self._ids[self._prefix : end])
+            if (
+                not window.endswith("\ufffd")
+                and len(window) > len(done)
+                and window.startswith(done)
+            ):
+                self._prefix, self._read = self._read, end
+                return window[len(done) :]
+        if not force and len(self._ids) - self._read < self.max_pending:
+            return ""  # incomplete, or nothing visible yet (e.g. a special token)
+        window = self._tok.decode(self._ids[self._prefix :])
         self._prefix, self._read = self._read, len(self._ids)
-        return delta
+        return window[len(done) :]

@@ -73,3 +73,34 @@ def test_default_model_round_trips_and_matches_transformers(tmp_path):
     ours = our_logits(model, ids)
     torch.testing.assert_close(our_logits(loaded, ids), ours, atol=0, rtol=0)
     assert_rel_close(ours, hf_logits(tmp_path, ids))
+
+
+@pytest.mark.parametrize("rope_scaling", [None, "llama3"])
+def test_checkpoint_written_by_transformers_loads_and_matches(tmp_path, rope_scaling):
+    """The other direction: transformers saves (its own config keys, e.g. rope_parameters),
+    our loader reads, and the logits agree."""
+    extra = {}
+    if rope_scaling:
+        extra["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+    cfg = transformers.LlamaConfig(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=500000.0,
+        **extra,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    ids = np.random.default_rng(7).integers(0, 300, 120).astype(np.int64)
+    loaded = load_model(tmp_path).model
+    assert (loaded.config.rope_scaling is not None) == bool(rope_scaling)
+    assert_rel_close(our_logits(loaded, ids), hf_logits(tmp_path, ids))
