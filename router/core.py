@@ -27,13 +27,17 @@ Threading: not thread-safe; call it from one thread (or one event loop) only.
 
 from __future__ import annotations
 
+import copy
+import heapq
 import random
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvroute_proto.events import DEFAULT_PARTITION, EventBatch, LoadReport, Partition, Snapshot
+from kvroute_proto.hashing import as_token_array, block_hashes
 from router.errors import (  # re-exported for the shells
     BlockSizeMismatchError,
     DuplicateWorkerError,
@@ -41,6 +45,9 @@ from router.errors import (  # re-exported for the shells
     NoWorkerAvailable,
     UnknownWorkerError,
 )
+from router.index import IndexConfig, PrefixIndex
+from router.policy import CostWeights, PolicyConfig, RouteQuery, WorkerView, make_policy
+from router.sync import StreamSequencer, SyncConfig
 
 __all__ = [
     "BlockSizeMismatchError",
@@ -57,21 +64,8 @@ __all__ = [
     "RouterStats",
     "UnknownWorkerError",
     "WorkerScore",
+    "WorkerView",
 ]
-
-
-@dataclass(frozen=True, slots=True)
-class CostWeights:
-    """Weights of the cache-aware cost (all in prefill-token equivalents).
-
-    cost(worker) = prefill * (prompt_tokens - matched_tokens)
-                 + queued_prefill * queued prefill tokens on the worker
-                 + decode * requests decoding on the worker
-    """
-
-    prefill: float = 1.0
-    queued_prefill: float = 1.0
-    decode: float = 16.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +90,15 @@ class RouterConfig:
     approx_ttl_s: float = 120.0
     max_pending_batches: int = 1024
     prefix_hash_blocks: int = 4
+    verify_hashes: bool = False
+
+    def __post_init__(self) -> None:
+        if self.block_size is not None and self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1 or None, got {self.block_size}")
+        if self.predicted_ttl_s < 0 or self.approx_ttl_s < 0:
+            raise ValueError("predicted_ttl_s and approx_ttl_s must be >= 0")
+        if self.max_indexed_blocks < 1:
+            raise ValueError(f"max_indexed_blocks must be >= 1, got {self.max_indexed_blocks}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +123,7 @@ class RouteDecision:
     address: str
     prompt_tokens: int
     matched_tokens: int
-    cost: float
+    cost: float  # the policy's cost for the chosen worker (0.0 without a cost model)
     policy: str
 
 
@@ -179,6 +182,19 @@ class RouterStats:
     sync_counters: dict[str, int]
 
 
+@dataclass(slots=True)
+class _Inflight:
+    view: WorkerView
+    prefill_tokens: int
+    prefilling: bool = True
+
+
+@dataclass(slots=True)
+class _Worker:
+    view: WorkerView
+    stream: StreamSequencer
+
+
 class RouterCore:
     """The router's brain: index + per-worker stream sequencing + policy + in-flight load.
 
@@ -192,18 +208,52 @@ class RouterCore:
         clock: Callable[[], float],
         rng: random.Random,
     ) -> None:
-        raise NotImplementedError
+        self.config = config = config or RouterConfig()
+        self._clock = clock
+        self._rng = rng
+        self._policy = make_policy(
+            config.policy, PolicyConfig(config.weights, config.prefix_hash_blocks)
+        )
+        self._use_events = self._policy.uses_events
+        self._ttl = config.predicted_ttl_s if self._use_events else config.approx_ttl_s
+        self._index = PrefixIndex(
+            IndexConfig(max_blocks=config.max_indexed_blocks, verify_hashes=config.verify_hashes)
+        )
+        self._sync_config = SyncConfig(max_pending_batches=config.max_pending_batches)
+        self._block_size = config.block_size
+        self._workers: dict[str, _Worker] = {}
+        self._free_slots: list[int] = []  # heap of slots freed by remove_worker
+        self._next_slot = 0
+        self._healthy: list[WorkerView] = []
+        self._inflight: dict[str, _Inflight] = {}
+        self._num_routed = 0
+        self._sync_counters: Counter[str] = Counter()
 
     # ---- fleet membership ----------------------------------------------------------------
 
     @property
     def block_size(self) -> int | None:
         """The fleet block size (None until the first worker announced one)."""
-        raise NotImplementedError
+        return self._block_size
 
     @property
     def policy_name(self) -> str:
-        raise NotImplementedError
+        return self._policy.name
+
+    @property
+    def index(self) -> PrefixIndex:
+        """The prefix index (read-only use: metrics, tests)."""
+        return self._index
+
+    def _check_block_size(self, worker_id: str, block_size: int | None) -> None:
+        if block_size is None:
+            return
+        if block_size <= 0:
+            raise InvalidRouteRequestError("block_size", f"must be >= 1, got {block_size}")
+        if self._block_size is None:
+            self._block_size = block_size
+        elif block_size != self._block_size:
+            raise BlockSizeMismatchError(worker_id, block_size, self._block_size)
 
     def add_worker(self, worker_id: str, address: str = "", block_size: int | None = None) -> None:
         """Register a worker (healthy, nothing indexed, not yet subscribed).
@@ -211,22 +261,54 @@ class RouterCore:
         Raises DuplicateWorkerError if known, BlockSizeMismatchError if ``block_size``
         differs from the fleet's.
         """
-        raise NotImplementedError
+        if not worker_id:
+            raise InvalidRouteRequestError("worker_id", "must not be empty")
+        if worker_id in self._workers:
+            raise DuplicateWorkerError(worker_id)
+        self._check_block_size(worker_id, block_size)
+        if self._free_slots:
+            slot = heapq.heappop(self._free_slots)
+        else:
+            slot = self._next_slot
+            self._next_slot += 1
+        view = WorkerView(worker_id, slot, address)
+        self._workers[worker_id] = _Worker(view, StreamSequencer(worker_id, self._sync_config))
+        self._refresh_healthy()
 
     def remove_worker(self, worker_id: str) -> None:
         """Forget a worker: its index entries, stream state and in-flight accounting."""
-        raise NotImplementedError
+        worker = self._get(worker_id)
+        del self._workers[worker_id]
+        self._index.remove_worker(worker.view.slot)
+        heapq.heappush(self._free_slots, worker.view.slot)
+        for request_id in [r for r, f in self._inflight.items() if f.view is worker.view]:
+            del self._inflight[request_id]
+        self._refresh_healthy()
 
     def set_health(self, worker_id: str, healthy: bool) -> None:
         """Unhealthy workers keep their index entries but are never routed to."""
-        raise NotImplementedError
+        self._get(worker_id).view.healthy = healthy
+        self._refresh_healthy()
 
     def workers(self) -> list[str]:
         """Registered worker ids, in registration order."""
-        raise NotImplementedError
+        return list(self._workers)
 
     def has_worker(self, worker_id: str) -> bool:
-        raise NotImplementedError
+        return worker_id in self._workers
+
+    def worker_view(self, worker_id: str) -> WorkerView:
+        """The live per-worker state policies see (health, in-flight counts, last load)."""
+        return self._get(worker_id).view
+
+    def _get(self, worker_id: str) -> _Worker:
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            raise UnknownWorkerError(worker_id)
+        return worker
+
+    def _refresh_healthy(self) -> None:
+        self._healthy = [w.view for w in self._workers.values() if w.view.healthy]
 
     # ---- KV event streams ----------------------------------------------------------------
 
@@ -235,7 +317,7 @@ class RouterCore:
 
         Call it whenever a stream (re)starts, whatever the reason.
         """
-        raise NotImplementedError
+        return self._get(worker_id).stream.expected_subscription()
 
     def on_stream_message(self, worker_id: str, msg: EventBatch | Snapshot) -> list[Action]:
         """Feed one message of a worker's event stream; returns actions for the shell.
@@ -245,9 +327,49 @@ class RouterCore:
         (``stats().apply_errors``), never raised. Raises BlockSizeMismatchError when the
         message's block_size is not the fleet's and UnknownWorkerError for an unknown worker.
         """
-        raise NotImplementedError
+        worker = self._get(worker_id)
+        self._check_block_size(worker_id, msg.block_size)
+        step = worker.stream.receive(msg)
+        view = worker.view
+        index = self._index
+        slot = view.slot
+        for item in step.apply:
+            if isinstance(item, EventBatch):
+                if self._use_events:
+                    for event in item.events:
+                        index.apply(slot, event)
+                if item.load is not None:
+                    view.load = item.load
+            else:  # Snapshot: replace everything we believed about this worker
+                index.remove_worker(slot)
+                if self._use_events:
+                    for stored in item.blocks:
+                        index.store(slot, stored)
+        if step.resubscribe is None:
+            return []
+        epoch, after_seq = step.resubscribe
+        return [Resubscribe(worker_id, epoch, after_seq, step.reason)]
 
     # ---- routing -------------------------------------------------------------------------
+
+    def _query(self, req: RouteRequest) -> RouteQuery:
+        try:
+            tokens = as_token_array(req.token_ids)
+        except (TypeError, ValueError) as exc:
+            raise InvalidRouteRequestError("token_ids", str(exc)) from None
+        block_size = self._block_size
+        if block_size is None:
+            hashes: list[int] = []
+            block_size = 1
+        else:
+            seed = req.partition.seed
+            hashes = block_hashes(tokens, block_size, seed, validate=False).tolist()
+        return RouteQuery(req.request_id, len(tokens), block_size, hashes)
+
+    def _candidates(self, req: RouteRequest) -> list[WorkerView]:
+        if req.exclude:
+            return [v for v in self._healthy if v.worker_id not in req.exclude]
+        return self._healthy
 
     def route(self, req: RouteRequest) -> RouteDecision:
         """Pick a worker for ``req`` and account it as in flight there (on_routed).
@@ -258,33 +380,129 @@ class RouterCore:
         InvalidRouteRequestError for bad token ids. A request_id still in flight is first
         finished (a retry moves its accounting).
         """
-        raise NotImplementedError
+        candidates = self._candidates(req)
+        if not candidates:
+            raise self._no_worker(req)
+        query = self._query(req)
+        now = self._clock()
+        index = self._index
+        index.expire(now)
+        hashes = query.block_hashes
+        matched = index.find_matches(hashes) if hashes else {}
+        i, cost = self._policy.select(query, candidates, matched, self._rng)
+        view = candidates[i]
+        depth = matched.get(view.slot, 0)
+        matched_tokens = min(depth * query.block_size, query.prompt_tokens)
+        if req.request_id in self._inflight:
+            self.on_finished(req.request_id)
+        self._account(req.request_id, view, query.prompt_tokens - matched_tokens)
+        if hashes and self._policy.has_cost:
+            deadline = now + self._ttl
+            if not self._use_events and depth:
+                index.refresh_predicted(hashes[:depth], deadline)
+            index.predict(view.slot, hashes, deadline, start=depth)
+        return RouteDecision(
+            req.request_id,
+            view.worker_id,
+            view.address,
+            query.prompt_tokens,
+            matched_tokens,
+            float(cost),
+            self._policy.name,
+        )
+
+    def _no_worker(self, req: RouteRequest) -> NoWorkerAvailable:
+        num_excluded = sum(1 for v in self._healthy if v.worker_id in req.exclude)
+        return NoWorkerAvailable(
+            req.request_id, len(self._workers), len(self._healthy), num_excluded
+        )
 
     def explain(self, req: RouteRequest) -> Explanation:
-        """Per-worker match, load, cost and the pick route() would make; changes nothing
-        except the tie-break random stream."""
-        raise NotImplementedError
+        """Per-worker match, load, cost and the pick route() would make; changes nothing.
+
+        Ties are broken with a generator seeded by the request id (not the router's), and
+        stateful policies (round_robin) are consulted on a copy.
+        """
+        query = self._query(req)
+        matched = self._index.find_matches(query.block_hashes) if query.block_hashes else {}
+        candidates = self._candidates(req)
+        costs: list[float] | None = None
+        chosen: str | None = None
+        if candidates:
+            policy = copy.copy(self._policy)
+            rng = random.Random(req.request_id)
+            i, _ = policy.select(query, candidates, matched, rng)
+            chosen = candidates[i].worker_id
+            costs = policy.costs(query, candidates, matched)
+        cost_of = dict(zip((v.worker_id for v in candidates), costs or (), strict=False))
+        lines = []
+        for worker in self._workers.values():
+            v = worker.view
+            lines.append(
+                WorkerScore(
+                    v.worker_id,
+                    v.address,
+                    v.healthy,
+                    min(matched.get(v.slot, 0) * query.block_size, query.prompt_tokens),
+                    v.queued_prefill_tokens,
+                    v.num_active,
+                    cost_of.get(v.worker_id),
+                    v.load,
+                )
+            )
+        return Explanation(self._policy.name, query.prompt_tokens, chosen, tuple(lines))
+
+    def _account(self, request_id: str, view: WorkerView, prefill_tokens: int) -> None:
+        self._inflight[request_id] = _Inflight(view, prefill_tokens)
+        view.inflight_prefill_tokens += prefill_tokens
+        view.num_active += 1
+        self._num_routed += 1
 
     def on_routed(
         self, request_id: str, worker_id: str, prompt_tokens: int, matched_tokens: int
     ) -> None:
         """Account a request as in flight (route() calls it; the shell needs it only when it
         placed a request itself)."""
-        raise NotImplementedError
+        view = self._get(worker_id).view
+        if request_id in self._inflight:
+            self.on_finished(request_id)
+        self._account(request_id, view, max(0, prompt_tokens - matched_tokens))
 
     def on_first_token(self, request_id: str) -> None:
         """Prefill of ``request_id`` is done: its tokens leave the queued-prefill estimate."""
-        raise NotImplementedError
+        flight = self._inflight.get(request_id)
+        if flight is not None and flight.prefilling:
+            flight.prefilling = False
+            flight.view.inflight_prefill_tokens -= flight.prefill_tokens
 
     def on_finished(self, request_id: str) -> None:
         """The request ended (finished, aborted or failed). Unknown ids are ignored."""
-        raise NotImplementedError
+        flight = self._inflight.pop(request_id, None)
+        if flight is None:
+            return
+        if flight.prefilling:
+            flight.view.inflight_prefill_tokens -= flight.prefill_tokens
+        flight.view.num_active -= 1
 
     # ---- introspection -------------------------------------------------------------------
 
     def stats(self) -> RouterStats:
-        raise NotImplementedError
+        counters: Counter[str] = Counter()
+        for worker in self._workers.values():
+            counters.update(worker.stream.counters)
+        index = self._index
+        return RouterStats(
+            num_workers=len(self._workers),
+            num_healthy=len(self._healthy),
+            num_indexed_blocks=index.size(),
+            num_index_entries=index.num_entries,
+            num_predicted_entries=index.num_predicted,
+            num_inflight_requests=len(self._inflight),
+            num_routed=self._num_routed,
+            apply_errors=dict(index.errors),
+            sync_counters=dict(counters),
+        )
 
     def worker_blocks(self, worker_id: str) -> set[int]:
         """The block hashes the index believes ``worker_id`` holds (confirmed by events)."""
-        raise NotImplementedError
+        return self._index.snapshot(self._get(worker_id).view.slot)

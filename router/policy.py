@@ -1,0 +1,346 @@
+"""Routing policies: score the candidate workers of one request and pick one.
+
+Sans-I/O and pure: imports neither asyncio, grpc, torch nor a clock; randomness comes from
+the ``random.Random`` passed to :meth:`Policy.select`, so every pick is reproducible. The
+only state a policy keeps is its own (round-robin's cursor).
+
+The default, ``cache_aware``, estimates for each candidate the prefill work the request
+would wait for there, in token equivalents::
+
+    cost = w.prefill        * (prompt_tokens - cached prefix)     # work this request adds
+         + w.queued_prefill * queued prefill tokens on the worker # work ahead of it
+         + w.decode         * requests running on the worker      # decode slows each step
+
+and takes the cheapest; equal costs are broken at random (never "always worker 0"). The
+queued term is what spreads a hot prefix: every request routed to the holder adds its own
+uncached tokens to the holder's queue until its first token, so a burst soon makes a
+cold worker (which pays the whole prefix once, then holds it too) cheaper, while a trickle
+whose requests finish prefill before the next arrives stays on the holder.
+
+Baselines share the interface: round_robin, random, least_load, power_of_two, prefix_hash
+(rendezvous hashing of the first blocks: consistent when workers come and go), and
+approx_tree (cache_aware over the router's own routing history only: the core gives it
+matches from predicted entries and never applies events for it -- SGLang's approximate
+tree mode).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvroute_proto.events import LoadReport
+from kvroute_proto.hashing import fmix64, partition_seed
+
+__all__ = [
+    "POLICIES",
+    "CostWeights",
+    "Policy",
+    "PolicyConfig",
+    "RouteQuery",
+    "WorkerView",
+    "make_policy",
+    "policy_names",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class CostWeights:
+    """Weights of the cache-aware cost (all in prefill-token equivalents).
+
+    cost(worker) = prefill * (prompt_tokens - matched_tokens)
+                 + queued_prefill * queued prefill tokens on the worker
+                 + decode * requests running on the worker
+    """
+
+    prefill: float = 1.0
+    queued_prefill: float = 1.0
+    decode: float = 16.0
+
+    def __post_init__(self) -> None:
+        for name in ("prefill", "queued_prefill", "decode"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"CostWeights.{name} must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    """Settings shared by the policies (each reads what it needs)."""
+
+    weights: CostWeights = field(default_factory=CostWeights)
+    prefix_hash_blocks: int = 4
+
+    def __post_init__(self) -> None:
+        if self.prefix_hash_blocks < 1:
+            raise ValueError(f"prefix_hash_blocks must be >= 1, got {self.prefix_hash_blocks}")
+
+
+@dataclass(slots=True, eq=False)
+class WorkerView:
+    """What the router knows about one worker (mutable; the core owns and updates it).
+
+    ``inflight_prefill_tokens``: uncached prompt tokens of requests routed here that have not
+    produced their first token (router-tracked). ``num_active``: requests routed here and
+    not finished. ``load``: the worker's last load report, if any.
+    """
+
+    worker_id: str
+    slot: int
+    address: str = ""
+    healthy: bool = True
+    inflight_prefill_tokens: int = 0
+    num_active: int = 0
+    load: LoadReport | None = None
+
+    @property
+    def queued_prefill_tokens(self) -> int:
+        """Prefill work queued here: the router's own count, or the worker's if larger
+        (it also sees requests from other routers; ours may not have reached it yet)."""
+        load = self.load
+        if load is None:
+            return self.inflight_prefill_tokens
+        return max(self.inflight_prefill_tokens, load.num_queued_prefill_tokens)
+
+    @property
+    def num_running(self) -> int:
+        """Requests on the worker: the router's count, or the worker's report if larger."""
+        load = self.load
+        if load is None:
+            return self.num_active
+        return max(self.num_active, load.num_running + load.num_waiting)
+
+
+@dataclass(frozen=True, slots=True)
+class RouteQuery:
+    """The request as policies see it. ``block_hashes``: its full blocks' hashes."""
+
+    request_id: str
+    prompt_tokens: int
+    block_size: int
+    block_hashes: Sequence[int]
+
+
+class Policy:
+    """Base class: ``select`` picks an index into ``candidates``.
+
+    ``uses_events``: False for policies that must not see event-fed index entries
+    (approx_tree). ``has_cost``: whether :meth:`costs` returns numbers.
+    """
+
+    name = "base"
+    uses_events = True
+    has_cost = False
+
+    def __init__(self, config: PolicyConfig) -> None:
+        self.config = config
+
+    def costs(
+        self, query: RouteQuery, candidates: Sequence[WorkerView], matched: dict[int, int]
+    ) -> list[float] | None:
+        """Per-candidate cost (lower is better), or None for a policy without one.
+
+        ``matched``: matched prefix length in blocks per worker slot (absent = 0).
+        """
+        return None
+
+    def select(
+        self,
+        query: RouteQuery,
+        candidates: Sequence[WorkerView],
+        matched: dict[int, int],
+        rng: random.Random,
+    ) -> tuple[int, float]:
+        """(index into ``candidates``, its cost -- 0.0 without a cost model).
+
+        ``candidates`` is non-empty and holds only healthy, non-excluded workers.
+        """
+        raise NotImplementedError
+
+
+def _argmin_random(values: Sequence[float], rng: random.Random) -> int:
+    """Index of the smallest value; equal minima are broken uniformly at random."""
+    best = min(values)
+    ties = [i for i, v in enumerate(values) if v == best]
+    return ties[0] if len(ties) == 1 else ties[rng.randrange(len(ties))]
+
+
+class CacheAware(Policy):
+    """Lowest estimated prefill wait (see the module docstring)."""
+
+    name = "cache_aware"
+    has_cost = True
+
+    def costs(
+        self, query: RouteQuery, candidates: Sequence[WorkerView], matched: dict[int, int]
+    ) -> list[float]:
+        w = self.config.weights
+        wp, wq, wd = w.prefill, w.queued_prefill, w.decode
+        prompt = query.prompt_tokens
+        block_size = query.block_size
+        get = matched.get
+        out = []
+        for c in candidates:
+            cached = get(c.slot, 0) * block_size
+            uncached = prompt - cached if cached < prompt else 0
+            out.append(wp * uncached + wq * c.queued_prefill_tokens + wd * c.num_running)
+        return out
+
+    def select(
+        self,
+        query: RouteQuery,
+        candidates: Sequence[WorkerView],
+        matched: dict[int, int],
+        rng: random.Random,
+    ) -> tuple[int, float]:
+        costs = self.costs(query, candidates, matched)
+        i = _argmin_random(costs, rng)
+        return i, costs[i]
+
+
+class ApproxTree(CacheAware):
+    """cache_aware over the router's own routing history only (no KV events)."""
+
+    name = "approx_tree"
+    uses_events = False
+
+
+class RoundRobin(Policy):
+    """Each request to the next candidate in turn."""
+
+    name = "round_robin"
+
+    def __init__(self, config: PolicyConfig) -> None:
+        super().__init__(config)
+        self._cursor = 0
+
+    def select(
+        self,
+        query: RouteQuery,
+        candidates: Sequence[WorkerView],
+        matched: dict[int, int],
+        rng: random.Random,
+    ) -> tuple[int, float]:
+        i = self._cursor % len(candidates)
+        self._cursor += 1
+        return i, 0.0
+
+
+class RandomPolicy(Policy):
+    """Uniformly random candidate."""
+
+    name = "random"
+
+    def select(
+        self,
+        query: RouteQuery,
+        candidates: Sequence[WorkerView],
+        matched: dict[int, int],
+        rng: random.Random,
+    ) -> tuple[int, float]:
+        return rng.randrange(len(candidates)), 0.0
+
+
+def _load(c: WorkerView) -> float:
+    return c.queued_prefill_tokens + c.num_running
+
+
+class LeastLoad(Policy):
+    """Fewest queued prefill tokens plus running requests (ties at random)."""
+
+    name = "least_load"
+    has_cost = True
+
+    def costs(
+        self, query: RouteQuery, candidates: Sequence[WorkerView], matched: dict[int, int]
+    ) -> list[float]:
+        return [_load(c) for c in candidates]
+
+    def select(
+        self,
+        query: RouteQuery,
+        candidates: Sequence[WorkerView],
+        matched: dict[int, int],
+        rng: random.Random,
+    ) -> tuple[int, float]:
+        loads = [_load(c) for c in candidates]
+        i = _argmin_random(loads, rng)
+        return i, loads[i]
+
+
+class PowerOfTwo(Policy):
+    """Two distinct random candidates; the less loaded one (ties at random)."""
+
+    name = "power_of_two"
+
+    def select(
+        self,
+        query: RouteQuery,
+        candidates: Sequence[WorkerView],
+        matched: dict[int, int],
+        rng: random.Random,
+    ) -> tuple[int, float]:
+        n = len(candidates)
+        if n == 1:
+            return 0, float(_load(candidates[0]))
+        a, b = rng.sample(range(n), 2)
+        la, lb = _load(candidates[a]), _load(candidates[b])
+        if la == lb:
+            return (a if rng.random() < 0.5 else b), float(la)
+        i = a if la < lb else b
+        return i, float(min(la, lb))
+
+
+class PrefixHash(Policy):
+    """Rendezvous (highest-random-weight) hashing of the first ``prefix_hash_blocks`` blocks.
+
+    The k-th block hash already names blocks 0..k-1. Prompts shorter than one block hash
+    their request id. When a worker leaves, only its keys move.
+    """
+
+    name = "prefix_hash"
+
+    def __init__(self, config: PolicyConfig) -> None:
+        super().__init__(config)
+        self._worker_keys: dict[str, int] = {}
+
+    def _worker_key(self, worker_id: str) -> int:
+        key = self._worker_keys.get(worker_id)
+        if key is None:
+            key = self._worker_keys[worker_id] = partition_seed("prefix_hash", worker_id)
+        return key
+
+    def select(
+        self,
+        query: RouteQuery,
+        candidates: Sequence[WorkerView],
+        matched: dict[int, int],
+        rng: random.Random,
+    ) -> tuple[int, float]:
+        hashes = query.block_hashes
+        if len(hashes):
+            key = int(hashes[min(len(hashes), self.config.prefix_hash_blocks) - 1])
+        else:
+            key = partition_seed("prefix_hash/request", query.request_id)
+        scores = [fmix64(key ^ self._worker_key(c.worker_id)) for c in candidates]
+        return scores.index(max(scores)), 0.0
+
+
+POLICIES: dict[str, Callable[[PolicyConfig], Policy]] = {
+    cls.name: cls
+    for cls in (CacheAware, RoundRobin, RandomPolicy, LeastLoad, PowerOfTwo, PrefixHash, ApproxTree)
+}
+"""Policy factories by name."""
+
+
+def policy_names() -> list[str]:
+    """Registered policy names, default first."""
+    return list(POLICIES)
+
+
+def make_policy(name: str, config: PolicyConfig | None = None) -> Policy:
+    """A new policy instance by name; ValueError listing the valid names otherwise."""
+    factory = POLICIES.get(name)
+    if factory is None:
+        raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {name!r}")
+    return factory(config or PolicyConfig())
