@@ -45,17 +45,25 @@ def build_executor(
     num_kv_slots: int,
     device: str | None = None,
     seed: int = 0,
+    kv_memory_fraction: float | None = None,
 ) -> tuple[Executor, Tokenizer]:
     """An Executor and the Tokenizer that matches its vocab.
 
-    Raises ValueError for an unknown ``kind``, a ``num_kv_slots`` below 1, or a
-    ``model_dir`` given to ``sim``; ModelLoadError for a bad model directory.
+    ``kv_memory_fraction`` (torch on CUDA only): size the KV pool to that fraction of the
+    GPU memory free after the weights are loaded, instead of ``num_kv_slots`` (which stays
+    the size on CPU). The pool's size is then ``executor.num_kv_slots``: give the engine that.
+
+    Raises ValueError for an unknown ``kind``, a ``num_kv_slots`` below 1, a fraction
+    outside (0, 1], or a ``model_dir`` given to ``sim``; ModelLoadError for a bad model
+    directory.
     """
     if num_kv_slots < 1:
         raise ValueError(f"num_kv_slots must be >= 1, got {num_kv_slots}")
+    if kv_memory_fraction is not None and not 0.0 < kv_memory_fraction <= 1.0:
+        raise ValueError(f"kv_memory_fraction must be in (0, 1], got {kv_memory_fraction}")
     match kind:
         case "torch":
-            return _build_torch(model_dir, num_kv_slots, device, seed)
+            return _build_torch(model_dir, num_kv_slots, device, seed, kv_memory_fraction)
         case "sim":
             if model_dir is not None:
                 raise ValueError("model_dir: only the 'torch' executor loads a model")
@@ -65,8 +73,13 @@ def build_executor(
 
 
 def _build_torch(
-    model_dir: str | Path | None, num_kv_slots: int, device: str | None, seed: int
+    model_dir: str | Path | None,
+    num_kv_slots: int,
+    device: str | None,
+    seed: int,
+    kv_memory_fraction: float | None,
 ) -> tuple[Executor, Tokenizer]:
+    from worker.engine.kv_pool import cuda_slots_for_memory_fraction
     from worker.engine.loader import load_model
     from worker.engine.torch_executor import TorchExecutor
 
@@ -78,6 +91,20 @@ def _build_torch(
     else:
         loaded = load_model(model_dir, device=dev)
         model, tokenizer = loaded.model, loaded.tokenizer
+    if kv_memory_fraction is not None and dev.startswith("cuda"):
+        cfg = model.config
+        num_kv_slots = cuda_slots_for_memory_fraction(
+            kv_memory_fraction,
+            num_layers=cfg.num_hidden_layers,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+            dtype=cfg.dtype,
+            device=dev,
+        )
+        if num_kv_slots < 1:
+            raise ValueError(
+                f"kv_memory_fraction: {kv_memory_fraction} of free GPU memory holds no KV slot"
+            )
     return TorchExecutor.create(model, num_kv_slots, seed=seed), tokenizer
 
 

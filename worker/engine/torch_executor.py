@@ -45,6 +45,7 @@ class TorchExecutor:
         self.vocab_size: int = cfg.vocab_size
         self.max_context_tokens: int = cfg.max_position_embeddings
         self.eos_token_id: int | None = cfg.eos_token_id
+        self.num_kv_slots: int = kv_pool.num_slots
         self._sampler = Sampler(seed)
         self._last_cost_s = 0.0
 
