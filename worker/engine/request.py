@@ -114,7 +114,10 @@ class Req:
         """Block hashes of the context's full blocks (cached until the context changes)."""
         if self._hashes_len != self.num_tokens:
             self._hashes = block_hashes(
-                self.token_buf[: self.num_tokens], block_size, self.partition.seed, validate=False
+                self.token_buf[: self.num_tokens].view(np.uint64),
+                block_size,
+                self.partition.seed,
+                validate=False,
             )
             self._hashes_len = self.num_tokens
         return self._hashes  # type: ignore[return-value]

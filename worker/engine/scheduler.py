@@ -235,6 +235,8 @@ class Scheduler:
         if chunk <= 0:
             return budget
         self._add_prefill(batch, r, start, chunk)
+        if start + chunk == r.num_tokens:
+            self._chunked = None  # its last chunk runs now: another request may start chunking
         return budget - chunk
 
     def _add_prefill(self, batch: ScheduledBatch, r: Req, start: int, chunk: int) -> None:
@@ -258,7 +260,8 @@ class Scheduler:
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
         cfg = self.config
-        num_running = self.num_running
+        # Decoding requests plus whatever prefills this step (a finishing chunked one too).
+        num_running = len(self._decoding) + len(batch.prefill_reqs)
         if num_running >= cfg.max_running_requests:
             return
         waiting = list(self._waiting.values())
@@ -276,8 +279,9 @@ class Scheduler:
         min_dedup = cfg.in_batch_dedup_min_tokens
         inflight: set[int] = set()
         chunked = self._chunked
-        if self._dedup and chunked is not None:
-            inflight.update(chunked.context_hashes(cfg.block_size).tolist())
+        if self._dedup:
+            for r in batch.prefill_reqs:  # the chunked prefill continuing this step
+                inflight.update(r.context_hashes(cfg.block_size).tolist())
         version = self._version
         for r in ordered:
             if num_running >= cfg.max_running_requests or budget <= 0:
@@ -447,6 +451,16 @@ class Scheduler:
         total = sum(r.num_tokens - r.est_match for r in self._waiting.values())
         if self._chunked is not None:
             total += self._chunked.num_tokens - self._chunked.num_computed
+        return total
+
+    def num_request_owned_slots(self) -> int:
+        """KV slots running requests own outside the tree (for leak checks: between steps,
+        free + evictable + protected + this == total)."""
+        total = 0
+        for r in self._decoding.values():
+            total += r.num_computed - r.cache_req.num_tree_tokens
+        if self._chunked is not None:
+            total += self._chunked.num_computed - self._chunked.cache_req.num_tree_tokens
         return total
 
     def stats(self) -> EngineStats:

@@ -78,7 +78,7 @@ class SimExecutorConfig:
 
     vocab_size: int = 128256
     max_context_tokens: int = 8192
-    eos_token_id: int | None = 128001
+    eos_token_id: int | None = None
     eos_at: int | None = None  # emit eos as the eos_at-th generated token (0-based); None: never
 
     def __post_init__(self) -> None:

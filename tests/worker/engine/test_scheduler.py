@@ -1,0 +1,308 @@
+"""Exact scheduler behaviour with the zero-cost sim executor: ordering, prefix reuse,
+in-batch dedup, chunked prefill, eviction, retraction, abort, stop conditions, reports."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from sched_harness import (
+    assert_baseline,
+    check_accounting,
+    collect,
+    expected_tokens,
+    make_engine,
+    request,
+    run,
+)
+
+from worker.engine.sim_executor import SimExecutorConfig
+from worker.engine.types import FinishReason, Usage
+
+PROMPT = list(range(1, 101))
+
+
+def test_single_request_streams_expected_tokens_and_usage() -> None:
+    engine, ex = make_engine(num_kv_slots=1000)
+    engine.add_request(request("a", PROMPT, max_new_tokens=3))
+    results = run(engine)
+    a = results["a"]
+    assert a.tokens == expected_tokens(engine, "a", 3)
+    assert a.finish_reason is FinishReason.LENGTH
+    assert a.usage == Usage(prompt_tokens=100, cached_prompt_tokens=0, completion_tokens=3)
+    assert ex.steps == [
+        [("p", "a", 0, 100, True)],
+        [("d", "a", 100, 1, True)],
+        [("d", "a", 101, 1, True)],
+    ]
+    assert_baseline(engine)
+
+
+def test_second_request_reuses_cached_prefix() -> None:
+    engine, ex = make_engine(num_kv_slots=1000)
+    engine.add_request(request("a", PROMPT, max_new_tokens=3))
+    run(engine)
+    engine.add_request(request("b", PROMPT[:80] + [500] * 20, max_new_tokens=2))
+    engine.add_request(request("c", PROMPT, max_new_tokens=2))
+    results = run(engine)
+    assert results["b"].usage == Usage(100, 80, 2)
+    # The whole prompt is cached, but its last token is recomputed to get logits.
+    assert results["c"].usage == Usage(100, 99, 2)
+    assert ex.steps[3] == [("p", "b", 80, 20, True), ("p", "c", 99, 1, True)]
+    stats = engine.stats()
+    assert stats.prompt_tokens == 300
+    assert stats.cached_prompt_tokens == 179
+    assert stats.computed_prefill_tokens == 100 + 20 + 1
+    assert stats.generated_tokens == 7
+    assert_baseline(engine)
+
+
+def test_fcfs_admits_in_arrival_order() -> None:
+    engine, ex = make_engine(num_kv_slots=1000, max_running_requests=1)
+    for rid in ("a", "b", "c"):
+        engine.add_request(request(rid, [ord(rid)] * 10, max_new_tokens=2))
+    run(engine)
+    prefill_order = [s[0][1] for s in ex.steps if s[0][0] == "p"]
+    assert prefill_order == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize(
+    ("policy", "order"),
+    [("fcfs", ["x", "y", "z"]), ("lpm", ["z", "y", "x"]), ("lof", ["y", "z", "x"])],
+)
+def test_policy_order(policy: str, order: list[str]) -> None:
+    engine, ex = make_engine(num_kv_slots=2000, max_running_requests=1, schedule_policy=policy)
+    engine.add_request(request("warm", PROMPT, max_new_tokens=1))
+    run(engine)
+    ex.steps.clear()
+    engine.add_request(request("x", [900] * 100, max_new_tokens=1))  # no match
+    engine.add_request(request("y", PROMPT[:50] + [901] * 50, max_new_tokens=3))  # 50 cached
+    engine.add_request(request("z", PROMPT[:90] + [902] * 10, max_new_tokens=2))  # 90 cached
+    results = run(engine)
+    prefill_order = [s[0][1] for s in ex.steps if s and s[0][0] == "p"]
+    assert prefill_order == order
+    assert results["z"].usage.cached_prompt_tokens == 90
+    assert results["y"].usage.cached_prompt_tokens == 50
+
+
+def test_lpm_stays_on_with_a_long_queue() -> None:
+    """Unlike SGLang (FCFS past 128 waiting), LPM keeps ordering by cached prefix."""
+    engine, ex = make_engine(
+        num_kv_slots=20_000, max_running_requests=1, schedule_policy="lpm", max_waiting_requests=500
+    )
+    engine.add_request(request("warm", PROMPT, max_new_tokens=1))
+    run(engine)
+    ex.steps.clear()
+    for i in range(300):
+        engine.add_request(request(f"cold{i}", [200 + i % 700] * 20, max_new_tokens=1))
+    engine.add_request(request("hot", PROMPT[:95] + [7] * 5, max_new_tokens=1))
+    engine.step()
+    assert ex.steps[0][0][1] == "hot"
+    assert engine.stats().num_lpm_stale_estimates == 0
+
+
+def test_lpm_rematch_budget_is_counted_not_silent() -> None:
+    engine, _ = make_engine(
+        num_kv_slots=20_000, max_running_requests=1, schedule_policy="lpm", lpm_rematch_budget=8
+    )
+    for i in range(20):
+        engine.add_request(request(f"r{i}", [300 + i] * 20, max_new_tokens=1))
+    engine.step()
+    stats = engine.stats()
+    assert stats.num_lpm_rematches == 8
+    assert stats.num_lpm_stale_estimates == 12
+
+
+def test_in_batch_dedup_prefills_the_shared_prefix_once() -> None:
+    shared = [int(t) for t in np.random.default_rng(0).integers(1, 999, 2000)]
+    rngs = [np.random.default_rng(i + 1) for i in range(64)]
+    suffixes = [[int(t) for t in rng.integers(1, 999, 16)] for rng in rngs]
+
+    def prefill_tokens(dedup: int) -> int:
+        engine, _ = make_engine(
+            num_kv_slots=200_000,
+            max_prefill_tokens_per_step=200_000,
+            chunk_size=4096,
+            in_batch_dedup_min_tokens=dedup,
+        )
+        for i in range(64):
+            engine.add_request(request(f"r{i}", shared + suffixes[i], max_new_tokens=1))
+        results = run(engine)
+        assert sum(r.usage.cached_prompt_tokens for r in results.values()) == (
+            63 * 2000 if dedup else 0
+        )
+        assert_baseline(engine)
+        return engine.stats().computed_prefill_tokens
+
+    assert prefill_tokens(dedup=32) == 2000 + 64 * 16  # one copy of the prefix
+    assert prefill_tokens(dedup=0) == 64 * 2016  # every request prefills it
+
+
+def test_chunked_prefill_splits_and_caches_between_chunks() -> None:
+    engine, ex = make_engine(num_kv_slots=10_000, chunk_size=2048)
+    prompt = [int(t) for t in np.random.default_rng(3).integers(1, 999, 5000)]
+    engine.add_request(request("long", prompt, max_new_tokens=2))
+    engine.step()
+    # The first chunk is in the tree already (cache_unfinished_req), locked by the request.
+    assert engine.cache.match_prefix(np.asarray(prompt)).num_matched == 2048
+    assert engine.cache.protected_size() == 2048
+    results = run(engine)
+    assert [s for s in ex.steps] == [
+        [("p", "long", 0, 2048, False)],
+        [("p", "long", 2048, 2048, False)],
+        [("p", "long", 4096, 904, True)],
+        [("d", "long", 5000, 1, True)],
+    ]
+    assert results["long"].tokens == expected_tokens(engine, "long", 2)
+    assert engine.stats().computed_prefill_tokens == 5000
+    assert_baseline(engine)
+
+
+def test_chunked_prefill_shares_the_step_budget() -> None:
+    engine, ex = make_engine(num_kv_slots=10_000, chunk_size=2048, max_prefill_tokens_per_step=3000)
+    engine.add_request(request("a", [5] * 2500, max_new_tokens=2))
+    engine.add_request(request("b", [6] * 2500, max_new_tokens=2))
+    run(engine)
+    assert ex.steps[:3] == [
+        [("p", "a", 0, 2048, False)],  # b would need a second chunked prefill: waits
+        [("p", "a", 2048, 452, True), ("p", "b", 0, 2048, False)],
+        [("p", "b", 2048, 452, True), ("d", "a", 2500, 1, True)],
+    ]
+
+
+def test_eviction_makes_room_under_pressure() -> None:
+    engine, _ = make_engine(num_kv_slots=1000)
+    engine.add_request(request("a", [1] * 600, max_new_tokens=2))
+    run(engine)
+    assert engine.cache.evictable_size() == 601
+    engine.add_request(request("b", [2] * 600, max_new_tokens=2))
+    results = run(engine)
+    assert results["b"].tokens == expected_tokens(engine, "b", 2)
+    assert engine.stats().num_evicted_tokens == 601
+    assert engine.cache.match_prefix(np.asarray([1] * 600)).num_matched == 0
+    assert_baseline(engine)
+
+
+def test_retraction_keeps_tokens_and_recomputes_little() -> None:
+    # 420 slots: two 200-token prompts fit, their decode outgrows the pool.
+    engine, _ = make_engine(num_kv_slots=420, new_token_reserve_ratio=0.0)
+    engine.add_request(request("a", [3] * 200, max_new_tokens=20))
+    engine.add_request(request("b", [4] * 200, max_new_tokens=20))
+    results = run(engine)
+    stats = engine.stats()
+    assert stats.num_retractions == 1
+    for rid in ("a", "b"):
+        assert results[rid].tokens == expected_tokens(engine, rid, 20)
+        assert results[rid].finish_reason is FinishReason.LENGTH
+    # b was retracted after 11 tokens: its 200-token prompt stayed cached (only the leaf with
+    # its generated tokens was evicted), so the retry recomputed 11 tokens, not 211.
+    assert stats.computed_prefill_tokens == 400 + 11
+    assert results["b"].usage == Usage(200, 0, 20)
+    assert_baseline(engine)
+
+
+def test_retraction_inserts_computed_kv_before_releasing() -> None:
+    engine, _ = make_engine(num_kv_slots=1000, new_token_reserve_ratio=0.0)
+    engine.add_request(request("a", [3] * 100, max_new_tokens=50))
+    engine.add_request(request("b", [4] * 100, max_new_tokens=50))
+    for _ in range(10):
+        engine.step()
+    victim = engine.scheduler._decoding["b"]
+    engine.scheduler._retract(victim)
+    # Prompt + the 9 generated tokens whose KV was computed are now in the tree.
+    assert engine.cache.match_prefix(np.asarray([4] * 100 + victim.output_ids)).num_matched == 109
+    results = run(engine)
+    assert results["b"].tokens[-40:] == expected_tokens(engine, "b", 50)[-40:]
+    check_accounting(engine)
+    assert engine.stats().computed_prefill_tokens == 200 + 1
+
+
+@pytest.mark.parametrize("stage", ["waiting", "mid_prefill", "decoding"])
+def test_abort_at_each_stage_returns_allocator_to_baseline(stage: str) -> None:
+    engine, _ = make_engine(num_kv_slots=10_000, chunk_size=2048)
+    engine.add_request(request("other", [9] * 50, max_new_tokens=5))
+    engine.add_request(request("x", [1 + i % 997 for i in range(5000)], max_new_tokens=10))
+    steps = {"waiting": 0, "mid_prefill": 1, "decoding": 4}[stage]
+    results: dict = {}
+    for i in range(steps):
+        collect(engine.step(), results, i)
+    status = engine.scheduler._reqs["x"].status.value
+    assert (
+        status == {"waiting": "waiting", "mid_prefill": "prefilling", "decoding": "decoding"}[stage]
+    )
+    assert engine.abort("x") is True
+    assert engine.abort("x") is False
+    check_accounting(engine)
+    run(engine, results)
+    assert "x" not in results or results["x"].finish_reason is None
+    assert results["other"].finish_reason is FinishReason.LENGTH
+    assert engine.stats().num_aborted == 1
+    assert_baseline(engine)
+
+
+def test_abort_unknown_id_is_false() -> None:
+    engine, _ = make_engine()
+    assert engine.abort("nope") is False
+
+
+def test_stop_token_ids_and_eos() -> None:
+    sim = SimExecutorConfig(vocab_size=1000, max_context_tokens=8192, eos_token_id=0, eos_at=4)
+    engine, _ = make_engine(sim=sim, num_kv_slots=1000)
+    stop = expected_tokens(engine, "s", 3)[2]
+    engine.add_request(request("s", [1] * 10, max_new_tokens=10, stop_token_ids=(stop,)))
+    engine.add_request(request("e", [2] * 10, max_new_tokens=10))
+    engine.add_request(request("i", [3] * 10, max_new_tokens=10, ignore_eos=True))
+    results = run(engine)
+    assert results["s"].tokens == expected_tokens(engine, "s", 3)
+    assert results["s"].finish_reason is FinishReason.STOP
+    assert results["e"].tokens[-1] == 0 and len(results["e"].tokens) == 5
+    assert results["e"].finish_reason is FinishReason.STOP
+    assert len(results["i"].tokens) == 10
+    assert results["i"].finish_reason is FinishReason.LENGTH
+    assert_baseline(engine)
+
+
+def test_max_context_finish_when_clamped() -> None:
+    sim = SimExecutorConfig(vocab_size=1000, max_context_tokens=64)
+    engine, _ = make_engine(sim=sim, num_kv_slots=1000, clamp_max_new_tokens=True)
+    engine.add_request(request("m", [1] * 60, max_new_tokens=100))
+    results = run(engine)
+    assert results["m"].finish_reason is FinishReason.MAX_CONTEXT
+    assert len(results["m"].tokens) == 4
+    assert_baseline(engine)
+
+
+def test_seeded_requests_generate_the_seeded_stream() -> None:
+    engine, _ = make_engine(num_kv_slots=1000)
+    engine.add_request(request("a", [1] * 10, max_new_tokens=3, seed=7))
+    engine.add_request(request("b", [2] * 10, max_new_tokens=3, seed=7))
+    results = run(engine)
+    assert results["a"].tokens == results["b"].tokens == expected_tokens(engine, "z", 3, seed=7)
+
+
+def test_disabled_cache_runs_the_same_loop() -> None:
+    engine, _ = make_engine(num_kv_slots=1000, enable_cache=False)
+    engine.add_request(request("a", PROMPT, max_new_tokens=3))
+    run(engine)
+    engine.add_request(request("b", PROMPT, max_new_tokens=3))
+    results = run(engine)
+    assert results["b"].usage == Usage(100, 0, 3)
+    assert results["b"].tokens == expected_tokens(engine, "b", 3)
+    assert_baseline(engine)
+
+
+def test_load_report_and_stats_gauges() -> None:
+    engine, _ = make_engine(num_kv_slots=1000, max_running_requests=1)
+    engine.add_request(request("a", [1] * 100, max_new_tokens=5))
+    engine.add_request(request("b", [2] * 30, max_new_tokens=5))
+    engine.step()
+    report = engine.load_report()
+    assert report.num_running == 1
+    assert report.num_waiting == 1
+    assert report.num_queued_prefill_tokens == 30
+    assert report.num_total_kv_tokens == 1000
+    assert report.num_free_kv_tokens == 1000 - 100
+    assert report.num_evictable_kv_tokens == 0
+    stats = engine.stats()
+    assert (stats.num_running, stats.num_waiting) == (1, 1)
+    assert stats.num_protected_kv_tokens == 100
+    assert stats.kv_usage == pytest.approx(0.1)
