@@ -26,6 +26,9 @@ from torch import nn
 
 from worker.engine.kv_pool import KVPool
 
+# scaled_dot_product_attention(enable_gqa=...) exists from torch 2.5 on.
+_SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
+
 
 @dataclass(frozen=True, slots=True)
 class RopeScaling:
@@ -180,10 +183,17 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
 
-    def _expand_kv(self, kv: torch.Tensor) -> torch.Tensor:
-        """[..., kv_heads, L, D] -> [..., heads, L, D]: query head h reads kv head h // rep."""
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: object
+    ) -> torch.Tensor:
+        """SDPA with grouped-query heads: query head h reads kv head h // (heads / kv_heads).
+        q: [B, heads, n, D]; k, v: [B, kv_heads, L, D]."""
         rep = self.num_heads // self.num_kv_heads
-        return kv if rep == 1 else kv.repeat_interleave(rep, dim=-3)
+        if rep > 1 and not _SDPA_HAS_GQA:
+            k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
+        elif rep > 1:
+            kwargs["enable_gqa"] = True
+        return F.scaled_dot_product_attention(q, k, v, scale=self.scale, **kwargs)
 
     def forward(
         self,
@@ -207,16 +217,16 @@ class Attention(nn.Module):
             rows = slice(seq.token_offset, seq.token_offset + seq.num_new)
             ks, vs = pool.gather(self.layer_idx, seq.ctx_slots)  # [L, kvh, D]
             qi = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-            ki = self._expand_kv(ks.transpose(0, 1)).unsqueeze(0).to(q.dtype)
-            vi = self._expand_kv(vs.transpose(0, 1)).unsqueeze(0).to(q.dtype)
+            ki = ks.transpose(0, 1).unsqueeze(0)  # [1, kvh, L, D]
+            vi = vs.transpose(0, 1).unsqueeze(0)
             if seq.start_pos == 0:
-                oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=self.scale)
+                oi = self._attend(qi, ki, vi, is_causal=True)
             else:
                 # Query i (absolute position start_pos + i) sees keys 0 .. start_pos + i.
                 key_pos = torch.arange(ks.shape[0], device=x.device)
                 query_pos = seq.start_pos + torch.arange(seq.num_new, device=x.device)
                 mask = key_pos[None, :] <= query_pos[:, None]
-                oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=self.scale)
+                oi = self._attend(qi, ki, vi, attn_mask=mask)
             out[rows] = oi[0].transpose(0, 1)
 
         group = batch.decode
@@ -225,11 +235,8 @@ class Attention(nn.Module):
             rows = slice(group.token_offset, group.token_offset + bsz)
             ks, vs = pool.gather(self.layer_idx, group.ctx_slots)  # [B, L, kvh, D]
             qd = q[rows].unsqueeze(2)  # [B, H, 1, D]
-            kd = self._expand_kv(ks.transpose(1, 2)).to(q.dtype)  # [B, H, L, D]
-            vd = self._expand_kv(vs.transpose(1, 2)).to(q.dtype)
-            od = F.scaled_dot_product_attention(
-                qd, kd, vd, attn_mask=group.ctx_mask, scale=self.scale
-            )
+            kd, vd = ks.transpose(1, 2), vs.transpose(1, 2)  # [B, kvh, L, D]
+            od = self._attend(qd, kd, vd, attn_mask=group.ctx_mask)
             out[rows] = od.squeeze(2)
 
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))

@@ -32,11 +32,21 @@ class TorchExecutor:
     ) -> None:
         cfg = model.config
         pool_cfg = kv_pool.config
-        pool_shape = (pool_cfg.num_layers, pool_cfg.num_kv_heads, pool_cfg.head_dim)
-        model_shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+        pool_shape = (
+            pool_cfg.num_layers,
+            pool_cfg.num_kv_heads,
+            pool_cfg.head_dim,
+            pool_cfg.dtype,
+        )
+        model_shape = (
+            cfg.num_hidden_layers,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            next(model.parameters()).dtype,
+        )
         if pool_shape != model_shape:
             raise ValueError(
-                f"kv_pool: (layers, kv_heads, head_dim) = {pool_shape} does not match the "
+                f"kv_pool: (layers, kv_heads, head_dim, dtype) = {pool_shape} does not match the "
                 f"model's {model_shape}"
             )
         self.model = model
