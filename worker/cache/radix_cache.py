@@ -33,7 +33,6 @@ import numpy as np
 
 from kvroute_proto.events import (
     DEFAULT_PARTITION,
-    AllCleared,
     KvEvent,
     Partition,
     Snapshot,
@@ -78,7 +77,11 @@ class RadixCache(PrefixCache):
         self._versions = itertools.count(1)
         self._partition_ids: dict[Partition, int] = {}
         self._partitions: list[Partition] = []
-        self._events: list[KvEvent] = []
+        self._ledger = (
+            None
+            if config.block_size is None
+            else block_events.BlockLedger(config.block_size, config.page_size)
+        )
         self._root = TreeNode(0, None, b"", _EMPTY_SLOTS, -1, 0, self._clock())
         self._heap: list[tuple[Any, int, int, TreeNode]] = []
         self._num_candidates = 0
@@ -204,8 +207,8 @@ class RadixCache(PrefixCache):
         pb = self._page_bytes
         new.children[(child.pid, child.kb[:pb])] = child
         parent.children[(child.pid, kb[:pb])] = new
-        if self.block_size is not None:
-            block_events.split_hashes(new, child, self.block_size)
+        if self._ledger is not None:
+            self._ledger.on_split(new, child)
         return new
 
     # ------------------------------------------------------------------ insert
@@ -295,11 +298,8 @@ class RadixCache(PrefixCache):
         new = TreeNode(next(self._node_ids), parent, kb[pos8:], value[pos:].copy(), pid, pos, now)
         parent.children[(pid, kb[pos8 : pos8 + self._page_bytes])] = new
         self._evictable += len(key) - pos
-        if self.block_size is not None:
-            part = self._partitions[pid]
-            toks = block_events.hash_new_node(new, key, part.seed, self.block_size)
-            if toks is not None:
-                self._events.append(block_events.stored_event(new, toks, part))
+        if self._ledger is not None:
+            self._ledger.on_new_leaf(new, key, self._partitions[pid])
         return new
 
     # ------------------------------------------------------------------ requests
@@ -436,7 +436,7 @@ class RadixCache(PrefixCache):
         heap = self._heap
         root = self._root
         pb = self._page_bytes
-        events = self._events if self.block_size is not None else None
+        ledger = self._ledger
         freed = 0
         pieces: list[np.ndarray] = []
         while freed < num_tokens and heap:
@@ -450,8 +450,8 @@ class RadixCache(PrefixCache):
             node.parent = None
             pieces.append(node.value)
             freed += len(node.value)
-            if events is not None and len(node.hashes):
-                events.append(block_events.removed_event(node))
+            if ledger is not None:
+                ledger.on_remove(node)
             if parent is not root and parent.lock_ref == 0 and not parent.children:
                 self._push(parent)
         self._evictable -= freed
@@ -478,9 +478,8 @@ class RadixCache(PrefixCache):
         self._evictable = 0
         if pieces:
             self.allocator.free(np.concatenate(pieces))
-        if self.block_size is not None:
-            self._events.append(AllCleared())
-            self._events.extend(block_events.held_blocks(root, self.block_size, self._partitions))
+        if self._ledger is not None:
+            self._ledger.on_reset(root, self._partitions)
 
     @staticmethod
     def _detach_subtree(top: TreeNode) -> list[np.ndarray]:
@@ -498,16 +497,15 @@ class RadixCache(PrefixCache):
 
     def take_events(self) -> list[KvEvent]:
         """Drain the event outbox (always empty when block_size is None)."""
-        events, self._events = self._events, []
-        return events
+        return [] if self._ledger is None else self._ledger.take()
 
     def snapshot(self, worker_id: str, epoch: int, seq: int) -> Snapshot:
         """Every held block, one BlockStored run per node, parents first (empty, with
         block_size 0, when events are off)."""
-        if self.block_size is None:
+        if self._ledger is None:
             return Snapshot(worker_id, epoch, seq, 0, ())
-        blocks = block_events.held_blocks(self._root, self.block_size, self._partitions)
-        return Snapshot(worker_id, epoch, seq, self.block_size, tuple(blocks))
+        blocks = self._ledger.held_blocks(self._root, self._partitions)
+        return Snapshot(worker_id, epoch, seq, self._ledger.block_size, tuple(blocks))
 
     # ------------------------------------------------------------------ debugging
 
