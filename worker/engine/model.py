@@ -184,16 +184,26 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
 
     def _attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: object
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        attn_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
     ) -> torch.Tensor:
         """SDPA with grouped-query heads: query head h reads kv head h // (heads / kv_heads).
         q: [B, heads, n, D]; k, v: [B, kv_heads, L, D]."""
         rep = self.num_heads // self.num_kv_heads
-        if rep > 1 and not _SDPA_HAS_GQA:
+        if rep > 1 and _SDPA_HAS_GQA:
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=self.scale, enable_gqa=True
+            )
+        if rep > 1:
             k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
-        elif rep > 1:
-            kwargs["enable_gqa"] = True
-        return F.scaled_dot_product_attention(q, k, v, scale=self.scale, **kwargs)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=self.scale
+        )
 
     def forward(
         self,

@@ -169,7 +169,7 @@ class TorchExecutor:
                     token_offset=offset,
                     num_new=n,
                     start_pos=item.start_pos,
-                    ctx_slots=torch.from_numpy(slots).to(dev),
+                    ctx_slots=torch.tensor(slots, device=dev),
                 )
             )
             logit_rows.extend(range(offset, offset + n) if all_positions else [offset + n - 1])
@@ -192,8 +192,8 @@ class TorchExecutor:
             mask = np.arange(max_len)[None, :] < lengths[:, None]
             group = DecodeGroup(
                 token_offset=offset,
-                ctx_slots=torch.from_numpy(table).to(dev),
-                ctx_mask=torch.from_numpy(mask).to(dev)[:, None, None, :],
+                ctx_slots=torch.tensor(table, device=dev),
+                ctx_mask=torch.tensor(mask, device=dev)[:, None, None, :],
             )
             logit_rows.extend(range(offset, offset + len(decode)))
 
@@ -203,7 +203,7 @@ class TorchExecutor:
         return PagedBatch(
             input_ids=torch.from_numpy(np.concatenate(ids)).to(dev),
             positions=torch.from_numpy(np.concatenate(positions)).to(dev),
-            write_slots=torch.from_numpy(write_slots).to(dev),
+            write_slots=torch.tensor(write_slots, device=dev),
             prefill=tuple(seqs),
             decode=group,
             logit_rows=torch.tensor(logit_rows, dtype=torch.int64, device=dev),

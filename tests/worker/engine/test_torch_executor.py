@@ -271,3 +271,13 @@ def test_bad_batches_are_rejected(model):
     b = ForwardItem("b", np.array([1]), 0, np.array([4]), GREEDY)
     with pytest.raises(ValueError, match="same KV slot"):
         ex.forward([a, b], [])
+
+
+def test_repeat_kv_fallback_equals_native_gqa(model, monkeypatch):
+    """The pre-torch-2.5 path (K/V repeated per query head) computes the same logits."""
+    import worker.engine.model as model_mod
+
+    prompt = prompt_of(21, 50)
+    native = serve_cold(model, prompt, chunk=8)
+    monkeypatch.setattr(model_mod, "_SDPA_HAS_GQA", False)
+    assert_same(serve_cold(model, prompt, chunk=8), native)
