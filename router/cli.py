@@ -1,0 +1,183 @@
+"""``kvroute router``: run the cache-aware router (gRPC Router service, health, reflection).
+
+Prints ``listening on HOST:PORT`` on stdout once bound (``--port 0`` picks a free port), then
+serves until SIGINT or SIGTERM, which stop it gracefully (in-flight requests get a grace
+period). Runs on uvloop when it is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+from router.core import RouterConfig
+from router.policy import policy_names
+from router.service.registry import DEFAULT_PREFIX
+from router.service.resilience import EjectionConfig
+from router.service.server import (
+    RegistryConfig,
+    RouterServer,
+    RouterServerConfig,
+    check_address,
+)
+from router.service.servicer import ServicerConfig
+from router.service.tenancy import TenancyConfig
+from router.service.worker_conn import ConnectionConfig
+
+POLICIES = tuple(policy_names())
+SALT_SECRET_ENV = "KVROUTE_TENANT_SALT_SECRET"
+
+
+def _address(value: str) -> str:
+    try:
+        return check_address(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvroute router",
+        description="Run the cache-aware router in front of kvroute workers.",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=50051, help="port to bind; 0 picks a free one")
+    p.add_argument(
+        "--worker",
+        action="append",
+        default=[],
+        type=_address,
+        metavar="HOST:PORT",
+        help="a worker to route to (repeatable); static membership",
+    )
+    p.add_argument(
+        "--redis-url", default=None, help="Redis registry for dynamic membership (redis://...)"
+    )
+    p.add_argument("--redis-prefix", default=DEFAULT_PREFIX, help="registry key prefix")
+    p.add_argument("--redis-poll-s", type=float, default=2.0, help="registry poll interval")
+    p.add_argument("--policy", default="cache_aware", choices=POLICIES, help="routing policy")
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="fleet block size in tokens (default: the first worker's)",
+    )
+    p.add_argument(
+        "--max-inflight",
+        type=int,
+        default=1024,
+        help="requests in flight before RESOURCE_EXHAUSTED",
+    )
+    p.add_argument(
+        "--max-deadline-s",
+        type=float,
+        default=600.0,
+        help="cap on a request's deadline; also the deadline of requests that set none",
+    )
+    p.add_argument(
+        "--tenant-header",
+        default="x-tenant-id",
+        help="metadata key carrying the tenant id ('' disables tenancy)",
+    )
+    p.add_argument(
+        "--tenant-salt-secret",
+        default=os.environ.get(SALT_SECRET_ENV),
+        help=f"HMAC secret making cache salts unguessable (default: ${SALT_SECRET_ENV})",
+    )
+    p.add_argument(
+        "--trust-client-salt",
+        action="store_true",
+        help="honour a non-empty partition.cache_salt from the request body",
+    )
+    p.add_argument(
+        "--eject-after",
+        type=int,
+        default=3,
+        help="consecutive worker failures before it is ejected",
+    )
+    p.add_argument("--eject-cooldown-s", type=float, default=10.0, help="ejection duration")
+    p.add_argument(
+        "--purge-after-s",
+        type=float,
+        default=10.0,
+        help="drop an unreachable worker's index entries after this long",
+    )
+    p.add_argument("--keepalive-s", type=float, default=30.0, help="HTTP/2 keepalive ping interval")
+    p.add_argument("--seed", type=int, default=None, help="seed for tie-breaks (reproducible runs)")
+    p.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        help="log level (logs go to stderr)",
+    )
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> RouterServerConfig:
+    """The server config the command-line options describe (ValueError on bad values)."""
+    secret = args.tenant_salt_secret.encode() if args.tenant_salt_secret else None
+    return RouterServerConfig(
+        host=args.host,
+        port=args.port,
+        workers=tuple(args.worker),
+        registry=RegistryConfig(args.redis_url, args.redis_prefix, args.redis_poll_s),
+        core=RouterConfig(policy=args.policy, block_size=args.block_size),
+        service=ServicerConfig(
+            max_inflight=args.max_inflight,
+            max_deadline_s=args.max_deadline_s,
+            tenancy=TenancyConfig(args.tenant_header.lower(), secret, args.trust_client_salt),
+            ejection=EjectionConfig(args.eject_after, args.eject_cooldown_s),
+        ),
+        connection=ConnectionConfig(
+            keepalive_time_s=args.keepalive_s, purge_after_s=args.purge_after_s
+        ),
+        seed=args.seed,
+    )
+
+
+async def serve(config: RouterServerConfig) -> None:
+    """Run one router until SIGINT/SIGTERM."""
+    server = RouterServer(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await server.start()
+    print(f"listening on {server.address}", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await server.stop()
+
+
+def run_event_loop(coro: object) -> None:
+    """Run ``coro`` on uvloop when available, else the default asyncio loop."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
+        asyncio.run(coro)  # type: ignore[arg-type]
+    else:
+        uvloop.run(coro)  # type: ignore[arg-type]
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if not args.worker and not args.redis_url:
+        print("kvroute router: give at least one --worker or --redis-url", file=sys.stderr)
+        return 2
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        print(f"kvroute router: {exc}", file=sys.stderr)
+        return 2
+    run_event_loop(serve(config))
+    return 0

@@ -1,0 +1,327 @@
+"""``kvroute up``: a local fleet -- N worker subprocesses and a router -- in one command.
+
+    kvroute up --workers 2 --port 50051 [--executor torch|sim] [--demo [--exit]]
+
+Each worker is ``python -m kvroute_cli worker --port 0 ...``; its ``listening on HOST:PORT``
+line tells us where it is. The router runs in this process (it never imports the worker
+package). Ctrl-C or SIGTERM stops everything: the router first, then each worker gets
+SIGTERM, ``--stop-timeout-s`` to exit, then SIGKILL. Workers also get SIGTERM from the
+kernel if this process dies without cleaning up (Linux parent-death signal): no orphans.
+
+``--demo`` sends two requests that share a long prefix through the router and prints which
+worker served each and how many prompt tokens were cached, then keeps running (or exits with
+``--exit``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import logging
+import signal
+import sys
+from dataclasses import dataclass
+
+import grpc
+
+from router.cli import POLICIES, run_event_loop
+from router.client import GenerateOptions, RouterClient
+from router.core import RouterConfig
+from router.service.server import RouterServer, RouterServerConfig
+from router.service.worker_conn import ConnectionConfig
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True, slots=True)
+class FleetConfig:
+    """What ``kvroute up`` starts."""
+
+    num_workers: int = 2
+    port: int = 50051
+    host: str = "127.0.0.1"
+    executor: str = "torch"
+    policy: str = "cache_aware"
+    worker_args: tuple[str, ...] = ()
+    worker_log_level: str = "WARNING"
+    startup_timeout_s: float = 120.0
+    stop_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_workers <= 64:
+            raise ValueError(f"--workers must be in 1..64, got {self.num_workers}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"--port must be in 0..65535, got {self.port}")
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    """Linux: SIGTERM this child when its parent dies (no orphaned workers)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass(slots=True)
+class WorkerProcess:
+    worker_id: str
+    proc: asyncio.subprocess.Process
+    address: str = ""
+    _pump: asyncio.Task[None] | None = None
+
+
+def worker_command(config: FleetConfig, worker_id: str) -> list[str]:
+    """The argv of one worker subprocess."""
+    return [
+        sys.executable,
+        "-m",
+        "kvroute_cli",
+        "worker",
+        "--host",
+        config.host,
+        "--port",
+        "0",
+        "--worker-id",
+        worker_id,
+        "--executor",
+        config.executor,
+        "--log-level",
+        config.worker_log_level,
+        *config.worker_args,
+    ]
+
+
+async def _pump_stdout(wp: WorkerProcess) -> None:
+    """Keep reading a worker's stdout (so the pipe never fills), echoing it prefixed."""
+    assert wp.proc.stdout is not None
+    async for line in wp.proc.stdout:
+        print(f"[{wp.worker_id}] {line.decode(errors='replace').rstrip()}", flush=True)
+
+
+async def start_worker(config: FleetConfig, worker_id: str) -> WorkerProcess:
+    """Start one worker and wait for its ``listening on`` line."""
+    proc = await asyncio.create_subprocess_exec(
+        *worker_command(config, worker_id),
+        stdout=asyncio.subprocess.PIPE,
+        stdin=asyncio.subprocess.DEVNULL,
+        start_new_session=True,  # Ctrl-C reaches us only; we stop workers in order
+        preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+    )
+    wp = WorkerProcess(worker_id, proc)
+    assert proc.stdout is not None
+    try:
+        async with asyncio.timeout(config.startup_timeout_s):
+            while True:
+                line = (await proc.stdout.readline()).decode(errors="replace")
+                if not line:
+                    code = await proc.wait()
+                    raise RuntimeError(
+                        f"worker {worker_id} exited with code {code} before listening"
+                    )
+                if line.startswith("listening on "):
+                    wp.address = line.split()[-1]
+                    break
+    except TimeoutError:
+        await stop_worker(wp, config.stop_timeout_s)
+        raise RuntimeError(
+            f"worker {worker_id} did not listen within {config.startup_timeout_s} s"
+        ) from None
+    wp._pump = asyncio.create_task(_pump_stdout(wp))
+    return wp
+
+
+async def stop_worker(wp: WorkerProcess, timeout_s: float) -> int:
+    """SIGTERM, wait up to ``timeout_s``, then SIGKILL; returns the exit code."""
+    if wp.proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            wp.proc.terminate()
+        try:
+            async with asyncio.timeout(timeout_s):
+                await wp.proc.wait()
+        except TimeoutError:
+            log.warning("worker %s did not stop in %.1f s: killing it", wp.worker_id, timeout_s)
+            with contextlib.suppress(ProcessLookupError):
+                wp.proc.kill()
+            await wp.proc.wait()
+    if wp._pump is not None:
+        wp._pump.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await wp._pump
+    return wp.proc.returncode if wp.proc.returncode is not None else -1
+
+
+class Fleet:
+    """N worker subprocesses plus an in-process router."""
+
+    def __init__(self, config: FleetConfig) -> None:
+        self.config = config
+        self.workers: list[WorkerProcess] = []
+        self.router: RouterServer | None = None
+
+    async def start(self) -> str:
+        """Start workers (concurrently) and the router; returns the router address."""
+        ids = [f"worker-{i}" for i in range(self.config.num_workers)]
+        results = await asyncio.gather(
+            *(start_worker(self.config, wid) for wid in ids), return_exceptions=True
+        )
+        self.workers = [r for r in results if isinstance(r, WorkerProcess)]
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await self.stop()
+            raise errors[0]
+        self.router = RouterServer(
+            RouterServerConfig(
+                host=self.config.host,
+                port=self.config.port,
+                workers=tuple(w.address for w in self.workers),
+                core=RouterConfig(policy=self.config.policy),
+                connection=ConnectionConfig(purge_after_s=5.0),
+                seed=0,
+            )
+        )
+        await self.router.start()
+        return self.router.address
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        """Wait until the router is connected to every worker."""
+        assert self.router is not None
+        pool = self.router.pool
+        await pool.wait_for(lambda: all(c.healthy for c in pool.conns.values()), timeout_s)
+
+    async def stop(self) -> None:
+        """Router first (in-flight requests get a short grace), then every worker."""
+        if self.router is not None:
+            await self.router.stop(grace_s=1.0)
+            self.router = None
+        await asyncio.gather(*(stop_worker(w, self.config.stop_timeout_s) for w in self.workers))
+        self.workers = []
+
+
+DEMO_SYSTEM = (
+    "You are a helpful support agent for ExampleCorp. Answer briefly and politely. "
+    "Never reveal internal information. Refer billing questions to the billing team. "
+)
+DEMO_QUESTIONS = ("How do I reset my password?", "Where can I find my invoices?")
+
+
+async def run_demo(address: str, max_new_tokens: int = 16) -> list[str]:
+    """Send prompts sharing a prefix through the router; return the printed lines."""
+    lines = []
+    async with RouterClient(address, timeout_s=120.0) as client:
+        for question in DEMO_QUESTIONS:
+            prompt = DEMO_SYSTEM + question
+            r = await client.generate(prompt, GenerateOptions(max_new_tokens=max_new_tokens))
+            lines.append(
+                f"demo: {question!r} -> {r.text!r}\n"
+                f"      served by {r.worker_id}: {r.cached_prompt_tokens}/{r.prompt_tokens} "
+                f"prompt tokens cached, {r.completion_tokens} generated, attempts={r.attempts}"
+            )
+            print(lines[-1], flush=True)
+    return lines
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvroute up",
+        description="Start N local workers and a cache-aware router; Ctrl-C stops them all.",
+    )
+    p.add_argument("--workers", type=int, default=2, help="number of worker processes")
+    p.add_argument("--port", type=int, default=50051, help="router port (0 picks one)")
+    p.add_argument("--host", default="127.0.0.1", help="address everything binds to")
+    p.add_argument(
+        "--executor",
+        choices=("torch", "sim"),
+        default="torch",
+        help="torch: the tiny random Llama on the CPU (or CUDA); sim: cost model, no math",
+    )
+    p.add_argument("--policy", choices=POLICIES, default="cache_aware", help="routing policy")
+    p.add_argument(
+        "--worker-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra argument for every worker, e.g. --worker-arg=--kv-slots=8192 (repeatable)",
+    )
+    p.add_argument("--demo", action="store_true", help="send demo requests after start")
+    p.add_argument("--exit", action="store_true", help="with --demo: stop after the demo")
+    p.add_argument("--startup-timeout-s", type=float, default=120.0)
+    p.add_argument("--stop-timeout-s", type=float, default=10.0)
+    p.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    return p
+
+
+async def _up(config: FleetConfig, demo: bool, exit_after_demo: bool) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    fleet = Fleet(config)
+    try:
+        starting = asyncio.create_task(fleet.start())
+        stopper = asyncio.create_task(stop.wait())
+        await asyncio.wait((starting, stopper), return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():  # Ctrl-C during startup
+            starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await starting
+            return 130
+        stopper.cancel()
+        address = starting.result()
+        for w in fleet.workers:
+            print(f"worker {w.worker_id} listening on {w.address} (pid {w.proc.pid})", flush=True)
+        print(f"router listening on {address} (policy {config.policy})", flush=True)
+        if demo:
+            await fleet.wait_ready(config.startup_timeout_s)
+            await run_demo(address)
+            if exit_after_demo:
+                return 0
+        print("Ctrl-C to stop", flush=True)
+        await stop.wait()
+        return 0
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"kvroute up: {exc or 'timed out'}", file=sys.stderr)
+        return 1
+    except grpc.aio.AioRpcError as exc:
+        print(
+            f"kvroute up: demo request failed: {exc.code().name}: {exc.details()}", file=sys.stderr
+        )
+        return 1
+    finally:
+        await fleet.stop()
+        print("stopped", flush=True)
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if args.exit and not args.demo:
+        print("kvroute up: --exit needs --demo", file=sys.stderr)
+        return 2
+    try:
+        config = FleetConfig(
+            num_workers=args.workers,
+            port=args.port,
+            host=args.host,
+            executor=args.executor,
+            policy=args.policy,
+            worker_args=tuple(args.worker_arg),
+            worker_log_level=args.log_level,
+            startup_timeout_s=args.startup_timeout_s,
+            stop_timeout_s=args.stop_timeout_s,
+        )
+    except ValueError as exc:
+        print(f"kvroute up: {exc}", file=sys.stderr)
+        return 2
+    result: list[int] = []
+
+    async def runner() -> None:
+        result.append(await _up(config, args.demo, args.exit))
+
+    run_event_loop(runner())
+    return result[0] if result else 1

@@ -1,0 +1,190 @@
+"""The router's gRPC server: RouterCore + worker pool + membership + the Router service.
+
+Lifecycle (the route_guide shape)::
+
+    server = RouterServer(RouterServerConfig(workers=("127.0.0.1:7001",)))
+    port = await server.start()    # connect to workers, watch Redis, serve Router/health
+    try:
+        await server.wait_for_termination()
+    finally:
+        await server.stop()        # NOT_SERVING, in-flight requests get grace_s, then
+                                   # subscriptions and channels close
+
+Health (grpc.health.v1): "" is SERVING while the server runs; "kvroute.v1.Router" is
+SERVING only while at least one worker is healthy (a readiness probe for load balancers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvroute_proto import kvroute_pb2 as pb
+from kvroute_proto import kvroute_pb2_grpc as pb_grpc
+from router.core import RouterConfig, RouterCore
+from router.service.pool import WorkerPool
+from router.service.registry import DEFAULT_PREFIX, RedisMembershipWatcher, WorkerRecord
+from router.service.servicer import RouterServicer, ServicerConfig
+from router.service.worker_conn import ConnectionConfig
+
+log = logging.getLogger(__name__)
+
+ROUTER_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Router"].full_name  # kvroute.v1.Router
+
+
+@dataclass(frozen=True, slots=True)
+class RegistryConfig:
+    """Redis membership (None url: static workers only)."""
+
+    redis_url: str | None = None
+    prefix: str = DEFAULT_PREFIX
+    poll_s: float = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class RouterServerConfig:
+    """Everything the router process needs."""
+
+    host: str = "127.0.0.1"
+    port: int = 0  # 0 = let the OS pick; start() returns the bound port
+    workers: tuple[str, ...] = ()  # static HOST:PORT addresses
+    registry: RegistryConfig = field(default_factory=RegistryConfig)
+    core: RouterConfig = field(default_factory=RouterConfig)
+    service: ServicerConfig = field(default_factory=ServicerConfig)
+    connection: ConnectionConfig = field(default_factory=ConnectionConfig)
+    grace_s: float = 5.0
+    seed: int | None = None  # tie-breaks and jitter; None = from the OS
+
+    def __post_init__(self) -> None:
+        for address in self.workers:
+            check_address(address)
+
+
+def check_address(address: str) -> str:
+    """Validate HOST:PORT; raises ValueError naming the problem."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(
+            f"worker address must be HOST:PORT with a port in 1..65535, got {address!r}"
+        )
+    return address
+
+
+def server_options(config: ConnectionConfig) -> list[tuple[str, int]]:
+    """Accept client keepalive pings at the rate our own channels send them."""
+    return [
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", int(config.keepalive_time_s * 500)),
+        ("grpc.http2.max_ping_strikes", 0),
+    ]
+
+
+class RouterServer:
+    """One router replica."""
+
+    def __init__(
+        self, config: RouterServerConfig, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.config = config
+        self._clock = clock
+        rng = random.Random(config.seed)
+        self.core = RouterCore(config.core, clock=clock, rng=random.Random(rng.getrandbits(64)))
+        self.pool = WorkerPool(
+            self.core,
+            config.connection,
+            rng=random.Random(rng.getrandbits(64)),
+            clock=clock,
+            on_health_change=self._on_health_change,
+        )
+        self.servicer = RouterServicer(self.core, self.pool, config.service, clock=clock)
+        self.health = health.aio.HealthServicer()
+        self.watcher: RedisMembershipWatcher | None = None
+        self._server: grpc.aio.Server | None = None
+        self.port: int | None = None
+        self._stopping = False
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    async def start(self) -> int:
+        """Connect to workers, start membership watching, bind and serve; returns the port."""
+        server = grpc.aio.server(options=server_options(self.config.connection))
+        pb_grpc.add_RouterServicer_to_server(self.servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (ROUTER_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        if port == 0:
+            raise OSError(f"could not bind {self.config.host}:{self.config.port}")
+        for address in self.config.workers:
+            self.pool.add(address, static=True)
+        if self.config.registry.redis_url:
+            self.watcher = RedisMembershipWatcher(
+                self.config.registry.redis_url,
+                self._on_members,
+                prefix=self.config.registry.prefix,
+                poll_s=self.config.registry.poll_s,
+            )
+            await self.watcher.start()
+        await server.start()
+        self._server, self.port = server, port
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self._set_ready(self.pool.num_healthy > 0)
+        log.info(
+            "router listening on %s policy=%s workers=%s redis=%s",
+            self.address,
+            self.core.policy_name,
+            ",".join(self.config.workers) or "-",
+            self.config.registry.redis_url or "-",
+        )
+        return port
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """NOT_SERVING, let in-flight requests finish for ``grace_s``, close everything."""
+        self._stopping = True
+        grace = self.config.grace_s if grace_s is None else grace_s
+        await self.health.enter_graceful_shutdown()
+        try:
+            if self._server is not None:
+                await self._server.stop(grace)
+        finally:
+            if self.watcher is not None:
+                await self.watcher.stop()
+            await self.pool.close()
+        log.info("router stopped")
+
+    async def wait_for_termination(self) -> None:
+        if self._server is not None:
+            await self._server.wait_for_termination()
+
+    # ---- membership and readiness --------------------------------------------------------
+
+    async def _on_members(self, members: dict[str, WorkerRecord]) -> None:
+        await self.pool.set_dynamic(r.address for r in members.values())
+
+    async def _set_ready(self, ready: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if ready
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        await self.health.set(ROUTER_SERVICE_NAME, status)
+
+    def _on_health_change(self, num_healthy: int) -> None:
+        if self._stopping or self._server is None:
+            return
+        # the pool calls back synchronously; the health update is async
+        task = asyncio.get_running_loop().create_task(self._set_ready(num_healthy > 0))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)

@@ -1,0 +1,92 @@
+"""Router-side checks of a GenerateRequest, and the token ids the router routes on.
+
+The router rejects what is wrong whatever worker would serve it (INVALID_ARGUMENT, with the
+field and the limit in the message) before spending a route on it; the worker still checks
+what only it knows (vocabulary, context length).
+
+Text prompts: the router has no tokenizer of the workers' model. To route a text prompt it
+takes the prompt's UTF-8 bytes as token ids (byte value = id) and hashes those blocks; the
+text itself is forwarded unchanged and the worker tokenizes it. For workers with a byte
+tokenizer (the tiny default model, the sim executor) this is exact; for a real tokenizer it
+is approximate: two texts sharing a byte prefix share routing blocks, so they still land on
+the same worker through the router's predicted entries, but those entries are never
+confirmed by the worker's events (which carry real token ids), so they lapse after the
+prediction TTL. Clients that want exact cache-aware routing send token ids.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvroute_proto import kvroute_pb2 as pb
+
+
+class RequestError(ValueError):
+    """A request field the router rejects (INVALID_ARGUMENT); the message names field + limit."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """What the router accepts, whatever the worker."""
+
+    max_request_id_chars: int = 256
+    max_prompt_tokens: int = 1 << 20
+    max_prompt_text_bytes: int = 4 << 20
+    max_new_tokens: int = 1 << 20
+    max_stop_token_ids: int = 256
+
+
+def check_request(req: pb.GenerateRequest, limits: RequestLimits) -> None:
+    """Raise RequestError for a field no worker could accept."""
+    if len(req.request_id) > limits.max_request_id_chars:
+        raise RequestError(
+            f"request_id must be at most {limits.max_request_id_chars} characters, "
+            f"got {len(req.request_id)}"
+        )
+    match req.WhichOneof("prompt"):
+        case "prompt_token_ids":
+            n = len(req.prompt_token_ids.ids)
+            if n == 0:
+                raise RequestError("prompt_token_ids must not be empty")
+            if n > limits.max_prompt_tokens:
+                raise RequestError(
+                    f"prompt_token_ids must hold at most {limits.max_prompt_tokens} tokens, got {n}"
+                )
+        case "prompt_text":
+            n = len(req.prompt_text.encode("utf-8"))
+            if n == 0:
+                raise RequestError("prompt_text must not be empty")
+            if n > limits.max_prompt_text_bytes:
+                raise RequestError(
+                    f"prompt_text must be at most {limits.max_prompt_text_bytes} UTF-8 bytes, "
+                    f"got {n}"
+                )
+        case _:
+            raise RequestError("prompt must be set: prompt_token_ids or prompt_text")
+    s = req.sampling
+    if not (math.isfinite(s.temperature) and s.temperature >= 0):
+        raise RequestError(f"sampling.temperature must be finite and >= 0, got {s.temperature}")
+    if not (math.isfinite(s.top_p) and 0 <= s.top_p <= 1):
+        raise RequestError(f"sampling.top_p must be in [0, 1], got {s.top_p}")
+    if s.max_new_tokens > limits.max_new_tokens:
+        raise RequestError(
+            f"sampling.max_new_tokens must be at most {limits.max_new_tokens}, "
+            f"got {s.max_new_tokens}"
+        )
+    if len(s.stop_token_ids) > limits.max_stop_token_ids:
+        raise RequestError(
+            f"sampling.stop_token_ids must hold at most {limits.max_stop_token_ids} ids, "
+            f"got {len(s.stop_token_ids)}"
+        )
+
+
+def routing_tokens(req: pb.GenerateRequest) -> np.ndarray:
+    """The token ids the router hashes for ``req`` (UTF-8 bytes for a text prompt)."""
+    if req.WhichOneof("prompt") == "prompt_text":
+        return np.frombuffer(req.prompt_text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+    return np.fromiter(
+        req.prompt_token_ids.ids, dtype=np.int64, count=len(req.prompt_token_ids.ids)
+    )

@@ -1,0 +1,286 @@
+"""One worker connection: a gRPC channel, the worker's identity, its KV event subscription.
+
+Lifecycle of the background task (``_run``)::
+
+        +--> GetLoad (identity, block size) --fail--> unhealthy, sleep(backoff) --+
+        |        | ok: claim worker_id in the core, healthy, backoff reset         |
+        |        v                                                                 |
+        |    SubscribeKvEvents(core.expected_subscription(worker_id))              |
+        |        | each message -> codec -> core.on_stream_message -> actions      |
+        |        | Resubscribe -> cancel the stream, subscribe again at once ------+-+
+        |        v stream broken / ended / malformed                               |
+        +------- unhealthy, sleep(backoff) <---------------------------------------+
+
+Backoff is exponential with jitter and bounded (``BackoffConfig``); gRPC's own channel
+reconnect backoff is capped to the same bound so a restarted worker is found quickly. The
+channel uses HTTP/2 keepalive pings, so a worker that vanishes without closing its socket
+(a network partition) is detected within keepalive_time + keepalive_timeout.
+
+While the worker is unreachable it keeps its index entries (a blip costs nothing); once it has
+been unreachable for ``purge_after_s`` they are dropped (the worker stays registered,
+unhealthy, and resyncs from a snapshot when it comes back). A new epoch -- a restarted
+worker -- is detected by the core from the stream and purges the old state there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from kvroute_proto import codec
+from kvroute_proto import kvroute_pb2 as pb
+from kvroute_proto import kvroute_pb2_grpc as pb_grpc
+from kvroute_proto.errors import ContractError
+from router.core import Resubscribe, RouterCore
+from router.errors import RouterError
+from router.service.resilience import Backoff, BackoffConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionConfig:
+    """Channel, keepalive, reconnect and purge settings of every worker connection."""
+
+    keepalive_time_s: float = 20.0
+    keepalive_timeout_s: float = 10.0
+    rpc_timeout_s: float = 5.0  # GetLoad and Abort
+    purge_after_s: float = 10.0
+    backoff: BackoffConfig = field(default_factory=BackoffConfig)
+    subscriber_id: str = "kvroute-router"
+
+    def __post_init__(self) -> None:
+        for name in ("keepalive_time_s", "keepalive_timeout_s", "rpc_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.purge_after_s < 0:
+            raise ValueError(f"purge_after_s must be >= 0, got {self.purge_after_s}")
+
+    def channel_options(self) -> list[tuple[str, int]]:
+        max_backoff_ms = int(self.backoff.max_s * 1000)
+        return [
+            ("grpc.keepalive_time_ms", int(self.keepalive_time_s * 1000)),
+            ("grpc.keepalive_timeout_ms", int(self.keepalive_timeout_s * 1000)),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),
+            ("grpc.initial_reconnect_backoff_ms", int(self.backoff.initial_s * 1000)),
+            ("grpc.min_reconnect_backoff_ms", int(self.backoff.initial_s * 1000)),
+            ("grpc.max_reconnect_backoff_ms", max_backoff_ms),
+            ("grpc.enable_retries", 0),
+        ]
+
+
+# claim(conn, worker_id, block_size) -> True when this connection may own worker_id
+ClaimFn = Callable[["WorkerConnection", str, int], bool]
+# release(conn, worker_id): the connection no longer speaks for worker_id
+ReleaseFn = Callable[["WorkerConnection", str], None]
+HealthFn = Callable[["WorkerConnection", bool], None]
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionHooks:
+    """How a connection reports to its owner (the WorkerPool). ``changed`` is notified
+    after every state change and every applied message (tests and tools await it)."""
+
+    claim: ClaimFn
+    release: ReleaseFn
+    on_health: HealthFn
+    changed: asyncio.Condition
+
+
+class WorkerConnection:
+    """Channel + stub + event subscription for the worker at ``address``."""
+
+    def __init__(
+        self,
+        address: str,
+        core: RouterCore,
+        config: ConnectionConfig,
+        hooks: ConnectionHooks,
+        *,
+        rng: random.Random,
+        clock: Callable[[], float],
+    ) -> None:
+        self.address = address
+        self.config = config
+        self._core = core
+        self._hooks = hooks
+        self._clock = clock
+        self._backoff = Backoff(config.backoff, rng)
+        self.channel = grpc.aio.insecure_channel(address, options=config.channel_options())
+        self.stub = pb_grpc.WorkerStub(self.channel)
+        self.worker_id: str | None = None
+        self.info: pb.WorkerInfo | None = None
+        self.healthy = False
+        self._down_since: float | None = clock()
+        self._purged = False
+        self._task: asyncio.Task[None] | None = None
+        self._call: grpc.aio.UnaryStreamCall | None = None
+        # counters (tests, logs, metrics)
+        self.num_connects = 0
+        self.num_failures = 0
+        self.num_messages = 0
+        self.num_resubscribes = 0
+        self.num_purges = 0
+        self.last_error = ""
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"worker-conn-{self.address}")
+
+    async def close(self) -> None:
+        """Stop the subscription, close the channel, and release the worker id."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        await self.channel.close()
+        if self.worker_id is not None:
+            self._hooks.release(self, self.worker_id)
+            self.worker_id = None
+        self._set_health(False)
+
+    async def _notify(self) -> None:
+        async with self._hooks.changed:
+            self._hooks.changed.notify_all()
+
+    # ---- the subscription loop -----------------------------------------------------------
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self._session()
+                reason = "the event stream ended"
+            except asyncio.CancelledError:
+                raise
+            except grpc.aio.AioRpcError as exc:
+                reason = f"{exc.code().name}: {exc.details()}"
+            except (ContractError, RouterError) as exc:
+                reason = f"{type(exc).__name__}: {exc}"
+            self._on_failure(reason)
+            await self._notify()
+            delay = self._backoff.next_delay()
+            if self._down_since is not None and not self._purged:
+                until_purge = self._down_since + self.config.purge_after_s - self._clock()
+                delay = min(delay, max(until_purge, 0.0))
+            await asyncio.sleep(delay)
+            if self._maybe_purge():
+                await self._notify()
+
+    async def _session(self) -> None:
+        """Identify the worker, then follow its event stream until it breaks."""
+        info = await self.stub.GetLoad(pb.GetLoadRequest(), timeout=self.config.rpc_timeout_s)
+        if not self._claim(info):
+            raise RouterError(f"worker at {self.address} refused (see the log)")
+        assert self.worker_id is not None
+        self.num_connects += 1
+        self._backoff.reset()
+        self._down_since = None
+        self._purged = False
+        self._set_health(True)
+        await self._notify()
+        while True:
+            resubscribe = await self._follow(self.worker_id)
+            if not resubscribe:
+                return
+            self.num_resubscribes += 1
+
+    async def _follow(self, worker_id: str) -> bool:
+        """One subscription; True when the core asked to resubscribe, False when it ended."""
+        epoch, after_seq = self._core.expected_subscription(worker_id)
+        req = pb.SubscribeRequest(
+            epoch=epoch, after_seq=after_seq, subscriber_id=self.config.subscriber_id
+        )
+        call = self.stub.SubscribeKvEvents(req)
+        self._call = call
+        try:
+            async for msg in call:
+                decoded = codec.stream_message_from_pb(msg)
+                if decoded.worker_id != worker_id:
+                    raise ContractError(
+                        f"stream message worker_id={decoded.worker_id!r} but the worker at "
+                        f"{self.address} is {worker_id!r}"
+                    )
+                self.num_messages += 1
+                actions = self._core.on_stream_message(worker_id, decoded)
+                await self._notify()
+                for action in actions:
+                    match action:
+                        case Resubscribe(reason=reason):
+                            log.info("worker %s: resubscribing (%s)", worker_id, reason)
+                            return True
+            return False
+        finally:
+            call.cancel()
+            self._call = None
+
+    # ---- identity, health, purge ---------------------------------------------------------
+
+    def _claim(self, info: pb.WorkerInfo) -> bool:
+        if not info.worker_id:
+            log.error("worker at %s reports an empty worker_id; not routing to it", self.address)
+            return False
+        if self.worker_id is not None and self.worker_id != info.worker_id:
+            log.warning(
+                "worker at %s changed identity %s -> %s",
+                self.address,
+                self.worker_id,
+                info.worker_id,
+            )
+            self._hooks.release(self, self.worker_id)
+            self.worker_id = None
+        if self.worker_id is None:
+            if not self._hooks.claim(self, info.worker_id, info.block_size):
+                return False
+            self.worker_id = info.worker_id
+        self.info = info
+        return True
+
+    def _set_health(self, healthy: bool) -> None:
+        if healthy == self.healthy:
+            return
+        self.healthy = healthy
+        if self.worker_id is not None and self._core.has_worker(self.worker_id):
+            self._core.set_health(self.worker_id, healthy)
+        self._hooks.on_health(self, healthy)
+
+    def _on_failure(self, reason: str) -> None:
+        self.num_failures += 1
+        self.last_error = reason
+        if self.healthy:
+            log.warning("worker %s at %s unhealthy: %s", self.worker_id, self.address, reason)
+        else:
+            log.debug("worker at %s still unreachable: %s", self.address, reason)
+        if self._down_since is None:
+            self._down_since = self._clock()
+        self._set_health(False)
+
+    def _maybe_purge(self) -> bool:
+        """Drop the index entries of a worker unreachable for ``purge_after_s``."""
+        if self._purged or self._down_since is None or self.worker_id is None:
+            return False
+        if self._clock() - self._down_since < self.config.purge_after_s:
+            return False
+        wid = self.worker_id
+        if self._core.has_worker(wid):
+            block_size = self.info.block_size if self.info is not None else None
+            self._core.remove_worker(wid)
+            self._core.add_worker(wid, self.address, block_size or None)
+            self._core.set_health(wid, False)
+        self._purged = True
+        self.num_purges += 1
+        log.warning(
+            "worker %s at %s unreachable for %.1f s: dropped its index entries",
+            wid,
+            self.address,
+            self.config.purge_after_s,
+        )
+        return True

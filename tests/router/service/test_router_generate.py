@@ -1,0 +1,320 @@
+"""Router Generate/Abort/Explain against scripted fake workers: retries, pass-through,
+ejection, deadlines, cancellation, admission and tenancy -- exact outcomes."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+
+import grpc
+import pytest
+from fake_worker import FakeWorker, running_fake
+from harness import WAIT_S, router_config, running_router
+
+from kvroute_proto import kvroute_pb2 as pb
+from kvroute_proto import kvroute_pb2_grpc as pb_grpc
+from kvroute_proto.events import BlockStored, EventBatch, Partition
+from kvroute_proto.hashing import block_hash_list
+from router.client import GenerateOptions, build_request
+from router.service.resilience import EjectionConfig
+from router.service.servicer import ServicerConfig
+from router.service.tenancy import TenancyConfig
+
+PROMPT = list(range(1, 17))  # 4 blocks of 4
+
+
+@pytest.fixture
+async def fleet(request):
+    """Two fake workers w0, w1 behind a router; ``request.param`` overrides ServicerConfig."""
+    overrides = getattr(request, "param", {})
+    a, b = FakeWorker("w0"), FakeWorker("w1")
+    async with running_fake(a) as ra, running_fake(b) as rb:
+        config = router_config([ra.address, rb.address])
+        if overrides:
+            config = dataclasses.replace(
+                config, service=dataclasses.replace(config.service, **overrides)
+            )
+        async with running_router([ra.address, rb.address], config) as router:
+            await router.wait_synced(2)
+            yield router, a, b
+
+
+async def hold(router, fake: FakeWorker, tokens: list[int], seq: int = 1) -> None:
+    """Make ``fake`` announce that it holds ``tokens``' blocks; wait until indexed."""
+    hashes = tuple(block_hash_list(tokens, fake.block_size, Partition().seed))
+    stored = BlockStored(hashes, None, tuple(tokens[: len(hashes) * fake.block_size]))
+    fake.push(EventBatch(fake.worker_id, fake.epoch, seq, fake.block_size, (stored,)))
+    core = router.server.core
+    await router.wait_for(lambda: core.worker_blocks(fake.worker_id) == set(hashes))
+
+
+def fakes_by_id(a: FakeWorker, b: FakeWorker) -> dict[str, FakeWorker]:
+    return {a.worker_id: a, b.worker_id: b}
+
+
+async def test_generate_relays_stream_and_reports_worker_and_usage(fleet):
+    router, a, b = fleet
+    a.cached_prompt_tokens = b.cached_prompt_tokens = 8
+    r = await router.client.generate(PROMPT, GenerateOptions(request_id="r1"))
+    assert r.request_id == "r1"
+    assert r.token_ids == (1, 2, 3)
+    assert r.worker_id in ("w0", "w1") and r.attempts == 1
+    assert (r.prompt_tokens, r.cached_prompt_tokens, r.completion_tokens) == (16, 8, 3)
+    served = fakes_by_id(a, b)[r.worker_id]
+    assert [x.request.request_id for x in served.received] == ["r1"]
+    # in-flight accounting is back to zero
+    assert router.server.core.stats().num_inflight_requests == 0
+    assert router.server.servicer.num_inflight == 0
+
+
+async def test_router_assigns_a_request_id_when_empty(fleet):
+    router, a, b = fleet
+    r = await router.client.generate(PROMPT)
+    assert r.request_id.startswith("r-")
+    served = fakes_by_id(a, b)[r.worker_id]
+    assert served.received[0].request.request_id == r.request_id
+
+
+async def test_same_prefix_goes_to_the_same_worker(fleet):
+    router, _, _ = fleet
+    first = await router.client.generate(PROMPT)
+    for i in range(3):
+        r = await router.client.generate([*PROMPT, 100 + i])
+        assert r.worker_id == first.worker_id
+
+
+async def test_failure_before_first_token_retries_once_on_the_other_worker(fleet):
+    router, a, b = fleet
+    await hold(router, a, PROMPT)  # w0 is the first choice
+    assert (await router.client.explain(PROMPT)).chosen_worker_id == "w0"
+    a.behaviour = "fail_before"
+    r = await router.client.generate(PROMPT, GenerateOptions(request_id="r1"))
+    assert (r.worker_id, r.attempts) == ("w1", 2)
+    assert [x.request.request_id for x in a.received] == ["r1"]
+    assert [x.request.request_id for x in b.received] == ["r1"]
+    assert router.server.servicer.num_retries == 1
+    assert router.server.core.stats().num_inflight_requests == 0
+
+
+async def test_both_workers_failing_gives_unavailable_naming_both(fleet):
+    router, a, b = fleet
+    a.behaviour = b.behaviour = "fail_before"
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await router.client.generate(PROMPT)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "w0" in err.value.details() and "w1" in err.value.details()
+    assert "max_attempts=2" in err.value.details()
+    assert len(a.received) == len(b.received) == 1
+
+
+async def test_failure_after_first_token_is_not_retried(fleet):
+    router, a, b = fleet
+    a.behaviour = b.behaviour = "fail_after"
+    received = []
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for msg in router.client.stream(PROMPT):
+            received.append(msg)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "after the response had started" in err.value.details()
+    assert [list(m.chunk.token_ids) for m in received] == [[1]]
+    assert len(a.received) + len(b.received) == 1  # no duplicate attempt
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ],
+)
+async def test_request_errors_pass_through_uncounted(fleet, code):
+    router, a, b = fleet
+    a.behaviour = b.behaviour = "fail_before"
+    a.fail_code = b.fail_code = code
+    for _ in range(4):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await router.client.generate(PROMPT)
+        assert err.value.code() == code
+        assert "scripted failure" in err.value.details()
+    assert len(a.received) + len(b.received) == 4  # never retried
+    assert router.server.servicer.ejector.ejected() == frozenset()
+
+
+@pytest.mark.parametrize(
+    "fleet",
+    [{"ejection": EjectionConfig(max_consecutive_failures=2, cooldown_s=60.0)}],
+    indirect=True,
+)
+async def test_consecutive_internal_errors_eject_the_worker(fleet):
+    router, a, _ = fleet
+    await hold(router, a, PROMPT)  # w0 is the first choice while healthy
+    a.behaviour = "fail_before"
+    a.fail_code = grpc.StatusCode.INTERNAL
+    # w0 fails twice (each time the request is retried on w1 and succeeds) -> ejected
+    for i in range(2):
+        r = await router.client.generate(PROMPT, GenerateOptions(request_id=f"x{i}"))
+        assert (r.worker_id, r.attempts) == ("w1", 2)
+    assert router.server.servicer.ejector.ejected() == {"w0"}
+    expl = await router.client.explain(PROMPT)
+    assert {w.worker_id: w.healthy for w in expl.workers} == {"w0": False, "w1": True}
+    for i in range(4):
+        r = await router.client.generate(PROMPT, GenerateOptions(request_id=f"y{i}"))
+        assert (r.worker_id, r.attempts) == ("w1", 1)
+    assert len(a.received) == 2
+
+
+@pytest.mark.parametrize("fleet", [{"max_inflight": 1}], indirect=True)
+async def test_max_inflight_gives_resource_exhausted(fleet):
+    router, a, b = fleet
+    a.behaviour = b.behaviour = "hang"
+    stub = pb_grpc.RouterStub(router.client._channel)
+    call = stub.Generate(build_request(PROMPT, GenerateOptions(request_id="long")))
+    await asyncio.wait_for(_either(a, b), WAIT_S)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await router.client.generate(PROMPT)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "max_inflight=1" in err.value.details()
+    call.cancel()
+
+
+async def test_client_cancel_cancels_the_worker_call(fleet):
+    router, a, b = fleet
+    a.behaviour = b.behaviour = "hang"
+    stub = pb_grpc.RouterStub(router.client._channel)
+    call = stub.Generate(build_request(PROMPT, GenerateOptions(request_id="c1")))
+    await asyncio.wait_for(asyncio.gather(*(asyncio.ensure_future(_either(a, b)),)), WAIT_S)
+    call.cancel()
+    for _ in range(200):  # bounded: the cancellation crosses two gRPC hops
+        if a.cancelled or b.cancelled:
+            break
+        await asyncio.sleep(0.01)
+    assert a.cancelled + b.cancelled == ["c1"]
+    await router.wait_for(lambda: router.server.servicer.num_inflight == 0)
+    assert router.server.core.stats().num_inflight_requests == 0
+
+
+async def _either(a: FakeWorker, b: FakeWorker) -> None:
+    wa = asyncio.ensure_future(a.hanging.wait())
+    wb = asyncio.ensure_future(b.hanging.wait())
+    await asyncio.wait((wa, wb), return_when=asyncio.FIRST_COMPLETED)
+    wa.cancel()
+    wb.cancel()
+
+
+async def test_deadline_is_propagated_and_capped(fleet):
+    router, a, b = fleet
+    stub = pb_grpc.RouterStub(router.client._channel)
+    req = build_request(PROMPT, GenerateOptions(request_id="d1"))
+    [m async for m in stub.Generate(req, timeout=3.0)]
+    got = [x.time_remaining for x in a.received + b.received]
+    assert len(got) == 1 and 0 < got[0] <= 3.5
+    # no client deadline: the router's cap applies
+    req = build_request(PROMPT, GenerateOptions(request_id="d2"))
+    [m async for m in stub.Generate(req)]
+    got = [x.time_remaining for x in a.received + b.received if x.request.request_id == "d2"]
+    cap = router.server.config.service.max_deadline_s
+    assert len(got) == 1 and cap - 5 < got[0] <= cap + 1.5  # the wire rounds timeouts up
+
+
+@pytest.mark.parametrize("fleet", [{"max_deadline_s": 2.0}], indirect=True)
+async def test_client_deadline_above_the_cap_is_capped(fleet):
+    router, a, b = fleet
+    stub = pb_grpc.RouterStub(router.client._channel)
+    [m async for m in stub.Generate(build_request(PROMPT, GenerateOptions()), timeout=30)]
+    (got,) = [x.time_remaining for x in a.received + b.received]
+    assert 0 < got <= 2.5  # the wire rounds timeouts up
+
+
+@pytest.mark.parametrize(
+    ("request_", "message"),
+    [
+        (pb.GenerateRequest(), "prompt must be set"),
+        (pb.GenerateRequest(prompt_text=""), "prompt_text must not be empty"),
+        (pb.GenerateRequest(prompt_token_ids=pb.TokenIds()), "prompt_token_ids must not be empty"),
+        (
+            pb.GenerateRequest(prompt_text="x", sampling=pb.SamplingParams(temperature=-1)),
+            "sampling.temperature must be finite and >= 0",
+        ),
+        (
+            pb.GenerateRequest(prompt_text="x", sampling=pb.SamplingParams(top_p=1.5)),
+            "sampling.top_p must be in [0, 1]",
+        ),
+        (
+            pb.GenerateRequest(prompt_text="x", request_id="r" * 257),
+            "request_id must be at most 256 characters, got 257",
+        ),
+    ],
+)
+async def test_bad_input_is_rejected_at_the_router(fleet, request_, message):
+    router, a, b = fleet
+    stub = pb_grpc.RouterStub(router.client._channel)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        [m async for m in stub.Generate(request_)]
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in err.value.details()
+    assert a.received == b.received == []
+
+
+async def test_duplicate_inflight_request_id_is_rejected(fleet):
+    router, a, b = fleet
+    a.behaviour = b.behaviour = "hang"
+    stub = pb_grpc.RouterStub(router.client._channel)
+    call = stub.Generate(build_request(PROMPT, GenerateOptions(request_id="dup")))
+    await asyncio.wait_for(_either(a, b), WAIT_S)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        [m async for m in stub.Generate(build_request(PROMPT, GenerateOptions(request_id="dup")))]
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "'dup' is already in flight" in err.value.details()
+    call.cancel()
+
+
+async def test_abort_is_forwarded_to_the_serving_worker(fleet):
+    router, a, b = fleet
+    a.behaviour = b.behaviour = "hang"
+    stub = pb_grpc.RouterStub(router.client._channel)
+    call = stub.Generate(build_request(PROMPT, GenerateOptions(request_id="ab")))
+    await asyncio.wait_for(_either(a, b), WAIT_S)
+    assert await router.client.abort("ab") is True
+    assert a.aborted + b.aborted == ["ab"]
+    assert await router.client.abort("unknown") is False
+    call.cancel()
+
+
+async def test_no_healthy_worker_gives_unavailable():
+    async with running_router(["127.0.0.1:1"]) as router:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await router.client.generate(PROMPT)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "no worker available" in err.value.details()
+
+
+async def test_tenant_salt_overwrites_the_body_salt():
+    a = FakeWorker("w0")
+    async with running_fake(a) as ra:
+        config = router_config(
+            [ra.address],
+            service=ServicerConfig(tenancy=TenancyConfig(salt_secret=b"k")),
+        )
+        async with running_router([ra.address], config, tenant="acme") as router:
+            await router.wait_synced(1)
+            req = build_request(PROMPT, GenerateOptions(extra_key="lora-a"))
+            req.partition.cache_salt = "forged"
+            stub = pb_grpc.RouterStub(router.client._channel)
+            [m async for m in stub.Generate(req, metadata=(("x-tenant-id", "acme"),))]
+            [m async for m in stub.Generate(req)]  # anonymous
+    salts = [(x.request.partition.cache_salt, x.request.partition.extra_key) for x in a.received]
+    assert salts[0][0].startswith("t:") and "acme" not in salts[0][0]
+    assert salts[0][1] == "lora-a"
+    assert salts[1] == ("", "lora-a")
+
+
+async def test_explain_lists_every_worker_and_the_pick(fleet):
+    router, _, _ = fleet
+    expl = await router.client.explain(PROMPT)
+    assert expl.policy == "cache_aware" and expl.prompt_tokens == 16
+    assert sorted(w.worker_id for w in expl.workers) == ["w0", "w1"]
+    assert expl.chosen_worker_id in ("w0", "w1")
+    assert all(w.healthy and not math.isnan(w.cost) for w in expl.workers)
+    addresses = {w.address for w in expl.workers}
+    assert addresses == set(router.server.config.workers)
