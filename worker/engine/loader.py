@@ -9,6 +9,7 @@ file and, where there is one, the key.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -175,6 +176,18 @@ def _load_weights(model_dir: Path, device: torch.device, dtype: torch.dtype):
     return tensors, origin
 
 
+def _generation_eos_ids(model_dir: Path) -> tuple[int, ...]:
+    """eos_token_id from generation_config.json, for checkpoints whose config.json lacks it."""
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return ()
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"{path}: not valid JSON: {exc}") from exc
+    return _eos_ids(raw.get("eos_token_id") if isinstance(raw, dict) else None, path)
+
+
 def load_model(
     model_dir: str | Path, *, device: str = "cpu", dtype: torch.dtype | None = None
 ) -> LoadedModel:
@@ -183,6 +196,8 @@ def load_model(
     dev = torch.device(device)
     raw = read_config(model_dir)
     cfg = parse_config(raw, model_dir / "config.json", _pick_dtype(raw, dev, dtype))
+    if not cfg.eos_token_ids:
+        cfg = dataclasses.replace(cfg, eos_token_ids=_generation_eos_ids(model_dir))
     tensors, origin = _load_weights(model_dir, dev, cfg.dtype)
 
     with torch.device("meta"):

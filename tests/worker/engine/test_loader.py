@@ -208,3 +208,13 @@ def test_sharded_checkpoint_loads(model_dir, model):
     save_file({k: tensors[k] for k in keys[half:]}, str(model_dir / "model-2-of-2.safetensors"))
     loaded = load_model(model_dir)
     assert first_token(loaded.model, [5, 6]) == first_token(model, [5, 6])
+
+
+def test_eos_falls_back_to_generation_config(model_dir):
+    edit_config(model_dir, eos_token_id=None)
+    assert load_model(model_dir).model.config.eos_token_ids == ()
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))
+    assert load_model(model_dir).model.config.eos_token_id == 7
+    (model_dir / "generation_config.json").write_text("[oops")
+    with pytest.raises(ModelLoadError, match=r"generation_config\.json: not valid JSON"):
+        load_model(model_dir)
