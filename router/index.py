@@ -46,12 +46,14 @@ tails go first is not evicted after them.
 
 from __future__ import annotations
 
+import bisect
 import heapq
+import math
 from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, repeat, takewhile
-from operator import and_
+from operator import and_, itemgetter
 
 import numpy as np
 
@@ -280,6 +282,8 @@ class PrefixIndex:
             deque(map(self._parents.pop, hashes, repeat(None)), 0)
             deque(map(self._stamps.pop, hashes, repeat(None)), 0)
             removed = before - len(masks)
+            if removed < n:  # a hash repeated within the event: the repeats are unknown
+                self.errors["unknown_block"] += n - removed
         else:
             removed = self._remove_slow(bit, hashes, got)
         if removed:
@@ -293,7 +297,7 @@ class PrefixIndex:
             if m is None or not m & bit:
                 self.errors["unknown_block"] += 1
                 continue
-            m = masks[h]  # re-read: a hash may repeat within one event
+            m = masks.get(h, 0)  # re-read: a hash may repeat within one event
             if not m & bit:
                 self.errors["unknown_block"] += 1
                 continue
@@ -378,8 +382,7 @@ class PrefixIndex:
                 added += 1
                 touched.append(h)
         if touched:
-            self._pred_until.update(zip(touched, repeat(deadline)))
-            self._pred_queue.append((deadline, touched))
+            self._set_deadline(touched, deadline)
         if added:
             self._num_blocks[slot] = self._num_blocks.get(slot, 0) + added
             if len(masks) > self._peak:
@@ -393,8 +396,20 @@ class PrefixIndex:
         pred = self._pred
         touched = [h for h in hashes if h in pred]
         if touched:
-            self._pred_until.update(zip(touched, repeat(deadline)))
-            self._pred_queue.append((deadline, touched))
+            self._set_deadline(touched, deadline)
+
+    def _set_deadline(self, touched: Sequence[int], deadline: float) -> None:
+        """Raise the deadline of predicted ``touched`` to ``deadline`` (never lower it)."""
+        queue, until = self._pred_queue, self._pred_until
+        if not queue or deadline >= queue[-1][0]:
+            # Deadlines arrive in order (the core's clock is monotonic): every deadline set
+            # so far is <= this one, so overwriting is raising.
+            until.update(zip(touched, repeat(deadline)))
+            queue.append((deadline, touched))
+            return
+        touched = [h for h in touched if until.get(h, -math.inf) < deadline]
+        until.update(zip(touched, repeat(deadline)))
+        queue.insert(bisect.bisect_right(queue, deadline, key=itemgetter(0)), (deadline, touched))
 
     def expire(self, now: float) -> int:
         """Drop predictions whose deadline is <= ``now``; returns the pairs dropped."""
@@ -428,7 +443,7 @@ class PrefixIndex:
 
     def _bit(self, slot: int) -> int:
         bits = self._bits
-        if slot >= len(bits):
+        if not 0 <= slot < len(bits):
             if slot < 0:
                 raise ValueError(f"worker slot must be >= 0, got {slot}")
             bits.extend(1 << s for s in range(len(bits), slot + 1))
@@ -437,7 +452,7 @@ class PrefixIndex:
     def _maybe_compact(self) -> None:
         """Rebuild the dicts once they hold a quarter of their peak (dicts never shrink)."""
         n = len(self._masks)
-        if self._peak >= _COMPACT_MIN and n * 4 <= self._peak:
+        if (self._peak >= _COMPACT_MIN and n * 4 <= self._peak) or (n == 0 and self._peak):
             self._masks = dict(self._masks)
             self._parents = dict(self._parents)
             self._stamps = dict(self._stamps)
@@ -468,6 +483,8 @@ class PrefixIndex:
                     num_children[parent] = left
                 else:
                     del num_children[parent]
-                    heapq.heappush(heap, (max(stamp, stamps.get(parent, 0)), parent))
+                    inherited = max(stamp, stamps.get(parent, 0))
+                    stamps[parent] = inherited  # kept for later rounds
+                    heapq.heappush(heap, (inherited, parent))
         self._peak = len(masks)
         self._maybe_compact()
