@@ -78,12 +78,15 @@ class Sampler:
             picked = torch.argmax(logits[greedy_rows], dim=-1).tolist()
             for row, token in zip(greedy_rows, picked, strict=True):
                 tokens[row] = int(token)
-        for row, (p, step) in enumerate(zip(params, num_generated, strict=True)):
-            if p.temperature <= 0.0:
-                continue
+        sampled_rows = [i for i, p in enumerate(params) if p.temperature > 0.0]
+        if not sampled_rows:
+            return tokens
+        host = logits[sampled_rows].float().cpu()  # one device->host copy for the batch
+        for row, row_logits in zip(sampled_rows, host, strict=True):
+            p, step = params[row], num_generated[row]
             if p.seed is None:
                 gen = self._unseeded
             else:
                 gen = torch.Generator().manual_seed(step_seed(p.seed, step))
-            tokens[row] = sample_row(logits[row], p, gen)
+            tokens[row] = sample_row(row_logits, p, gen)
         return tokens
