@@ -58,7 +58,7 @@ class SupportAgentConfig:
     max_turns: tuple[int, int] = (3, 16)  # uniform range of a conversation's length
     rag_context_tokens: tuple[int, int] = (2000, 6000)
     rag_question_tokens: tuple[int, int] = (16, 128)
-    max_prompt_tokens: int = 8000  # a conversation ends before exceeding this; RAG fits it
+    max_prompt_tokens: int = 7680  # prompt + reply stays under an 8,192-token context
 
     def __post_init__(self) -> None:
         checks = [

@@ -33,7 +33,7 @@ def plot_report(report: ReplayReport, path: str | Path, title: str | None = None
         if value is not None:
             ax_hit.axhline(value * 100, color="black", linestyle=style, linewidth=1, label=label)
     if report.pooled_hit_rate is not None or report.infinite_hit_rate is not None:
-        ax_hit.legend(loc="lower right", fontsize=8)
+        ax_hit.legend(loc="upper right", fontsize=8)
     ax_hit.set_ylabel("prefix cache hit rate (%)")
     ax_hit.set_ylim(0, 100)
     ax_hit.set_title("hit rate (higher is better)")

@@ -45,6 +45,7 @@ def test_shape_and_prefix_structure():
         assert len(r.hash_ids) == -(-r.input_length // bs)
         assert cfg.reply_tokens[0] <= r.output_length <= cfg.reply_tokens[1]
         assert r.input_length <= cfg.max_prompt_tokens
+        assert r.input_length + r.output_length <= 8192
     groups, rag, shared = _split(records, cfg)
     # every request starts with the system prompt blocks (512 / 16 = 32 of them)
     sys_blocks = cfg.system_tokens // bs

@@ -1,0 +1,230 @@
+"""``kvroute replay``: play a trace against routing policies and print/save the comparison.
+
+Examples::
+
+    kvroute replay --trace shared/traces/mooncake_synthetic_trace.jsonl --workers 8 \\
+        --policy all --json out.json --plot out.png
+    kvroute workload support-agent -o sa.jsonl
+    kvroute replay --trace sa.jsonl --trace-block-size 16 --workers 8 \\
+        --policy cache_aware --policy round_robin
+    kvroute replay --trace sa.jsonl --trace-block-size 16 --mode live --limit 200 \\
+        --speedup 10 --workers 4 --policy cache_aware
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from bench.replay.report import ReplayReport
+from bench.replay.trace import DEFAULT_TRACE_BLOCK_SIZE, TokenExpander, read_trace
+
+DEFAULT_POLICIES = ("cache_aware", "round_robin")
+
+
+def available_policies() -> list[str]:
+    """Names in the router's policy registry (registration order)."""
+    from router.policy import POLICIES
+
+    return list(POLICIES)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from bench.replay.sim import DEFAULT_KV_CAPACITY_TOKENS
+
+    p = argparse.ArgumentParser(
+        prog="kvroute replay",
+        description="Replay a Mooncake-format JSONL trace (timestamp ms, input_length, "
+        "output_length, hash_ids) against a fleet under one or more routing policies; "
+        "report hit rate, TTFT, e2e latency, throughput and load imbalance per policy, "
+        "next to the pooled-cache and infinite-cache hit-rate bounds.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("Examples::", 1)[1] if __doc__ else None,
+    )
+    p.add_argument("--trace", required=True, help="Mooncake-format JSONL trace")
+    p.add_argument(
+        "--trace-block-size",
+        type=int,
+        default=DEFAULT_TRACE_BLOCK_SIZE,
+        help="tokens per trace hash id (default %(default)s, Mooncake's)",
+    )
+    p.add_argument("--workers", type=int, default=8, help="fleet size (default %(default)s)")
+    p.add_argument(
+        "--policy",
+        action="append",
+        default=None,
+        help="routing policy (repeatable), or 'all'; default: cache_aware and round_robin",
+    )
+    p.add_argument("--mode", choices=("sim", "live"), default="sim", help="default: sim")
+    p.add_argument(
+        "--kv-capacity-tokens",
+        type=int,
+        default=DEFAULT_KV_CAPACITY_TOKENS,
+        help="KV tokens per worker (default %(default)s ~ an H100 with Llama-3-8B)",
+    )
+    p.add_argument(
+        "--speedup",
+        type=float,
+        default=10.0,
+        help="live mode: trace time and executor cost are compressed by this factor",
+    )
+    p.add_argument("--seed", type=int, default=0, help="token expansion and tie-break seed")
+    p.add_argument("--json", metavar="OUT", help="write the report as JSON")
+    p.add_argument("--plot", metavar="OUT.png", help="draw hit rate and TTFT p99 per policy")
+    p.add_argument(
+        "--event-delay-s",
+        type=float,
+        default=0.005,
+        help="sim mode: worker -> router KV event latency (default %(default)s)",
+    )
+    p.add_argument("--limit", type=int, help="replay only the first N requests")
+    p.add_argument(
+        "--page-size", type=int, default=16, help="engine page size (default %(default)s)"
+    )
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=16,
+        help="engine event / router block size (default %(default)s)",
+    )
+    p.add_argument(
+        "--load-interval-s",
+        type=float,
+        default=1.0,
+        help="sim mode: a worker load report every this many seconds (default %(default)s)",
+    )
+    p.add_argument("--no-bounds", action="store_true", help="skip the pooled/infinite runs")
+    p.add_argument(
+        "--timeout-s",
+        type=float,
+        default=600.0,
+        help="live mode: overall time limit per policy (default %(default)s)",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress line on stderr")
+    return p
+
+
+def _policies(requested: list[str] | None) -> list[str]:
+    known = available_policies()
+    if not requested:
+        return list(DEFAULT_POLICIES)
+    out: list[str] = []
+    for name in requested:
+        names = known if name == "all" else [name]
+        for n in names:
+            if n not in known:
+                raise ValueError(f"--policy {n!r} is not one of {', '.join(known)} (or 'all')")
+            if n not in out:
+                out.append(n)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        policies = _policies(args.policy)
+        if args.workers < 1:
+            raise ValueError(f"--workers must be >= 1, got {args.workers}")
+        records = read_trace(args.trace, args.trace_block_size, args.limit)
+    except (OSError, ValueError) as exc:
+        print(f"kvroute replay: {exc}", file=sys.stderr)
+        return 2
+    setup: dict[str, object] = {
+        "trace": str(args.trace),
+        "trace_block_size": args.trace_block_size,
+        "requests": len(records),
+        "workers": args.workers,
+        "mode": args.mode,
+        "kv_capacity_tokens": args.kv_capacity_tokens,
+        "seed": args.seed,
+        "page_size": args.page_size,
+        "block_size": args.block_size,
+    }
+    progress = None if args.quiet else sys.stderr
+    if args.mode == "sim":
+        report = _run_sim(args, records, policies, setup, progress)
+    else:
+        from bench.replay.live import LiveConfig, run_live
+
+        setup["speedup"] = args.speedup
+        config = LiveConfig(
+            num_workers=args.workers,
+            kv_capacity_tokens=args.kv_capacity_tokens,
+            speedup=args.speedup,
+            seed=args.seed,
+            page_size=args.page_size,
+            block_size=args.block_size,
+            trace_block_size=args.trace_block_size,
+            timeout_s=args.timeout_s,
+        )
+        report = ReplayReport(setup=setup)
+        for policy in policies:
+            report.policies.append(run_live(records, policy, config, progress_stream=progress))
+        if not args.no_bounds:
+            _add_sim_bounds(args, records, report, progress)
+    print(report.format_table())
+    if args.json:
+        Path(args.json).write_text(report.dumps(), encoding="utf-8")
+        print(f"wrote {args.json}")
+    if args.plot:
+        from bench.replay.plot import plot_report
+
+        plot_report(report, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _sim_config(args: argparse.Namespace):  # -> SimConfig
+    from bench.replay.sim import SimConfig
+
+    return SimConfig(
+        num_workers=args.workers,
+        kv_capacity_tokens=args.kv_capacity_tokens,
+        event_delay_s=args.event_delay_s,
+        load_interval_s=args.load_interval_s,
+        seed=args.seed,
+        page_size=args.page_size,
+        block_size=args.block_size,
+    )
+
+
+def _run_sim(args, records, policies, setup, progress) -> ReplayReport:
+    from bench.replay.sim import simulate
+
+    config = _sim_config(args)
+    setup = {**setup, "event_delay_s": args.event_delay_s, "load_interval_s": args.load_interval_s}
+    report = ReplayReport(setup=setup)
+    expander = TokenExpander(args.trace_block_size, config.vocab_size, args.seed)
+    for policy in policies:
+        report.policies.append(
+            simulate(records, policy, config, expander, progress_stream=progress)
+        )
+    if not args.no_bounds:
+        _add_sim_bounds(args, records, report, progress, expander)
+    return report
+
+
+def _add_sim_bounds(args, records, report, progress, expander=None) -> None:
+    from bench.replay.sim import simulate_bound
+
+    config = _sim_config(args)
+    expander = expander or TokenExpander(args.trace_block_size, config.vocab_size, args.seed)
+    for kind in ("pooled", "infinite"):
+        bound = simulate_bound(
+            records,
+            kind,
+            replace(config, event_delay_s=0.0),
+            expander,
+            trace_block_size=args.trace_block_size,
+            progress_stream=progress,
+        )
+        if kind == "pooled":
+            report.pooled_hit_rate = bound.hit_rate
+        else:
+            report.infinite_hit_rate = bound.hit_rate
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,434 @@
+"""Discrete-event fleet simulation: the real router core and real engines, a virtual clock.
+
+Sans-I/O: imports neither asyncio nor grpc, and never reads the wall clock for results (only
+the progress line does). Time is ``FleetSim.now``, advanced by a heap of events::
+
+    ARRIVE(i)        RouterCore.route -> Engine.add_request on the chosen worker;
+                     an idle worker starts a step now
+    STEP_DONE(w)     the step that began at t finishes at t + engine.last_step_cost_s:
+                     its outputs stamp TTFT / e2e and call on_first_token / on_finished,
+                     engine.take_events() is published (EventPublisher: epoch, seq) and the
+                     batch is sent; if the engine still has work, the next step starts now
+    DELIVER(w, msg)  the batch reaches the router event_delay_s after it was sent:
+                     RouterCore.on_stream_message (Resubscribe -> a snapshot follows)
+    LOAD_TICK(w)     every load_interval_s a batch with the worker's LoadReport (as the
+                     real worker service does)
+
+Everything is ordered by (time, insertion number), so a run is a pure function of the trace,
+the policy and the seed. What the simulation bypasses is only gRPC: the router sees the
+same EventBatch / Snapshot sequence, with the same numbering, a fixed delay later -- so the
+staleness of its index is part of the result.
+
+Bounds: :func:`simulate_bound` runs one engine with N times the KV capacity and N times the
+speed (a wrapper divides the step cost by N) under the same scheduler -- "pooled" -- or
+with room for every token the trace ever holds -- "infinite" (nothing is ever evicted).
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TextIO
+
+from bench.replay.progress import Progress
+from bench.replay.report import PolicyReport, RequestResult, summarize
+from bench.replay.trace import TokenExpander, TraceRecord
+from kvroute_proto.events import EventBatch, Snapshot
+from router.core import (
+    NoWorkerAvailable,
+    Resubscribe,
+    RouterConfig,
+    RouterCore,
+    RouteRequest,
+)
+from worker.engine.engine import Engine, EngineConfig
+from worker.engine.sim_executor import SimCostModel, SimExecutor, SimExecutorConfig
+from worker.engine.types import EngineRequest, ForwardItem, RequestOutput, SamplingParams
+from worker.errors import WorkerError
+from worker.service.publisher import EventPublisher, PublisherConfig
+
+# event kinds, in tie-break order at equal times: deliveries before steps before arrivals,
+# so the router sees what the fleet knew "at" an instant before it routes at that instant.
+_DELIVER, _LOAD_TICK, _STEP_DONE, _ARRIVE = 0, 1, 2, 3
+
+DEFAULT_KV_CAPACITY_TOKENS = 450_000  # ~58 GiB of Llama-3-8B KV (128 KiB/token) on an H100
+
+
+class SimulationStuckError(RuntimeError):
+    """A worker had work but made no progress for too many steps (an engine bug)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """Fleet and engine settings of one simulated replay."""
+
+    num_workers: int = 8
+    kv_capacity_tokens: int = DEFAULT_KV_CAPACITY_TOKENS  # per worker
+    event_delay_s: float = 0.005
+    load_interval_s: float = 1.0
+    seed: int = 0
+    page_size: int = 16
+    block_size: int = 16  # engine event / router block size
+    engine: EngineConfig = field(default_factory=EngineConfig)  # other engine knobs
+    router: RouterConfig = field(default_factory=RouterConfig)  # policy is overridden
+    cost_model: SimCostModel = field(default_factory=SimCostModel)
+    vocab_size: int = 128_256
+    max_context_tokens: int | None = None  # None: fit the longest request of the trace
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
+        if self.kv_capacity_tokens < self.page_size:
+            raise ValueError(
+                f"kv_capacity_tokens must be >= page_size {self.page_size}, "
+                f"got {self.kv_capacity_tokens}"
+            )
+        if self.event_delay_s < 0:
+            raise ValueError(f"event_delay_s must be >= 0, got {self.event_delay_s}")
+        if self.load_interval_s < 0:
+            raise ValueError(f"load_interval_s must be >= 0, got {self.load_interval_s}")
+
+
+class _ScaledExecutor:
+    """A SimExecutor whose steps run ``speed`` times faster (one engine standing in for N)."""
+
+    def __init__(self, inner: SimExecutor, speed: float) -> None:
+        self._inner = inner
+        self._scale = 1.0 / speed
+        self.vocab_size = inner.vocab_size
+        self.max_context_tokens = inner.max_context_tokens
+        self.eos_token_id = inner.eos_token_id
+
+    def forward(self, prefill: list[ForwardItem], decode: list[ForwardItem]) -> list[int]:
+        return self._inner.forward(prefill, decode)
+
+    def step_cost_s(self, prefill: list[ForwardItem], decode: list[ForwardItem]) -> float:
+        return self._inner.step_cost_s(prefill, decode) * self._scale
+
+
+@dataclass(slots=True)
+class _Worker:
+    worker_id: str
+    engine: Engine
+    publisher: EventPublisher
+    busy: bool = False  # a step is in flight (STEP_DONE scheduled)
+    num_idle_steps: int = 0
+
+
+def max_context_for(records: Sequence[TraceRecord]) -> int:
+    """A context length that fits every request of the trace (prompt + output)."""
+    return max(r.input_length + r.output_length for r in records) + 1
+
+
+class FleetSim:
+    """One simulated replay of a trace under one policy (use :func:`simulate`)."""
+
+    def __init__(
+        self,
+        records: Sequence[TraceRecord],
+        policy: str,
+        config: SimConfig,
+        expander: TokenExpander,
+        *,
+        engine_config: Callable[[str], EngineConfig] | None = None,
+        speed: float = 1.0,
+    ) -> None:
+        self.records = records
+        self.policy = policy
+        self.config = config
+        self.expander = expander
+        self.now = 0.0
+        self._heap: list[tuple[float, int, int, object]] = []
+        self._counter = 0
+        clock = self._clock
+        self.router = RouterCore(
+            replace(config.router, policy=policy, block_size=config.block_size),
+            clock=clock,
+            rng=random.Random(config.seed),
+        )
+        exec_config = SimExecutorConfig(
+            vocab_size=config.vocab_size,
+            max_context_tokens=config.max_context_tokens or max_context_for(records),
+        )
+        make_config = engine_config or self._worker_engine_config
+        self.workers: dict[str, _Worker] = {}
+        for i in range(config.num_workers):
+            wid = f"worker-{i}"
+            executor: SimExecutor | _ScaledExecutor = SimExecutor(config.cost_model, exec_config)
+            if speed != 1.0:
+                executor = _ScaledExecutor(executor, speed)
+            engine = Engine(make_config(wid), executor, clock)
+            publisher = EventPublisher(
+                PublisherConfig(worker_id=wid, epoch=1 + i, block_size=config.block_size)
+            )
+            self.workers[wid] = _Worker(wid, engine, publisher)
+            self.router.add_worker(wid, address=f"sim://{wid}", block_size=config.block_size)
+        self.results = [
+            RequestResult(index=i, arrival_s=r.arrival_s, prompt_tokens=r.input_length)
+            for i, r in enumerate(records)
+        ]
+        self._by_request_id: dict[str, RequestResult] = {}
+        self.num_batches = 0
+        self.num_snapshots = 0
+        self.num_resubscribes = 0
+        self.num_predicted_tokens = 0
+        self.num_finished = 0
+
+    def _clock(self) -> float:
+        return self.now
+
+    def _worker_engine_config(self, worker_id: str) -> EngineConfig:
+        c = self.config
+        return replace(
+            c.engine,
+            worker_id=worker_id,
+            num_kv_slots=c.kv_capacity_tokens,
+            page_size=c.page_size,
+            block_size=c.block_size,
+            seed=c.seed,
+        )
+
+    def _push(self, at: float, kind: int, payload: object) -> None:
+        self._counter += 1
+        heapq.heappush(self._heap, (at, kind, self._counter, payload))
+
+    # ---- the loop ------------------------------------------------------------------------
+
+    def run(self, progress: Progress | None = None) -> None:
+        """Play every record; returns when all requests are done (or failed)."""
+        for i, r in enumerate(self.records):
+            self._push(r.arrival_s, _ARRIVE, i)
+        for w in self.workers.values():
+            # The router subscribes with nothing known: the worker answers with a snapshot.
+            self._send(w, w.engine.snapshot(w.worker_id, w.publisher.epoch, 0))
+            if self.config.load_interval_s > 0:
+                self._push(self.config.load_interval_s, _LOAD_TICK, w)
+        total = len(self.records)
+        heap = self._heap
+        while heap and self.num_finished < total:
+            at, kind, _, payload = heapq.heappop(heap)
+            self.now = at
+            match kind:
+                case 0:  # _DELIVER
+                    self._deliver(*payload)  # type: ignore[misc]
+                case 1:  # _LOAD_TICK
+                    self._load_tick(payload)  # type: ignore[arg-type]
+                case 2:  # _STEP_DONE
+                    self._step_done(*payload)  # type: ignore[misc]
+                case 3:  # _ARRIVE
+                    self._arrive(payload)  # type: ignore[arg-type]
+            if progress is not None:
+                progress.update(self.num_finished, self.now)
+        if progress is not None:
+            progress.update(self.num_finished, self.now, force=True)
+
+    def _arrive(self, index: int) -> None:
+        record = self.records[index]
+        result = self.results[index]
+        request_id = f"r{index}"
+        tokens = self.expander.expand_record(record)
+        try:
+            decision = self.router.route(RouteRequest(request_id, tokens))
+        except NoWorkerAvailable as exc:
+            self._fail(result, f"route: {exc}")
+            return
+        self.num_predicted_tokens += decision.matched_tokens
+        worker = self.workers[decision.worker_id]
+        result.worker_id = worker.worker_id
+        request = EngineRequest(
+            request_id=request_id,
+            prompt_token_ids=tokens,
+            sampling=SamplingParams(max_new_tokens=record.output_length, ignore_eos=True),
+            arrival_time=self.now,
+        )
+        try:
+            worker.engine.add_request(request)
+        except WorkerError as exc:
+            self.router.on_finished(request_id)
+            self._fail(result, f"{type(exc).__name__}: {exc}")
+            return
+        self._by_request_id[request_id] = result
+        if not worker.busy:
+            self._start_step(worker)
+
+    def _fail(self, result: RequestResult, error: str) -> None:
+        result.error = error
+        self.num_finished += 1
+
+    def _start_step(self, worker: _Worker) -> None:
+        outputs = worker.engine.step()
+        cost = worker.engine.last_step_cost_s
+        if outputs or cost > 0:
+            worker.num_idle_steps = 0
+        else:
+            worker.num_idle_steps += 1
+            if worker.num_idle_steps > 10_000:
+                raise SimulationStuckError(
+                    f"{worker.worker_id} has work but made no progress in 10,000 steps "
+                    f"at t={self.now:.3f}s"
+                )
+        worker.busy = True
+        self._push(self.now + cost, _STEP_DONE, (worker, outputs))
+
+    def _step_done(self, worker: _Worker, outputs: list[RequestOutput]) -> None:
+        worker.busy = False
+        for out in outputs:
+            self._on_output(worker, out)
+        batch = worker.publisher.publish(worker.engine.take_events())
+        if batch is not None:
+            self._send(worker, batch)
+        if worker.engine.has_work():
+            self._start_step(worker)
+
+    def _on_output(self, worker: _Worker, out: RequestOutput) -> None:
+        result = self._by_request_id.get(out.request_id)
+        if result is None:
+            return
+        if out.new_token_ids and result.first_token_s is None:
+            result.first_token_s = self.now
+            self.router.on_first_token(out.request_id)
+        if out.finish_reason is not None:
+            result.finish_s = self.now
+            if out.usage is not None:
+                result.cached_tokens = out.usage.cached_prompt_tokens
+                result.completion_tokens = out.usage.completion_tokens
+            if result.first_token_s is None:  # finished without a token (abort)
+                result.error = f"finished without output: {out.finish_reason.value}"
+            self.router.on_finished(out.request_id)
+            del self._by_request_id[out.request_id]
+            self.num_finished += 1
+
+    def _send(self, worker: _Worker, msg: EventBatch | Snapshot) -> None:
+        self._push(self.now + self.config.event_delay_s, _DELIVER, (worker, msg))
+
+    def _deliver(self, worker: _Worker, msg: EventBatch | Snapshot) -> None:
+        if isinstance(msg, Snapshot):
+            self.num_snapshots += 1
+        else:
+            self.num_batches += 1
+        for action in self.router.on_stream_message(worker.worker_id, msg):
+            match action:
+                case Resubscribe(epoch=epoch, after_seq=after_seq):
+                    self.num_resubscribes += 1
+                    self._resubscribe(worker, epoch, after_seq)
+
+    def _resubscribe(self, worker: _Worker, epoch: int, after_seq: int) -> None:
+        pending = worker.publisher.publish(worker.engine.take_events())
+        if pending is not None:
+            self._send(worker, pending)
+        replay = worker.publisher.resume(epoch, after_seq)
+        if replay is None:
+            pub = worker.publisher
+            self._send(worker, worker.engine.snapshot(worker.worker_id, pub.epoch, pub.last_seq))
+        else:
+            for batch in replay:
+                self._send(worker, batch)
+
+    def _load_tick(self, worker: _Worker) -> None:
+        batch = worker.publisher.publish(worker.engine.take_events(), worker.engine.load_report())
+        if batch is not None:
+            self._send(worker, batch)
+        self._push(self.now + self.config.load_interval_s, _LOAD_TICK, worker)
+
+    # ---- results -------------------------------------------------------------------------
+
+    def report(self, label: str, wall_s: float = 0.0) -> PolicyReport:
+        prompt = sum(r.prompt_tokens for r in self.results if r.worker_id is not None)
+        extra: dict[str, float | int] = {
+            "sim_duration_s": round(self.now, 6),
+            "event_batches": self.num_batches,
+            "snapshots": self.num_snapshots,
+            "resubscribes": self.num_resubscribes,
+            # what the router believed would hit, vs what did (staleness, eviction)
+            "router_predicted_hit_rate": round(self.num_predicted_tokens / prompt, 6)
+            if prompt
+            else 0.0,
+        }
+        return summarize(label, self.results, list(self.workers), extra=extra, wall_s=wall_s)
+
+
+def simulate(
+    records: Sequence[TraceRecord],
+    policy: str,
+    config: SimConfig,
+    expander: TokenExpander | None = None,
+    *,
+    progress_stream: TextIO | None = None,
+) -> PolicyReport:
+    """Replay ``records`` on ``config.num_workers`` simulated workers under ``policy``."""
+    expander = expander or TokenExpander(vocab_size=config.vocab_size, seed=config.seed)
+    start = time.monotonic()
+    sim = FleetSim(records, policy, config, expander)
+    progress = Progress(policy, len(records), progress_stream) if progress_stream else None
+    sim.run(progress)
+    if progress is not None:
+        progress.close()
+    return sim.report(policy, wall_s=time.monotonic() - start)
+
+
+def infinite_capacity_tokens(records: Sequence[TraceRecord], block_size: int) -> int:
+    """KV tokens that hold every distinct prompt block plus every output: no eviction."""
+    nodes: set[tuple[int, int]] = set()  # (parent node, hash id) -> a distinct prefix block
+    ids: dict[tuple[int, int], int] = {}
+    for r in records:
+        parent = -1
+        for h in r.hash_ids:
+            key = (parent, h)
+            node = ids.get(key)
+            if node is None:
+                node = ids[key] = len(ids)
+                nodes.add(key)
+            parent = node
+    outputs = sum(r.output_length for r in records)
+    return len(ids) * block_size + outputs + 2 * max_context_for(records)
+
+
+def simulate_bound(
+    records: Sequence[TraceRecord],
+    kind: str,
+    config: SimConfig,
+    expander: TokenExpander | None = None,
+    *,
+    trace_block_size: int = 512,
+    progress_stream: TextIO | None = None,
+) -> PolicyReport:
+    """The ``pooled`` or ``infinite`` upper bound: one engine as big and fast as the fleet."""
+    n = config.num_workers
+    match kind:
+        case "pooled":
+            capacity = n * config.kv_capacity_tokens
+        case "infinite":
+            capacity = max(
+                n * config.kv_capacity_tokens, infinite_capacity_tokens(records, trace_block_size)
+            )
+        case _:
+            raise ValueError(f"kind must be 'pooled' or 'infinite', got {kind!r}")
+    e = config.engine
+    one = replace(config, num_workers=1, kv_capacity_tokens=capacity)
+
+    def engine_config(worker_id: str) -> EngineConfig:
+        return replace(
+            e,
+            worker_id=worker_id,
+            num_kv_slots=capacity,
+            page_size=config.page_size,
+            block_size=config.block_size,
+            seed=config.seed,
+            max_running_requests=e.max_running_requests * n,
+            max_waiting_requests=e.max_waiting_requests * n,
+            max_prefill_tokens_per_step=e.max_prefill_tokens_per_step * n,
+        )
+
+    expander = expander or TokenExpander(vocab_size=config.vocab_size, seed=config.seed)
+    start = time.monotonic()
+    sim = FleetSim(
+        records, "round_robin", one, expander, engine_config=engine_config, speed=float(n)
+    )
+    progress = Progress(kind, len(records), progress_stream) if progress_stream else None
+    sim.run(progress)
+    if progress is not None:
+        progress.close()
+    return sim.report(kind, wall_s=time.monotonic() - start)

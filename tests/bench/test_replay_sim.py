@@ -1,0 +1,167 @@
+"""The discrete-event replay: known answers, bounds, determinism, the CLI end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.replay.cli import main
+from bench.replay.sim import SimConfig, infinite_capacity_tokens, simulate, simulate_bound
+from bench.replay.trace import TokenExpander, TraceRecord, write_trace
+from bench.workload import SupportAgentConfig, generate_support_agent
+
+BS = 64  # trace block size of the tiny traces
+
+
+def two_prefix_trace(num_requests: int = 24, gap_ms: float = 500.0) -> list[TraceRecord]:
+    """Prefixes A (ids 0-3) and B (ids 10-13) in the order A A B B A A B B ...; each request
+    adds one unique block. Requests are far apart, so each finishes before the next."""
+    records = []
+    for i in range(num_requests):
+        prefix = (0, 1, 2, 3) if (i // 2) % 2 == 0 else (10, 11, 12, 13)
+        ids = (*prefix, 1000 + i)
+        records.append(TraceRecord(i * gap_ms, len(ids) * BS, 4, ids))
+    return records
+
+
+def tiny_config(**kw) -> SimConfig:
+    return SimConfig(num_workers=2, kv_capacity_tokens=20_000, **kw)
+
+
+def test_cache_aware_reaches_the_pooled_bound_and_round_robin_does_not():
+    records = two_prefix_trace()
+    cfg = tiny_config()
+    ex = TokenExpander(BS, cfg.vocab_size, seed=0)
+    pooled = simulate_bound(records, "pooled", cfg, ex, trace_block_size=BS)
+    infinite = simulate_bound(records, "infinite", cfg, ex, trace_block_size=BS)
+    # one engine: only the first A and the first B miss their 256-token prefix
+    assert pooled.cached_tokens == (len(records) - 2) * 4 * BS
+    assert infinite.hit_rate == pooled.hit_rate  # nothing is evicted at this size
+    aware = simulate(records, "cache_aware", cfg, ex)
+    assert aware.errors == 0 and aware.requests == len(records)
+    assert aware.hit_rate == pooled.hit_rate
+    rr = simulate(records, "round_robin", cfg, ex)
+    # A A B B alternates workers: each prefix misses once on each of the two workers
+    assert rr.cached_tokens == (len(records) - 4) * 4 * BS
+    assert rr.hit_rate < pooled.hit_rate
+    assert aware.extra["router_predicted_hit_rate"] == pytest.approx(aware.hit_rate)
+    assert aware.extra["event_batches"] > 0 and aware.extra["resubscribes"] == 0
+
+
+def test_request_accounting_and_latencies_are_consistent():
+    records = two_prefix_trace(8)
+    p = simulate(records, "cache_aware", tiny_config(), TokenExpander(BS, 128_256))
+    assert p.requests == 8 and p.errors == 0
+    assert p.prompt_tokens == sum(r.input_length for r in records)
+    assert p.completion_tokens == sum(r.output_length for r in records)
+    assert sum(p.prefill_tokens_per_worker.values()) == p.prefill_tokens
+    assert sum(p.requests_per_worker.values()) == 8
+    assert 0 < p.ttft_p50_s <= p.ttft_p99_s <= p.e2e_p99_s
+    assert p.e2e_p50_s > p.ttft_p50_s  # 4 tokens: 3 decode steps after the first
+
+
+def test_too_long_request_is_an_error_not_a_crash():
+    records = [*two_prefix_trace(2), TraceRecord(5000.0, 30 * BS, 2, tuple(range(50, 80)))]
+    cfg = SimConfig(num_workers=2, kv_capacity_tokens=1024, max_context_tokens=1024)
+    p = simulate(records, "round_robin", cfg, TokenExpander(BS, 128_256))
+    assert p.requests == 3 and p.errors == 1
+
+
+def test_infinite_capacity_counts_distinct_prefix_blocks():
+    records = [TraceRecord(0, 3 * BS, 5, (1, 2, 3)), TraceRecord(1, 2 * BS, 7, (1, 9))]
+    # prefixes (1), (1,2), (1,2,3), (1,9): 4 blocks; outputs 12; + 2 * longest context
+    assert infinite_capacity_tokens(records, BS) == 4 * BS + 12 + 2 * (3 * BS + 5 + 1)
+
+
+def test_same_seed_same_json(tmp_path):
+    records = generate_support_agent(
+        SupportAgentConfig(rate_rps=30, duration_s=4, num_conversations=8, seed=3)
+    )
+    trace = tmp_path / "sa.jsonl"
+    write_trace(trace, records)
+    outs = []
+    for name in ("a.json", "b.json"):
+        out = tmp_path / name
+        argv = [
+            "--trace",
+            str(trace),
+            "--trace-block-size",
+            "16",
+            "--workers",
+            "3",
+            "--policy",
+            "cache_aware",
+            "--policy",
+            "random",
+            "--seed",
+            "5",
+            "--kv-capacity-tokens",
+            "30000",
+            "--json",
+            str(out),
+            "--quiet",
+        ]
+        assert main(argv) == 0
+        outs.append(out.read_text())
+    assert outs[0] == outs[1]
+    data = json.loads(outs[0])
+    assert [p["policy"] for p in data["policies"]] == ["cache_aware", "random"]
+    aware = data["policies"][0]
+    assert aware["requests"] == len(records) and aware["errors"] == 0
+    for key in (
+        "hit_rate",
+        "prompt_tokens",
+        "prefill_tokens",
+        "ttft_p50_s",
+        "ttft_p99_s",
+        "e2e_p50_s",
+        "e2e_p99_s",
+        "throughput_tok_s",
+        "load_imbalance",
+    ):
+        assert key in aware
+    assert 0 < aware["hit_rate"] <= data["pooled_hit_rate"] <= data["infinite_hit_rate"]
+
+
+def test_cli_errors_and_plot(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(
+        '{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n'
+        '{"timestamp": 1, "input_length": 10}\n'
+    )
+    assert main(["--trace", str(trace), "--trace-block-size", "16"]) == 2
+    assert "line 2" in capsys.readouterr().err
+    write_trace(trace, two_prefix_trace(6))
+    assert main(["--trace", str(trace), "--policy", "nope", "--trace-block-size", "64"]) == 2
+    assert "nope" in capsys.readouterr().err
+    png = tmp_path / "p.png"
+    argv = [
+        "--trace",
+        str(trace),
+        "--trace-block-size",
+        "64",
+        "--workers",
+        "2",
+        "--policy",
+        "all",
+        "--plot",
+        str(png),
+        "--quiet",
+        "--limit",
+        "4",
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    for name in (
+        "cache_aware",
+        "round_robin",
+        "random",
+        "least_load",
+        "power_of_two",
+        "prefix_hash",
+        "approx_tree",
+        "pooled bound",
+    ):
+        assert name in out
+    assert png.read_bytes()[:4] == b"\x89PNG"
