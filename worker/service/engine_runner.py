@@ -206,13 +206,13 @@ class EngineRunner:
             raise DuplicateRequestError("request_id", f"{rid!r} is already in flight here")
         stream = RequestStream(request)
         self._streams[rid] = stream  # before the job: outputs may follow right after it
-        self._idle.clear()
         try:
             await self._call(self.engine.add_request, request)
         except BaseException:
             if self._streams.get(rid) is stream:
                 del self._streams[rid]
             raise
+        self._idle.clear()  # the loop sets it again once it finds no work
         self._wake.set()
         return stream
 
