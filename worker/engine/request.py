@@ -54,6 +54,7 @@ class Req:
         "num_tokens",
         "output_ids",
         "partition",
+        "partition_seed",
         "priority",
         "prompt_len",
         "request_id",
@@ -71,6 +72,7 @@ class Req:
         self.request_id = req.request_id
         self.sampling = req.sampling
         self.partition = req.partition
+        self.partition_seed = req.partition.seed
         self.priority = req.priority
         self.arrival_time = req.arrival_time
         self.seq = seq
@@ -116,7 +118,7 @@ class Req:
             self._hashes = block_hashes(
                 self.token_buf[: self.num_tokens].view(np.uint64),
                 block_size,
-                self.partition.seed,
+                self.partition_seed,
                 validate=False,
             )
             self._hashes_len = self.num_tokens

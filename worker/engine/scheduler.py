@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from worker.cache.allocator import SlotAllocator
 from worker.cache.base import PrefixCache
 from worker.engine.engine_config import EngineConfig
+from worker.engine.prefix_tracker import InflightPrefixes, TreeChangeLog
 from worker.engine.request import Req, ReqStatus, reserve_tokens, validate_request
 from worker.engine.schedule_policy import make_policy
 from worker.engine.stats import Counters, EngineStats, ModelLimits
@@ -83,7 +84,8 @@ class Scheduler:
         self._decoding: dict[str, Req] = {}
         self._chunked: Req | None = None
         self._next_seq = 0
-        self._version = 0  # bumped whenever the tree's content may have changed
+        self._changes = TreeChangeLog(config.block_size)  # what the tree gained / lost
+        self._track = config.enable_cache
         self._rematch_cursor = 0
         self._warned_stale = False
         self._dedup = config.enable_cache and config.in_batch_dedup_min_tokens > 0
@@ -161,7 +163,7 @@ class Scheduler:
             return True
         evicted = self.cache.evict(n - free)
         if evicted:
-            self._version += 1
+            self._changes.on_evict()
             self.counters.num_evicted_tokens += evicted
         return self.allocator.num_free >= n
 
@@ -221,9 +223,10 @@ class Scheduler:
     def _release(self, req: Req) -> None:
         """cache_finished_req: insert what was computed, free the rest, drop the lock."""
         req.sync_cache_views()
+        if self._track:
+            self._changes.on_insert(req, req.cache_req.num_tree_tokens, req.num_computed)
         self.cache.cache_finished_req(req.cache_req)
         req.reset_cache_state(self._root)
-        self._version += 1
 
     def _continue_chunked(self, batch: ScheduledBatch, budget: int) -> int:
         r = self._chunked
@@ -277,12 +280,12 @@ class Scheduler:
         cache = self.cache
         alloc = self.allocator
         min_dedup = cfg.in_batch_dedup_min_tokens
-        inflight: set[int] = set()
+        inflight = InflightPrefixes(cfg.block_size)
         chunked = self._chunked
         if self._dedup:
             for r in batch.prefill_reqs:  # the chunked prefill continuing this step
-                inflight.update(r.context_hashes(cfg.block_size).tolist())
-        version = self._version
+                inflight.add(r)
+        version = self._changes.version
         for r in ordered:
             if num_running >= cfg.max_running_requests or budget <= 0:
                 break
@@ -293,7 +296,7 @@ class Scheduler:
             r.est_node_key = id(match.last_node)
             r.match_version = version
             extend = ctx_len - m
-            if inflight and extend >= min_dedup and self._shares_inflight_prefix(r, m, inflight):
+            if inflight and extend >= min_dedup and inflight.shares(r, m, min_dedup):
                 self.counters.num_dedup_holds += 1
                 continue
             chunk = min(extend, cfg.chunk_size, budget)
@@ -323,33 +326,21 @@ class Scheduler:
             budget -= chunk
             reserved += reserve_tokens(r, ratio)
             if self._dedup and extend >= min_dedup:
-                inflight.update(r.context_hashes(cfg.block_size).tolist())
-
-    def _shares_inflight_prefix(self, r: Req, matched: int, inflight: set[int]) -> bool:
-        """Whether a request being prefilled will insert >= min tokens of r's uncached prefix."""
-        bs = self.config.block_size
-        hashes = r.context_hashes(bs)
-        lo, hi = 0, len(hashes)  # the first `lo` blocks are shared
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if int(hashes[mid - 1]) in inflight:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo * bs - matched >= self.config.in_batch_dedup_min_tokens
+                inflight.add(r)
 
     def _refresh_estimates(self, waiting: list[Req]) -> None:
         """Re-match waiting requests whose estimate predates the last tree change, at most
         ``lpm_rematch_budget`` per step, rotating so every request is refreshed in turn."""
         n = len(waiting)
-        version = self._version
+        changes = self._changes
+        version = changes.version
         budget = self.config.lpm_rematch_budget
         start = self._rematch_cursor % n
         stale = 0
         cache = self.cache
         for i in range(n):
             r = waiting[(start + i) % n]
-            if r.match_version == version:
+            if not changes.may_have_changed(r):
                 continue
             if budget == 0:
                 stale += 1
@@ -384,14 +375,11 @@ class Scheduler:
     def process(self, batch: ScheduledBatch, tokens: list[int]) -> list[RequestOutput]:
         """Apply one step's sampled tokens: cache prefills, stop checks, outputs."""
         outputs: list[RequestOutput] = []
-        cache = self.cache
         for item, r, tok in zip(batch.prefill, batch.prefill_reqs, tokens, strict=False):
             r.num_computed = item.start_pos + len(item.token_ids)
             r.sync_cache_views()
             if not item.sample:  # a non-final chunk: insert it, keep going next step
-                cache.cache_unfinished_req(r.cache_req)
-                r.sync_cache_views()
-                self._version += 1
+                self._cache_unfinished(r)
                 continue
             if r is self._chunked:
                 self._chunked = None
@@ -401,9 +389,7 @@ class Scheduler:
                 continue
             r.status = _DECODING
             self._decoding[r.request_id] = r
-            cache.cache_unfinished_req(r.cache_req)
-            r.sync_cache_views()
-            self._version += 1
+            self._cache_unfinished(r)
             outputs.append(RequestOutput(r.request_id, (tok,)))
         offset = len(batch.prefill)
         for j, r in enumerate(batch.decode_reqs):
@@ -415,6 +401,13 @@ class Scheduler:
             else:
                 outputs.append(RequestOutput(r.request_id, (tok,)))
         return outputs
+
+    def _cache_unfinished(self, r: Req) -> None:
+        """Insert a running request's computed KV so others can share it now."""
+        if self._track:
+            self._changes.on_insert(r, r.cache_req.num_tree_tokens, r.num_computed)
+        self.cache.cache_unfinished_req(r.cache_req)
+        r.sync_cache_views()
 
     def _append_token(self, r: Req, tok: int) -> FinishReason | None:
         n = r.num_tokens

@@ -1,0 +1,100 @@
+"""add_request validation: every error names its field and limit, and changes nothing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from sched_harness import make_engine, request
+
+from worker.engine.engine import EngineConfig
+from worker.engine.sim_executor import SimExecutorConfig
+from worker.engine.types import EngineRequest
+from worker.errors import DuplicateRequestError, InvalidRequestError, QueueFullError
+
+
+def _engine():
+    sim = SimExecutorConfig(vocab_size=1000, max_context_tokens=512)
+    return make_engine(sim=sim, num_kv_slots=256, max_waiting_requests=2)[0]
+
+
+@pytest.mark.parametrize(
+    ("req", "field", "fragment"),
+    [
+        (request("r", []), "prompt_token_ids", "must not be empty"),
+        (request("r", [1, 1000]), "prompt_token_ids", "outside [0, 1000)"),
+        (request("r", [-1, 2]), "prompt_token_ids", "outside [0, 1000)"),
+        (request("r", [1] * 500, max_new_tokens=13), "max_new_tokens", "max_context_tokens=512"),
+        (request("r", [1] * 512), "prompt_token_ids", "max_context_tokens=512"),
+        (request("r", [1] * 200, max_new_tokens=100), "max_new_tokens", "num_kv_slots=256"),
+        (request("r", [1] * 300), "prompt_token_ids", "num_kv_slots=256"),
+        (request("r", [1], temperature=-0.5), "temperature", ">= 0"),
+        (request("r", [1], temperature=float("nan")), "temperature", ">= 0"),
+        (request("r", [1], top_p=0.0), "top_p", "(0, 1]"),
+        (request("r", [1], top_p=1.5), "top_p", "(0, 1]"),
+        (request("r", [1], top_k=-1), "top_k", ">= 0"),
+        (request("r", [1], max_new_tokens=0), "max_new_tokens", ">= 1"),
+        (request("r", [1], stop_token_ids=(5000,)), "stop_token_ids", "outside [0, 1000)"),
+        (request("", [1]), "request_id", "non-empty"),
+        (EngineRequest("r", np.array([1.0, 2.0])), "prompt_token_ids", "integers"),
+        (EngineRequest("r", np.array([[1, 2]])), "prompt_token_ids", "1-D"),
+    ],
+)
+def test_invalid_requests_name_field_and_limit(req: EngineRequest, field: str, fragment: str):
+    engine = _engine()
+    with pytest.raises(InvalidRequestError) as info:
+        engine.add_request(req)
+    assert info.value.field == field
+    assert fragment in str(info.value)
+    assert not engine.has_work()
+    assert engine.stats().num_requests == 0
+
+
+def test_largest_request_that_fits_is_accepted() -> None:
+    engine = _engine()
+    # 200 + 57 tokens: the last generated token needs no KV slot, so 256 slots suffice.
+    engine.add_request(request("r", [1] * 200, max_new_tokens=57))
+
+
+def test_duplicate_in_flight_id() -> None:
+    engine = _engine()
+    engine.add_request(request("r", [1, 2]))
+    with pytest.raises(DuplicateRequestError) as info:
+        engine.add_request(request("r", [3, 4]))
+    assert info.value.field == "request_id"
+    assert isinstance(info.value, InvalidRequestError)
+
+
+def test_id_reusable_after_finish() -> None:
+    engine = _engine()
+    engine.add_request(request("r", [1, 2], max_new_tokens=1))
+    while engine.has_work():
+        engine.step()
+    engine.add_request(request("r", [1, 2], max_new_tokens=1))
+
+
+def test_queue_full() -> None:
+    engine = _engine()
+    engine.add_request(request("a", [1]))
+    engine.add_request(request("b", [1]))
+    with pytest.raises(QueueFullError, match="max_waiting_requests=2"):
+        engine.add_request(request("c", [1]))
+    assert engine.num_waiting == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        ({"num_kv_slots": 0}, "num_kv_slots"),
+        ({"chunk_size": 0}, "chunk_size"),
+        ({"new_token_reserve_ratio": 2.0}, "new_token_reserve_ratio"),
+        ({"lpm_rematch_budget": -1}, "lpm_rematch_budget"),
+    ],
+)
+def test_bad_engine_config(kwargs: dict, fragment: str) -> None:
+    with pytest.raises(ValueError, match=fragment):
+        EngineConfig(**kwargs)
+
+
+def test_unknown_schedule_policy_lists_choices() -> None:
+    with pytest.raises(ValueError, match="dfs-weight"):
+        make_engine(schedule_policy="nope")
