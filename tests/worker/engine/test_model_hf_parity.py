@@ -29,7 +29,7 @@ def our_logits(model: LlamaForCausalLM, ids: np.ndarray) -> torch.Tensor:
 
 
 def hf_logits(model_dir, ids: np.ndarray) -> torch.Tensor:
-    hf = transformers.LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = transformers.LlamaForCausalLM.from_pretrained(model_dir).float().eval()
     with torch.no_grad():
         return hf(torch.from_numpy(ids)[None]).logits[0].float()
 
