@@ -1,0 +1,69 @@
+"""Live replay: real worker and router processes on loopback gRPC (bounded timeouts)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.replay.cli import main
+from bench.replay.live import LiveConfig, LiveReplayError, run_live
+from bench.replay.trace import write_trace
+from bench.workload import SupportAgentConfig, generate_support_agent
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+
+
+def small_workload():
+    return generate_support_agent(
+        SupportAgentConfig(rate_rps=10.0, duration_s=4.0, num_conversations=6, seed=2)
+    )
+
+
+def test_live_replay_through_real_processes(tmp_path):
+    records = small_workload()
+    assert 25 <= len(records) <= 60
+    trace = tmp_path / "sa.jsonl"
+    write_trace(trace, records)
+    out = tmp_path / "live.json"
+    argv = [
+        "--trace",
+        str(trace),
+        "--trace-block-size",
+        "16",
+        "--mode",
+        "live",
+        "--workers",
+        "2",
+        "--policy",
+        "cache_aware",
+        "--speedup",
+        "10",
+        "--kv-capacity-tokens",
+        "65536",
+        "--timeout-s",
+        "60",
+        "--json",
+        str(out),
+        "--quiet",
+    ]
+    assert main(argv) == 0
+    data = json.loads(out.read_text())
+    p = data["policies"][0]
+    assert p["policy"] == "cache_aware" and data["setup"]["mode"] == "live"
+    assert p["requests"] == len(records) and p["errors"] == 0
+    assert p["prompt_tokens"] == sum(r.input_length for r in records)
+    assert p["completion_tokens"] == sum(r.output_length for r in records)
+    assert set(p["requests_per_worker"]) == {"worker-0", "worker-1"}
+    assert sum(p["requests_per_worker"].values()) == len(records)
+    # every request shares the 2,048-token system + few-shot prefix: most of it is cached
+    assert p["hit_rate"] > 0.4
+    assert 0 < p["ttft_p50_s"] <= p["e2e_p99_s"]
+    # the sim bounds are computed alongside
+    assert p["hit_rate"] <= data["infinite_hit_rate"]
+
+
+def test_a_process_that_never_listens_is_reported(tmp_path):
+    config = LiveConfig(num_workers=1, startup_timeout_s=20, python="/bin/false")
+    with pytest.raises(LiveReplayError, match="before listening"):
+        run_live(small_workload()[:2], "round_robin", config)
