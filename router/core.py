@@ -319,6 +319,12 @@ class RouterCore:
         """
         return self._get(worker_id).stream.expected_subscription()
 
+    def stream_position(self, worker_id: str) -> tuple[int, int]:
+        """(epoch, seq) of the last applied batch or snapshot; read-only, unlike
+        :meth:`expected_subscription`, which also records the subscription as asked."""
+        stream = self._get(worker_id).stream
+        return stream.epoch, stream.last_seq
+
     def on_stream_message(self, worker_id: str, msg: EventBatch | Snapshot) -> list[Action]:
         """Feed one message of a worker's event stream; returns actions for the shell.
 
