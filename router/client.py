@@ -137,22 +137,27 @@ class RouterClient:
     async def stream(
         self, prompt: Prompt, options: GenerateOptions | None = None
     ) -> AsyncIterator[pb.GenerateResponse]:
-        """The raw response stream: TokenChunk messages, then one Finished."""
+        """The raw response stream: TokenChunk messages, then one Finished.
+
+        Leaving the iteration early cancels the request (the router cancels the worker's).
+        """
         req = build_request(prompt, options or GenerateOptions())
         call = self._stub.Generate(req, timeout=self._timeout_s, metadata=self._metadata)
         try:
             async for msg in call:
                 yield msg
         finally:
-            call.cancel()
+            if not call.done():
+                call.cancel()
 
     async def generate(
         self, prompt: Prompt, options: GenerateOptions | None = None
     ) -> GenerateResult:
-        """Run one request to completion."""
+        """Run one request to completion (the stream is read to its end, never cancelled)."""
         texts: list[str] = []
         tokens: list[int] = []
         request_id = ""
+        fin: pb.Finished | None = None
         async for msg in self.stream(prompt, options):
             request_id = msg.request_id or request_id
             if msg.HasField("chunk"):
@@ -160,18 +165,21 @@ class RouterClient:
                 texts.append(msg.chunk.text)
             elif msg.HasField("finished"):
                 fin = msg.finished
-                return GenerateResult(
-                    request_id=request_id,
-                    text="".join(texts),
-                    token_ids=tuple(tokens),
-                    finish_reason=_FINISH_NAMES.get(fin.reason, str(fin.reason)),
-                    worker_id=fin.worker_id,
-                    attempts=fin.attempts,
-                    prompt_tokens=fin.usage.prompt_tokens,
-                    cached_prompt_tokens=fin.usage.cached_prompt_tokens,
-                    completion_tokens=fin.usage.completion_tokens,
-                )
-        raise ConnectionError(f"router {self.address} ended the stream without a Finished message")
+        if fin is None:
+            raise ConnectionError(
+                f"router {self.address} ended the stream without a Finished message"
+            )
+        return GenerateResult(
+            request_id=request_id,
+            text="".join(texts),
+            token_ids=tuple(tokens),
+            finish_reason=_FINISH_NAMES.get(fin.reason, str(fin.reason)),
+            worker_id=fin.worker_id,
+            attempts=fin.attempts,
+            prompt_tokens=fin.usage.prompt_tokens,
+            cached_prompt_tokens=fin.usage.cached_prompt_tokens,
+            completion_tokens=fin.usage.completion_tokens,
+        )
 
     async def explain(
         self, prompt: Prompt, options: GenerateOptions | None = None

@@ -9,8 +9,8 @@ import math
 
 import grpc
 import pytest
-from fake_worker import FakeWorker, running_fake
-from harness import WAIT_S, router_config, running_router
+from router_fake_worker import FakeWorker, running_fake
+from router_harness import WAIT_S, router_config, running_router
 
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc

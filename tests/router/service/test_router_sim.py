@@ -11,7 +11,7 @@ import grpc
 import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from harness import router_config, running_router, sim_worker
+from router_harness import router_config, running_router, sim_worker
 
 from kvroute_proto.events import Partition
 from kvroute_proto.hashing import block_hash_list

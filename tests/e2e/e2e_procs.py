@@ -1,0 +1,124 @@
+"""Real processes for end-to-end tests: start ``python -m kvroute_cli ...``, read its
+``listening on HOST:PORT`` line, and always kill it (the ``Procs`` context manager)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 60.0
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    address: str = ""
+    lines: list[str] = field(default_factory=list)  # stdout lines seen so far
+
+    def wait(self, timeout: float) -> int:
+        return self.popen.wait(timeout=timeout)
+
+
+def _read_until_listening(proc: Proc, marker: str, timeout: float) -> None:
+    """Read stdout lines until one contains ``marker``; the rest is drained in a thread."""
+    found = threading.Event()
+
+    def pump() -> None:
+        assert proc.popen.stdout is not None
+        for raw in proc.popen.stdout:
+            line = raw.rstrip("\n")
+            proc.lines.append(line)
+            if not found.is_set() and marker in line:
+                proc.address = line.split()[line.split().index("on") + 1]
+                found.set()
+        found.set()  # EOF: let the waiter see it failed
+
+    threading.Thread(target=pump, daemon=True).start()
+    if not found.wait(timeout) or not proc.address:
+        raise RuntimeError(
+            f"{proc.name} did not print {marker!r} within {timeout} s; "
+            f"exit={proc.popen.poll()} stdout={proc.lines[-20:]}"
+        )
+
+
+class Procs:
+    """Starts processes and kills every one of them on exit, whatever happened."""
+
+    def __init__(self) -> None:
+        self.procs: list[Proc] = []
+
+    def start(
+        self, name: str, args: list[str], *, marker: str = "listening on", wait: bool = True
+    ) -> Proc:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "kvroute_cli", *args],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            stdin=subprocess.DEVNULL,
+            text=True,
+        )
+        proc = Proc(name, popen)
+        self.procs.append(proc)
+        if wait:
+            _read_until_listening(proc, marker, START_TIMEOUT_S)
+        return proc
+
+    def worker(self, worker_id: str, *extra: str, port: int = 0, executor: str = "sim") -> Proc:
+        return self.start(
+            worker_id,
+            [
+                "worker",
+                "--executor",
+                executor,
+                "--port",
+                str(port),
+                "--worker-id",
+                worker_id,
+                "--block-size",
+                "4",
+                "--load-interval-s",
+                "0.2",
+                "--log-level",
+                "WARNING",
+                *extra,
+            ],
+        )
+
+    def router(self, workers: list[str], *extra: str) -> Proc:
+        args = ["router", "--port", "0", "--purge-after-s", "0.5", "--log-level", "WARNING"]
+        for w in workers:
+            args += ["--worker", w]
+        return self.start("router", [*args, *extra])
+
+    def kill(self, proc: Proc, sig: int = signal.SIGKILL) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.popen.send_signal(sig)
+        proc.popen.wait(timeout=30)
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.popen.poll() is None:
+                proc.popen.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.popen.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def procs() -> Iterator[Procs]:
+    p = Procs()
+    try:
+        yield p
+    finally:
+        p.close()

@@ -1,0 +1,66 @@
+"""``kvroute up`` end to end: the README's main job (torch), and clean shutdown (no orphans)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+from e2e_procs import ROOT, procs
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_up_demo_with_the_torch_tiny_model():
+    pytest.importorskip("torch")
+    cmd = ["up", "--workers", "2", "--port", "0", "--demo", "--exit"]
+    result = subprocess.run(
+        [sys.executable, "-m", "kvroute_cli", *cmd],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    out = result.stdout
+    assert len(re.findall(r"worker worker-\d listening on 127\.0\.0\.1:\d+", out)) == 2
+    assert re.search(r"router listening on 127\.0\.0\.1:\d+", out)
+    served = re.findall(r"served by (worker-\d): (\d+)/(\d+) prompt tokens cached", out)
+    assert len(served) == 2
+    # the second request shares the first one's prefix: same worker, prefix cached
+    assert served[0][0] == served[1][0]
+    assert int(served[1][1]) > 0
+    assert out.rstrip().endswith("stopped")
+
+
+def test_up_stops_every_worker_on_sigterm():
+    with procs() as p:
+        up = p.start(
+            "up",
+            ["up", "--workers", "2", "--port", "0", "--executor", "sim"],
+            marker="router listening on",
+        )
+        pids = [
+            int(m)
+            for line in up.lines
+            for m in re.findall(r"worker worker-\d listening on \S+ \(pid (\d+)\)", line)
+        ]
+        assert len(pids) == 2 and all(_alive(pid) for pid in pids)
+        up.popen.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=60) == 0
+        assert not any(_alive(pid) for pid in pids)
