@@ -164,6 +164,7 @@ class EngineRunner:
         self._tasks: list[asyncio.Task[None]] = []
         self._failure: BaseException | None = None
         self._stopping = False
+        self._pool_closed = False
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -180,7 +181,10 @@ class EngineRunner:
             sub.close()
 
     async def stop(self) -> None:
-        """Stop the loops, fail what is still in flight, and release the engine thread."""
+        """Stop the loops, abort what is still in flight (freeing its KV), fail its streams
+        and release the engine thread (idempotent)."""
+        if self._stopping:
+            return
         self._stopping = True
         self.close_subscriptions()
         for task in self._tasks:
@@ -188,7 +192,9 @@ class EngineRunner:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        await self._call(lambda: None)  # whatever job was running has finished
+        # The last job: every earlier one has run, and nothing is submitted after it.
+        await self._call(self._job_abort_all, list(self._streams))
+        self._pool_closed = True
         self._fail_all(EngineStoppedError("the worker is shutting down"))
         self._pool.shutdown(wait=False)
 
@@ -222,7 +228,7 @@ class EngineRunner:
         if self._streams.get(stream.request_id) is not stream:
             return  # already finished
         del self._streams[stream.request_id]
-        if not self._stopping:
+        if not self._pool_closed:
             self._pool.submit(self._job_abort, stream.request_id)
 
     async def abort(self, request_id: str) -> bool:
@@ -244,7 +250,7 @@ class EngineRunner:
 
     def unsubscribe(self, sub: Subscription) -> None:
         self._live_subscriptions.discard(sub)
-        if not self._stopping:
+        if not self._pool_closed:
             self._pool.submit(self._subscribers.discard, sub)
 
     async def wait_until_idle(self) -> None:
@@ -353,6 +359,11 @@ class EngineRunner:
             self._post(self._dispatch, [RequestOutput(request_id, (), FinishReason.ABORT)])
         self._publish()
         return found
+
+    def _job_abort_all(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.engine.abort(rid)
+        self._publish()
 
     def _job_subscribe(
         self, sub: Subscription, epoch: int, after_seq: int

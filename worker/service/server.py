@@ -93,6 +93,7 @@ class WorkerServer:
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self.port: int | None = None
+        self._stopped = False
 
     @property
     def address(self) -> str:
@@ -133,7 +134,10 @@ class WorkerServer:
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Graceful stop: in-flight requests get ``grace_s`` (default from the config) to
-        finish, then they are cancelled (and aborted) and the engine loop stops."""
+        finish, then they are cancelled (and aborted) and the engine loop stops. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
         grace = self.config.shutdown_grace_s if grace_s is None else grace_s
         await self.begin_shutdown()
         try:

@@ -11,6 +11,15 @@ import grpc
 
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
+from kvroute_proto.codec import stream_message_from_pb
+from kvroute_proto.events import (
+    AllCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    Partition,
+    Snapshot,
+)
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.sim_executor import SimCostModel, SimExecutor, SimExecutorConfig
 from worker.engine.stats import EngineStats
@@ -121,3 +130,93 @@ def text_request(
         prompt_text=text,
         sampling=pb.SamplingParams(max_new_tokens=max_new_tokens, **sampling),
     )
+
+
+# ---- KV event stream helpers --------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class HeldBlock:
+    parent_hash: int | None
+    token_ids: tuple[int, ...]
+    partition: Partition
+
+
+class HeldBlocks:
+    """Reference model of a subscriber: the blocks it believes the worker holds. Applying
+    is strict: seqs must follow on, a stored block must be new, a removed one held."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[int, HeldBlock] = {}
+        self.epoch: int | None = None
+        self.seq = -1
+        self.num_batches = 0
+
+    def apply(self, item: EventBatch | Snapshot) -> None:
+        match item:
+            case Snapshot(epoch=epoch, seq=seq, blocks=blocks):
+                self.blocks = {}
+                for stored in blocks:
+                    self._store(stored)
+                self.epoch, self.seq = epoch, seq
+            case EventBatch(epoch=epoch, seq=seq, events=events):
+                assert (epoch, seq) == (self.epoch, self.seq + 1), (epoch, seq, self.seq)
+                for ev in events:
+                    match ev:
+                        case BlockStored():
+                            self._store(ev)
+                        case BlockRemoved(block_hashes=hashes):
+                            for h in hashes:
+                                assert h in self.blocks, f"removed block {h} is not held"
+                                del self.blocks[h]
+                        case AllCleared():
+                            self.blocks.clear()
+                self.seq = seq
+                self.num_batches += 1
+
+    def _store(self, ev: BlockStored) -> None:
+        parent, bs = ev.parent_hash, ev.block_size
+        for i, h in enumerate(ev.block_hashes):
+            assert h not in self.blocks, f"stored block {h} is already held"
+            assert parent is None or parent in self.blocks, f"parent {parent} is not held"
+            self.blocks[h] = HeldBlock(parent, ev.token_ids[i * bs : (i + 1) * bs], ev.partition)
+            parent = h
+
+    @classmethod
+    def of(cls, snapshot: Snapshot) -> HeldBlocks:
+        model = cls()
+        model.apply(snapshot)
+        return model
+
+
+def subscribe(w: Worker, epoch: int = 0, after_seq: int = 0, who: str = "test"):
+    return w.stub.SubscribeKvEvents(
+        pb.SubscribeRequest(epoch=epoch, after_seq=after_seq, subscriber_id=who)
+    )
+
+
+async def read_item(call) -> EventBatch | Snapshot:
+    msg = await call.read()
+    assert msg is not grpc.aio.EOF, "the event stream ended"
+    return stream_message_from_pb(msg)
+
+
+async def read_until(call, model: HeldBlocks, seq: int, *, limit: int = 10_000) -> list:
+    """Apply stream messages to ``model`` until it reaches ``seq``; returns them."""
+    items = []
+    while model.seq < seq:
+        assert len(items) < limit
+        items.append(item := await read_item(call))
+        model.apply(item)
+    return items
+
+
+async def settle(w: Worker) -> tuple[int, Snapshot]:
+    """Wait for the engine to go idle; the stream's last seq and the cache's own snapshot."""
+    await w.server.runner.wait_until_idle()
+    pub = w.server.runner.publisher
+
+    def job() -> tuple[int, Snapshot]:
+        return pub.last_seq, w.engine.snapshot(pub.config.worker_id, pub.epoch, pub.last_seq)
+
+    return await w.server.runner.call(job)
