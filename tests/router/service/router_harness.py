@@ -88,7 +88,12 @@ class SimWorker:
 
 @contextlib.asynccontextmanager
 async def sim_worker(
-    worker_id: str, *, block_size: int = 4, port: int = 0, epoch: int | None = None
+    worker_id: str,
+    *,
+    block_size: int = 4,
+    port: int = 0,
+    epoch: int | None = None,
+    load_interval_s: float = 0.2,
 ) -> AsyncIterator[SimWorker]:
     """A real worker (Engine + sim executor) served in this process."""
     from worker.engine.engine import Engine, EngineConfig
@@ -112,7 +117,7 @@ async def sim_worker(
         engine=engine_config,
         executor_kind="sim",
         port=port,
-        runner=RunnerConfig(load_interval_s=0.2),
+        runner=RunnerConfig(load_interval_s=load_interval_s),
         shutdown_grace_s=0.5,
     )
     server = WorkerServer(engine, ByteTokenizer(), config, epoch=epoch)

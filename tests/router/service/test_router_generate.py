@@ -18,6 +18,7 @@ from kvroute_proto.events import BlockStored, EventBatch, Partition
 from kvroute_proto.hashing import block_hash_list
 from router.client import GenerateOptions, build_request
 from router.service.resilience import EjectionConfig
+from router.service.server import RegistryConfig
 from router.service.servicer import ServicerConfig
 from router.service.tenancy import TenancyConfig
 
@@ -46,7 +47,7 @@ async def hold(router, fake: FakeWorker, tokens: list[int], seq: int = 1) -> Non
     stored = BlockStored(hashes, None, tuple(tokens[: len(hashes) * fake.block_size]))
     fake.push(EventBatch(fake.worker_id, fake.epoch, seq, fake.block_size, (stored,)))
     core = router.server.core
-    await router.wait_for(lambda: core.worker_blocks(fake.worker_id) == set(hashes))
+    await router.wait_for(lambda: set(hashes) <= core.worker_blocks(fake.worker_id))
 
 
 def fakes_by_id(a: FakeWorker, b: FakeWorker) -> dict[str, FakeWorker]:
@@ -148,12 +149,13 @@ async def test_request_errors_pass_through_uncounted(fleet, code):
 )
 async def test_consecutive_internal_errors_eject_the_worker(fleet):
     router, a, _ = fleet
-    await hold(router, a, PROMPT)  # w0 is the first choice while healthy
     a.behaviour = "fail_before"
     a.fail_code = grpc.StatusCode.INTERNAL
     # w0 fails twice (each time the request is retried on w1 and succeeds) -> ejected
     for i in range(2):
-        r = await router.client.generate(PROMPT, GenerateOptions(request_id=f"x{i}"))
+        prompt = [*PROMPT, 50 + i, 50, 50, 50]
+        await hold(router, a, prompt, seq=i + 1)  # w0 holds the longest prefix: first choice
+        r = await router.client.generate(prompt, GenerateOptions(request_id=f"x{i}"))
         assert (r.worker_id, r.attempts) == ("w1", 2)
     assert router.server.servicer.ejector.ejected() == {"w0"}
     expl = await router.client.explain(PROMPT)
@@ -318,3 +320,45 @@ async def test_explain_lists_every_worker_and_the_pick(fleet):
     assert all(w.healthy and not math.isnan(w.cost) for w in expl.workers)
     addresses = {w.address for w in expl.workers}
     assert addresses == set(router.server.config.workers)
+
+
+async def test_abort_from_another_tenant_does_not_find_the_request():
+    a = FakeWorker("w0", behaviour="hang")
+    async with running_fake(a) as ra, running_router([ra.address], tenant="acme") as router:
+        await router.wait_synced(1)
+        stub = pb_grpc.RouterStub(router.client._channel)
+        md = (("x-tenant-id", "acme"),)
+        call = stub.Generate(build_request(PROMPT, GenerateOptions(request_id="t1")), metadata=md)
+        await asyncio.wait_for(a.hanging.wait(), WAIT_S)
+        other = await stub.Abort(pb.AbortRequest(request_id="t1"), metadata=(("x-tenant-id", "b"),))
+        assert other.found is False and a.aborted == []
+        assert await router.client.abort("t1") is True  # the client's tenant is acme
+        assert a.aborted == ["t1"]
+        call.cancel()
+
+
+async def test_explain_of_a_policy_without_cost_reports_nan():
+    a = FakeWorker("w0")
+    async with running_fake(a) as ra:
+        config = router_config([ra.address])
+        config = dataclasses.replace(
+            config, core=dataclasses.replace(config.core, policy="round_robin")
+        )
+        async with running_router([ra.address], config) as router:
+            await router.wait_synced(1)
+            expl = await router.client.explain(PROMPT)
+    assert expl.policy == "round_robin" and expl.chosen_worker_id == "w0"
+    assert [math.isnan(w.cost) for w in expl.workers] == [True]
+
+
+async def test_redis_outage_keeps_routing_to_static_workers():
+    a = FakeWorker("w0")
+    async with running_fake(a) as ra:
+        config = router_config(
+            [ra.address], registry=RegistryConfig("redis://127.0.0.1:1/0", poll_s=0.05)
+        )
+        async with running_router([ra.address], config) as router:
+            await router.wait_synced(1)
+            assert router.server.watcher is not None and router.server.watcher.redis_down
+            r = await router.client.generate(PROMPT)
+            assert r.worker_id == "w0"

@@ -1,0 +1,145 @@
+"""Command-line parsing of `kvroute router`, `kvroute up`, `generate`/`explain`, and import
+hygiene (the router never imports torch or the worker package)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from router import cli, client, fleet
+from router.service.tenancy import TenancyConfig
+
+
+def test_router_flags_map_to_the_config():
+    args = cli.build_parser().parse_args(
+        [
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "0",
+            "--worker",
+            "10.0.0.1:7001",
+            "--worker",
+            "10.0.0.2:7001",
+            "--redis-url",
+            "redis://r:6379/0",
+            "--policy",
+            "least_load",
+            "--block-size",
+            "32",
+            "--max-inflight",
+            "7",
+            "--max-deadline-s",
+            "12.5",
+            "--tenant-header",
+            "X-Org",
+            "--tenant-salt-secret",
+            "s",
+            "--purge-after-s",
+            "3",
+            "--seed",
+            "4",
+        ]
+    )
+    config = cli.config_from_args(args)
+    assert (config.host, config.port) == ("0.0.0.0", 0)
+    assert config.workers == ("10.0.0.1:7001", "10.0.0.2:7001")
+    assert config.registry.redis_url == "redis://r:6379/0"
+    assert (config.core.policy, config.core.block_size) == ("least_load", 32)
+    assert (config.service.max_inflight, config.service.max_deadline_s) == (7, 12.5)
+    assert config.service.tenancy == TenancyConfig("x-org", b"s", False)
+    assert config.connection.purge_after_s == 3
+    assert config.seed == 4
+
+
+def test_router_defaults():
+    config = cli.config_from_args(cli.build_parser().parse_args(["--worker", "h:1"]))
+    assert config.core.policy == "cache_aware" and config.port == 50051
+    assert config.service.tenancy == TenancyConfig()
+
+
+@pytest.mark.parametrize("bad", ["nohost", "h:0", "h:70000", ":1", "h:x"])
+def test_bad_worker_address_is_a_usage_error(bad, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.build_parser().parse_args(["--worker", bad])
+    assert exc.value.code == 2
+    assert "HOST:PORT" in capsys.readouterr().err
+
+
+def test_router_needs_a_worker_or_redis(capsys):
+    assert cli.main([]) == 2
+    assert "--worker or --redis-url" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "main", [cli.main, fleet.main, client.main, client.explain_main], ids=lambda f: f.__module__
+)
+def test_every_command_has_help(main, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    assert "usage:" in capsys.readouterr().out
+
+
+def test_up_validates_flags(capsys):
+    assert fleet.main(["--exit"]) == 2
+    assert "--exit needs --demo" in capsys.readouterr().err
+    assert fleet.main(["--workers", "0"]) == 2
+    assert "--workers must be in 1..64" in capsys.readouterr().err
+
+
+def test_up_worker_command_line():
+    config = fleet.FleetConfig(num_workers=1, executor="sim", worker_args=("--kv-slots=64",))
+    cmd = fleet.worker_command(config, "worker-0")
+    assert cmd[:4] == [sys.executable, "-m", "kvroute_cli", "worker"]
+    assert cmd[cmd.index("--port") + 1] == "0"
+    assert cmd[cmd.index("--worker-id") + 1] == "worker-0"
+    assert cmd[cmd.index("--executor") + 1] == "sim"
+    assert cmd[-1] == "--kv-slots=64"
+
+
+def test_format_explain_marks_the_pick():
+    result = client.ExplainResult(
+        "cache_aware",
+        8,
+        "w1",
+        (
+            client.WorkerScoreView("w0", "h:1", True, 0, 0, 8.0, 0, 0),
+            client.WorkerScoreView("w1", "h:2", True, 8, 0, 0.0, 1, 0),
+        ),
+    )
+    lines = client.format_explain(result).splitlines()
+    assert lines[0] == "policy=cache_aware prompt_tokens=8 chosen=w1"
+    assert lines[2].startswith("  w0") and lines[3].startswith("* w1")
+
+
+def test_token_id_prompts_are_parsed():
+    args = client._common_parser("p", "d").parse_args(["--token-ids", "1, 2,3"])
+    assert client._parse_prompt(args) == [1, 2, 3]
+    args = client._common_parser("p", "d").parse_args(["--token-ids", "1,x"])
+    with pytest.raises(SystemExit, match="comma-separated ints"):
+        client._parse_prompt(args)
+
+
+def test_router_never_imports_torch_or_worker():
+    code = (
+        "import router, router.service, router.cli, router.fleet, router.client\n"
+        "import router.service.server, router.service.registry\n"
+        "import sys\n"
+        "bad = sorted(n for n in sys.modules if n.split('.')[0] in ('torch', 'worker'))\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_registry_module_imports_nothing_from_kvroute():
+    code = (
+        "import sys\n"
+        "import router.service.registry\n"
+        "bad = sorted(n for n in sys.modules if n.split('.')[0] in "
+        "('kvroute_proto', 'worker', 'torch', 'grpc') or n.startswith('router.core'))\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
