@@ -402,7 +402,7 @@ class RouterCore:
         if req.request_id in self._inflight:
             self.on_finished(req.request_id)
         self._account(req.request_id, view, query.prompt_tokens - matched_tokens)
-        if hashes and self._policy.has_cost:
+        if hashes and self._policy.uses_matches:
             deadline = now + self._ttl
             if not self._use_events and depth:
                 index.refresh_predicted(hashes[:depth], deadline)

@@ -17,6 +17,12 @@ uncached tokens to the holder's queue until its first token, so a burst soon mak
 cold worker (which pays the whole prefix once, then holds it too) cheaper, while a trickle
 whose requests finish prefill before the next arrives stays on the holder.
 
+Queued tokens weigh half a token by default: a worker batches queued prefills (chunked
+prefill) and a request queued behind others with the same prefix reuses their KV, so a
+queue delays a request less than its own uncached tokens do. With 0.5 a holder keeps a
+hot prefix until its queue is about twice the prefix it saves; at 1.0 even the second
+request of a burst with a new prefix would already tie with a cold worker.
+
 Baselines share the interface: round_robin, random, least_load, power_of_two, prefix_hash
 (rendezvous hashing of the first blocks: consistent when workers come and go), and
 approx_tree (cache_aware over the router's own routing history only: the core gives it
@@ -55,7 +61,7 @@ class CostWeights:
     """
 
     prefill: float = 1.0
-    queued_prefill: float = 1.0
+    queued_prefill: float = 0.5
     decode: float = 16.0
 
     def __post_init__(self) -> None:
@@ -125,11 +131,14 @@ class Policy:
     """Base class: ``select`` picks an index into ``candidates``.
 
     ``uses_events``: False for policies that must not see event-fed index entries
-    (approx_tree). ``has_cost``: whether :meth:`costs` returns numbers.
+    (approx_tree). ``uses_matches``: whether the pick depends on cached prefixes (the core
+    then enters predicted entries for each pick). ``has_cost``: whether :meth:`costs`
+    returns numbers.
     """
 
     name = "base"
     uses_events = True
+    uses_matches = False
     has_cost = False
 
     def __init__(self, config: PolicyConfig) -> None:
@@ -169,6 +178,7 @@ class CacheAware(Policy):
     """Lowest estimated prefill wait (see the module docstring)."""
 
     name = "cache_aware"
+    uses_matches = True
     has_cost = True
 
     def costs(

@@ -13,17 +13,20 @@ batches that arrived ahead of a gap, and the subscription already asked for::
     batch (E, s)   E == epoch, s <= last_seq      -> duplicate, dropped
                    E == epoch, s == last_seq + 1  -> applied, then buffered s+1, s+2, ...
                    E == epoch, s  > last_seq + 1  -> buffered; Resubscribe(E, last_seq)
-                   E new                          -> purge (empty snapshot at (E, 0)), then
+                   E other                        -> purge (empty snapshot at (E, 0)), then
                                                      as above: s == 1 applies at once
-                   E retired (an earlier epoch)   -> stale, dropped
     snapshot (E, s) E == epoch, s <= last_seq     -> stale, dropped
                     otherwise                     -> replaces the worker's state; the
                                                      buffered batches > s are applied after it
 
 Everything is applied in seq order, so a live removal that arrives while a resync is under
 way waits in the buffer and can never be overtaken by a replayed store (the Mooncake bug).
-Epochs are random, not ordered: an epoch we moved away from is remembered (the last
-``max_retired_epochs``) so its late messages are dropped instead of flip-flopping.
+
+Epochs are random, not ordered, so the sequencer cannot tell a late message of a dead
+process from a restart: it always follows the epoch of the latest message. A stale message
+costs one purge and one resubscribe, which the worker answers with its current epoch; a
+"remember retired epochs and drop them" rule would instead deadlock when the stale message
+arrives first (the new epoch would be the one retired).
 
 Resubscribe is asked once per gap position; if the replay itself is lost, it is asked again
 after ``resubscribe_after`` further out-of-order batches (the worker's periodic load reports
@@ -32,7 +35,7 @@ guarantee those keep coming). A full buffer is dropped and a resubscribe forced.
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, field
 
 from kvroute_proto.events import EventBatch, Snapshot
@@ -45,12 +48,11 @@ class SyncConfig:
     """``max_pending_batches``: out-of-order batches kept while waiting for a gap to fill.
 
     ``resubscribe_after``: out-of-order batches after which an unanswered resubscribe is
-    asked again. ``max_retired_epochs``: earlier epochs remembered as stale.
+    asked again.
     """
 
     max_pending_batches: int = 1024
     resubscribe_after: int = 32
-    max_retired_epochs: int = 8
 
     def __post_init__(self) -> None:
         if self.max_pending_batches < 1:
@@ -87,7 +89,6 @@ class StreamSequencer:
     pending: dict[int, EventBatch] = field(default_factory=dict)
     awaiting: tuple[int, int] | None = None  # subscription asked for and not yet answered
     num_out_of_order: int = 0  # out-of-order batches since the last resubscribe
-    retired: deque[int] = field(default_factory=deque)
     counters: Counter[str] = field(default_factory=Counter)
 
     def expected_subscription(self) -> tuple[int, int]:
@@ -117,11 +118,7 @@ class StreamSequencer:
 
     # ---- internals -----------------------------------------------------------------------
 
-    def _retire(self, new_epoch: int) -> None:
-        if self.epoch:
-            self.retired.append(self.epoch)
-            while len(self.retired) > self.config.max_retired_epochs:
-                self.retired.popleft()
+    def _switch_epoch(self, new_epoch: int) -> None:
         self.epoch = new_epoch
         self.last_seq = 0
         self.pending.clear()
@@ -131,11 +128,8 @@ class StreamSequencer:
     def _receive_batch(self, batch: EventBatch) -> SyncStep:
         apply: list[EventBatch | Snapshot] = []
         if batch.epoch != self.epoch:
-            if batch.epoch in self.retired:
-                self.counters["stale_epoch"] += 1
-                return _NOTHING
             self.counters["new_epoch"] += 1
-            self._retire(batch.epoch)
+            self._switch_epoch(batch.epoch)
             apply.append(Snapshot(self.worker_id, batch.epoch, 0, batch.block_size))
         seq = batch.seq
         if seq <= self.last_seq:
@@ -163,12 +157,9 @@ class StreamSequencer:
             if snap.seq <= self.last_seq:
                 self.counters["stale_snapshot"] += 1
                 return _NOTHING
-        elif snap.epoch in self.retired:
-            self.counters["stale_snapshot"] += 1
-            return _NOTHING
         else:
             self.counters["new_epoch"] += 1
-            self._retire(snap.epoch)
+            self._switch_epoch(snap.epoch)
         self.counters["snapshot"] += 1
         self.last_seq = snap.seq
         apply: list[EventBatch | Snapshot] = [snap]

@@ -1,0 +1,358 @@
+"""RouterCore: membership, streams, routing, predicted entries, in-flight accounting."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from kvroute_proto.events import (
+    DEFAULT_PARTITION,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    LoadReport,
+    Partition,
+    Snapshot,
+)
+from kvroute_proto.hashing import block_hash_list
+from router.core import (
+    BlockSizeMismatchError,
+    CostWeights,
+    DuplicateWorkerError,
+    InvalidRouteRequestError,
+    NoWorkerAvailable,
+    Resubscribe,
+    RouterConfig,
+    RouterCore,
+    RouteRequest,
+    UnknownWorkerError,
+)
+
+B = 16
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_core(n: int = 4, **config) -> tuple[RouterCore, Clock]:
+    clock = Clock()
+    core = RouterCore(RouterConfig(**config), clock=clock, rng=random.Random(0))
+    for i in range(n):
+        core.add_worker(f"w{i}", f"10.0.0.{i}:50051", block_size=B)
+    return core, clock
+
+
+def tokens(n: int, start: int = 0) -> np.ndarray:
+    return np.arange(start, start + n, dtype=np.uint32)
+
+
+def stored(toks: np.ndarray, partition: Partition = DEFAULT_PARTITION) -> BlockStored:
+    n = len(toks) // B * B
+    hashes = block_hash_list(toks[:n], B, partition.seed)
+    return BlockStored(tuple(hashes), None, tuple(int(t) for t in toks[:n]), partition)
+
+
+def give(core: RouterCore, worker_id: str, *blocks: BlockStored, seq: int = 1) -> None:
+    """Sync ``worker_id`` from a snapshot holding ``blocks``."""
+    assert core.on_stream_message(worker_id, Snapshot(worker_id, 1, seq, B, blocks)) == []
+
+
+# ---- membership ------------------------------------------------------------------------
+
+
+def test_first_worker_sets_the_block_size_and_others_must_match() -> None:
+    core = RouterCore(clock=Clock(), rng=random.Random(0))
+    assert core.block_size is None
+    core.add_worker("a")
+    assert core.block_size is None
+    core.add_worker("b", block_size=32)
+    assert core.block_size == 32
+    with pytest.raises(BlockSizeMismatchError, match="block_size=16 but the fleet uses"):
+        core.add_worker("c", block_size=16)
+    assert not core.has_worker("c")
+    with pytest.raises(BlockSizeMismatchError):
+        core.on_stream_message("a", Snapshot("a", 1, 0, 16, ()))
+
+
+def test_block_size_from_the_first_stream_message() -> None:
+    core = RouterCore(clock=Clock(), rng=random.Random(0))
+    core.add_worker("a")
+    core.on_stream_message("a", Snapshot("a", 1, 0, 8, ()))
+    assert core.block_size == 8
+
+
+def test_membership_errors() -> None:
+    core, _ = make_core(1)
+    with pytest.raises(DuplicateWorkerError, match="'w0' is already registered"):
+        core.add_worker("w0")
+    with pytest.raises(UnknownWorkerError, match="unknown worker 'zz'"):
+        core.set_health("zz", False)
+    with pytest.raises(UnknownWorkerError):
+        core.on_stream_message("zz", Snapshot("zz", 1, 0, B, ()))
+    with pytest.raises(InvalidRouteRequestError, match="worker_id"):
+        core.add_worker("")
+
+
+def test_remove_worker_purges_and_reuses_its_slot() -> None:
+    core, _ = make_core(3)
+    give(core, "w1", stored(tokens(64)))
+    core.route(RouteRequest("r1", tokens(64), exclude=frozenset({"w0", "w2"})))
+    core.remove_worker("w1")
+    assert core.workers() == ["w0", "w2"]
+    assert core.stats().num_indexed_blocks == 0
+    assert core.stats().num_inflight_requests == 0
+    core.add_worker("w9", block_size=B)
+    assert core.worker_view("w9").slot == 1
+    assert core.worker_blocks("w9") == set()
+    assert core.expected_subscription("w9") == (0, 0)
+
+
+# ---- streams ---------------------------------------------------------------------------
+
+
+def test_snapshot_then_batches_feed_the_index() -> None:
+    core, _ = make_core(2)
+    a = stored(tokens(64))
+    give(core, "w0", a, seq=3)
+    assert core.worker_blocks("w0") == set(a.block_hashes)
+    load = LoadReport(num_running=2, num_queued_prefill_tokens=700)
+
+    removal = EventBatch("w0", 1, 4, B, (BlockRemoved(a.block_hashes[2:]),), load)
+    assert core.on_stream_message("w0", removal) == []
+    assert core.worker_blocks("w0") == set(a.block_hashes[:2])
+    assert core.worker_view("w0").load == load
+    assert core.worker_view("w0").queued_prefill_tokens == 700
+
+
+def test_gap_returns_a_resubscribe_action() -> None:
+    core, _ = make_core(1)
+    give(core, "w0", seq=3)
+    actions = core.on_stream_message("w0", EventBatch("w0", 1, 6, B))
+    assert actions == [Resubscribe("w0", 1, 3, "gap after seq 3 (got 6)")]
+    assert core.stream_position("w0") == (1, 3)
+
+
+def test_new_epoch_purges_the_worker() -> None:
+    core, _ = make_core(1)
+    give(core, "w0", stored(tokens(64)))
+    core.on_stream_message("w0", EventBatch("w0", 2, 1, B))
+    assert core.worker_blocks("w0") == set()
+    assert core.stats().sync_counters["new_epoch"] == 2
+
+
+def test_apply_errors_are_counted_not_raised() -> None:
+    core, _ = make_core(1)
+    give(core, "w0")
+
+    core.on_stream_message("w0", EventBatch("w0", 1, 2, B, (BlockRemoved((1, 2)),)))
+    assert core.stats().apply_errors["unknown_block"] == 2
+
+
+# ---- routing ---------------------------------------------------------------------------
+
+
+def test_no_worker_available() -> None:
+    core, _ = make_core(0)
+    with pytest.raises(NoWorkerAvailable, match="0 registered, 0 healthy, 0 excluded"):
+        core.route(RouteRequest("r", tokens(10)))
+    core, _ = make_core(2)
+    core.set_health("w0", False)
+    with pytest.raises(NoWorkerAvailable, match="2 registered, 1 healthy, 1 excluded"):
+        core.route(RouteRequest("r", tokens(10), exclude=frozenset({"w1"})))
+
+
+def test_unhealthy_workers_are_never_picked_even_with_the_best_match() -> None:
+    core, _ = make_core(3)
+    give(core, "w0", stored(tokens(320)))
+    core.set_health("w0", False)
+    picks = {core.route(RouteRequest(f"r{i}", tokens(320))).worker_id for i in range(30)}
+    assert "w0" not in picks
+    core.set_health("w0", True)
+    core2, _ = make_core(3)
+    give(core2, "w0", stored(tokens(320)))
+    assert core2.route(RouteRequest("x", tokens(320))).worker_id == "w0"
+
+
+def test_route_prefers_the_holder_and_reports_exact_match() -> None:
+    core, _ = make_core(4)
+    give(core, "w2", stored(tokens(200)))  # 12 full blocks = 192 tokens
+    d = core.route(RouteRequest("r1", tokens(300)))
+    assert (d.worker_id, d.address, d.prompt_tokens, d.matched_tokens) == (
+        "w2",
+        "10.0.0.2:50051",
+        300,
+        192,
+    )
+    assert d.cost == 108.0 and d.policy == "cache_aware"
+    assert core.worker_view("w2").inflight_prefill_tokens == 108
+
+
+def test_partition_separates_caches() -> None:
+    core, _ = make_core(2)
+    give(core, "w1", stored(tokens(320), Partition("tenant-a")))
+    d = core.route(RouteRequest("r", tokens(320), Partition("tenant-b")))
+    assert d.matched_tokens == 0
+    core.on_finished("r")
+    d = core.route(RouteRequest("r2", tokens(320), Partition("tenant-a")))
+    assert (d.worker_id, d.matched_tokens) == ("w1", 320)
+
+
+def test_invalid_tokens() -> None:
+    core, _ = make_core(1)
+    with pytest.raises(InvalidRouteRequestError, match="token_ids"):
+        core.route(RouteRequest("r", np.array([1, -5])))
+    with pytest.raises(InvalidRouteRequestError, match="token_ids"):
+        core.route(RouteRequest("r", np.array([0.5])))
+
+
+def test_burst_with_a_new_prefix_follows_the_first_request_before_any_event() -> None:
+    core, _ = make_core(4)
+    prefix = tokens(1024)
+    first = core.route(RouteRequest("r0", np.concatenate([prefix, tokens(40, 5000)])))
+    assert first.matched_tokens == 0
+    for i in range(1, 5):
+        d = core.route(RouteRequest(f"r{i}", np.concatenate([prefix, tokens(40, 5000 + 100 * i)])))
+        assert (d.worker_id, d.matched_tokens) == (first.worker_id, 1024)
+
+
+def test_predictions_expire_after_the_ttl_unless_confirmed() -> None:
+    core, clock = make_core(4, predicted_ttl_s=2.0)
+    d = core.route(RouteRequest("r0", tokens(320)))
+    assert core.stats().num_predicted_entries == 20
+    clock.now += 2.0
+    core.on_finished("r0")
+    d2 = core.route(RouteRequest("r1", tokens(320)))
+    assert d2.matched_tokens == 0
+    core.on_finished("r1")
+    # confirmed entries outlive the TTL
+    give(core, d.worker_id, stored(tokens(320)))
+    clock.now += 50
+    assert core.route(RouteRequest("r2", tokens(320))).matched_tokens == 320
+
+
+def test_in_flight_accounting() -> None:
+    core, _ = make_core(1)
+    core.route(RouteRequest("a", tokens(100)))
+    core.route(RouteRequest("b", tokens(50, 1000)))
+    view = core.worker_view("w0")
+    assert (view.inflight_prefill_tokens, view.num_active) == (150, 2)
+    core.on_first_token("a")
+    core.on_first_token("a")  # idempotent
+    assert (view.inflight_prefill_tokens, view.num_active) == (50, 2)
+    core.on_finished("a")
+    core.on_finished("b")  # finished without a first token (aborted in prefill)
+    core.on_finished("nope")
+    assert (view.inflight_prefill_tokens, view.num_active) == (0, 0)
+
+
+def test_rerouting_an_in_flight_request_moves_its_accounting() -> None:
+    core, _ = make_core(2)
+    d = core.route(RouteRequest("a", tokens(100)))
+    other = "w1" if d.worker_id == "w0" else "w0"
+    d2 = core.route(RouteRequest("a", tokens(100), exclude=frozenset({d.worker_id})))
+    assert d2.worker_id == other
+    assert core.worker_view(d.worker_id).num_active == 0
+    assert core.worker_view(other).num_active == 1
+    assert core.stats().num_inflight_requests == 1
+
+
+def _hot_prefix_run(trickle: bool) -> Counter[str]:
+    core, _ = make_core(4, weights=CostWeights(decode=0.0))
+    system = tokens(2048)
+    give(core, "w0", stored(system))
+    rng = np.random.default_rng(0)
+    picks: Counter[str] = Counter()
+    for i in range(100):
+        prompt = np.concatenate([system, rng.integers(0, 30000, 64).astype(np.uint32)])
+        picks[core.route(RouteRequest(f"r{i}", prompt)).worker_id] += 1
+        if trickle:  # each request is through prefill and done before the next arrives
+            core.on_first_token(f"r{i}")
+            core.on_finished(f"r{i}")
+    return picks
+
+
+def test_hot_prefix_burst_spreads_but_a_trickle_stays_on_the_holder() -> None:
+    burst = _hot_prefix_run(trickle=False)
+    assert len(burst) > 1
+    assert burst["w0"] < 100
+    assert _hot_prefix_run(trickle=True) == Counter({"w0": 100})
+
+
+def test_ties_are_not_always_the_first_worker() -> None:
+    core, _ = make_core(4)
+    picks = Counter()
+    for i in range(40):
+        picks[core.route(RouteRequest(f"r{i}", tokens(8, 1000 * i))).worker_id] += 1
+        core.on_finished(f"r{i}")
+    assert len(picks) == 4
+
+
+# ---- explain ---------------------------------------------------------------------------
+
+
+def test_explain_reports_every_worker_and_changes_nothing() -> None:
+    core, _ = make_core(3, policy="round_robin")
+    give(core, "w1", stored(tokens(64)))
+    core.set_health("w2", False)
+    before = core.stats()
+    e = core.explain(RouteRequest("r", tokens(70)))
+    assert e.policy == "round_robin" and e.prompt_tokens == 70
+    assert e.chosen_worker_id == "w0"
+    assert [(w.worker_id, w.healthy, w.matched_tokens, w.cost) for w in e.workers] == [
+        ("w0", True, 0, None),
+        ("w1", True, 64, None),
+        ("w2", False, 0, None),
+    ]
+    assert core.explain(RouteRequest("r", tokens(70))).chosen_worker_id == "w0"
+    assert core.stats() == before
+    assert core.route(RouteRequest("r", tokens(70))).worker_id == "w0"
+
+
+def test_explain_costs_for_cache_aware() -> None:
+    core, _ = make_core(2)
+    give(core, "w1", stored(tokens(64)))
+    e = core.explain(RouteRequest("r", tokens(70)))
+    assert e.chosen_worker_id == "w1"
+    assert [(w.matched_tokens, w.cost) for w in e.workers] == [(0, 70.0), (64, 6.0)]
+    core.set_health("w0", False)
+    core.set_health("w1", False)
+    assert core.explain(RouteRequest("r", tokens(70))).chosen_worker_id is None
+
+
+# ---- approx_tree ---------------------------------------------------------------------------
+
+
+def test_approx_tree_uses_routing_history_not_events() -> None:
+    core, clock = make_core(4, policy="approx_tree", approx_ttl_s=60.0)
+    give(core, "w3", stored(tokens(320)))
+    assert core.worker_blocks("w3") == set()  # events are not applied
+    first = core.route(RouteRequest("r0", tokens(320)))
+    core.on_finished("r0")
+    clock.now += 50
+    again = core.route(RouteRequest("r1", tokens(320)))
+    assert (again.worker_id, again.matched_tokens) == (first.worker_id, 320)
+    core.on_finished("r1")
+    clock.now += 50  # r1 refreshed the entries at t+50: still alive at t+100
+    assert core.route(RouteRequest("r2", tokens(320))).matched_tokens == 320
+
+
+def test_baselines_route_and_report_matches() -> None:
+    for name in ("round_robin", "random", "least_load", "power_of_two", "prefix_hash"):
+        core, _ = make_core(4, policy=name)
+        give(core, "w1", stored(tokens(64)))
+        seen = set()
+        for i in range(20):
+            d = core.route(RouteRequest(f"r{i}", tokens(64)))
+            assert d.policy == name
+            assert d.matched_tokens == (64 if d.worker_id == "w1" else 0)
+            seen.add(d.worker_id)
+        assert core.stats().num_predicted_entries == 0  # baselines do not predict
+        assert len(seen) >= 1

@@ -1,0 +1,173 @@
+"""Policies: exact costs, seeded tie-breaks, baselines, registry."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from kvroute_proto.events import LoadReport
+from router.policy import (
+    CostWeights,
+    PolicyConfig,
+    RouteQuery,
+    WorkerView,
+    make_policy,
+    policy_names,
+)
+
+B = 16
+
+
+def views(n: int) -> list[WorkerView]:
+    return [WorkerView(f"w{i}", i) for i in range(n)]
+
+
+def query(prompt: int = 320, hashes: list[int] | None = None, rid: str = "r") -> RouteQuery:
+    return RouteQuery(rid, prompt, B, hashes if hashes is not None else list(range(prompt // B)))
+
+
+def test_registry() -> None:
+    assert policy_names() == [
+        "cache_aware",
+        "round_robin",
+        "random",
+        "least_load",
+        "power_of_two",
+        "prefix_hash",
+        "approx_tree",
+    ]
+    with pytest.raises(ValueError, match="policy must be one of cache_aware, round_robin"):
+        make_policy("fastest")
+    assert make_policy("approx_tree").uses_events is False
+    assert make_policy("cache_aware").uses_events is True
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ValueError, match=r"CostWeights\.decode must be >= 0"):
+        CostWeights(decode=-1)
+    with pytest.raises(ValueError, match="prefix_hash_blocks"):
+        PolicyConfig(prefix_hash_blocks=0)
+
+
+def test_cache_aware_costs_are_exact() -> None:
+    ws = views(4)
+    ws[1].inflight_prefill_tokens = 100
+    ws[2].load = LoadReport(num_running=2, num_waiting=1, num_queued_prefill_tokens=50)
+    ws[2].inflight_prefill_tokens = 30  # the worker's report (50) is larger: it wins
+    ws[3].num_active = 2
+    policy = make_policy("cache_aware", PolicyConfig(CostWeights(1.0, 0.5, 10.0)))
+    matched = {0: 4, 1: 20, 3: 25}  # worker 3: more blocks than the prompt has
+    costs = policy.costs(query(320), ws, matched)
+    assert costs == [
+        320 - 64,
+        0 + 0.5 * 100,
+        320 + 0.5 * 50 + 10.0 * 3,
+        0 + 10.0 * 2,
+    ]
+    i, cost = policy.select(query(320), ws, matched, random.Random(0))
+    assert (i, cost) == (3, 20.0)
+
+
+def test_cache_aware_ties_are_broken_at_random_and_reproducibly() -> None:
+    policy = make_policy("cache_aware")
+    ws = views(4)
+
+    def picks(seed: int) -> list[int]:
+        rng = random.Random(seed)
+        return [policy.select(query(), ws, {}, rng)[0] for _ in range(200)]
+
+    assert picks(1) == picks(1)
+    assert set(picks(1)) == {0, 1, 2, 3}
+    assert Counter(picks(2))[0] < 100  # not "always worker 0"
+
+
+def test_cache_aware_only_breaks_ties_among_the_cheapest() -> None:
+    policy = make_policy("cache_aware")
+    ws = views(3)
+    rng = random.Random(3)
+    got = {policy.select(query(), ws, {0: 5, 2: 5}, rng)[0] for _ in range(50)}
+    assert got == {0, 2}
+
+
+def test_round_robin_cycles() -> None:
+    policy = make_policy("round_robin")
+    rng = random.Random(0)
+    assert [policy.select(query(), views(3), {}, rng)[0] for _ in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+
+
+def test_random_is_seeded() -> None:
+    policy = make_policy("random")
+    a = [policy.select(query(), views(5), {}, random.Random(9))[0] for _ in range(3)]
+    assert len(set(a)) == 1
+    rng = random.Random(9)
+    assert len({policy.select(query(), views(5), {}, rng)[0] for _ in range(100)}) == 5
+
+
+def test_least_load() -> None:
+    ws = views(3)
+    ws[0].inflight_prefill_tokens = 10
+    ws[1].load = LoadReport(num_running=1)
+    ws[2].num_active = 3
+    policy = make_policy("least_load")
+    assert policy.costs(query(), ws, {}) == [10, 1, 3]
+    assert policy.select(query(), ws, {}, random.Random(0)) == (1, 1)
+
+
+def test_power_of_two_takes_the_less_loaded_of_two() -> None:
+    ws = views(4)
+    for i, w in enumerate(ws):
+        w.num_active = 10 * i
+    policy = make_policy("power_of_two")
+    rng = random.Random(5)
+    picks = Counter(policy.select(query(), ws, {}, rng)[0] for _ in range(600))
+    assert 3 not in picks  # the busiest can never beat the other one drawn
+    assert picks[0] > picks[1] > picks[2] > 0
+    assert make_policy("power_of_two").select(query(), ws[:1], {}, rng) == (0, 0.0)
+
+
+def test_prefix_hash_is_sticky_and_consistent() -> None:
+    policy = make_policy("prefix_hash", PolicyConfig(prefix_hash_blocks=2))
+    ws = views(8)
+    rng = random.Random(0)
+
+    def pick(hashes: list[int], candidates: list[WorkerView]) -> str:
+        return candidates[policy.select(query(320, hashes), candidates, {}, rng)[0]].worker_id
+
+    # only the first 2 blocks count
+    assert pick([1, 2, 3], ws) == pick([1, 2, 99, 100], ws)
+    keys = [[k, k + 1] for k in range(0, 400, 2)]
+    before = {tuple(k): pick(k, ws) for k in keys}
+    assert len(set(before.values())) == 8
+    survivors = [w for w in ws if w.worker_id != "w3"]
+    after = {tuple(k): pick(k, survivors) for k in keys}
+    moved = [k for k in keys if before[tuple(k)] != after[tuple(k)]]
+    assert moved and all(before[tuple(k)] == "w3" for k in moved)  # only w3's keys move
+
+
+def test_prefix_hash_without_full_block_uses_request_id() -> None:
+    policy = make_policy("prefix_hash")
+    ws = views(8)
+    rng = random.Random(0)
+    picks = {policy.select(query(5, [], rid=f"r{i}"), ws, {}, rng)[0] for i in range(50)}
+    assert len(picks) > 1
+    same = {policy.select(query(5, [], rid="x"), ws, {}, rng)[0] for _ in range(5)}
+    assert len(same) == 1
+
+
+def test_queued_prefill_spreads_a_hot_prefix_in_a_burst() -> None:
+    """Policy-level: 100 same-prefix requests before any completes; prefix cached on w0."""
+    policy = make_policy("cache_aware")
+    ws = views(4)
+    rng = random.Random(0)
+    matched = {0: 120}  # 1,920 cached tokens of 2,000 on w0
+    chosen = []
+    for _ in range(100):
+        i, _ = policy.select(query(2000), ws, matched, rng)
+        w = ws[i]
+        w.inflight_prefill_tokens += 2000 - matched.get(w.slot, 0) * B
+        matched[w.slot] = 120  # after routing, that worker will hold the prefix too
+        chosen.append(i)
+    assert len(set(chosen)) > 1
+    assert chosen[:24] == [0] * 24  # the holder takes requests while its queue is short
