@@ -169,7 +169,7 @@ def build_server(args: argparse.Namespace) -> WorkerServer:
 
 
 async def serve(server: WorkerServer) -> None:
-    """Run until SIGINT/SIGTERM (or the server terminates), then stop gracefully."""
+    """Run until SIGINT/SIGTERM, then stop gracefully."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -177,11 +177,7 @@ async def serve(server: WorkerServer) -> None:
     try:
         port = await server.start()
         print(f"listening on {server.config.host}:{port}", flush=True)
-        waiter = asyncio.create_task(server.wait_for_termination())
-        stopper = asyncio.create_task(stop.wait())
-        await asyncio.wait((waiter, stopper), return_when=asyncio.FIRST_COMPLETED)
-        for task in (waiter, stopper):
-            task.cancel()
+        await stop.wait()
         log.info("shutting down (grace %.1fs)", server.config.shutdown_grace_s)
     finally:
         await server.stop()

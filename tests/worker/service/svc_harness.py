@@ -21,6 +21,7 @@ from kvroute_proto.events import (
     Snapshot,
 )
 from worker.engine.engine import Engine, EngineConfig
+from worker.engine.factory import build_executor
 from worker.engine.sim_executor import SimCostModel, SimExecutor, SimExecutorConfig
 from worker.engine.stats import EngineStats
 from worker.engine.tokenizer import ByteTokenizer
@@ -52,6 +53,7 @@ class WorkerSetup:
     limits: RequestLimits = field(default_factory=RequestLimits)
     epoch: int | None = None
     tokenizer: bool = True
+    executor_kind: str = "sim"  # "torch": the factory's tiny random Llama on CPU
 
 
 @dataclass
@@ -81,18 +83,23 @@ class Worker:
 @contextlib.asynccontextmanager
 async def running_worker(setup: WorkerSetup | None = None) -> AsyncIterator[Worker]:
     setup = setup or WorkerSetup()
-    executor = SimExecutor(setup.cost, setup.sim)
+    tokenizer: ByteTokenizer | None = ByteTokenizer()
+    if setup.executor_kind == "torch":
+        executor, tokenizer = build_executor(
+            "torch", num_kv_slots=setup.engine.num_kv_slots, device="cpu"
+        )
+    else:
+        executor = SimExecutor(setup.cost, setup.sim)
     engine = Engine(setup.engine, executor, clock=_fake_clock())
     config = WorkerServerConfig(
         engine=setup.engine,
-        executor_kind="sim",
+        executor_kind=setup.executor_kind,
         replay_buffer_size=setup.replay_buffer_size,
         runner=setup.runner,
         limits=setup.limits,
         shutdown_grace_s=2.0,
     )
-    tokenizer = ByteTokenizer() if setup.tokenizer else None
-    server = WorkerServer(engine, tokenizer, config, epoch=setup.epoch)
+    server = WorkerServer(engine, tokenizer if setup.tokenizer else None, config, epoch=setup.epoch)
     port = await server.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:

@@ -1,0 +1,75 @@
+"""Unit tests of the protobuf <-> engine conversion."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvroute_proto import kvroute_pb2 as pb
+from kvroute_proto.events import LoadReport, Partition
+from worker.engine.tokenizer import ByteTokenizer
+from worker.engine.types import FinishReason, SamplingParams, Usage
+from worker.errors import InvalidRequestError
+from worker.service import convert
+from worker.service.convert import RequestLimits, WorkerInfo
+
+LIMITS = RequestLimits(default_max_new_tokens=32, max_prompt_text_chars=10)
+
+
+def decode(msg: pb.GenerateRequest, tokenizer=None):
+    return convert.request_from_pb(
+        msg, tokenizer=tokenizer, limits=LIMITS, new_request_id=lambda: "fresh"
+    )
+
+
+def test_zero_means_default_or_off() -> None:
+    req = decode(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[1, 2])))
+    assert req.request_id == "fresh"
+    assert req.sampling == SamplingParams(max_new_tokens=32, top_p=1.0)
+    assert req.prompt_token_ids.dtype == np.int64
+    assert req.prompt_token_ids.tolist() == [1, 2]
+    assert (req.partition, req.priority) == (Partition(), 0)
+
+
+def test_every_field_is_carried() -> None:
+    msg = pb.GenerateRequest(
+        request_id="r",
+        prompt_text="héllo",
+        sampling=pb.SamplingParams(
+            max_new_tokens=5, temperature=0.5, top_p=0.25, top_k=7, seed=0,
+            stop_token_ids=[9, 10], ignore_eos=True,
+        ),
+        partition=pb.Partition(cache_salt="t", extra_key="lora"),
+        priority=-3,
+    )  # fmt: skip
+    req = decode(msg, ByteTokenizer())
+    assert req.request_id == "r"
+    assert req.prompt_token_ids.tolist() == list("héllo".encode())
+    assert req.sampling == SamplingParams(5, 0.5, 0.25, 7, 0, (9, 10), True)
+    assert (req.partition, req.priority) == (Partition("t", "lora"), -3)
+
+
+def test_text_limit_counts_characters() -> None:
+    assert len(decode(pb.GenerateRequest(prompt_text="é" * 10), ByteTokenizer()).prompt_token_ids)
+    with pytest.raises(InvalidRequestError, match="at most 10 characters, got 11") as info:
+        decode(pb.GenerateRequest(prompt_text="é" * 11), ByteTokenizer())
+    assert info.value.field == "prompt_text"
+
+
+def test_finished_and_chunk_encoding() -> None:
+    msg = convert.finished_to_pb("r", FinishReason.MAX_CONTEXT, Usage(5, 4, 2), "w")
+    assert msg.request_id == "r" and msg.finished.reason == pb.FINISH_REASON_MAX_CONTEXT
+    assert (msg.finished.usage.prompt_tokens, msg.finished.usage.cached_prompt_tokens) == (5, 4)
+    assert msg.finished.worker_id == "w" and msg.finished.attempts == 0
+    for reason in FinishReason:
+        assert convert.finished_to_pb("r", reason, None, "w").finished.reason != 0
+    chunk = convert.chunk_to_pb("r", (1, 2), "ab")
+    assert list(chunk.chunk.token_ids) == [1, 2] and chunk.chunk.text == "ab"
+
+
+def test_worker_info_encoding() -> None:
+    info = WorkerInfo("w", 9, 16, 1, 4096, 8192, 260, "sim", LoadReport(num_waiting=3))
+    msg = convert.worker_info_to_pb(info)
+    assert (msg.worker_id, msg.epoch, msg.block_size, msg.kv_capacity_tokens) == ("w", 9, 16, 4096)
+    assert (msg.max_context_tokens, msg.vocab_size, msg.executor) == (8192, 260, "sim")
+    assert msg.load.num_waiting == 3
