@@ -58,6 +58,12 @@ class Engine:
     def __init__(
         self, config: EngineConfig, executor: Executor, clock: Callable[[], float]
     ) -> None:
+        pool = getattr(executor, "num_kv_slots", None)
+        if pool is not None and pool < config.num_kv_slots:
+            raise ValueError(
+                f"EngineConfig.num_kv_slots={config.num_kv_slots} exceeds the executor's KV "
+                f"pool of {pool} slots"
+            )
         self.config = config
         self.executor = executor
         self.allocator = SlotAllocator(config.num_kv_slots)

@@ -15,6 +15,7 @@ from sched_harness import (
     run,
 )
 
+from worker.engine.engine import EngineConfig
 from worker.engine.sim_executor import SimExecutorConfig
 from worker.engine.types import FinishReason, Usage
 
@@ -82,6 +83,45 @@ def test_policy_order(policy: str, order: list[str]) -> None:
     assert prefill_order == order
     assert results["z"].usage.cached_prompt_tokens == 90
     assert results["y"].usage.cached_prompt_tokens == 50
+
+
+def test_dfs_weight_keeps_requests_on_one_cached_path_together() -> None:
+    engine, ex = make_engine(
+        num_kv_slots=4000, max_running_requests=2, schedule_policy="dfs-weight"
+    )
+    p1, p2 = [11] * 100, [12] * 100
+    for rid, prompt in (("w1", p1), ("w2", p2)):
+        engine.add_request(request(rid, prompt, max_new_tokens=1))
+    run(engine)
+    ex.steps.clear()
+    engine.add_request(request("x", [13] * 50, max_new_tokens=1))
+    engine.add_request(request("a", [*p1, 1, 2], max_new_tokens=1))
+    engine.add_request(request("b", [*p2, 3, 4], max_new_tokens=1))
+    engine.add_request(request("c", [*p2, 5, 6], max_new_tokens=1))
+    run(engine)
+    # b and c hit the same cached node (weight 2): admitted together, before x and a.
+    prefills = [item[1] for step in ex.steps for item in step if item[0] == "p"]
+    assert prefills == ["b", "c", "x", "a"]
+
+
+def test_random_policy_is_seeded() -> None:
+    def order(seed: int) -> list[str]:
+        engine, ex = make_engine(max_running_requests=1, schedule_policy="random", seed=seed)
+        for i in range(8):
+            engine.add_request(request(f"r{i}", [i + 1] * 5, max_new_tokens=1))
+        run(engine)
+        return [s[0][1] for s in ex.steps]
+
+    assert order(1) == order(1)
+    assert sorted(order(1)) == [f"r{i}" for i in range(8)]
+    assert order(1) != order(2)
+
+
+def test_engine_rejects_a_config_larger_than_the_executor_pool() -> None:
+    engine, ex = make_engine()
+    ex.num_kv_slots = 100
+    with pytest.raises(ValueError, match="num_kv_slots=4096"):
+        type(engine)(EngineConfig(num_kv_slots=4096), ex, clock=lambda: 0.0)
 
 
 def test_lpm_stays_on_with_a_long_queue() -> None:
