@@ -38,9 +38,7 @@ class WorkerSetup:
     """What a test may vary about the worker under test."""
 
     engine: EngineConfig = field(
-        default_factory=lambda: EngineConfig(
-            worker_id="w-test", num_kv_slots=4096, block_size=4, in_batch_dedup_min_tokens=0
-        )
+        default_factory=lambda: EngineConfig(worker_id="w-test", num_kv_slots=4096, block_size=4)
     )
     sim: SimExecutorConfig = field(
         default_factory=lambda: SimExecutorConfig(

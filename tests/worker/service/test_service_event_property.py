@@ -62,7 +62,6 @@ def tiny_pool_setup() -> WorkerSetup:
             block_size=4,
             chunk_size=16,
             new_token_reserve_ratio=0.0,  # admit greedily: overflow becomes retraction
-            in_batch_dedup_min_tokens=0,
         )
     )
 

@@ -78,7 +78,6 @@ PACED_ONE_AT_A_TIME = WorkerSetup(
         block_size=4,
         max_running_requests=1,
         max_waiting_requests=1,
-        in_batch_dedup_min_tokens=0,
     ),
     cost=SimCostModel(),
     runner=RunnerConfig(pace_speedup=1.0, load_interval_s=0),
