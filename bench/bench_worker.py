@@ -176,7 +176,10 @@ def main(argv: list[str] | None = None) -> int:
     ]
     width = max(len(r[0]) for r in rows)
     for name, value, unit in rows:
-        shown = "n/a" if value is None else f"{value:,.4f}" if value < 100 else f"{value:,.0f}"
+        if not isinstance(value, (int, float)):
+            shown = "n/a"
+        else:
+            shown = f"{value:,.4f}" if value < 100 else f"{value:,.0f}"
         print(f"{name:<{width}}  {shown:>14} {unit}")
     if args.json:
         with open(args.json, "w") as f:

@@ -152,7 +152,8 @@ def test_lpm_rematch_budget_is_counted_not_silent() -> None:
     assert stats.num_lpm_stale_estimates == 12
 
 
-def test_in_batch_dedup_prefills_the_shared_prefix_once() -> None:
+@pytest.mark.parametrize("policy", ["fcfs", "lpm"])
+def test_in_batch_dedup_prefills_the_shared_prefix_once(policy: str) -> None:
     shared = [int(t) for t in np.random.default_rng(0).integers(1, 999, 2000)]
     rngs = [np.random.default_rng(i + 1) for i in range(64)]
     suffixes = [[int(t) for t in rng.integers(1, 999, 16)] for rng in rngs]
@@ -163,6 +164,7 @@ def test_in_batch_dedup_prefills_the_shared_prefix_once() -> None:
             max_prefill_tokens_per_step=200_000,
             chunk_size=4096,
             in_batch_dedup_min_tokens=dedup,
+            schedule_policy=policy,
         )
         for i in range(64):
             engine.add_request(request(f"r{i}", shared + suffixes[i], max_new_tokens=1))
@@ -175,6 +177,29 @@ def test_in_batch_dedup_prefills_the_shared_prefix_once() -> None:
 
     assert prefill_tokens(dedup=32) == 2000 + 64 * 16  # one copy of the prefix
     assert prefill_tokens(dedup=0) == 64 * 2016  # every request prefills it
+
+
+def test_in_batch_dedup_holds_behind_a_chunked_prefill_of_a_partly_cached_prefix() -> None:
+    rng = np.random.default_rng(7)
+    system = [int(t) for t in rng.integers(1, 999, 100)]
+    doc = [int(t) for t in rng.integers(1, 999, 5000)]
+    engine, ex = make_engine(num_kv_slots=50_000, chunk_size=2048)
+    engine.add_request(request("warm", system, max_new_tokens=1))
+    run(engine)
+    for i in range(8):
+        engine.add_request(request(f"r{i}", [*system, *doc, 1 + i, 2 + i], max_new_tokens=1))
+    results = run(engine)
+    # r0 prefills the 5,000-token document in three chunks while r1..r7 wait, then they
+    # each prefill only their own 2-token tail.
+    assert engine.stats().computed_prefill_tokens == 100 + 5002 + 7 * 2
+    assert [r.usage.cached_prompt_tokens for r in results.values()] == [100] + [5100] * 7
+    assert engine.stats().num_dedup_holds == 3 * 7
+    assert ex.steps[1:4] == [
+        [("p", "r0", 100, 2048, False)],
+        [("p", "r0", 2148, 2048, False)],
+        [("p", "r0", 4196, 906, True)],
+    ]
+    assert_baseline(engine)
 
 
 def test_chunked_prefill_splits_and_caches_between_chunks() -> None:
