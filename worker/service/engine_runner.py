@@ -148,8 +148,15 @@ class Subscription:
 class EngineRunner:
     """Owns the engine thread, the step loop, request streams and KV event subscribers."""
 
-    def __init__(self, engine: Engine, publisher: EventPublisher, config: RunnerConfig) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        publisher: EventPublisher,
+        config: RunnerConfig,
+        on_failure: Callable[[BaseException], None] | None = None,
+    ) -> None:
         self.engine = engine
+        self.on_failure = on_failure  # called on the event loop if the engine loop crashes
         self.publisher = publisher
         self.config = config
         self._pool = concurrent.futures.ThreadPoolExecutor(
@@ -214,6 +221,9 @@ class EngineRunner:
         self._streams[rid] = stream  # before the job: outputs may follow right after it
         try:
             await self._call(self.engine.add_request, request)
+        except asyncio.CancelledError:
+            self.release(stream)  # the add may still run: abort after it (FIFO)
+            raise
         except BaseException:
             if self._streams.get(rid) is stream:
                 del self._streams[rid]
@@ -243,7 +253,11 @@ class EngineRunner:
         ``after_seq``) or a snapshot, and its queue gets every later batch."""
         self._check_running()
         sub = Subscription(subscriber_id, self.config.subscriber_queue_size)
-        initial = await self._call(self._job_subscribe, sub, epoch, after_seq)
+        try:
+            initial = await self._call(self._job_subscribe, sub, epoch, after_seq)
+        except BaseException:
+            self.unsubscribe(sub)  # it may have registered before the caller went away
+            raise
         sub.initial = [convert.stream_message_to_pb(item) for item in initial]
         self._live_subscriptions.add(sub)
         return sub
@@ -300,6 +314,8 @@ class EngineRunner:
             log.exception("engine step failed; failing every in-flight request")
             self._failure = exc
             self._fail_all(EngineStoppedError(f"the engine loop failed: {exc!r}"))
+            if self.on_failure is not None:
+                self.on_failure(exc)
 
     async def _load_loop(self) -> None:
         # A steady timer, not a poll: each tick publishes one load batch.

@@ -7,12 +7,14 @@ Lifecycle (the route_guide shape)::
     try:
         await server.wait_for_termination()
     finally:
-        await server.stop()              # NOT_SERVING, close KV streams, in-flight requests
-                                         # get config.shutdown_grace_s, then the engine stops
+        await server.stop()              # NOT_SERVING, new requests refused, KV streams end,
+                                         # in-flight requests get config.shutdown_grace_s,
+                                         # then the rest is cancelled and the engine stops
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 from dataclasses import dataclass, field
@@ -37,6 +39,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvroute.worker.server")
 
+_STATUS_TAIL_S = 0.5
 WORKER_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Worker"].full_name  # kvroute.v1.Worker
 
 
@@ -77,7 +80,7 @@ class WorkerServer:
         publisher = EventPublisher(
             PublisherConfig(ec.worker_id, self.epoch, ec.block_size, config.replay_buffer_size)
         )
-        self.runner = EngineRunner(engine, publisher, config.runner)
+        self.runner = EngineRunner(engine, publisher, config.runner, self._on_engine_failure)
         self.info = WorkerInfo(
             worker_id=ec.worker_id,
             epoch=self.epoch,
@@ -94,6 +97,13 @@ class WorkerServer:
         self._server: grpc.aio.Server | None = None
         self.port: int | None = None
         self._stopped = False
+        self._failure_task: asyncio.Task[None] | None = None
+
+    def _on_engine_failure(self, exc: BaseException) -> None:
+        # Routers must stop sending here: report NOT_SERVING (the process keeps running so
+        # an operator can look; GetLoad and Generate answer UNAVAILABLE).
+        log.error("engine loop failed (%r): health NOT_SERVING", exc)
+        self._failure_task = asyncio.create_task(self.health.enter_graceful_shutdown())
 
     @property
     def address(self) -> str:
@@ -128,21 +138,28 @@ class WorkerServer:
         return port
 
     async def begin_shutdown(self) -> None:
-        """Health NOT_SERVING and end every KV event stream; requests keep running."""
+        """Health NOT_SERVING, new Generate calls refused (UNAVAILABLE), every KV event
+        stream ended; requests already running keep going."""
         await self.health.enter_graceful_shutdown()
+        self.servicer.refuse_new_requests()
         self.runner.close_subscriptions()
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Graceful stop: in-flight requests get ``grace_s`` (default from the config) to
-        finish, then they are cancelled (and aborted) and the engine loop stops. Idempotent."""
+        finish; then every remaining RPC (stragglers, health watches) is cancelled, their
+        requests aborted and the engine loop stopped. Idempotent."""
         if self._stopped:
             return
         self._stopped = True
         grace = self.config.shutdown_grace_s if grace_s is None else grace_s
         await self.begin_shutdown()
         try:
+            if not await self.servicer.drain(grace):
+                log.warning("requests still running after the %.1fs grace: cancelling", grace)
             if self._server is not None:
-                await self._server.stop(grace)
+                # A short tail lets finished calls send their status; long-lived streams
+                # (health watches, stragglers) are cancelled after it.
+                await self._server.stop(min(grace, _STATUS_TAIL_S))
         finally:
             await self.runner.stop()
         log.info("worker %s stopped", self.config.engine.worker_id)

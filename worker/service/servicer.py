@@ -8,10 +8,12 @@ request is aborted and its KV freed either way).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
 from opentelemetry import trace
@@ -49,10 +51,46 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.tokenizer = tokenizer
         self.limits = limits
         self.info = info  # static fields; load is filled per GetLoad
+        self._num_generating = 0
+        self._none_generating = asyncio.Event()
+        self._none_generating.set()
+        self._draining = False
+
+    def refuse_new_requests(self) -> None:
+        """From now on Generate answers UNAVAILABLE (graceful shutdown)."""
+        self._draining = True
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Refuse new Generate calls and wait up to ``timeout_s`` for the running ones to
+        end; True when they all did."""
+        self._draining = True
+        try:
+            await asyncio.wait_for(self._none_generating.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
+        if self._draining:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, "the worker is shutting down; send it elsewhere"
+            )
+        self._num_generating += 1
+        self._none_generating.clear()
+        try:
+            async with contextlib.aclosing(self._generate(request, context)) as responses:
+                async for response in responses:
+                    yield response
+        finally:
+            self._num_generating -= 1
+            if self._num_generating == 0:
+                self._none_generating.set()
+
+    async def _generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
         with tracer.start_as_current_span("kvroute.worker.Generate") as span:
             stream = await self._admit(request, context, span)
             rid = stream.request_id

@@ -88,3 +88,20 @@ async def test_new_requests_are_refused_once_stopped() -> None:
             assert exc.code() == grpc.StatusCode.UNAVAILABLE
         else:
             raise AssertionError("a stopped worker served a request")
+
+
+async def test_a_crashed_engine_loop_fails_requests_and_reports_not_serving() -> None:
+    async with running_worker() as w:
+
+        def broken_step() -> list:
+            raise RuntimeError("executor exploded")
+
+        w.engine.step = broken_step  # type: ignore[method-assign]
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await w.generate(token_request([1, 2, 3]))
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "executor exploded" in info.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await w.stub.GetLoad(pb.GetLoadRequest())
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert await check(w.channel) == NOT_SERVING
