@@ -41,6 +41,10 @@ from worker.errors import DuplicateRequestError, QueueFullError
 
 logger = logging.getLogger(__name__)
 
+# Waiting requests one step may pass over (held by dedup, or needing a second chunked
+# prefill) before it stops scanning the queue.
+MAX_SKIPS_PER_STEP = 256
+
 _WAITING = ReqStatus.WAITING
 _PREFILLING = ReqStatus.PREFILLING
 _DECODING = ReqStatus.DECODING
@@ -286,9 +290,12 @@ class Scheduler:
             for r in batch.prefill_reqs:  # the chunked prefill continuing this step
                 inflight.add(r)
         version = self._changes.version
+        skips = 0
         for r in ordered:
             if num_running >= cfg.max_running_requests or budget <= 0:
                 break
+            if skips >= MAX_SKIPS_PER_STEP:
+                break  # bound the matches one step spends on requests it cannot admit
             ctx_len = r.num_tokens
             match = cache.match_prefix(r.token_buf[: ctx_len - 1], r.partition)
             m = match.num_matched
@@ -298,9 +305,11 @@ class Scheduler:
             extend = ctx_len - m
             if inflight and extend >= min_dedup and inflight.shares(r, m, min_dedup):
                 self.counters.num_dedup_holds += 1
+                skips += 1
                 continue
             chunk = min(extend, cfg.chunk_size, budget)
             if chunk < extend and chunked is not None:
+                skips += 1
                 continue  # one chunked prefill at a time
             node = match.last_node
             cache.inc_lock_ref(node)

@@ -64,14 +64,23 @@ class EngineMachine(RuleBasedStateMachine):
         suffix=st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=12),
         max_new=st.integers(1, 8),
         part=st.integers(0, 1),
+        priority=st.integers(0, 1),
     )
-    def add(self, base: int, shared: int, suffix: list[int], max_new: int, part: int) -> None:
+    def add(
+        self, base: int, shared: int, suffix: list[int], max_new: int, part: int, priority: int
+    ) -> None:
         if self.engine.num_waiting >= self.engine.config.max_waiting_requests:
             return
         rid = f"r{next(self.ids)}"
         prompt = np.asarray(_BASES[base][:shared] + suffix, dtype=np.int64)
         self.engine.add_request(
-            EngineRequest(rid, prompt, SamplingParams(max_new_tokens=max_new), _PARTITIONS[part])
+            EngineRequest(
+                rid,
+                prompt,
+                SamplingParams(max_new_tokens=max_new),
+                _PARTITIONS[part],
+                priority=priority,
+            )
         )
         self.in_flight.append(rid)
         self.max_new[rid] = max_new
@@ -132,7 +141,7 @@ class EngineMachine(RuleBasedStateMachine):
 
 
 EngineMachine.TestCase.settings = settings(
-    max_examples=60,
+    max_examples=100,
     stateful_step_count=60,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
