@@ -19,6 +19,7 @@ from svc_harness import (
 )
 
 from kvroute_proto import kvroute_pb2 as pb
+from kvroute_proto.codec import stream_message_from_pb
 from kvroute_proto.events import BlockStored, EventBatch, Snapshot
 from worker.service.engine_runner import RunnerConfig, SubscriberOverflowError, Subscription
 
@@ -190,3 +191,29 @@ async def test_shutdown_ends_event_streams_cleanly() -> None:
         await w.server.begin_shutdown()
         assert await call.read() is grpc.aio.EOF
         assert await call.code() == grpc.StatusCode.OK
+
+
+async def test_a_subscriber_that_falls_behind_is_dropped_with_resource_exhausted() -> None:
+    setup = WorkerSetup(runner=RunnerConfig(load_interval_s=0, subscriber_queue_size=1))
+    async with running_worker(setup) as w:
+        slow = subscribe(w, who="slow")
+        model = HeldBlocks()
+        model.apply(await read_item(slow))
+        runner = w.server.runner
+
+        def burst() -> None:  # 100 load batches in one engine-thread job: far faster than
+            for _ in range(100):  # the handler can write them out
+                runner._job_load()
+
+        await runner.call(burst)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async with asyncio.timeout(10):  # a safety net only: the error comes at once
+                for _ in range(101):
+                    model.apply(stream_message_from_pb(await slow.read()))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "more than 1 messages behind" in info.value.details()
+        # What it did get was a gap-free prefix; it resumes from there by replay.
+        again = subscribe(w, model.epoch, model.seq)
+        await read_until(again, model, 100)
+        assert model.seq == 100
+        again.cancel()
