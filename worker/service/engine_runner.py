@@ -319,10 +319,12 @@ class EngineRunner:
 
     async def _load_loop(self) -> None:
         # A steady timer, not a poll: each tick publishes one load batch.
-        while not self._stopping:
-            await asyncio.sleep(self.config.load_interval_s)
-            if self._failure is None:
+        try:
+            while not self._stopping and self._failure is None:
+                await asyncio.sleep(self.config.load_interval_s)
                 await self._call(self._job_load)
+        except Exception:
+            log.exception("load report failed; no more load batches")
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

@@ -16,7 +16,7 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
-from opentelemetry import trace
+from opentelemetry import propagate, trace
 from opentelemetry.trace import Span
 
 from kvroute_proto import kvroute_pb2 as pb
@@ -91,7 +91,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     async def _generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncGenerator[pb.GenerateResponse, None]:
-        with tracer.start_as_current_span("kvroute.worker.Generate") as span:
+        # Continue the caller's trace when it sent a W3C traceparent (the router does, when
+        # it is instrumented); otherwise this is a root span. No exporter is configured by
+        # default, so spans cost little.
+        parent = propagate.extract(dict(context.invocation_metadata() or ()))
+        with tracer.start_as_current_span("kvroute.worker.Generate", context=parent) as span:
             stream = await self._admit(request, context, span)
             rid = stream.request_id
             detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None

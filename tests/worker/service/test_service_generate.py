@@ -6,6 +6,9 @@ import asyncio
 
 import grpc
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from svc_harness import (
     BYTE_VOCAB,
     MAX_CONTEXT,
@@ -19,6 +22,7 @@ from kvroute_proto import kvroute_pb2 as pb
 from worker.engine.engine import EngineConfig
 from worker.engine.sim_executor import SimCostModel
 from worker.engine.tokenizer import ByteTokenizer
+from worker.service import servicer
 from worker.service.engine_runner import RunnerConfig
 
 # Real-time pacing with the default cost model: ~8 ms per decode step, so a long request
@@ -162,3 +166,23 @@ async def test_get_load_reports_identity_geometry_and_load() -> None:
         )
         assert info.load.num_total_kv_tokens == 2048
         assert info.load.num_running == 0
+
+
+async def test_each_generate_records_a_span_that_continues_the_callers_trace(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(servicer, "tracer", provider.get_tracer("test"))
+    trace_id, parent_id = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+    async with running_worker() as w:
+        metadata = (("traceparent", f"00-{trace_id}-{parent_id}-01"),)
+        await w.generate(token_request([1, 2, 3], request_id="traced"), metadata=metadata)
+    (span,) = exporter.get_finished_spans()
+    assert span.name == "kvroute.worker.Generate"
+    assert span.attributes["kvroute.request_id"] == "traced"
+    assert span.attributes["kvroute.prompt_tokens"] == 3
+    assert span.attributes["kvroute.finish_reason"] == "length"
+    assert f"{span.context.trace_id:032x}" == trace_id
+    assert f"{span.parent.span_id:016x}" == parent_id
