@@ -267,8 +267,10 @@ class Scheduler:
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
         cfg = self.config
-        # Decoding requests plus whatever prefills this step (a finishing chunked one too).
-        num_running = len(self._decoding) + len(batch.prefill_reqs)
+        # Decoding requests, whatever prefills this step (a finishing chunked one too), and a
+        # chunked prefill that got no memory this step.
+        stalled = self._chunked is not None and not batch.prefill_reqs
+        num_running = len(self._decoding) + len(batch.prefill_reqs) + stalled
         if num_running >= cfg.max_running_requests:
             return
         waiting = list(self._waiting.values())
@@ -289,7 +291,9 @@ class Scheduler:
         if self._dedup:
             for r in batch.prefill_reqs:  # the chunked prefill continuing this step
                 inflight.add(r)
-        version = self._changes.version
+            if stalled:
+                inflight.add(self._chunked)  # type: ignore[arg-type]
+        changes = self._changes
         skips = 0
         for r in ordered:
             if num_running >= cfg.max_running_requests or budget <= 0:
@@ -301,7 +305,7 @@ class Scheduler:
             m = match.num_matched
             r.est_match = m
             r.est_node_key = id(match.last_node)
-            r.match_version = version
+            r.match_version = changes.version
             extend = ctx_len - m
             if inflight and extend >= min_dedup and inflight.shares(r, m, min_dedup):
                 self.counters.num_dedup_holds += 1

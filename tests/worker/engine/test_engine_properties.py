@@ -118,6 +118,7 @@ class EngineMachine(RuleBasedStateMachine):
     def accounting_and_events(self) -> None:
         check_accounting(self.engine)
         self.engine.cache.check_invariants()
+        assert self.engine.num_running <= self.engine.config.max_running_requests
         self._drain_events()
         snapshot = self.engine.snapshot("w", 1, 0)
         assert self.held == {h for b in snapshot.blocks for h in b.block_hashes}
