@@ -194,22 +194,28 @@ def validate_request(
 
 
 def _validate_sampling(sp: SamplingParams, vocab_size: int) -> int:
-    if not isinstance(sp.max_new_tokens, int) or sp.max_new_tokens < 1:
-        raise InvalidRequestError("max_new_tokens", f"must be >= 1, got {sp.max_new_tokens}")
+    if not _is_int(sp.max_new_tokens) or sp.max_new_tokens < 1:
+        raise InvalidRequestError(
+            "max_new_tokens", f"must be an integer >= 1, got {sp.max_new_tokens!r}"
+        )
     if not math.isfinite(sp.temperature) or sp.temperature < 0:
         raise InvalidRequestError(
             "temperature", f"must be a finite number >= 0, got {sp.temperature}"
         )
     if not (0.0 < sp.top_p <= 1.0):
         raise InvalidRequestError("top_p", f"must be in (0, 1], got {sp.top_p}")
-    if not isinstance(sp.top_k, int) or sp.top_k < 0:
-        raise InvalidRequestError("top_k", f"must be >= 0 (0 = off), got {sp.top_k}")
+    if not _is_int(sp.top_k) or sp.top_k < 0:
+        raise InvalidRequestError("top_k", f"must be an integer >= 0 (0 = off), got {sp.top_k!r}")
     for t in sp.stop_token_ids:
         if not 0 <= t < vocab_size:
             raise InvalidRequestError(
                 "stop_token_ids", f"token id {t} is outside [0, {vocab_size})"
             )
-    return sp.max_new_tokens
+    return int(sp.max_new_tokens)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
 def reserve_tokens(req: Req, ratio: float) -> int:

@@ -98,3 +98,11 @@ def test_bad_engine_config(kwargs: dict, fragment: str) -> None:
 def test_unknown_schedule_policy_lists_choices() -> None:
     with pytest.raises(ValueError, match="dfs-weight"):
         make_engine(schedule_policy="nope")
+
+
+def test_numpy_integers_are_accepted_and_bools_are_not() -> None:
+    engine = _engine()
+    engine.add_request(request("np", [1, 2], max_new_tokens=np.int64(3), top_k=np.int32(5)))
+    with pytest.raises(InvalidRequestError) as info:
+        engine.add_request(request("b", [1, 2], max_new_tokens=True))
+    assert info.value.field == "max_new_tokens"
