@@ -162,6 +162,19 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     async def SubscribeKvEvents(
         self, request: pb.SubscribeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.KvStreamMessage]:
+        """The KV event stream of this worker.
+
+        * First message: the buffered batches after ``(epoch, after_seq)`` when the replay
+          buffer still holds them, else a Snapshot at the current seq (always for epoch 0,
+          another epoch, or a seq this worker never produced). Live batches follow.
+        * Every batch has the next seq. Engine steps publish batches of events only (load
+          unset); every ``load_interval_s`` a batch with the load report (and whatever
+          events were pending) takes its own seq.
+        * A subscriber that falls more than ``subscriber_queue_size`` batches behind is
+          dropped with RESOURCE_EXHAUSTED; what it received is a gap-free prefix, so it
+          resubscribes with its last seq (replay, or a snapshot if that is gone).
+        * On shutdown the stream ends with OK.
+        """
         who = request.subscriber_id or (context.peer() or "?")
         try:
             sub = await self.runner.subscribe(who, request.epoch, request.after_seq)
