@@ -79,7 +79,8 @@ class RequestStream:
     def __init__(self, request: EngineRequest) -> None:
         self.request = request
         self.num_generated = 0
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._items: deque[RequestOutput | BaseException] = deque()
+        self._ready = asyncio.Event()
 
     @property
     def request_id(self) -> str:
@@ -92,14 +93,26 @@ class RequestStream:
     def put(self, item: RequestOutput | BaseException) -> None:
         if isinstance(item, RequestOutput):
             self.num_generated += len(item.new_token_ids)
-        self._queue.put_nowait(item)
+        self._items.append(item)
+        self._ready.set()
 
     async def get(self) -> RequestOutput:
-        """The next output; raises what the engine loop failed with."""
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            raise item
-        return item
+        """Everything produced since the last call, merged into one output (a reader that
+        lags behind the engine sends fewer, larger chunks); raises what the engine loop
+        failed with once the outputs before the failure are taken."""
+        while not self._items:  # each turn waits for a put
+            self._ready.clear()
+            await self._ready.wait()
+        first = self._items.popleft()
+        if isinstance(first, BaseException):
+            raise first
+        merged, last = list(first.new_token_ids), first
+        while self._items and isinstance(self._items[0], RequestOutput):
+            last = self._items.popleft()  # type: ignore[assignment]
+            merged += last.new_token_ids
+        if last is first:
+            return first
+        return RequestOutput(first.request_id, tuple(merged), last.finish_reason, last.usage)
 
 
 class Subscription:
