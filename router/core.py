@@ -79,7 +79,9 @@ class RouterConfig:
     lifetime of a predicted entry not yet confirmed by an event (``approx_ttl_s`` instead for
     the approx_tree policy, which never reads events). ``max_pending_batches``: per-worker
     buffer of out-of-order batches waiting for a gap to fill. ``prefix_hash_blocks``: how many
-    leading blocks prefix_hash hashes.
+    leading blocks prefix_hash hashes. ``verify_hashes``: recompute stored chains from their
+    tokens (slow; mismatches are counted and dropped). ``predict_stride``: predictions keep
+    every stride-th block, so a predicted match is a multiple of it (router.predicted).
     """
 
     policy: str = "cache_aware"
@@ -91,6 +93,7 @@ class RouterConfig:
     max_pending_batches: int = 1024
     prefix_hash_blocks: int = 4
     verify_hashes: bool = False
+    predict_stride: int = 4
 
     def __post_init__(self) -> None:
         if self.block_size is not None and self.block_size < 1:
@@ -217,7 +220,11 @@ class RouterCore:
         self._use_events = self._policy.uses_events
         self._ttl = config.predicted_ttl_s if self._use_events else config.approx_ttl_s
         self._index = PrefixIndex(
-            IndexConfig(max_blocks=config.max_indexed_blocks, verify_hashes=config.verify_hashes)
+            IndexConfig(
+                max_blocks=config.max_indexed_blocks,
+                verify_hashes=config.verify_hashes,
+                predict_stride=config.predict_stride,
+            )
         )
         self._sync_config = SyncConfig(max_pending_batches=config.max_pending_batches)
         self._block_size = config.block_size
@@ -404,9 +411,9 @@ class RouterCore:
         self._account(req.request_id, view, query.prompt_tokens - matched_tokens)
         if hashes and self._policy.uses_matches:
             deadline = now + self._ttl
-            if not self._use_events and depth:
+            if not self._use_events and depth:  # approx mode: what was used stays longer
                 index.refresh_predicted(hashes[:depth], deadline)
-            index.predict(view.slot, hashes, deadline, start=depth)
+            index.predict(view.slot, hashes, deadline)
         return RouteDecision(
             req.request_id,
             view.worker_id,

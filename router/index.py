@@ -15,9 +15,12 @@ either is in the index or not, and if it is, the same prefix is (up to 64-bit co
     matched blocks   worker0: 4, worker1: 3, worker2: 2
 
 A worker's matched length is the depth at which its bit leaves the running AND of the
-per-block worker bitsets. ``find_matches`` computes that with C-level iterators
-(``map(dict.get)`` -> ``accumulate(and_)`` -> ``takewhile``), so no Python bytecode runs
-per block. Workers are small ints (slots); their sets are Python int bitsets.
+per-block worker bitsets. ``find_matches`` runs no Python bytecode per block: C-level
+``takewhile(map(dict.get))`` fetches the bitsets up to the first miss; when they are
+non-increasing as sets (the normal case: a radix cache holds whole prefixes), they *are*
+the running AND and ``list.count`` of each distinct value gives the depths; otherwise
+``accumulate(and_)`` computes the running AND first. Workers are small ints (slots);
+their sets are Python int bitsets.
 
 Per block we keep the bitset (``_masks``) and, for non-root blocks, the parent hash
 (``_parents``, only used to find leaves when the size cap evicts). Nodes whose bitset
@@ -31,13 +34,12 @@ earlier blocks are indexed too, since matching starts at position 0; once its pa
 stored (by this or a later event) the chain is complete with no relinking needed, because
 linkage is the hash itself.
 
-Predicted entries: :meth:`predict` sets a worker's bit on blocks the router expects it to
-create (a request was just sent there) and records them in ``_pred`` until a stored event
-confirms them or their deadline passes (:meth:`expire`). A prediction's deadline is the
-latest given for that block by any worker (a refresh on one worker extends the others: a
-deliberate simplification). ``snapshot`` returns confirmed blocks only.
+Predicted entries (``router.predicted``): sparse, TTL-bound entries for blocks the router
+expects a worker to hold because it just sent it a request. ``find_matches`` reports, per
+worker, the longer of its confirmed and its predicted prefix; ``snapshot``, ``size`` and
+``num_entries`` count confirmed (event-fed) entries only.
 
-Size cap: past ``max_blocks`` indexed blocks, the least recently matched leaves are evicted
+Size cap: past ``max_blocks`` confirmed blocks, the least recently matched leaves are evicted
 (down to 15/16 of the cap, so the O(n) leaf scan is amortised). Recency is a tick stamped on
 the deepest block of each match and on the last block of each stored event; a leaf inherits
 the later of its own stamp and its evicted child's, so a hot interior prefix whose cold
@@ -46,19 +48,20 @@ tails go first is not evicted after them.
 
 from __future__ import annotations
 
-import bisect
 import heapq
-import math
 from collections import Counter, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import accumulate, repeat, takewhile
-from operator import and_, itemgetter
+from functools import partial
+from itertools import accumulate, pairwise, repeat, takewhile
+from operator import and_, is_not
+from typing import cast
 
 import numpy as np
 
 from kvroute_proto.events import AllCleared, BlockRemoved, BlockStored, KvEvent
 from kvroute_proto.hashing import block_hashes, unfmix64
+from router.predicted import PredictedEntries, bits_of
 
 __all__ = ["ERROR_KINDS", "IndexConfig", "PrefixIndex"]
 
@@ -78,7 +81,9 @@ _COMPACT_MIN = 4096  # don't bother compacting dicts smaller than this
 
 @dataclass(frozen=True, slots=True)
 class IndexConfig:
-    """``max_blocks``: cap on indexed blocks (confirmed + predicted).
+    """``max_blocks``: cap on indexed (confirmed) blocks; predictions are bounded by their TTL.
+
+    ``predict_stride``: keep every stride-th block of a prediction (see router.predicted).
 
     ``verify_hashes``: recompute each stored chain from its tokens (about 1 us per block;
     off by default -- workers share the hashing code, and a bad hash can only misroute).
@@ -86,18 +91,39 @@ class IndexConfig:
 
     max_blocks: int = 4_000_000
     verify_hashes: bool = False
+    predict_stride: int = 4
 
     def __post_init__(self) -> None:
         if self.max_blocks < 1:
             raise ValueError(f"max_blocks must be >= 1, got {self.max_blocks}")
+        if self.predict_stride < 1:
+            raise ValueError(f"predict_stride must be >= 1, got {self.predict_stride}")
 
 
-def _bits_of(mask: int) -> Iterable[int]:
-    """Slots whose bit is set in ``mask``, lowest first."""
-    while mask:
-        low = mask & -mask
-        yield low.bit_length() - 1
-        mask ^= low
+_is_not_none = partial(is_not, None)
+
+
+def _depths(masks: list[int]) -> dict[int, int]:
+    """Per slot, how many leading ``masks`` (nonzero bitsets) contain it."""
+    first = masks[0]
+    n = len(masks)
+    if masks.count(first) == n:  # one worker set all along: the common case
+        return dict.fromkeys(bits_of(first), n)
+    values = sorted(set(masks), reverse=True)
+    if masks != sorted(masks, reverse=True) or any(b & ~a for a, b in pairwise(values)):
+        # not non-increasing as sets (a worker holds a block without its parent): take the
+        # running AND explicitly
+        masks = list(takewhile(bool, accumulate(masks, and_)))
+        if not masks:
+            return {}
+        values = sorted(set(masks), reverse=True)
+    result: dict[int, int] = {}
+    pos = 0
+    for value, nxt in zip(values, [*values[1:], 0], strict=True):
+        pos += masks.count(value)
+        for slot in bits_of(value & ~nxt):
+            result[slot] = pos
+    return result
 
 
 class PrefixIndex:
@@ -109,37 +135,36 @@ class PrefixIndex:
 
     def __init__(self, config: IndexConfig | None = None) -> None:
         self.config = config or IndexConfig()
-        self._masks: dict[int, int] = {}  # block hash -> bitset of slots (confirmed | predicted)
-        self._parents: dict[int, int] = {}  # block hash -> parent hash (stored non-roots)
+        self._masks: dict[int, int] = {}  # block hash -> bitset of slots holding it
+        self._parents: dict[int, int] = {}  # block hash -> parent hash (non-roots)
         self._stamps: dict[int, int] = {}  # block hash -> recency tick (sparse)
-        self._pred: dict[int, int] = {}  # block hash -> bitset of predicted-only slots
-        self._pred_until: dict[int, float] = {}  # block hash -> latest prediction deadline
-        self._pred_queue: deque[tuple[float, Sequence[int]]] = deque()  # (deadline, hashes)
-        self._num_blocks: dict[int, int] = {}  # slot -> (block, slot) pairs incl. predicted
+        self._num_blocks: dict[int, int] = {}  # slot -> (block, slot) pairs
         self._bits: list[int] = []  # slot -> 1 << slot, shared int objects
+        self._slots_cache: dict[int, tuple[int, ...]] = {}  # bitset -> its slots
+        self._predicted = PredictedEntries(self.config.predict_stride)
         self._tick = 0
         self._peak = 0
-        self.errors: Counter[str] = Counter({kind: 0 for kind in ERROR_KINDS})
+        self.errors: Counter[str] = Counter(dict.fromkeys(ERROR_KINDS, 0))
         self.num_evicted = 0
 
     # ---- sizes ---------------------------------------------------------------------------
 
     def size(self) -> int:
-        """Number of indexed blocks (confirmed or predicted, whoever holds them)."""
+        """Number of indexed (confirmed) blocks, whoever holds them."""
         return len(self._masks)
 
     @property
     def num_entries(self) -> int:
-        """Number of (block, worker) pairs, predicted ones included."""
+        """Number of confirmed (block, worker) pairs."""
         return sum(self._num_blocks.values())
 
     @property
     def num_predicted(self) -> int:
-        """Number of (block, worker) pairs that are predicted and not yet confirmed."""
-        return sum(m.bit_count() for m in self._pred.values())
+        """Number of predicted (sparse block, worker) pairs."""
+        return self._predicted.num_pairs
 
     def num_worker_blocks(self, slot: int) -> int:
-        """(block, slot) pairs of one worker, predicted ones included."""
+        """Confirmed blocks of one worker."""
         return self._num_blocks.get(slot, 0)
 
     def snapshot(self, slot: int) -> set[int]:
@@ -147,13 +172,11 @@ class PrefixIndex:
         if not self._num_blocks.get(slot):
             return set()
         bit = self._bit(slot)
-        pred = self._pred
-        return {h for h, m in self._masks.items() if m & bit and not pred.get(h, 0) & bit}
+        return {h for h, m in self._masks.items() if m & bit}
 
     def predicted(self, slot: int) -> set[int]:
-        """Block hashes predicted (not confirmed) for ``slot``."""
-        bit = self._bit(slot)
-        return {h for h, m in self._pred.items() if m & bit}
+        """The (sparse) block hashes predicted for ``slot``."""
+        return self._predicted.hashes_of(slot)
 
     # ---- matching ------------------------------------------------------------------------
 
@@ -161,27 +184,56 @@ class PrefixIndex:
         """Matched prefix length in blocks per worker slot (slots matching 0 are absent).
 
         ``hashes`` are a query's block hashes from position 0 (Python ints; a list is
-        fastest). Stamps the deepest matched block as recently used.
+        fastest). A worker's length is the longer of its confirmed prefix and its predicted
+        one (a multiple of the stride). Stamps the deepest confirmed match as recently used.
         """
-        cum = list(takewhile(bool, accumulate(map(self._masks.get, hashes, repeat(0)), and_)))
-        if not cum:
-            return {}
-        depth = len(cum)
-        self._tick += 1
-        self._stamps[hashes[depth - 1]] = self._tick
-        last = cum[-1]
-        first = cum[0]
-        if first == last:  # the common case: nobody drops out before the end of the match
-            return dict.fromkeys(_bits_of(first), depth)
-        result: dict[int, int] = {}
-        # cum is non-increasing as a set, hence as an int: walk its distinct values.
-        pos = 0
-        values = sorted(set(cum), reverse=True)
-        for value, nxt in zip(values, [*values[1:], 0], strict=True):
-            pos += cum.count(value)
-            for slot in _bits_of(value & ~nxt):
-                result[slot] = pos
+        masks = cast(list[int], list(takewhile(_is_not_none, map(self._masks.get, hashes))))
+        if masks:
+            depth = len(masks)
+            first = masks[0]
+            if masks.count(first) == depth:  # one worker set all along: the common case
+                result = dict.fromkeys(self._slots_of(first), depth)
+            else:
+                result = _depths(masks)
+                depth = max(result.values(), default=0)
+            if depth:
+                self._tick += 1
+                self._stamps[hashes[depth - 1]] = self._tick
+        else:
+            result = {}
+        if len(self._predicted):
+            predicted = self._predicted.match(hashes)
+            if predicted:
+                stride = self._predicted.stride
+                get = result.get
+                for slot, n in _depths(predicted).items():
+                    n *= stride
+                    if n > get(slot, 0):
+                        result[slot] = n
         return result
+
+    def _slots_of(self, mask: int) -> tuple[int, ...]:
+        cache = self._slots_cache
+        slots = cache.get(mask)
+        if slots is None:
+            if len(cache) >= 4096:
+                cache.clear()
+            slots = cache[mask] = tuple(bits_of(mask))
+        return slots
+
+    # ---- predicted entries ---------------------------------------------------------------
+
+    def predict(self, slot: int, hashes: Sequence[int], deadline: float) -> None:
+        """Predict that ``slot`` holds the prefix ``hashes`` until ``deadline``."""
+        self._predicted.add(self._bit(slot), hashes, deadline)
+
+    def refresh_predicted(self, hashes: Sequence[int], deadline: float) -> None:
+        """Extend the deadline of the predicted prefix ``hashes`` (approx mode's LRU)."""
+        self._predicted.refresh(hashes, deadline)
+
+    def expire(self, now: float) -> int:
+        """Drop predictions whose deadline is <= ``now``; returns the blocks dropped."""
+        return self._predicted.expire(now)
 
     # ---- events --------------------------------------------------------------------------
 
@@ -198,10 +250,9 @@ class PrefixIndex:
                 raise TypeError(f"not a KV event: {event!r}")
 
     def store(self, slot: int, event: BlockStored) -> None:
-        """Index a stored chain for ``slot`` (confirms predicted entries)."""
+        """Index a stored chain for ``slot``."""
         hashes = event.block_hashes
-        n = len(hashes)
-        if n == 0:
+        if not hashes:
             return
         masks = self._masks
         bit = self._bit(slot)
@@ -210,14 +261,13 @@ class PrefixIndex:
             self.errors["unknown_parent"] += 1
         if self.config.verify_hashes and not self._verify(event):
             return
-        got = list(map(masks.get, hashes))
-        if got.count(None) == n:  # all new: C-level bulk inserts
-            before = len(masks)
+        before = len(masks)
+        if masks.keys().isdisjoint(hashes):  # all new: C-level bulk inserts
             masks.update(zip(hashes, repeat(bit)))
-            self._parents.update(zip(hashes[1:], hashes, strict=False))  # (child, parent)
-            added = len(masks) - before  # not n if a hash repeats within the event
+            added = len(masks) - before  # not len(hashes) if a hash repeats in the event
         else:
-            added = self._store_slow(bit, hashes, got)
+            added = self._store_slow(bit, hashes)
+        self._parents.update(zip(hashes[1:], hashes, strict=False))  # (child, parent)
         if parent is not None:
             self._parents[hashes[0]] = parent
         self._tick += 1
@@ -229,29 +279,18 @@ class PrefixIndex:
                 if self._peak > self.config.max_blocks:
                     self._evict()
 
-    def _store_slow(self, bit: int, hashes: Sequence[int], got: list[int | None]) -> int:
-        masks, parents, pred = self._masks, self._parents, self._pred
+    def _store_slow(self, bit: int, hashes: Sequence[int]) -> int:
+        masks = self._masks
         added = 0
-        prev = None
-        for h, m in zip(hashes, got, strict=True):
+        for h in hashes:
+            m = masks.get(h)
             if m is None:
                 masks[h] = bit
-                added += 1
             elif not m & bit:
                 masks[h] = m | bit
-                added += 1
             else:
-                p = pred.get(h)
-                if p is not None and p & bit:  # confirm a prediction
-                    p ^= bit
-                    if p:
-                        pred[h] = p
-                    else:
-                        del pred[h]
-                        self._pred_until.pop(h, None)
-            if prev is not None:
-                parents[h] = prev
-            prev = h
+                continue
+            added += 1
         return added
 
     def _verify(self, event: BlockStored) -> bool:
@@ -274,9 +313,8 @@ class PrefixIndex:
         """Withdraw blocks from ``slot``; blocks nobody holds any more are deleted."""
         masks = self._masks
         bit = self._bit(slot)
-        got = list(map(masks.get, hashes))
         n = len(hashes)
-        if got.count(bit) == n and not self._pred:  # only this worker held them: bulk delete
+        if list(map(masks.get, hashes)).count(bit) == n:  # held by this worker alone
             before = len(masks)
             deque(map(masks.pop, hashes, repeat(None)), 0)
             deque(map(self._parents.pop, hashes, repeat(None)), 0)
@@ -285,32 +323,21 @@ class PrefixIndex:
             if removed < n:  # a hash repeated within the event: the repeats are unknown
                 self.errors["unknown_block"] += n - removed
         else:
-            removed = self._remove_slow(bit, hashes, got)
+            removed = self._remove_slow(bit, hashes)
         if removed:
             self._num_blocks[slot] -= removed
             self._maybe_compact()
 
-    def _remove_slow(self, bit: int, hashes: Sequence[int], got: list[int | None]) -> int:
-        masks, pred = self._masks, self._pred
+    def _remove_slow(self, bit: int, hashes: Sequence[int]) -> int:
+        masks = self._masks
         removed = 0
-        for h, m in zip(hashes, got, strict=True):
-            if m is None or not m & bit:
-                self.errors["unknown_block"] += 1
-                continue
-            m = masks.get(h, 0)  # re-read: a hash may repeat within one event
+        for h in hashes:
+            m = masks.get(h, 0)
             if not m & bit:
                 self.errors["unknown_block"] += 1
                 continue
             removed += 1
             m ^= bit
-            p = pred.get(h)
-            if p is not None and p & bit:
-                p ^= bit
-                if p:
-                    pred[h] = p
-                else:
-                    del pred[h]
-                    self._pred_until.pop(h, None)
             if m:
                 masks[h] = m
             else:
@@ -321,123 +348,20 @@ class PrefixIndex:
         del self._masks[h]
         self._parents.pop(h, None)
         self._stamps.pop(h, None)
-        if self._pred.pop(h, None) is not None:
-            self._pred_until.pop(h, None)
 
     def remove_worker(self, slot: int) -> int:
-        """Drop every entry of ``slot`` (confirmed and predicted); returns how many."""
+        """Drop every entry of ``slot``, predicted ones too; returns the confirmed count."""
+        bit = self._bit(slot)
+        self._predicted.remove_slot(bit)
         count = self._num_blocks.pop(slot, 0)
         if not count:
             return 0
-        bit = self._bit(slot)
         masks = {h: (m ^ bit if m & bit else m) for h, m in self._masks.items() if m != bit}
         self._masks = masks
         self._parents = {h: p for h, p in self._parents.items() if h in masks}
         self._stamps = {h: t for h, t in self._stamps.items() if h in masks}
-        if self._pred:
-            pred = {h: (m ^ bit if m & bit else m) for h, m in self._pred.items() if m != bit}
-            self._pred = pred
-            self._pred_until = {h: t for h, t in self._pred_until.items() if h in pred}
         self._peak = len(masks)
         return count
-
-    # ---- predicted entries ---------------------------------------------------------------
-
-    def predict(self, slot: int, hashes: Sequence[int], deadline: float, start: int = 0) -> int:
-        """Enter ``hashes[start:]`` as predicted for ``slot`` until ``deadline``.
-
-        Blocks the worker already holds or is predicted to hold are left alone except that a
-        prediction's deadline is extended; ``start`` (the worker's matched depth from
-        :meth:`find_matches`) skips blocks already known to carry its bit. Returns the number
-        of new (block, slot) pairs.
-        """
-        tail = hashes[start:] if start else list(hashes)
-        if not tail:
-            return 0
-        masks, pred = self._masks, self._pred
-        bit = self._bit(slot)
-        got = list(map(masks.get, tail))
-        n = len(tail)
-        if got.count(None) == n:  # all new: C-level bulk inserts
-            before = len(masks)
-            masks.update(zip(tail, repeat(bit)))
-            pred.update(zip(tail, repeat(bit)))
-            added = len(masks) - before
-            touched = tail
-        else:
-            added = 0
-            touched = []
-            for h, m in zip(tail, got, strict=True):
-                if m is None:
-                    masks[h] = bit
-                    pred[h] = bit
-                elif not m & bit:
-                    masks[h] = m | bit
-                    pred[h] = pred.get(h, 0) | bit
-                elif pred.get(h, 0) & bit:
-                    touched.append(h)  # refresh its deadline
-                    continue
-                else:
-                    continue  # confirmed already
-                added += 1
-                touched.append(h)
-        if touched:
-            self._set_deadline(touched, deadline)
-        if added:
-            self._num_blocks[slot] = self._num_blocks.get(slot, 0) + added
-            if len(masks) > self._peak:
-                self._peak = len(masks)
-                if self._peak > self.config.max_blocks:
-                    self._evict()
-        return added
-
-    def refresh_predicted(self, hashes: Sequence[int], deadline: float) -> None:
-        """Extend the deadline of those ``hashes`` that are predicted (approx mode's LRU)."""
-        pred = self._pred
-        touched = [h for h in hashes if h in pred]
-        if touched:
-            self._set_deadline(touched, deadline)
-
-    def _set_deadline(self, touched: Sequence[int], deadline: float) -> None:
-        """Raise the deadline of predicted ``touched`` to ``deadline`` (never lower it)."""
-        queue, until = self._pred_queue, self._pred_until
-        if not queue or deadline >= queue[-1][0]:
-            # Deadlines arrive in order (the core's clock is monotonic): every deadline set
-            # so far is <= this one, so overwriting is raising.
-            until.update(zip(touched, repeat(deadline)))
-            queue.append((deadline, touched))
-            return
-        touched = [h for h in touched if until.get(h, -math.inf) < deadline]
-        until.update(zip(touched, repeat(deadline)))
-        queue.insert(bisect.bisect_right(queue, deadline, key=itemgetter(0)), (deadline, touched))
-
-    def expire(self, now: float) -> int:
-        """Drop predictions whose deadline is <= ``now``; returns the pairs dropped."""
-        queue = self._pred_queue
-        if not queue or queue[0][0] > now:
-            return 0
-        masks, pred, until = self._masks, self._pred, self._pred_until
-        dropped = 0
-        while queue and queue[0][0] <= now:
-            _, hashes = queue.popleft()
-            for h in hashes:
-                t = until.get(h)
-                if t is None or t > now:
-                    continue  # confirmed, removed, or refreshed since
-                del until[h]
-                p = pred.pop(h, 0)
-                m = masks.get(h, 0) & ~p
-                for s in _bits_of(p):
-                    self._num_blocks[s] -= 1
-                    dropped += 1
-                if m:
-                    masks[h] = m
-                else:
-                    del masks[h]
-                    self._parents.pop(h, None)
-                    self._stamps.pop(h, None)
-        self._maybe_compact()
-        return dropped
 
     # ---- memory --------------------------------------------------------------------------
 
@@ -456,8 +380,6 @@ class PrefixIndex:
             self._masks = dict(self._masks)
             self._parents = dict(self._parents)
             self._stamps = dict(self._stamps)
-            self._pred = dict(self._pred)
-            self._pred_until = dict(self._pred_until)
             self._peak = n
 
     def _evict(self) -> None:
@@ -472,7 +394,7 @@ class PrefixIndex:
             m = masks.get(h)
             if m is None:
                 continue
-            for s in _bits_of(m):
+            for s in bits_of(m):
                 self._num_blocks[s] -= 1
             parent = parents.get(h)
             self._delete_node(h)
@@ -481,10 +403,24 @@ class PrefixIndex:
                 left = num_children[parent] - 1
                 if left:
                     num_children[parent] = left
-                else:
-                    del num_children[parent]
-                    inherited = max(stamp, stamps.get(parent, 0))
-                    stamps[parent] = inherited  # kept for later rounds
-                    heapq.heappush(heap, (inherited, parent))
+                    continue
+                del num_children[parent]
+                inherited = max(stamp, stamps.get(parent, 0))
+                stamps[parent] = inherited  # kept for later rounds
+                heapq.heappush(heap, (inherited, parent))
         self._peak = len(masks)
         self._maybe_compact()
+
+    def check_invariants(self) -> None:
+        """Assert the internal invariants (for tests; O(size))."""
+        masks = self._masks
+        assert all(masks.values()), "a node with no worker was kept"
+        assert self._parents.keys() <= masks.keys() and self._stamps.keys() <= masks.keys()
+        counts: Counter[int] = Counter()
+        for m in masks.values():
+            counts.update(bits_of(m))
+        assert {s: c for s, c in counts.items() if c} == {
+            s: c for s, c in self._num_blocks.items() if c
+        }
+        pred = self._predicted
+        assert pred._until.keys() == pred._pred.keys()

@@ -138,47 +138,78 @@ def test_verify_hashes_rejects_wrong_partition_and_bad_chain() -> None:
 
 
 def test_predicted_entries_match_until_they_expire() -> None:
-    index = PrefixIndex()
-    assert index.predict(2, A, deadline=10.0) == 10
-    assert index.find_matches(A) == {2: 10}
-    assert index.snapshot(2) == set()  # predictions are not confirmed blocks
-    assert index.predicted(2) == set(A)
-    assert index.expire(9.9) == 0
-    assert index.expire(10.0) == 10
-    assert index.find_matches(A) == {}
-    assert index.size() == 0 and index.num_entries == 0
-
-
-def test_stored_event_confirms_predictions() -> None:
-    index = PrefixIndex()
+    index = PrefixIndex()  # stride 4: blocks 3 and 7 of A's 10 are kept
     index.predict(2, A, deadline=10.0)
-    index.apply(2, stored(A, 0, 6))
-    assert index.snapshot(2) == set(A[:6])
-    assert index.predicted(2) == set(A[6:])
-    assert index.expire(10.0) == 4
-    assert index.find_matches(A) == {2: 6}
-    assert index.num_entries == 6
+    assert index.predicted(2) == {A[3], A[7]}
+    assert index.num_predicted == 2
+    assert index.find_matches(A) == {2: 8}  # a multiple of the stride
+    assert index.find_matches(A[:6]) == {2: 4}
+    assert index.find_matches(C) == {2: 4}  # C shares A's first 4 blocks
+    assert index.snapshot(2) == set() and index.size() == 0  # not confirmed
+    assert index.expire(9.9) == 0
+    assert index.expire(10.0) == 2
+    assert index.find_matches(A) == {}
+    assert index.num_predicted == 0
 
 
-def test_predict_skips_held_blocks_and_refreshes_predicted_ones() -> None:
+def test_stride_one_predicts_every_block() -> None:
+    index = PrefixIndex(IndexConfig(predict_stride=1))
+    index.predict(0, A, deadline=1.0)
+    assert index.find_matches(A) == {0: 10}
+    assert index.find_matches(A[:3]) == {0: 3}
+
+
+def test_match_is_the_longer_of_confirmed_and_predicted() -> None:
     index = PrefixIndex()
-    index.apply(0, stored(A, 0, 4))
-    assert index.predict(0, A, deadline=5.0, start=4) == 6
-    assert index.predict(0, A, deadline=8.0) == 0  # all held or predicted: refresh only
-    assert index.expire(5.0) == 0  # the refreshed deadline is 8
-    assert index.expire(8.0) == 6
-    assert index.find_matches(A) == {0: 4}
+    index.apply(2, stored(A, 0, 6))
+    index.predict(2, A, deadline=10.0)
+    index.predict(1, A[:4], deadline=10.0)
+    index.apply(0, stored(A, 0, 2))
+    assert index.find_matches(A) == {2: 8, 1: 4, 0: 2}
+    index.apply(2, stored(A, 6, 10))
+    assert index.find_matches(A) == {2: 10, 1: 4, 0: 2}
+    index.expire(10.0)
+    assert index.find_matches(A) == {2: 10, 0: 2}
 
 
-def test_predictions_on_two_workers_and_removal_of_predicted_block() -> None:
+def test_events_do_not_touch_predictions() -> None:
     index = PrefixIndex()
     index.predict(0, A, deadline=5.0)
-    index.predict(1, A[:5], deadline=6.0)
-    assert index.find_matches(A) == {0: 10, 1: 5}
-    index.apply(0, BlockRemoved((A[7],)))  # a predicted block the worker says it dropped
-    assert index.find_matches(A) == {0: 7, 1: 5}
-    assert index.expire(6.0) == 9 + 5
-    assert index.size() == 0
+    index.apply(0, BlockRemoved((A[3],)))  # not confirmed: an unknown block
+    assert index.errors["unknown_block"] == 1
+    assert index.find_matches(A) == {0: 8}
+    index.apply(0, AllCleared())  # but a cleared worker's predictions go with it
+    assert index.find_matches(A) == {}
+
+
+def test_refreshed_predictions_outlive_their_first_deadline() -> None:
+    index = PrefixIndex()
+    index.predict(0, A, deadline=5.0)
+    index.predict(1, A[:4], deadline=8.0)  # extends block 3 for both workers
+    assert index.expire(5.0) == 1  # block 7 only
+    assert index.find_matches(A) == {0: 4, 1: 4}
+    index.refresh_predicted(A, deadline=12.0)
+    assert index.expire(8.0) == 0
+    assert index.expire(12.0) == 1
+    assert index.find_matches(A) == {}
+
+
+def test_out_of_order_deadlines_never_shorten_a_prediction() -> None:
+    index = PrefixIndex()
+    index.predict(0, A, deadline=5.0)
+    index.predict(0, A, deadline=2.0)
+    assert index.expire(2.0) == 0
+    assert index.find_matches(A) == {0: 8}
+    assert index.expire(5.0) == 2
+
+
+def test_remove_worker_drops_its_predictions_only() -> None:
+    index = PrefixIndex()
+    index.predict(0, A, deadline=5.0)
+    index.predict(1, A, deadline=5.0)
+    index.remove_worker(0)
+    assert index.find_matches(A) == {1: 8}
+    assert index.predicted(0) == set()
 
 
 def test_size_cap_evicts_least_recently_matched_leaves() -> None:

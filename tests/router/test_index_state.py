@@ -1,8 +1,9 @@
 """Hypothesis state machine: PrefixIndex against a tiny reference model.
 
 The model keeps, per worker, the set of confirmed block hashes and the set of predicted
-ones, plus each predicted hash's deadline; a worker's match is the number of leading query
-blocks in the union. Chains come from a two-token alphabet so prefixes overlap a lot.
+(sparse: every STRIDE-th) ones, plus each predicted hash's deadline; a worker's match is
+the longer of its leading confirmed blocks and STRIDE times its leading predicted probes.
+Chains come from a two-token alphabet so prefixes overlap a lot.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvroute_proto.events import AllCleared, BlockRemoved, BlockStored
 from kvroute_proto.hashing import block_hash_list
-from router.index import PrefixIndex
+from router.index import IndexConfig, PrefixIndex
 
 B = 2
+STRIDE = 2
 WORKERS = st.integers(0, 3)
 TOKENS = st.lists(st.integers(0, 1), min_size=B, max_size=6 * B)
 
@@ -27,7 +29,7 @@ def hashes_of(tokens: list[int]) -> list[int]:
 class IndexMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.index = PrefixIndex()
+        self.index = PrefixIndex(IndexConfig(predict_stride=STRIDE))
         self.held: dict[int, set[int]] = {w: set() for w in range(4)}
         self.pred: dict[int, set[int]] = {w: set() for w in range(4)}
         self.until: dict[int, float] = {}
@@ -36,7 +38,7 @@ class IndexMachine(RuleBasedStateMachine):
         self.unknown_block = 0
 
     def has(self, w: int) -> set[int]:
-        return self.held[w] | self.pred[w]
+        return self.held[w]
 
     def forget_unpredicted(self) -> None:
         """A hash nobody predicts any more has no deadline."""
@@ -54,21 +56,17 @@ class IndexMachine(RuleBasedStateMachine):
             self.unknown_parent += 1
         self.index.apply(w, BlockStored(tuple(part), parent, (0,) * (B * len(part))))
         self.held[w] |= set(part)
-        self.pred[w] -= set(part)
-        self.forget_unpredicted()
 
     @rule(w=WORKERS, data=st.data())
     def remove(self, w: int, data: st.DataObject) -> None:
         universe = sorted(set().union(*self.held.values(), *self.pred.values()) | {1, 2})
         victims = data.draw(st.lists(st.sampled_from(universe), min_size=1, max_size=4))
         for h in victims:
-            if h in self.has(w):
+            if h in self.held[w]:
                 self.held[w].discard(h)
-                self.pred[w].discard(h)
             else:
                 self.unknown_block += 1
         self.index.apply(w, BlockRemoved(tuple(victims)))
-        self.forget_unpredicted()
 
     @rule(w=WORKERS)
     def clear(self, w: int) -> None:
@@ -82,9 +80,7 @@ class IndexMachine(RuleBasedStateMachine):
         chain = hashes_of(tokens)
         deadline = self.now + ttl
         self.index.predict(w, chain, deadline)
-        for h in chain:
-            if h in self.held[w]:
-                continue
+        for h in chain[STRIDE - 1 :: STRIDE]:
             self.pred[w].add(h)
             self.until[h] = max(self.until.get(h, deadline), deadline)  # never lowered
 
@@ -101,14 +97,17 @@ class IndexMachine(RuleBasedStateMachine):
     @rule(tokens=TOKENS)
     def match(self, tokens: list[int]) -> None:
         query = hashes_of(tokens)
+        probes = query[STRIDE - 1 :: STRIDE]
         expected = {}
         for w in range(4):
-            have = self.has(w)
             depth = 0
-            while depth < len(query) and query[depth] in have:
+            while depth < len(query) and query[depth] in self.held[w]:
                 depth += 1
-            if depth:
-                expected[w] = depth
+            k = 0
+            while k < len(probes) and probes[k] in self.pred[w]:
+                k += 1
+            if max(depth, k * STRIDE):
+                expected[w] = max(depth, k * STRIDE)
         assert self.index.find_matches(query) == expected
 
     @precondition(lambda self: any(self.held.values()))
@@ -124,11 +123,12 @@ class IndexMachine(RuleBasedStateMachine):
         for w in range(4):
             assert self.index.snapshot(w) == self.held[w]
             assert self.index.predicted(w) == self.pred[w]
-        everything = set().union(*self.held.values(), *self.pred.values())
-        assert self.index.size() == len(everything)
-        assert self.index.num_entries == sum(len(self.has(w)) for w in range(4))
+        assert self.index.size() == len(set().union(*self.held.values()))
+        assert self.index.num_entries == sum(len(self.held[w]) for w in range(4))
+        assert self.index.num_predicted == sum(len(self.pred[w]) for w in range(4))
         assert self.index.errors["unknown_parent"] == self.unknown_parent
         assert self.index.errors["unknown_block"] == self.unknown_block
+        self.index.check_invariants()
 
 
 IndexMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)

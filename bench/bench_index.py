@@ -1,0 +1,321 @@
+"""Router index benchmarks: event ingest, matching, removal, hashing, and route latency.
+
+Keys written with ``--json OUT`` (rates are per second of wall time, single thread):
+
+Comparable section -- 2,000 sequences of 2,000 tokens that share a 512-token prefix (fixed
+seed), block size 16 (125 blocks each); sequence i is stored on worker i % 16, each worker's
+first sequence whole and the later ones as their suffix after the shared prefix; one stored
+event per sequence, handed to the index as encoded wire bytes (decoding is timed:
+``kvroute_proto.codec.decode_stream_message``):
+
+* ``ingest_blocks_s``: stored blocks per second (decode + apply).
+* ``find_full_q_s``: find_matches of every stored sequence's block hashes, queries/s.
+* ``find_partial_q_s``: probes sharing the prefix plus 64 tokens, then diverging, queries/s.
+* ``remove_blocks_s``: removing every sequence's suffix blocks (one removed event per
+  sequence, as wire bytes, decoding timed), blocks/s.
+* ``hash_seq_s``: ``block_hashes`` of a 2,000-token sequence, sequences/s.
+
+At scale -- 64 workers, 1M indexed blocks (64 system prompts of 4,096 tokens, each held by 8
+workers, plus 1M other blocks in 128-block chains held by one worker each):
+
+* ``route_p50_us`` / ``route_p99_us``: ``RouterCore.route`` of an 8,192-token prompt (a
+  system prompt + 4,096 new tokens): hashing, matching, scoring 64 workers, and entering
+  the 256 new blocks as predicted (they expire after the TTL on a clock that advances 10 ms
+  per request, so predictions stay at steady state).
+* ``bytes_per_entry``: traced memory (tracemalloc) of the index per indexed (block, worker)
+  pair at 1M blocks, keys included; ``bytes_per_block`` is the same per block.
+
+Usage::
+
+    python -m bench.bench_index [--quick] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import random
+import sys
+import time
+import tracemalloc
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvroute_proto.codec import decode_stream_message, encode_stream_message
+from kvroute_proto.events import BlockRemoved, BlockStored, EventBatch
+from kvroute_proto.hashing import block_hashes
+from router.core import RouterConfig, RouterCore, RouteRequest
+from router.index import PrefixIndex
+
+VOCAB = 32_000
+
+
+@dataclass(frozen=True, slots=True)
+class ComparableConfig:
+    num_seqs: int = 2000
+    seq_tokens: int = 2000
+    prefix_tokens: int = 512
+    block_size: int = 16
+    num_workers: int = 16
+    probe_shared_extra: int = 64
+    repeats: int = 3  # best of
+    seed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ScaleConfig:
+    num_blocks: int = 1_000_000
+    num_workers: int = 64
+    num_system_prompts: int = 64
+    system_tokens: int = 4096
+    holders_per_prompt: int = 8
+    chain_blocks: int = 128
+    prompt_tokens: int = 8192
+    block_size: int = 16
+    num_routes: int = 3000
+    seed: int = 1
+
+
+def _best(fn: Callable[[], float], repeats: int) -> float:
+    return min(fn() for _ in range(repeats))
+
+
+def bench_comparable(cfg: ComparableConfig) -> dict[str, float]:
+    rng = np.random.default_rng(cfg.seed)
+    bs = cfg.block_size
+    prefix = rng.integers(0, VOCAB, cfg.prefix_tokens, dtype=np.uint32)
+    seqs = [
+        np.concatenate([prefix, rng.integers(0, VOCAB, cfg.seq_tokens - cfg.prefix_tokens)]).astype(
+            np.uint32
+        )
+        for _ in range(cfg.num_seqs)
+    ]
+    hashes = [block_hashes(s, bs).tolist() for s in seqs]
+    prefix_blocks = cfg.prefix_tokens // bs
+    stored_msgs: list[tuple[int, bytes]] = []
+    removed_msgs: list[tuple[int, bytes]] = []
+    num_stored = 0
+    num_removed = 0
+    seen: set[int] = set()
+    for i, (s, h) in enumerate(zip(seqs, hashes, strict=True)):
+        w = i % cfg.num_workers
+        start = 0 if w not in seen else prefix_blocks
+        seen.add(w)
+        ev = BlockStored(
+            tuple(h[start:]),
+            h[start - 1] if start else None,
+            tuple(s[start * bs : len(h) * bs].tolist()),
+        )
+        num_stored += len(h) - start
+        batch = EventBatch(f"w{w}", 1, i + 1, bs, (ev,))
+        stored_msgs.append((w, encode_stream_message(batch)))
+        suffix = tuple(h[prefix_blocks:])
+        num_removed += len(suffix)
+        batch = EventBatch(f"w{w}", 1, 10_000 + i, bs, (BlockRemoved(suffix),))
+        removed_msgs.append((w, encode_stream_message(batch)))
+    extra = (cfg.prefix_tokens + cfg.probe_shared_extra) // bs
+    probes = []
+    for h, s in zip(hashes, seqs, strict=True):
+        tail = rng.integers(0, VOCAB, cfg.seq_tokens - extra * bs).astype(np.uint32)
+        probe = np.concatenate([s[: extra * bs], tail])
+        probes.append(block_hashes(probe, bs).tolist())
+        assert probes[-1][:extra] == h[:extra]
+
+    results: dict[str, float] = {}
+    index = PrefixIndex()
+
+    def ingest() -> float:
+        nonlocal index
+        index = PrefixIndex()
+        gc.collect()
+        t0 = time.perf_counter()
+        for w, data in stored_msgs:
+            msg = decode_stream_message(data)
+            for ev in msg.events:
+                index.apply(w, ev)
+        return time.perf_counter() - t0
+
+    def remove() -> float:
+        ingest()
+        gc.collect()
+        t0 = time.perf_counter()
+        for w, data in removed_msgs:
+            msg = decode_stream_message(data)
+            for ev in msg.events:
+                index.apply(w, ev)
+        elapsed = time.perf_counter() - t0
+        assert index.size() == prefix_blocks, index.size()
+        return elapsed
+
+    def find(queries: list[list[int]]) -> Callable[[], float]:
+        def run() -> float:
+            t0 = time.perf_counter()
+            for q in queries:
+                index.find_matches(q)
+            return time.perf_counter() - t0
+
+        return run
+
+    results["ingest_blocks_s"] = num_stored / _best(ingest, cfg.repeats)
+    assert index.num_entries == num_stored
+    full = index.find_matches(hashes[5])
+    assert full[5 % cfg.num_workers] == len(hashes[5]) and len(full) == cfg.num_workers
+    expect = dict.fromkeys(range(cfg.num_workers), prefix_blocks) | {5 % cfg.num_workers: extra}
+    assert index.find_matches(probes[5]) == expect
+    results["find_full_q_s"] = len(hashes) / _best(find(hashes), cfg.repeats)
+    results["find_partial_q_s"] = len(probes) / _best(find(probes), cfg.repeats)
+    results["remove_blocks_s"] = num_removed / _best(remove, cfg.repeats)
+
+    seq = seqs[0]
+    n = 2000 if cfg.num_seqs >= 100 else 200
+
+    def hash_run() -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            block_hashes(seq, bs)
+        return time.perf_counter() - t0
+
+    results["hash_seq_s"] = n / _best(hash_run, cfg.repeats)
+    results["comparable_blocks_stored"] = num_stored
+    return results
+
+
+def _fill(index: PrefixIndex, cfg: ScaleConfig, system_hashes: list[list[int]]) -> None:
+    """Index the system prompts on their holders and random chains up to num_blocks."""
+    rng = np.random.default_rng(cfg.seed)
+    for p, h in enumerate(system_hashes):
+        for k in range(cfg.holders_per_prompt):
+            w = (p * cfg.holders_per_prompt + k) % cfg.num_workers
+            index.store(w, BlockStored(tuple(h), None, ()))
+    c = 0
+    while index.size() < cfg.num_blocks:
+        n = min(cfg.chain_blocks, cfg.num_blocks - index.size())
+        chain = tuple(rng.integers(0, 2**64, n, dtype=np.uint64, endpoint=False).tolist())
+        index.store(c % cfg.num_workers, BlockStored(chain, None, ()))
+        c += 1
+
+
+def bench_scale(cfg: ScaleConfig) -> dict[str, float]:
+    rng = np.random.default_rng(cfg.seed)
+    bs = cfg.block_size
+    systems = [
+        rng.integers(0, VOCAB, cfg.system_tokens, dtype=np.uint32)
+        for _ in range(cfg.num_system_prompts)
+    ]
+    system_hashes = [block_hashes(s, bs).tolist() for s in systems]
+    results: dict[str, float] = {}
+
+    # memory: a fresh index, traced from empty (its key ints are created while tracing)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        index = PrefixIndex()
+        _fill(index, cfg, system_hashes)
+        gc.collect()
+        used = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    results["bytes_per_entry"] = used / index.num_entries
+    results["bytes_per_block"] = used / index.size()
+    results["scale_blocks"] = index.size()
+    results["scale_entries"] = index.num_entries
+    del index
+    gc.collect()
+
+    now = [0.0]
+    core = RouterCore(
+        RouterConfig(block_size=bs, max_indexed_blocks=2 * cfg.num_blocks, predicted_ttl_s=5.0),
+        clock=lambda: now[0],
+        rng=random.Random(cfg.seed),
+    )
+    for w in range(cfg.num_workers):
+        core.add_worker(f"w{w}", f"10.0.{w // 256}.{w % 256}:50051", block_size=bs)
+    _fill(core.index, cfg, system_hashes)
+    new_tokens = cfg.prompt_tokens - cfg.system_tokens
+    prompts = [
+        np.concatenate([systems[i % len(systems)], rng.integers(0, VOCAB, new_tokens)]).astype(
+            np.uint32
+        )
+        for i in range(cfg.num_routes)
+    ]
+    latencies = np.empty(cfg.num_routes)
+    matched = 0
+    gc.collect()
+    for i, prompt in enumerate(prompts):
+        req = RouteRequest(f"r{i}", prompt)
+        t0 = time.perf_counter_ns()
+        d = core.route(req)
+        latencies[i] = time.perf_counter_ns() - t0
+        core.on_first_token(req.request_id)
+        core.on_finished(req.request_id)
+        matched += d.matched_tokens
+        now[0] += 0.01
+    warm = latencies[min(100, cfg.num_routes // 10) :]
+    results["route_p50_us"] = float(np.percentile(warm, 50)) / 1000
+    results["route_p99_us"] = float(np.percentile(warm, 99)) / 1000
+    results["route_mean_matched_tokens"] = matched / cfg.num_routes
+    results["route_index_blocks"] = core.index.size()
+    return results
+
+
+GOALS = {
+    "ingest_blocks_s": (">=", 1.38e6),
+    "find_full_q_s": (">=", 36e3),
+    "find_partial_q_s": (">=", 30e3),
+    "remove_blocks_s": (">=", 1.5e6),
+    "hash_seq_s": (">=", 80e3),
+    "route_p50_us": ("<=", 100),
+    "route_p99_us": ("<=", 300),
+    "bytes_per_entry": ("<=", 150),
+}
+
+
+def _table(results: dict[str, float]) -> str:
+    lines = [f"{'metric':<28}{'value':>16}  goal"]
+    for key, value in results.items():
+        goal = GOALS.get(key)
+        mark = ""
+        if goal is not None:
+            op, target = goal
+            ok = value >= target if op == ">=" else value <= target
+            mark = f"{op} {target:,.0f} {'ok' if ok else 'MISSED'}"
+        shown = f"{value:,.1f}" if isinstance(value, float) else f"{value:,}"
+        lines.append(f"{key:<28}{shown:>16}  {mark}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.bench_index",
+        description="Router index benchmarks (ingest, match, remove, hash, route, memory).",
+    )
+    parser.add_argument("--json", metavar="OUT", help="write the results as JSON to OUT")
+    parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
+    args = parser.parse_args(argv)
+    if args.quick:
+        comparable = ComparableConfig(num_seqs=64, repeats=1)
+        scale = ScaleConfig(num_blocks=20_000, num_system_prompts=4, num_routes=60)
+    else:
+        comparable, scale = ComparableConfig(), ScaleConfig()
+    results = bench_comparable(comparable)
+    results.update(bench_scale(scale))
+    meta = {
+        "quick": args.quick,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    print(_table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**results, "meta": meta}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
