@@ -29,12 +29,13 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import grpc
+from opentelemetry import propagate, trace
 
 from kvroute_proto import codec
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
 from kvroute_proto.events import Partition
-from router.core import RouterCore, RouteRequest
+from router.core import RouteDecision, RouterCore, RouteRequest
 from router.errors import InvalidRouteRequestError, NoWorkerAvailable
 from router.service.pool import WorkerPool
 from router.service.resilience import EjectionConfig, OutlierEjector
@@ -42,6 +43,7 @@ from router.service.tenancy import TenancyConfig, TenancyError, resolve_partitio
 from router.service.validation import RequestError, RequestLimits, check_request, routing_tokens
 
 log = logging.getLogger(__name__)
+tracer = trace.get_tracer("kvroute.router")
 
 # Statuses that say the worker (or the way to it) is broken: counted, retried if possible.
 WORKER_FAILURE_CODES = frozenset(
@@ -131,8 +133,14 @@ class RouterServicer(pb_grpc.RouterServicer):
         entry = _InFlight("", prepared.forward.partition.cache_salt)
         self._inflight[rid] = entry
         self.num_inflight += 1
+        # Continue the caller's W3C trace, and pass ours on to the worker. The span is not
+        # made "current": a context attached across the yields of this generator could not
+        # be detached cleanly when the call ends early.
+        parent = propagate.extract(dict(context.invocation_metadata() or ()))
+        span = tracer.start_span("kvroute.router.Generate", context=parent)
+        span.set_attribute("kvroute.request_id", rid)
         try:
-            async for msg in self._relay(prepared, entry, deadline, context):
+            async for msg in self._relay(prepared, entry, deadline, context, span):
                 if msg.HasField("finished"):
                     # release before the client can see the end, so the accounting is exact
                     # the moment the client's call completes
@@ -140,6 +148,7 @@ class RouterServicer(pb_grpc.RouterServicer):
                 yield msg
         finally:
             self._release(rid, entry)
+            span.end()
 
     def _release(self, rid: str, entry: _InFlight) -> None:
         if not entry.released:
@@ -154,10 +163,14 @@ class RouterServicer(pb_grpc.RouterServicer):
         entry: _InFlight,
         deadline: float,
         context: grpc.aio.ServicerContext,
+        span: trace.Span,
     ) -> AsyncIterator[pb.GenerateResponse]:
         rid = prepared.forward.request_id
         excluded: set[str] = set()
         failures: list[str] = []
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier, context=trace.set_span_in_context(span))
+        metadata = tuple(carrier.items())
         for attempt in range(1, self._config.max_attempts + 1):
             remaining = deadline - self._clock()
             if remaining <= 0:
@@ -165,7 +178,16 @@ class RouterServicer(pb_grpc.RouterServicer):
                     grpc.StatusCode.DEADLINE_EXCEEDED,
                     f"deadline exceeded before attempt {attempt}; failures: {'; '.join(failures)}",
                 )
-            worker_id = await self._route(prepared.route, excluded, failures, context)
+            decision = await self._route(prepared.route, excluded, failures, context)
+            worker_id = decision.worker_id
+            span.set_attributes(
+                {
+                    "kvroute.worker_id": worker_id,
+                    "kvroute.attempts": attempt,
+                    "kvroute.prompt_tokens": decision.prompt_tokens,
+                    "kvroute.matched_tokens": decision.matched_tokens,
+                }
+            )
             conn = self._pool.by_worker_id(worker_id)
             if conn is None:  # released between route() and here; try another
                 self._core.on_finished(rid)
@@ -173,7 +195,7 @@ class RouterServicer(pb_grpc.RouterServicer):
                 failures.append(f"{worker_id}: disconnected")
                 continue
             entry.worker_id = worker_id
-            call = conn.stub.Generate(prepared.forward, timeout=remaining)
+            call = conn.stub.Generate(prepared.forward, timeout=remaining, metadata=metadata)
             relayed = False
             reported = False
             try:
@@ -204,6 +226,7 @@ class RouterServicer(pb_grpc.RouterServicer):
                         self._config.ejection.max_consecutive_failures,
                     )
                 failures.append(f"{worker_id}: {code.name}: {exc.details()}")
+                span.add_event("worker_failure", {"worker_id": worker_id, "code": code.name})
                 if relayed:
                     await context.abort(
                         grpc.StatusCode.UNAVAILABLE,
@@ -230,7 +253,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         excluded: set[str],
         failures: list[str],
         context: grpc.aio.ServicerContext,
-    ) -> str:
+    ) -> RouteDecision:
         req = RouteRequest(
             route.request_id,
             route.token_ids,
@@ -238,7 +261,7 @@ class RouterServicer(pb_grpc.RouterServicer):
             exclude=frozenset(excluded) | self.ejector.ejected(),
         )
         try:
-            return self._core.route(req).worker_id
+            return self._core.route(req)
         except NoWorkerAvailable as exc:
             detail = f"; earlier failures: {'; '.join(failures)}" if failures else ""
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{exc}{detail}")

@@ -362,3 +362,14 @@ async def test_redis_outage_keeps_routing_to_static_workers():
             assert router.server.watcher is not None and router.server.watcher.redis_down
             r = await router.client.generate(PROMPT)
             assert r.worker_id == "w0"
+
+
+async def test_trace_context_is_passed_on_to_the_worker(fleet):
+    router, a, b = fleet
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    traceparent = f"00-{trace_id}-00f067aa0ba902b7-01"
+    stub = pb_grpc.RouterStub(router.client._channel)
+    req = build_request(PROMPT, GenerateOptions(request_id="tr"))
+    [m async for m in stub.Generate(req, metadata=(("traceparent", traceparent),))]
+    (got,) = [x.metadata.get("traceparent", "") for x in a.received + b.received]
+    assert got.split("-")[1] == trace_id
