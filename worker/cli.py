@@ -206,7 +206,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, ModelLoadError) as exc:
         print(f"kvroute worker: {exc}", file=sys.stderr)
         return 2
-    _run(serve(server))
+    try:
+        _run(serve(server))
+    except OSError as exc:
+        print(f"kvroute worker: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -111,15 +111,18 @@ class WorkerServer:
 
     async def start(self) -> int:
         """Bind, start serving and return the bound port."""
-        server = grpc.aio.server()
+        # No SO_REUSEPORT: a second worker on a taken port must fail, not share it.
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         pb_grpc.add_WorkerServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (WORKER_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
-        port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
-        if port == 0:
-            raise OSError(f"could not bind {self.config.host}:{self.config.port}")
+        address = f"{self.config.host}:{self.config.port}"
+        try:
+            port = server.add_insecure_port(address)
+        except RuntimeError as exc:  # grpc's "Failed to bind" (in use, bad host, no rights)
+            raise OSError(f"could not bind {address}: {exc}") from None
         self.runner.start()
         await server.start()
         self._server, self.port = server, port

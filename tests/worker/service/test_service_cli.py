@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 import sys
 
 import grpc
@@ -72,3 +73,18 @@ async def test_worker_process_serves_and_stops_on_sigterm() -> None:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_a_taken_port_exits_1_without_sharing_it() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "worker.cli", "--port", str(port), "--log-level", "ERROR",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        out, err = await asyncio.wait_for(proc.communicate(), timeout=20)
+    assert proc.returncode == 1
+    assert b"listening on" not in out
+    assert f"could not bind 127.0.0.1:{port}".encode() in err
