@@ -22,6 +22,7 @@ from bench.replay.report import ReplayReport
 from bench.replay.trace import DEFAULT_TRACE_BLOCK_SIZE, TokenExpander, read_trace
 
 DEFAULT_POLICIES = ("cache_aware", "round_robin")
+LIVE_DEFAULT_LIMIT = 200
 
 
 def available_policies() -> list[str]:
@@ -79,7 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.005,
         help="sim mode: worker -> router KV event latency (default %(default)s)",
     )
-    p.add_argument("--limit", type=int, help="replay only the first N requests")
+    p.add_argument(
+        "--limit",
+        type=int,
+        help=f"replay only the first N requests (live mode default: {LIVE_DEFAULT_LIMIT})",
+    )
     p.add_argument(
         "--page-size", type=int, default=16, help="engine page size (default %(default)s)"
     )
@@ -127,7 +132,10 @@ def main(argv: list[str] | None = None) -> int:
         policies = _policies(args.policy)
         if args.workers < 1:
             raise ValueError(f"--workers must be >= 1, got {args.workers}")
-        records = read_trace(args.trace, args.trace_block_size, args.limit)
+        limit = args.limit
+        if limit is None and args.mode == "live":
+            limit = LIVE_DEFAULT_LIMIT
+        records = read_trace(args.trace, args.trace_block_size, limit)
     except (OSError, ValueError) as exc:
         print(f"kvroute replay: {exc}", file=sys.stderr)
         return 2

@@ -26,6 +26,7 @@ with room for every token the trace ever holds -- "infinite" (nothing is ever ev
 
 from __future__ import annotations
 
+import enum
 import heapq
 import random
 import time
@@ -50,9 +51,16 @@ from worker.engine.types import EngineRequest, ForwardItem, RequestOutput, Sampl
 from worker.errors import WorkerError
 from worker.service.publisher import EventPublisher, PublisherConfig
 
-# event kinds, in tie-break order at equal times: deliveries before steps before arrivals,
-# so the router sees what the fleet knew "at" an instant before it routes at that instant.
-_DELIVER, _LOAD_TICK, _STEP_DONE, _ARRIVE = 0, 1, 2, 3
+
+class _Kind(enum.IntEnum):
+    """Event kinds, in tie-break order at equal times: deliveries before steps before
+    arrivals, so the router sees what the fleet knew "at" an instant before routing then."""
+
+    DELIVER = 0
+    LOAD_TICK = 1
+    STEP_DONE = 2
+    ARRIVE = 3
+
 
 DEFAULT_KV_CAPACITY_TOKENS = 450_000  # ~58 GiB of Llama-3-8B KV (128 KiB/token) on an H100
 
@@ -141,7 +149,7 @@ class FleetSim:
         self.config = config
         self.expander = expander
         self.now = 0.0
-        self._heap: list[tuple[float, int, int, object]] = []
+        self._heap: list[tuple[float, _Kind, int, object]] = []
         self._counter = 0
         clock = self._clock
         self.router = RouterCore(
@@ -191,7 +199,7 @@ class FleetSim:
             seed=c.seed,
         )
 
-    def _push(self, at: float, kind: int, payload: object) -> None:
+    def _push(self, at: float, kind: _Kind, payload: object) -> None:
         self._counter += 1
         heapq.heappush(self._heap, (at, kind, self._counter, payload))
 
@@ -200,25 +208,25 @@ class FleetSim:
     def run(self, progress: Progress | None = None) -> None:
         """Play every record; returns when all requests are done (or failed)."""
         for i, r in enumerate(self.records):
-            self._push(r.arrival_s, _ARRIVE, i)
+            self._push(r.arrival_s, _Kind.ARRIVE, i)
         for w in self.workers.values():
             # The router subscribes with nothing known: the worker answers with a snapshot.
             self._send(w, w.engine.snapshot(w.worker_id, w.publisher.epoch, 0))
             if self.config.load_interval_s > 0:
-                self._push(self.config.load_interval_s, _LOAD_TICK, w)
+                self._push(self.config.load_interval_s, _Kind.LOAD_TICK, w)
         total = len(self.records)
         heap = self._heap
         while heap and self.num_finished < total:
             at, kind, _, payload = heapq.heappop(heap)
             self.now = at
             match kind:
-                case 0:  # _DELIVER
+                case _Kind.DELIVER:
                     self._deliver(*payload)  # type: ignore[misc]
-                case 1:  # _LOAD_TICK
+                case _Kind.LOAD_TICK:
                     self._load_tick(payload)  # type: ignore[arg-type]
-                case 2:  # _STEP_DONE
+                case _Kind.STEP_DONE:
                     self._step_done(*payload)  # type: ignore[misc]
-                case 3:  # _ARRIVE
+                case _Kind.ARRIVE:
                     self._arrive(payload)  # type: ignore[arg-type]
             if progress is not None:
                 progress.update(self.num_finished, self.now)
@@ -271,7 +279,7 @@ class FleetSim:
                     f"at t={self.now:.3f}s"
                 )
         worker.busy = True
-        self._push(self.now + cost, _STEP_DONE, (worker, outputs))
+        self._push(self.now + cost, _Kind.STEP_DONE, (worker, outputs))
 
     def _step_done(self, worker: _Worker, outputs: list[RequestOutput]) -> None:
         worker.busy = False
@@ -302,7 +310,7 @@ class FleetSim:
             self.num_finished += 1
 
     def _send(self, worker: _Worker, msg: EventBatch | Snapshot) -> None:
-        self._push(self.now + self.config.event_delay_s, _DELIVER, (worker, msg))
+        self._push(self.now + self.config.event_delay_s, _Kind.DELIVER, (worker, msg))
 
     def _deliver(self, worker: _Worker, msg: EventBatch | Snapshot) -> None:
         if isinstance(msg, Snapshot):
@@ -331,7 +339,7 @@ class FleetSim:
         batch = worker.publisher.publish(worker.engine.take_events(), worker.engine.load_report())
         if batch is not None:
             self._send(worker, batch)
-        self._push(self.now + self.config.load_interval_s, _LOAD_TICK, worker)
+        self._push(self.now + self.config.load_interval_s, _Kind.LOAD_TICK, worker)
 
     # ---- results -------------------------------------------------------------------------
 
@@ -371,8 +379,7 @@ def simulate(
 
 def infinite_capacity_tokens(records: Sequence[TraceRecord], block_size: int) -> int:
     """KV tokens that hold every distinct prompt block plus every output: no eviction."""
-    nodes: set[tuple[int, int]] = set()  # (parent node, hash id) -> a distinct prefix block
-    ids: dict[tuple[int, int], int] = {}
+    ids: dict[tuple[int, int], int] = {}  # (parent node, hash id) -> one distinct prefix block
     for r in records:
         parent = -1
         for h in r.hash_ids:
@@ -380,7 +387,6 @@ def infinite_capacity_tokens(records: Sequence[TraceRecord], block_size: int) ->
             node = ids.get(key)
             if node is None:
                 node = ids[key] = len(ids)
-                nodes.add(key)
             parent = node
     outputs = sum(r.output_length for r in records)
     return len(ids) * block_size + outputs + 2 * max_context_for(records)
