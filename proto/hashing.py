@@ -64,6 +64,8 @@ class _Powers:
         self.size = 0
         self.pow = np.empty(0, dtype=_U64)  # A**k
         self.inv = np.empty(0, dtype=_U64)  # A**-k
+        self.mul_inv = np.empty(0, dtype=_U64)  # _TOKEN_MUL * A**-k
+        self._block_pow: dict[int, np.ndarray] = {}  # B -> A**(iB + B - 1), contiguous
         self._grow(8192)
 
     def _grow(self, n: int) -> None:
@@ -71,7 +73,19 @@ class _Powers:
         k = np.arange(size, dtype=_U64)
         self.pow = _pow_u64(_A, k)
         self.inv = _pow_u64(_A_INV, k)
+        with np.errstate(over="ignore"):
+            self.mul_inv = self.inv * _U64(_TOKEN_MUL)
+        self._block_pow = {}
         self.size = size
+
+    def block_pow(self, block_size: int) -> np.ndarray:
+        """A**(e) at every block end e = iB + B - 1, as one contiguous array."""
+        table = self._block_pow.get(block_size)
+        if table is None:
+            table = np.ascontiguousarray(self.pow[block_size - 1 :: block_size])
+            if len(self._block_pow) < 64:
+                self._block_pow[block_size] = table
+        return table
 
     def ensure(self, n: int) -> None:
         if n > self.size:
@@ -95,12 +109,20 @@ def _pow_u64(base: int, exps: np.ndarray) -> np.ndarray:
 _POWERS = _Powers()
 
 
+_S33 = _U64(33)
+_UF1 = _U64(_F1)
+_UF2 = _U64(_F2)
+
+
 def _fmix64_array(s: np.ndarray) -> np.ndarray:
-    s ^= s >> _U64(33)
-    s *= _U64(_F1)
-    s ^= s >> _U64(33)
-    s *= _U64(_F2)
-    s ^= s >> _U64(33)
+    t = s >> _S33
+    s ^= t
+    s *= _UF1
+    np.right_shift(s, _S33, out=t)
+    s ^= t
+    s *= _UF2
+    np.right_shift(s, _S33, out=t)
+    s ^= t
     return s
 
 
@@ -180,21 +202,23 @@ def block_hashes(
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    tokens = as_token_array(token_ids) if validate else token_ids
+    if validate and not (isinstance(token_ids, np.ndarray) and token_ids.dtype == np.uint32):
+        tokens = as_token_array(token_ids)  # uint32 arrays are valid as they are
+    else:
+        tokens = token_ids
     num_blocks = len(tokens) // block_size
     if num_blocks == 0:
         return np.empty(0, dtype=_U64)
     n = num_blocks * block_size
     _POWERS.ensure(n)
     with np.errstate(over="ignore"):
-        # v_k = mix_token(t_k) * A**-k; S at the end of block i is A**(e) * (A*seed + cumsum_e)
-        v = tokens[:n] ^ _U64(_TOKEN_XOR)
-        v *= _U64(_TOKEN_MUL)
-        v *= _POWERS.inv[:n]
+        # v_k = mix_token(t_k) * A**-k; S at the end of block i is A**(e) * (A*seed + cumsum_e).
+        # The xor widens uint32 ids to uint64 in the same pass; mul_inv folds _TOKEN_MUL in.
+        v = np.bitwise_xor(tokens[:n], _U64(_TOKEN_XOR), dtype=_U64, casting="unsafe")
+        v *= _POWERS.mul_inv[:n]
         np.cumsum(v, out=v)
-        ends = v[block_size - 1 :: block_size]
-        ends += _U64((_A * (seed & _MASK)) & _MASK)
-        ends *= _POWERS.pow[block_size - 1 : n : block_size]
+        ends = v[block_size - 1 :: block_size] + _U64((_A * (seed & _MASK)) & _MASK)
+        ends *= _POWERS.block_pow(block_size)[:num_blocks]
         return _fmix64_array(ends)
 
 
