@@ -43,6 +43,7 @@ class WorkerPool:
         self.conns: dict[str, WorkerConnection] = {}
         self._static: set[str] = set()
         self._owners: dict[str, WorkerConnection] = {}
+        self._refusals: dict[str, str] = {}  # address -> last refusal logged (log once)
 
     # ---- membership ----------------------------------------------------------------------
 
@@ -112,21 +113,24 @@ class WorkerPool:
     def _claim(self, conn: WorkerConnection, worker_id: str, block_size: int) -> bool:
         owner = self._owners.get(worker_id)
         if owner is not None and owner is not conn:
-            log.error(
-                "worker id %r at %s is already served by %s; refusing the duplicate",
-                worker_id,
-                conn.address,
-                owner.address,
+            return self._refuse(
+                conn, f"worker id {worker_id!r} is already served by {owner.address}"
             )
-            return False
         if not self._core.has_worker(worker_id):
             try:
                 self._core.add_worker(worker_id, conn.address, block_size or None)
             except (RouterError, ValueError) as exc:
-                log.error("worker %r at %s refused: %s", worker_id, conn.address, exc)
-                return False
+                return self._refuse(conn, f"worker {worker_id!r} refused: {exc}")
         self._owners[worker_id] = conn
+        self._refusals.pop(conn.address, None)
         return True
+
+    def _refuse(self, conn: WorkerConnection, reason: str) -> bool:
+        """Log a refusal once per address and reason (the connection retries with backoff)."""
+        if self._refusals.get(conn.address) != reason:
+            self._refusals[conn.address] = reason
+            log.error("not routing to %s: %s", conn.address, reason)
+        return False
 
     def _release(self, conn: WorkerConnection, worker_id: str) -> None:
         if self._owners.get(worker_id) is conn:

@@ -168,7 +168,8 @@ class WorkerConnection:
             self._on_failure(reason)
             await self._notify()
             delay = self._backoff.next_delay()
-            if self._down_since is not None and not self._purged:
+            if self._purge_pending():  # wake up in time to purge
+                assert self._down_since is not None
                 until_purge = self._down_since + self.config.purge_after_s - self._clock()
                 delay = min(delay, max(until_purge, 0.0))
             await asyncio.sleep(delay)
@@ -263,10 +264,15 @@ class WorkerConnection:
             self._down_since = self._clock()
         self._set_health(False)
 
+    def _purge_pending(self) -> bool:
+        """A known worker is down and its index entries are not dropped yet."""
+        return not self._purged and self._down_since is not None and self.worker_id is not None
+
     def _maybe_purge(self) -> bool:
         """Drop the index entries of a worker unreachable for ``purge_after_s``."""
-        if self._purged or self._down_since is None or self.worker_id is None:
+        if not self._purge_pending():
             return False
+        assert self._down_since is not None and self.worker_id is not None
         if self._clock() - self._down_since < self.config.purge_after_s:
             return False
         wid = self.worker_id

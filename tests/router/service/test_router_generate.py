@@ -373,3 +373,25 @@ async def test_trace_context_is_passed_on_to_the_worker(fleet):
     [m async for m in stub.Generate(req, metadata=(("traceparent", traceparent),))]
     (got,) = [x.metadata.get("traceparent", "") for x in a.received + b.received]
     assert got.split("-")[1] == trace_id
+
+
+async def test_duplicate_worker_id_and_block_size_mismatch_are_refused(caplog):
+    a, dup, odd = FakeWorker("w0"), FakeWorker("w0"), FakeWorker("w2", block_size=8)
+    async with running_fake(a) as ra, running_fake(dup) as rd, running_fake(odd) as ro:
+        config = router_config([ra.address, rd.address, ro.address])
+        config = dataclasses.replace(config, core=dataclasses.replace(config.core, block_size=4))
+        async with running_router([ra.address, rd.address, ro.address], config) as router:
+            await router.wait_synced(1)
+            pool = router.server.pool
+            conn_a, conn_d, conn_o = (pool.conns[x.address] for x in (ra, rd, ro))
+            winner = pool.by_worker_id("w0")  # whichever of the two answered first
+            loser = conn_d if winner is conn_a else conn_a
+            assert winner in (conn_a, conn_d)
+            await router.wait_for(lambda: loser.num_failures >= 2 and conn_o.num_failures >= 2)
+            assert router.server.core.workers() == ["w0"]
+            assert pool.by_worker_id("w0") is winner and winner.healthy
+            assert not loser.healthy and not conn_o.healthy
+    refusals = [r.getMessage() for r in caplog.records if "not routing to" in r.getMessage()]
+    assert len(refusals) == 2  # once per address, not once per retry
+    assert any("already served by" in m for m in refusals)
+    assert any("block_size=8" in m for m in refusals)
