@@ -353,6 +353,7 @@ class RouterCore:
                         index.apply(slot, event)
                 if item.load is not None:
                     view.load = item.load
+                    view.refresh()
             else:  # Snapshot: replace everything we believed about this worker
                 index.remove_worker(slot)
                 if self._use_events:
@@ -469,6 +470,7 @@ class RouterCore:
         self._inflight[request_id] = _Inflight(view, prefill_tokens)
         view.inflight_prefill_tokens += prefill_tokens
         view.num_active += 1
+        view.refresh()
         self._num_routed += 1
 
     def on_routed(
@@ -487,6 +489,7 @@ class RouterCore:
         if flight is not None and flight.prefilling:
             flight.prefilling = False
             flight.view.inflight_prefill_tokens -= flight.prefill_tokens
+            flight.view.refresh()
 
     def on_finished(self, request_id: str) -> None:
         """The request ended (finished, aborted or failed). Unknown ids are ignored."""
@@ -496,6 +499,7 @@ class RouterCore:
         if flight.prefilling:
             flight.view.inflight_prefill_tokens -= flight.prefill_tokens
         flight.view.num_active -= 1
+        flight.view.refresh()
 
     # ---- introspection -------------------------------------------------------------------
 

@@ -88,7 +88,13 @@ class WorkerView:
 
     ``inflight_prefill_tokens``: uncached prompt tokens of requests routed here that have not
     produced their first token (router-tracked). ``num_active``: requests routed here and
-    not finished. ``load``: the worker's last load report, if any.
+    not finished. ``load``: the worker's last load report, if any. The two derived fields
+    below are what policies read; :meth:`refresh` recomputes them after any change (kept as
+    plain fields because scoring 64 workers per request must not call properties):
+
+    ``queued_prefill_tokens``: the router's count, or the worker's report if larger (it also
+    sees other routers' requests; ours may not have reached it yet). ``num_running``:
+    likewise for requests (running + waiting on the worker).
     """
 
     worker_id: str
@@ -98,23 +104,20 @@ class WorkerView:
     inflight_prefill_tokens: int = 0
     num_active: int = 0
     load: LoadReport | None = None
+    queued_prefill_tokens: int = 0
+    num_running: int = 0
 
-    @property
-    def queued_prefill_tokens(self) -> int:
-        """Prefill work queued here: the router's own count, or the worker's if larger
-        (it also sees requests from other routers; ours may not have reached it yet)."""
+    def refresh(self) -> None:
+        """Recompute the derived fields from the router's counts and the last report."""
         load = self.load
         if load is None:
-            return self.inflight_prefill_tokens
-        return max(self.inflight_prefill_tokens, load.num_queued_prefill_tokens)
-
-    @property
-    def num_running(self) -> int:
-        """Requests on the worker: the router's count, or the worker's report if larger."""
-        load = self.load
-        if load is None:
-            return self.num_active
-        return max(self.num_active, load.num_running + load.num_waiting)
+            self.queued_prefill_tokens = self.inflight_prefill_tokens
+            self.num_running = self.num_active
+        else:
+            self.queued_prefill_tokens = max(
+                self.inflight_prefill_tokens, load.num_queued_prefill_tokens
+            )
+            self.num_running = max(self.num_active, load.num_running + load.num_waiting)
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,11 +170,13 @@ class Policy:
         raise NotImplementedError
 
 
-def _argmin_random(values: Sequence[float], rng: random.Random) -> int:
+def _argmin_random(values: list[float], rng: random.Random) -> int:
     """Index of the smallest value; equal minima are broken uniformly at random."""
     best = min(values)
+    if values.count(best) == 1:
+        return values.index(best)
     ties = [i for i, v in enumerate(values) if v == best]
-    return ties[0] if len(ties) == 1 else ties[rng.randrange(len(ties))]
+    return ties[rng.randrange(len(ties))]
 
 
 class CacheAware(Policy):
@@ -187,14 +192,17 @@ class CacheAware(Policy):
         w = self.config.weights
         wp, wq, wd = w.prefill, w.queued_prefill, w.decode
         prompt = query.prompt_tokens
-        block_size = query.block_size
+        full = wp * prompt
+        if not matched:
+            return [wq * c.queued_prefill_tokens + wd * c.num_running + full for c in candidates]
+        bs = query.block_size
         get = matched.get
-        out = []
-        for c in candidates:
-            cached = get(c.slot, 0) * block_size
-            uncached = prompt - cached if cached < prompt else 0
-            out.append(wp * uncached + wq * c.queued_prefill_tokens + wd * c.num_running)
-        return out
+        return [
+            wq * c.queued_prefill_tokens
+            + wd * c.num_running
+            + wp * max(prompt - get(c.slot, 0) * bs, 0)
+            for c in candidates
+        ]
 
     def select(
         self,

@@ -57,6 +57,8 @@ def test_cache_aware_costs_are_exact() -> None:
     ws[2].load = LoadReport(num_running=2, num_waiting=1, num_queued_prefill_tokens=50)
     ws[2].inflight_prefill_tokens = 30  # the worker's report (50) is larger: it wins
     ws[3].num_active = 2
+    for w in ws:
+        w.refresh()
     policy = make_policy("cache_aware", PolicyConfig(CostWeights(1.0, 0.5, 10.0)))
     matched = {0: 4, 1: 20, 3: 25}  # worker 3: more blocks than the prompt has
     costs = policy.costs(query(320), ws, matched)
@@ -110,6 +112,8 @@ def test_least_load() -> None:
     ws[0].inflight_prefill_tokens = 10
     ws[1].load = LoadReport(num_running=1)
     ws[2].num_active = 3
+    for w in ws:
+        w.refresh()
     policy = make_policy("least_load")
     assert policy.costs(query(), ws, {}) == [10, 1, 3]
     assert policy.select(query(), ws, {}, random.Random(0)) == (1, 1)
@@ -119,6 +123,7 @@ def test_power_of_two_takes_the_less_loaded_of_two() -> None:
     ws = views(4)
     for i, w in enumerate(ws):
         w.num_active = 10 * i
+        w.refresh()
     policy = make_policy("power_of_two")
     rng = random.Random(5)
     picks = Counter(policy.select(query(), ws, {}, rng)[0] for _ in range(600))
@@ -167,6 +172,7 @@ def test_queued_prefill_spreads_a_hot_prefix_in_a_burst() -> None:
         i, _ = policy.select(query(2000), ws, matched, rng)
         w = ws[i]
         w.inflight_prefill_tokens += 2000 - matched.get(w.slot, 0) * B
+        w.refresh()
         matched[w.slot] = 120  # after routing, that worker will hold the prefix too
         chosen.append(i)
     assert len(set(chosen)) > 1
