@@ -167,12 +167,7 @@ class WorkerConnection:
                 reason = f"{type(exc).__name__}: {exc}"
             self._on_failure(reason)
             await self._notify()
-            delay = self._backoff.next_delay()
-            if self._purge_pending():  # wake up in time to purge
-                assert self._down_since is not None
-                until_purge = self._down_since + self.config.purge_after_s - self._clock()
-                delay = min(delay, max(until_purge, 0.0))
-            await asyncio.sleep(delay)
+            await asyncio.sleep(self.next_retry_delay())
             if self._maybe_purge():
                 await self._notify()
 
@@ -263,6 +258,16 @@ class WorkerConnection:
         if self._down_since is None:
             self._down_since = self._clock()
         self._set_health(False)
+
+    def next_retry_delay(self) -> float:
+        """Seconds until the next reconnect: the jittered backoff, shortened (never below
+        zero) to wake up when a down worker's purge falls due. Counts one failure."""
+        delay = self._backoff.next_delay()
+        if self._purge_pending():
+            assert self._down_since is not None
+            until_purge = self._down_since + self.config.purge_after_s - self._clock()
+            delay = min(delay, max(until_purge, 0.0))
+        return delay
 
     def _purge_pending(self) -> bool:
         """A known worker is down and its index entries are not dropped yet."""
