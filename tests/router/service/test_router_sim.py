@@ -11,6 +11,7 @@ import grpc
 import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from router_harness import router_config, running_router, sim_worker
 
 from kvroute_proto.events import Partition
@@ -168,7 +169,7 @@ async def test_redis_membership_adds_and_removes_workers():
             await regs[1].stop()
 
 
-async def test_health_reports_serving_with_a_healthy_worker():
+async def test_health_and_reflection():
     async with sim_worker("w0") as w0, running_router([w0.address, "127.0.0.1:1"]) as router:
         await router.wait_synced(1)
         async with grpc.aio.insecure_channel(router.address) as channel:
@@ -176,3 +177,20 @@ async def test_health_reports_serving_with_a_healthy_worker():
             for service in ("", "kvroute.v1.Router"):
                 resp = await stub.Check(health_pb2.HealthCheckRequest(service=service))
                 assert resp.status == health_pb2.HealthCheckResponse.SERVING
+            refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+            ask = reflection_pb2.ServerReflectionRequest(list_services="")
+            async for answer in refl.ServerReflectionInfo(iter([ask])):
+                names = {s.name for s in answer.list_services_response.service}
+                assert {"kvroute.v1.Router", "grpc.health.v1.Health"} <= names
+
+
+async def test_router_is_not_ready_without_a_healthy_worker():
+    async with (
+        running_router(["127.0.0.1:1"]) as router,
+        grpc.aio.insecure_channel(router.address) as channel,
+    ):
+        stub = health_pb2_grpc.HealthStub(channel)
+        live = await stub.Check(health_pb2.HealthCheckRequest(service=""))
+        ready = await stub.Check(health_pb2.HealthCheckRequest(service="kvroute.v1.Router"))
+        assert live.status == health_pb2.HealthCheckResponse.SERVING
+        assert ready.status == health_pb2.HealthCheckResponse.NOT_SERVING
