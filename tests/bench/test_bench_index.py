@@ -1,0 +1,39 @@
+"""Smoke test of bench/bench_index.py: it runs in --quick mode and writes every key (the
+numbers themselves are not checked: timing does not go into tests)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import bench_index
+
+KEYS = {
+    "ingest_blocks_s",
+    "find_full_q_s",
+    "find_partial_q_s",
+    "remove_blocks_s",
+    "hash_seq_s",
+    "route_p50_us",
+    "route_p99_us",
+    "bytes_per_entry",
+}
+
+
+def test_quick_run_writes_every_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "bench.json"
+    assert bench_index.main(["--quick", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert results.keys() >= KEYS
+    assert all(results[k] > 0 for k in KEYS)
+    assert results["meta"]["quick"] is True
+    assert "route_p50_us" in capsys.readouterr().out
+
+
+def test_help_exits_cleanly(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        bench_index.main(["--help"])
+    assert exc.value.code == 0
+    assert "--quick" in capsys.readouterr().out
