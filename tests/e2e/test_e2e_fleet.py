@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from e2e_procs import ROOT, procs
@@ -63,4 +64,25 @@ def test_up_stops_every_worker_on_sigterm():
         assert len(pids) == 2 and all(_alive(pid) for pid in pids)
         up.popen.send_signal(signal.SIGTERM)
         assert up.wait(timeout=60) == 0
+        assert not any(_alive(pid) for pid in pids)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux")
+def test_workers_do_not_outlive_a_killed_up():
+    with procs() as p:
+        up = p.start(
+            "up",
+            ["up", "--workers", "1", "--port", "0", "--executor", "sim"],
+            marker="router listening on",
+        )
+        pids = [
+            int(m)
+            for line in up.lines
+            for m in re.findall(r"worker worker-\d listening on \S+ \(pid (\d+)\)", line)
+        ]
+        assert len(pids) == 1
+        p.kill(up)  # SIGKILL: no cleanup code runs in `kvroute up`
+        deadline = time.monotonic() + 30
+        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)  # another process: nothing to await
         assert not any(_alive(pid) for pid in pids)
