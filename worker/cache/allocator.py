@@ -2,9 +2,11 @@
 
 Pure Python + numpy; imports neither asyncio, grpc, torch nor a clock.
 
-A slot is one token's KV row in the pool. The free list is a numpy stack (LIFO reuse), and a
-bool ``allocated`` mask makes misuse detectable in O(k) per call: freeing a slot that is not
-allocated (double free, or never handed out) raises ValueError and changes nothing.
+A slot is one token's KV row in the pool. Free slots are ``_stack[_head:]``: alloc takes
+the first n (a contiguous copy) and free writes slots back just below the head, so the most
+recently freed slots are reused first. A bool ``allocated`` mask makes misuse detectable in
+O(k) per call: freeing a slot that is not allocated (double free, or never handed out)
+raises ValueError and changes nothing.
 """
 
 from __future__ import annotations
@@ -18,39 +20,38 @@ _EMPTY.flags.writeable = False
 class SlotAllocator:
     """Hands out and takes back int64 KV slot indices in ``[0, num_slots)``."""
 
-    __slots__ = ("_allocated", "_mark", "_num_free", "_stack", "num_slots")
+    __slots__ = ("_allocated", "_head", "_mark", "_stack", "num_slots")
 
     def __init__(self, num_slots: int) -> None:
         if not isinstance(num_slots, int) or isinstance(num_slots, bool) or num_slots < 0:
             raise ValueError(f"num_slots must be a non-negative int, got {num_slots!r}")
         self.num_slots = num_slots
-        # Free slots live in _stack[:_num_free]; the top of the stack is reused first.
-        # Reversed so that a fresh allocator hands out 0, 1, 2, ... in order.
-        self._stack = np.arange(num_slots - 1, -1, -1, dtype=np.int64)
-        self._num_free = num_slots
+        # Free slots live in _stack[_head:]; a fresh allocator hands out 0, 1, 2, ...
+        self._stack = np.arange(num_slots, dtype=np.int64)
+        self._head = 0
         self._allocated = np.zeros(num_slots, dtype=bool)
         self._mark = np.zeros(num_slots, dtype=np.int64)  # scratch for duplicate detection
 
     @property
     def num_free(self) -> int:
         """Slots that alloc can hand out right now."""
-        return self._num_free
+        return self.num_slots - self._head
 
     @property
     def num_allocated(self) -> int:
-        return self.num_slots - self._num_free
+        return self._head
 
     def alloc(self, n: int) -> np.ndarray | None:
         """Take ``n`` free slots (a new int64 array); None when fewer than ``n`` are free."""
         if n < 0:
             raise ValueError(f"alloc(n): n must be >= 0, got {n}")
-        top = self._num_free
-        if n > top:
+        head = self._head
+        if n > self.num_slots - head:
             return None
         if n == 0:
             return _EMPTY.copy()
-        slots = self._stack[top - n : top][::-1].copy()
-        self._num_free = top - n
+        slots = self._stack[head : head + n].copy()
+        self._head = head + n
         self._allocated[slots] = True
         return slots
 
@@ -81,9 +82,9 @@ class SlotAllocator:
             if (mark[arr] != positions).any():
                 raise ValueError("free(slots): a slot is listed more than once (double free)")
         allocated[arr] = False
-        top = self._num_free
-        self._stack[top : top + k] = arr
-        self._num_free = top + k
+        head = self._head - k
+        self._stack[head : head + k] = arr
+        self._head = head
 
     def is_allocated(self, slots: np.ndarray) -> np.ndarray:
         """Bool per slot: currently handed out (for leak checks in tests)."""

@@ -57,7 +57,11 @@ def check_invariants(cache: RadixCache) -> None:
             assert ver not in live, "two live heap entries with one version"
             live[ver] = node
             assert node_id == node.node_id
-            assert prio == cache._priority_of(node), f"stale key for live entry of {node!r}"
+            current = cache._priority_of(node)
+            if cache._rekey_on_touch:
+                assert prio == current, f"stale key for live entry of {node!r}"
+            else:
+                assert prio <= current, f"key above current for live entry of {node!r}"
     evictable = protected = candidates = 0
     slot_pieces = []
     # (node, full path tokens up to node.end) -- path kept only when hashes are checked

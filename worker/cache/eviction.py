@@ -11,6 +11,7 @@ else. Register new ones with :func:`register_strategy`; look them up with :func:
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 
@@ -28,24 +29,41 @@ PriorityFn = Callable[[EvictableNode], Any]
 SLRU_PROTECTED_HITS = 2
 """SLRU: a node hit at least this many times sits in the protected segment."""
 
-_REGISTRY: dict[str, PriorityFn] = {}
+
+@dataclass(frozen=True, slots=True)
+class EvictionStrategy:
+    """A named priority key.
+
+    ``grows_on_touch``: touching a node (an access, a hit, a priority bump) never lowers its
+    key. The cache then skips re-keying touched leaves and corrects a stale key when it
+    pops it (the popped entry is still the true minimum, since stored <= current for all).
+    """
+
+    name: str
+    priority: PriorityFn
+    grows_on_touch: bool = True
 
 
-def register_strategy(name: str) -> Callable[[PriorityFn], PriorityFn]:
+_REGISTRY: dict[str, EvictionStrategy] = {}
+
+
+def register_strategy(
+    name: str, *, grows_on_touch: bool = True
+) -> Callable[[PriorityFn], PriorityFn]:
     """Decorator: register ``fn`` as eviction strategy ``name`` (lower-case)."""
 
     def deco(fn: PriorityFn) -> PriorityFn:
         key = name.lower()
         if key in _REGISTRY:
             raise ValueError(f"eviction strategy {key!r} is already registered")
-        _REGISTRY[key] = fn
+        _REGISTRY[key] = EvictionStrategy(key, fn, grows_on_touch)
         return fn
 
     return deco
 
 
-def get_strategy(name: str) -> PriorityFn:
-    """The priority function registered under ``name``; ValueError lists the known names."""
+def get_strategy(name: str) -> EvictionStrategy:
+    """The strategy registered under ``name``; ValueError lists the known names."""
     try:
         return _REGISTRY[name.lower()]
     except (KeyError, AttributeError):
@@ -63,7 +81,7 @@ def lru(node: EvictableNode) -> Any:
     return node.last_access
 
 
-@register_strategy("mru")
+@register_strategy("mru", grows_on_touch=False)
 def mru(node: EvictableNode) -> Any:
     """Most recently used first."""
     return -node.last_access

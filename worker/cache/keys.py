@@ -40,11 +40,23 @@ def _as_int_array(values: Any, name: str) -> np.ndarray:
     return arr
 
 
+_I64_DTYPE = np.dtype(_I64)
+_OR = np.bitwise_or.reduce
+
+
 def as_tokens(token_ids: Any) -> np.ndarray:
     """Token ids as a contiguous int64 array; ValueError unless every id is in [0, 2**32)."""
-    arr = _as_int_array(token_ids, "token_ids")
-    # Viewed unsigned, a negative id is huge: one reduction checks both bounds.
-    if arr.size and int(arr.view(_U64).max()) > MAX_TOKEN_ID:
+    arr = token_ids
+    if not (
+        type(arr) is np.ndarray
+        and arr.dtype is _I64_DTYPE
+        and arr.ndim == 1
+        and arr.flags.c_contiguous
+    ):
+        arr = _as_int_array(token_ids, "token_ids")
+    # An id is in [0, 2**32) iff its upper 32 bits (sign included) are zero, so one OR
+    # reduction checks both bounds for the whole key.
+    if arr.size and int(_OR(arr)) >> 32:
         bad = int(np.flatnonzero(arr.view(_U64) > MAX_TOKEN_ID)[0])
         raise ValueError(f"token_ids[{bad}]={int(arr[bad])} is outside [0, {MAX_TOKEN_ID}]")
     return arr

@@ -69,7 +69,11 @@ class RadixCache(PrefixCache):
         self.page_size = config.page_size
         self.block_size = config.block_size
         self.allocator = allocator
-        self._priority_of = get_strategy(config.eviction_policy)
+        strategy = get_strategy(config.eviction_policy)
+        self._priority_of = strategy.priority
+        # Re-key a touched leaf at once only when touching can lower its key (e.g. MRU);
+        # otherwise evict() corrects stale keys as it pops them.
+        self._rekey_on_touch = not strategy.grows_on_touch
         # Default clock: a logical counter, so recency is an order, never a wall time.
         self._clock = clock if clock is not None else itertools.count(1).__next__
         self._page_bytes = 8 * config.page_size
@@ -137,8 +141,8 @@ class RadixCache(PrefixCache):
         now = self._clock()
         key = key[:n]
         node, pieces = self._walk(key, key.tobytes(), pid, now)
-        if node.heap_ver >= 0:
-            self._push(node)  # a touched leaf: re-key it
+        if node.heap_ver >= 0 and self._rekey_on_touch:
+            self._push(node)  # a touched leaf whose key may have dropped
         if not pieces:
             return MatchResult(_EMPTY_SLOTS, node)
         slots = np.concatenate(pieces) if len(pieces) > 1 else pieces[0].copy()
@@ -276,8 +280,8 @@ class RadixCache(PrefixCache):
             node.priority = priority
             self._push(node)
             pieces.append(node.value)
-        elif node.heap_ver >= 0:
-            self._push(node)  # an existing leaf was touched: re-key it
+        elif node.heap_ver >= 0 and self._rekey_on_touch:
+            self._push(node)  # an existing leaf was touched and its key may have dropped
         return prefix_len, node, pieces
 
     def _new_leaf(
@@ -437,12 +441,19 @@ class RadixCache(PrefixCache):
         root = self._root
         pb = self._page_bytes
         ledger = self._ledger
+        lazy = not self._rekey_on_touch
+        priority_of = self._priority_of
         freed = 0
         pieces: list[np.ndarray] = []
         while freed < num_tokens and heap:
-            _, _, ver, node = heapq.heappop(heap)
+            key, node_id, ver, node = heapq.heappop(heap)
             if node.heap_ver != ver:
                 continue  # stale entry
+            if lazy:
+                current = priority_of(node)
+                if current != key:  # touched since pushed (its key only grew): retry later
+                    heapq.heappush(heap, (current, node_id, ver, node))
+                    continue
             node.heap_ver = -1
             self._num_candidates -= 1
             parent = node.parent
