@@ -438,7 +438,8 @@ class RouterCore:
         stateful policies (round_robin) are consulted on a copy.
         """
         query = self._query(req)
-        matched = self._index.find_matches(query.block_hashes) if query.block_hashes else {}
+        hashes = query.block_hashes
+        matched = self._index.find_matches(hashes, touch=False) if hashes else {}
         candidates = self._candidates(req)
         costs: list[float] | None = None
         chosen: str | None = None

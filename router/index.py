@@ -180,12 +180,13 @@ class PrefixIndex:
 
     # ---- matching ------------------------------------------------------------------------
 
-    def find_matches(self, hashes: Sequence[int]) -> dict[int, int]:
+    def find_matches(self, hashes: Sequence[int], touch: bool = True) -> dict[int, int]:
         """Matched prefix length in blocks per worker slot (slots matching 0 are absent).
 
         ``hashes`` are a query's block hashes from position 0 (Python ints; a list is
         fastest). A worker's length is the longer of its confirmed prefix and its predicted
-        one (a multiple of the stride). Stamps the deepest confirmed match as recently used.
+        one (a multiple of the stride). With ``touch``, stamps the deepest confirmed match
+        as recently used (for the size cap's LRU order).
         """
         masks = cast(list[int], list(takewhile(_is_not_none, map(self._masks.get, hashes))))
         if masks:
@@ -196,7 +197,7 @@ class PrefixIndex:
             else:
                 result = _depths(masks)
                 depth = max(result.values(), default=0)
-            if depth:
+            if depth and touch:
                 self._tick += 1
                 self._stamps[hashes[depth - 1]] = self._tick
         else:

@@ -221,7 +221,8 @@ def test_size_cap_evicts_least_recently_matched_leaves() -> None:
     index.apply(0, stored(b))
     index.find_matches(a[:2])  # a's block 1 is matched, its blocks 2-3 are not
     index.find_matches(b)  # b's leaf is matched after that
-    # (snapshot() reads without touching; find_matches would refresh what it reads)
+    # (snapshot() and find_matches(touch=False) read without refreshing what they read)
+    assert index.find_matches(a, touch=False) == {0: 4}
     index.apply(1, stored(c, 0, 1))  # 9 blocks: a's leaf is the least recently used
     assert (index.size(), index.num_evicted) == (8, 1)
     assert index.snapshot(0) == set(a[:3]) | set(b)
