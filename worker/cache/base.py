@@ -7,6 +7,12 @@ Slot ownership, in one picture (a request's ``slots`` array, one KV slot per com
     [0 ........ num_tree_tokens) [num_tree_tokens ........ len(token_ids))
      owned by the tree, locked    owned by the request (freed or inserted
      through req.last_node        into the tree by cache_*_req)
+
+After cache_unfinished_req: num_tree_tokens = the page-aligned length, last_node = the new
+deepest node (locked instead of the old one), and ``slots`` is a *new* array whose tree part
+holds the tree's slots (duplicates the request computed were freed); a partial tail page
+stays the request's. After cache_finished_req: slots is empty, num_tree_tokens = 0 and
+last_node = root -- the request owns nothing.
 """
 
 from __future__ import annotations
@@ -115,3 +121,10 @@ class PrefixCache(abc.ABC):
     @property
     @abc.abstractmethod
     def root(self) -> Any: ...
+
+    def pretty_print(self) -> str:
+        """The cache's contents as text, for debugging."""
+        return type(self).__name__
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the cache's internal state is inconsistent (tests)."""

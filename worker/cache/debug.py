@@ -52,13 +52,14 @@ def check_invariants(cache: RadixCache) -> None:
     bs = cache.block_size
     assert root.parent is None and root.lock_ref == 0 and root.heap_ver == -1 and not root.kb
     live = {}
-    for prio, node_id, ver, node in cache._heap:
+    heap = cache._candidates
+    for prio, node_id, ver, node in heap.entries:
         if node.heap_ver == ver:
             assert ver not in live, "two live heap entries with one version"
             live[ver] = node
             assert node_id == node.node_id
-            current = cache._priority_of(node)
-            if cache._rekey_on_touch:
+            current = heap.priority(node)
+            if heap.rekey_on_touch:
                 assert prio == current, f"stale key for live entry of {node!r}"
             else:
                 assert prio <= current, f"key above current for live entry of {node!r}"

@@ -24,7 +24,6 @@ see block_events.py for which node holds which block.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from collections.abc import Callable
 from typing import Any
@@ -41,13 +40,13 @@ from worker.cache import block_events, debug
 from worker.cache.allocator import SlotAllocator
 from worker.cache.base import CacheConfig, CacheReq, MatchResult, PrefixCache
 from worker.cache.eviction import get_strategy
+from worker.cache.eviction_heap import EvictionHeap
 from worker.cache.keys import as_slots, as_tokens
 from worker.cache.node import TreeNode
 
 _I64 = np.int64
 _EMPTY_SLOTS = np.empty(0, dtype=_I64)
 _EMPTY_SLOTS.flags.writeable = False
-_HEAP_SLACK = 64  # stale heap entries tolerated beyond the live count before a purge
 
 
 class RadixCache(PrefixCache):
@@ -69,16 +68,11 @@ class RadixCache(PrefixCache):
         self.page_size = config.page_size
         self.block_size = config.block_size
         self.allocator = allocator
-        strategy = get_strategy(config.eviction_policy)
-        self._priority_of = strategy.priority
-        # Re-key a touched leaf at once only when touching can lower its key (e.g. MRU);
-        # otherwise evict() corrects stale keys as it pops them.
-        self._rekey_on_touch = not strategy.grows_on_touch
+        self._candidates = EvictionHeap(get_strategy(config.eviction_policy))
         # Default clock: a logical counter, so recency is an order, never a wall time.
         self._clock = clock if clock is not None else itertools.count(1).__next__
         self._page_bytes = 8 * config.page_size
         self._node_ids = itertools.count(1)
-        self._versions = itertools.count(1)
         self._partition_ids: dict[Partition, int] = {}
         self._partitions: list[Partition] = []
         self._ledger = (
@@ -87,8 +81,6 @@ class RadixCache(PrefixCache):
             else block_events.BlockLedger(config.block_size, config.page_size)
         )
         self._root = TreeNode(0, None, b"", _EMPTY_SLOTS, -1, 0, self._clock())
-        self._heap: list[tuple[Any, int, int, TreeNode]] = []
-        self._num_candidates = 0
         self._evictable = 0
         self._protected = 0
 
@@ -112,7 +104,7 @@ class RadixCache(PrefixCache):
 
     @property
     def num_evictable_leaves(self) -> int:
-        return self._num_candidates
+        return self._candidates.num_candidates
 
     def _pid(self, partition: Partition) -> int:
         pid = self._partition_ids.get(partition)
@@ -141,8 +133,7 @@ class RadixCache(PrefixCache):
         now = self._clock()
         key = key[:n]
         node, pieces = self._walk(key, key.tobytes(), pid, now)
-        if node.heap_ver >= 0 and self._rekey_on_touch:
-            self._push(node)  # a touched leaf whose key may have dropped
+        self._candidates.touched(node)
         if not pieces:
             return MatchResult(_EMPTY_SLOTS, node)
         slots = np.concatenate(pieces) if len(pieces) > 1 else pieces[0].copy()
@@ -278,10 +269,10 @@ class RadixCache(PrefixCache):
             node = self._new_leaf(node, key, kb, value, prefix_len, pid, now)
             node.hit_count = hit
             node.priority = priority
-            self._push(node)
+            self._candidates.push(node)
             pieces.append(node.value)
-        elif node.heap_ver >= 0 and self._rekey_on_touch:
-            self._push(node)  # an existing leaf was touched and its key may have dropped
+        else:
+            self._candidates.touched(node)
         return prefix_len, node, pieces
 
     def _new_leaf(
@@ -295,9 +286,7 @@ class RadixCache(PrefixCache):
         now: float,
     ) -> TreeNode:
         """Hang key[pos:] below ``parent`` as a new unlocked leaf (not yet in the heap)."""
-        if parent.heap_ver >= 0:  # the parent stops being a leaf
-            parent.heap_ver = -1
-            self._num_candidates -= 1
+        self._candidates.discard(parent)  # it stops being a leaf
         pos8 = 8 * pos
         new = TreeNode(next(self._node_ids), parent, kb[pos8:], value[pos:].copy(), pid, pos, now)
         parent.children[(pid, kb[pos8 : pos8 + self._page_bytes])] = new
@@ -390,9 +379,7 @@ class RadixCache(PrefixCache):
                 size = len(node.value)
                 self._evictable -= size
                 self._protected += size
-                if node.heap_ver >= 0:
-                    node.heap_ver = -1
-                    self._num_candidates -= 1
+                self._candidates.discard(node)
             node.lock_ref += 1
             node = node.parent
 
@@ -412,24 +399,10 @@ class RadixCache(PrefixCache):
                 self._protected -= size
                 self._evictable += size
                 if not node.children:
-                    self._push(node)
+                    self._candidates.push(node)
             node = node.parent
 
     # ------------------------------------------------------------------ eviction
-
-    def _push(self, node: TreeNode) -> None:
-        """(Re-)enter an unlocked leaf into the eviction heap with its current key."""
-        if node.heap_ver < 0:
-            self._num_candidates += 1
-        ver = next(self._versions)
-        node.heap_ver = ver
-        heap = self._heap
-        heapq.heappush(heap, (self._priority_of(node), node.node_id, ver, node))
-        if len(heap) > 2 * self._num_candidates + _HEAP_SLACK:
-            # Purge stale entries: amortised O(1) per push, since it runs only after the
-            # heap has doubled past the live count.
-            self._heap = [e for e in heap if e[3].heap_ver == e[2]]
-            heapq.heapify(self._heap)
 
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` slots from unlocked leaves, best candidate first; a
@@ -437,25 +410,16 @@ class RadixCache(PrefixCache):
         of tokens freed (less only when nothing else is evictable)."""
         if num_tokens < 0:
             raise ValueError(f"evict: num_tokens must be >= 0, got {num_tokens}")
-        heap = self._heap
+        candidates = self._candidates
         root = self._root
         pb = self._page_bytes
         ledger = self._ledger
-        lazy = not self._rekey_on_touch
-        priority_of = self._priority_of
         freed = 0
         pieces: list[np.ndarray] = []
-        while freed < num_tokens and heap:
-            key, node_id, ver, node = heapq.heappop(heap)
-            if node.heap_ver != ver:
-                continue  # stale entry
-            if lazy:
-                current = priority_of(node)
-                if current != key:  # touched since pushed (its key only grew): retry later
-                    heapq.heappush(heap, (current, node_id, ver, node))
-                    continue
-            node.heap_ver = -1
-            self._num_candidates -= 1
+        while freed < num_tokens:
+            node = candidates.pop()
+            if node is None:
+                break
             parent = node.parent
             del parent.children[(node.pid, node.kb[:pb])]
             node.parent = None
@@ -464,7 +428,7 @@ class RadixCache(PrefixCache):
             if ledger is not None:
                 ledger.on_remove(node)
             if parent is not root and parent.lock_ref == 0 and not parent.children:
-                self._push(parent)
+                candidates.push(parent)
         self._evictable -= freed
         if pieces:
             self.allocator.free(np.concatenate(pieces) if len(pieces) > 1 else pieces[0])
@@ -484,8 +448,7 @@ class RadixCache(PrefixCache):
                     pieces.extend(self._detach_subtree(child))
                 else:
                     stack.append(child)
-        self._heap = []
-        self._num_candidates = 0
+        self._candidates.clear()
         self._evictable = 0
         if pieces:
             self.allocator.free(np.concatenate(pieces))

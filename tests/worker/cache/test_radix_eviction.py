@@ -153,7 +153,7 @@ def test_stale_heap_entries_are_purged(policy):
         insert(cache, alloc, [i])
     for _ in range(5000):
         cache.match_prefix([3])  # each touch re-keys the leaf
-    assert len(cache._heap) <= 2 * cache.num_evictable_leaves + 64 + 1
+    assert len(cache._candidates.entries) <= 2 * cache.num_evictable_leaves + 64 + 1
     order = [0, 1, 2, 4, 5, 6, 7, 8, 9, 3]
     assert eviction_order_tokens(cache) == (order if policy == "lru" else order[::-1])
 
