@@ -128,3 +128,4 @@ class PrefixCache(abc.ABC):
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the cache's internal state is inconsistent (tests)."""
+        return None  # a variant without internal state has nothing to check
