@@ -346,6 +346,8 @@ class RouterCore:
         view = worker.view
         index = self._index
         slot = view.slot
+        if step.new_epoch:  # a restart: nothing we knew or predicted about it holds
+            index.remove_worker(slot)
         for item in step.apply:
             if isinstance(item, EventBatch):
                 if self._use_events:
@@ -354,11 +356,11 @@ class RouterCore:
                 if item.load is not None:
                     view.load = item.load
                     view.refresh()
-            else:  # Snapshot: replace everything we believed about this worker
-                index.remove_worker(slot)
-                if self._use_events:
-                    for stored in item.blocks:
-                        index.store(slot, stored)
+            elif self._use_events:  # Snapshot: replaces the confirmed entries; a resync
+                # keeps the predictions for requests in flight
+                index.remove_worker(slot, predictions=False)
+                for stored in item.blocks:
+                    index.store(slot, stored)
         if step.resubscribe is None:
             return []
         epoch, after_seq = step.resubscribe

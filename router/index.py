@@ -350,10 +350,12 @@ class PrefixIndex:
         self._parents.pop(h, None)
         self._stamps.pop(h, None)
 
-    def remove_worker(self, slot: int) -> int:
-        """Drop every entry of ``slot``, predicted ones too; returns the confirmed count."""
+    def remove_worker(self, slot: int, predictions: bool = True) -> int:
+        """Drop every confirmed entry of ``slot``, and its predictions unless
+        ``predictions`` is False; returns the confirmed count."""
         bit = self._bit(slot)
-        self._predicted.remove_slot(bit)
+        if predictions:
+            self._predicted.remove_slot(bit)
         count = self._num_blocks.pop(slot, 0)
         if not count:
             return 0

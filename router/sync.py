@@ -67,12 +67,15 @@ class SyncStep:
 
     ``apply``: in order; an EventBatch's events are applied to the worker's entries, a
     Snapshot replaces them (an empty one purges). ``resubscribe``: (epoch, after_seq) to
-    subscribe with, or None. ``reason``: why (for logs).
+    subscribe with, or None. ``reason``: why (for logs). ``new_epoch``: this message
+    moved to another epoch than the one synced (a restart: predictions about the worker
+    are stale too); False for the first sync.
     """
 
     apply: tuple[EventBatch | Snapshot, ...] = ()
     resubscribe: tuple[int, int] | None = None
     reason: str = ""
+    new_epoch: bool = False  # the worker restarted: everything known about it is stale
 
 
 _NOTHING = SyncStep()
@@ -127,14 +130,16 @@ class StreamSequencer:
 
     def _receive_batch(self, batch: EventBatch) -> SyncStep:
         apply: list[EventBatch | Snapshot] = []
-        if batch.epoch != self.epoch:
+        new_epoch = batch.epoch != self.epoch
+        if new_epoch:
+            new_epoch = self.epoch != 0  # a restart, not the first sync
             self.counters["new_epoch"] += 1
             self._switch_epoch(batch.epoch)
             apply.append(Snapshot(self.worker_id, batch.epoch, 0, batch.block_size))
         seq = batch.seq
         if seq <= self.last_seq:
             self.counters["duplicate"] += 1
-            return SyncStep(tuple(apply))
+            return SyncStep(tuple(apply), new_epoch=new_epoch)
         if seq == self.last_seq + 1:
             apply.append(batch)
             self.last_seq = seq
@@ -142,22 +147,23 @@ class StreamSequencer:
             self._drain(apply)
             if self.awaiting is not None and not self.pending:
                 self.awaiting = None  # the gap is filled
-            return SyncStep(tuple(apply))
+            return SyncStep(tuple(apply), new_epoch=new_epoch)
         # A gap: keep the batch until the missing ones arrive.
         self.counters["out_of_order"] += 1
         if seq not in self.pending and len(self.pending) >= self.config.max_pending_batches:
             self.counters["pending_overflow"] += 1
             self.pending.clear()
-            return self._ask(apply, "pending buffer overflow", force=True)
+            return self._ask(apply, "pending buffer overflow", new_epoch, force=True)
         self.pending[seq] = batch
-        return self._ask(apply, f"gap after seq {self.last_seq} (got {seq})")
+        return self._ask(apply, f"gap after seq {self.last_seq} (got {seq})", new_epoch)
 
     def _receive_snapshot(self, snap: Snapshot) -> SyncStep:
-        if snap.epoch == self.epoch:
-            if snap.seq <= self.last_seq:
-                self.counters["stale_snapshot"] += 1
-                return _NOTHING
-        else:
+        if snap.epoch == self.epoch and snap.seq <= self.last_seq:
+            self.counters["stale_snapshot"] += 1
+            return _NOTHING
+        new_epoch = snap.epoch != self.epoch
+        if new_epoch:
+            new_epoch = self.epoch != 0  # a restart, not the first sync
             self.counters["new_epoch"] += 1
             self._switch_epoch(snap.epoch)
         self.counters["snapshot"] += 1
@@ -169,8 +175,8 @@ class StreamSequencer:
         self.awaiting = None
         self.num_out_of_order = 0
         if self.pending:  # still a gap between the snapshot and the buffered live batches
-            return self._ask(apply, f"gap after snapshot seq {snap.seq}")
-        return SyncStep(tuple(apply))
+            return self._ask(apply, f"gap after snapshot seq {snap.seq}", new_epoch)
+        return SyncStep(tuple(apply), new_epoch=new_epoch)
 
     def _drain(self, apply: list[EventBatch | Snapshot]) -> None:
         pending = self.pending
@@ -186,7 +192,11 @@ class StreamSequencer:
                 del pending[seq]
 
     def _ask(
-        self, apply: list[EventBatch | Snapshot], reason: str, force: bool = False
+        self,
+        apply: list[EventBatch | Snapshot],
+        reason: str,
+        new_epoch: bool = False,
+        force: bool = False,
     ) -> SyncStep:
         want = (self.epoch, self.last_seq)
         self.num_out_of_order += 1
@@ -198,5 +208,5 @@ class StreamSequencer:
             self.awaiting = want
             self.num_out_of_order = 0
             self.counters["resubscribe"] += 1
-            return SyncStep(tuple(apply), want, reason)
-        return SyncStep(tuple(apply))
+            return SyncStep(tuple(apply), want, reason, new_epoch)
+        return SyncStep(tuple(apply), new_epoch=new_epoch)

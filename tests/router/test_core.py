@@ -356,3 +356,21 @@ def test_baselines_route_and_report_matches() -> None:
             seen.add(d.worker_id)
         assert core.stats().num_predicted_entries == 0  # baselines do not predict
         assert len(seen) >= 1
+
+
+def test_resync_snapshot_keeps_predictions_but_a_restart_drops_them() -> None:
+    core, _ = make_core(2)
+    d = core.route(RouteRequest("r0", tokens(320)))
+    give(core, d.worker_id, stored(tokens(64)), seq=5)  # a resync of the same epoch
+    assert core.stats().num_predicted_entries == 5
+    assert core.worker_blocks(d.worker_id) == set(stored(tokens(64)).block_hashes)
+    core.on_stream_message(d.worker_id, EventBatch(d.worker_id, 99, 1, B))  # restarted
+    assert core.stats().num_predicted_entries == 0
+    assert core.worker_blocks(d.worker_id) == set()
+
+
+def test_approx_tree_keeps_its_history_across_a_resync() -> None:
+    core, _ = make_core(1, policy="approx_tree")
+    core.route(RouteRequest("r0", tokens(320)))
+    give(core, "w0", stored(tokens(64)), seq=3)
+    assert core.stats().num_predicted_entries == 5

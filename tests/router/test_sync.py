@@ -155,3 +155,11 @@ def test_bad_config_and_message() -> None:
         SyncConfig(resubscribe_after=0)
     with pytest.raises(TypeError):
         StreamSequencer(W).receive("nope")  # type: ignore[arg-type]
+
+
+def test_new_epoch_flag_marks_restarts_not_the_first_sync() -> None:
+    s = StreamSequencer(W)
+    assert s.receive(snap(3)).new_epoch is False
+    assert s.receive(batch(4)).new_epoch is False
+    assert s.receive(batch(2, epoch=8)).new_epoch is True
+    assert s.receive(snap(5, epoch=9)).new_epoch is True
