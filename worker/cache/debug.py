@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvroute_proto.events import DEFAULT_PARTITION
 from kvroute_proto.hashing import block_hashes
 
 if TYPE_CHECKING:
@@ -26,7 +27,7 @@ def format_tree(cache: RadixCache) -> str:
         toks = node.tokens[:10].tolist()
         more = " ..." if node.num_tokens > 10 else ""
         part = cache._partitions[node.pid]
-        ptxt = "" if part == cache._partitions[0] and node.pid == 0 else f" p={node.pid}"
+        ptxt = "" if part == DEFAULT_PARTITION else f" partition={part.cache_salt}/{part.extra_key}"
         lines.append(
             f"{'  ' * depth}[{node.num_tokens}] {toks}{more} r={node.lock_ref} "
             f"h={node.hit_count}{ptxt}"

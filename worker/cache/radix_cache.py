@@ -10,6 +10,9 @@ point where two cached sequences stopped agreeing. Inserting [1,2,4,5] next to [
 
 Children are keyed by (partition id, first page of the edge), so partitions never share a
 node. Granularity is ``page_size``: keys are page-aligned and edges split on page boundaries.
+Each match/insert reads the clock once and stamps every node on its path (recency); as in
+SGLang, ``hit_count`` counts the inserts of finished requests through a node, and a node's
+``priority`` is the highest priority of those inserts.
 
 Sizes: every cached token is either *protected* (its node's lock_ref > 0) or *evictable*.
 Only unlocked leaves are eviction candidates; they live in a persistent heap keyed by the
