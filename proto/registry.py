@@ -14,8 +14,8 @@ Redis layout (one key per worker, a JSON value, expiring unless refreshed)::
   itself after an outage. While Redis is unreachable the watcher keeps the last known
   membership (routing goes on) and logs the outage once, and once more when it ends.
 
-This module imports only the standard library and ``redis`` -- no other kvroute module --
-so a worker can use :class:`RedisRegistration` without pulling in the router.
+The key layout and record format are a contract between worker and router, so this module
+lives in the shared package; it imports only the standard library and ``redis``.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ def test_router_never_imports_torch_or_worker():
 def test_contract_imports_neither_side():
     code = (
         "import sys, kvroute_proto.codec, kvroute_proto.hashing, kvroute_proto.events\n"
+        "import kvroute_proto.registry, kvroute_proto.generate\n"
         "bad = sorted(n for n in sys.modules if n.split('.')[0] in ('torch', 'worker', 'router'))\n"
         "assert not bad, bad\n"
     )

@@ -29,9 +29,9 @@ from grpc_reflection.v1alpha import reflection
 
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
+from kvroute_proto.registry import DEFAULT_PREFIX, RedisMembershipWatcher, WorkerRecord
 from router.core import RouterConfig, RouterCore
 from router.service.pool import WorkerPool
-from router.service.registry import DEFAULT_PREFIX, RedisMembershipWatcher, WorkerRecord
 from router.service.servicer import RouterServicer, ServicerConfig
 from router.service.worker_conn import ConnectionConfig
 

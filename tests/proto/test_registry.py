@@ -7,7 +7,7 @@ import uuid
 import pytest
 import redis
 
-from router.service.registry import (
+from kvroute_proto.registry import (
     RedisMembershipWatcher,
     RedisRegistration,
     WorkerRecord,
@@ -127,7 +127,7 @@ async def test_redis_down_keeps_last_membership_and_logs_once(caplog):
 
     watcher = RedisMembershipWatcher(DEAD_URL, on_members, poll_s=0.05)
     watcher.members = {"w0": WorkerRecord("w0", "h:1")}
-    with caplog.at_level(logging.WARNING, logger="router.service.registry"):
+    with caplog.at_level(logging.WARNING, logger="kvroute_proto.registry"):
         for _ in range(3):
             await watcher.poll_once()
     assert watcher.redis_down and calls == []
@@ -140,7 +140,7 @@ async def test_redis_down_keeps_last_membership_and_logs_once(caplog):
 
 async def test_registration_survives_redis_down(caplog):
     reg = RedisRegistration(DEAD_URL, WorkerRecord("w0", "h:1"), ttl_s=1.0)
-    with caplog.at_level(logging.WARNING, logger="router.service.registry"):
+    with caplog.at_level(logging.WARNING, logger="kvroute_proto.registry"):
         assert not await reg.beat()
         assert not await reg.beat()
     assert len([r for r in caplog.records if "cannot write" in r.getMessage()]) == 1

@@ -16,8 +16,8 @@ from router_harness import router_config, running_router, sim_worker
 
 from kvroute_proto.events import Partition
 from kvroute_proto.hashing import block_hash_list
+from kvroute_proto.registry import RedisRegistration, WorkerRecord
 from router.client import GenerateOptions
-from router.service.registry import RedisRegistration, WorkerRecord
 from router.service.server import RegistryConfig
 
 BLOCK = 4
