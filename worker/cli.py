@@ -17,6 +17,13 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
+from kvroute_proto.registry import (
+    DEFAULT_PREFIX,
+    DEFAULT_TTL_S,
+    RedisRegistration,
+    WorkerRecord,
+)
+from kvroute_proto.telemetry import configure_tracing
 from worker.engine.engine_config import EngineConfig
 from worker.errors import ModelLoadError
 from worker.service.convert import RequestLimits
@@ -115,6 +122,37 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="seconds between load report batches (0 = off)",
     )
+    eng.add_argument(
+        "--default-max-new-tokens",
+        type=int,
+        default=RequestLimits().default_max_new_tokens,
+        help="max_new_tokens of requests that leave it 0",
+    )
+
+    reg = p.add_argument_group("membership and tracing")
+    reg.add_argument(
+        "--redis-url",
+        default=None,
+        help="register in this Redis registry (redis://...) so routers find this worker",
+    )
+    reg.add_argument("--redis-prefix", default=DEFAULT_PREFIX, help="registry key prefix")
+    reg.add_argument(
+        "--registry-ttl-s",
+        type=float,
+        default=DEFAULT_TTL_S,
+        help="registry entry TTL; refreshed every third of it",
+    )
+    reg.add_argument(
+        "--advertise-address",
+        default=None,
+        metavar="HOST:PORT",
+        help="address routers dial (default: --host and the bound port)",
+    )
+    reg.add_argument(
+        "--trace-console",
+        action="store_true",
+        help="print OpenTelemetry spans to stderr (OTLP export: set OTEL_EXPORTER_OTLP_ENDPOINT)",
+    )
     return p
 
 
@@ -122,6 +160,15 @@ def config_from_args(args: argparse.Namespace) -> WorkerServerConfig:
     """The server config the flags describe (raises ValueError naming a bad flag)."""
     if args.sim_speedup and args.executor != "sim":
         raise ValueError("--sim-speedup applies to --executor sim only")
+    if args.default_max_new_tokens < 1:
+        raise ValueError(
+            f"--default-max-new-tokens must be >= 1, got {args.default_max_new_tokens}"
+        )
+    if args.redis_url and args.advertise_address is None and args.host in ("0.0.0.0", "::", ""):
+        raise ValueError(
+            f"--advertise-address is needed with --redis-url when binding {args.host!r}: "
+            "routers cannot dial a wildcard address"
+        )
     engine = EngineConfig(
         worker_id=args.worker_id,
         num_kv_slots=args.kv_slots,
@@ -146,7 +193,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerServerConfig:
             load_interval_s=args.load_interval_s,
             subscriber_queue_size=args.subscriber_queue,
         ),
-        limits=RequestLimits(),
+        limits=RequestLimits(default_max_new_tokens=args.default_max_new_tokens),
         shutdown_grace_s=args.grace_s,
     )
 
@@ -168,18 +215,43 @@ def build_server(args: argparse.Namespace) -> WorkerServer:
     return WorkerServer(engine, tokenizer, config)
 
 
-async def serve(server: WorkerServer) -> None:
-    """Run until SIGINT/SIGTERM, then stop gracefully."""
+def _registration(server: WorkerServer, args: argparse.Namespace) -> RedisRegistration | None:
+    if not args.redis_url:
+        return None
+    engine = server.config.engine
+    record = WorkerRecord(
+        worker_id=engine.worker_id,
+        address=args.advertise_address or server.address,
+        epoch=server.epoch,
+        block_size=engine.block_size,
+        kv_capacity_tokens=engine.num_kv_slots,
+    )
+    return RedisRegistration(
+        args.redis_url, record, prefix=args.redis_prefix, ttl_s=args.registry_ttl_s
+    )
+
+
+async def serve(server: WorkerServer, args: argparse.Namespace | None = None) -> None:
+    """Run until SIGINT/SIGTERM, then stop gracefully (deregistering first)."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    registration: RedisRegistration | None = None
     try:
         port = await server.start()
+        if args is not None:
+            registration = _registration(server, args)
+        if registration is not None:
+            await registration.start()
+            log.info("registered as %s in %s", registration.key, args.redis_url)
+        # printed once serving and (best effort) registered
         print(f"listening on {server.config.host}:{port}", flush=True)
         await stop.wait()
         log.info("shutting down (grace %.1fs)", server.config.shutdown_grace_s)
     finally:
+        if registration is not None:
+            await registration.stop()  # routers stop sending here before we drain
         await server.stop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
@@ -206,11 +278,14 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, ModelLoadError) as exc:
         print(f"kvroute worker: {exc}", file=sys.stderr)
         return 2
+    shutdown_tracing = configure_tracing("kvroute-worker", console=args.trace_console)
     try:
-        _run(serve(server))
+        _run(serve(server, args))
     except OSError as exc:
         print(f"kvroute worker: {exc}", file=sys.stderr)
         return 1
+    finally:
+        shutdown_tracing()
     return 0
 
 

@@ -112,7 +112,16 @@ class WorkerServer:
     async def start(self) -> int:
         """Bind, start serving and return the bound port."""
         # No SO_REUSEPORT: a second worker on a taken port must fail, not share it.
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        # Routers hold one long-lived event stream each and send keepalive pings, also
+        # while no call is active; accept them instead of answering "too_many_pings".
+        server = grpc.aio.server(
+            options=[
+                ("grpc.so_reuseport", 0),
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000),
+                ("grpc.http2.max_ping_strikes", 0),
+            ]
+        )
         pb_grpc.add_WorkerServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(

@@ -1,0 +1,90 @@
+"""End to end with Redis membership: workers register themselves, the router finds them.
+
+Real processes (`python -m kvroute_cli worker --redis-url ...` and `router --redis-url ...`)
+against the real Redis on 127.0.0.1:6379, under a key prefix of their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import uuid
+
+import pytest
+import redis
+from e2e_procs import procs
+
+from router.client import GenerateOptions, RouterClient
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+def _redis_or_fail() -> redis.Redis:
+    client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2)
+    client.ping()  # CI starts Redis in .ci/run: an unreachable Redis is a failure, not a skip
+    return client
+
+
+async def until(check, what: str, timeout: float = 20.0):
+    async with asyncio.timeout(timeout):
+        while not (result := await check()):
+            await asyncio.sleep(0.05)
+    assert result, what
+    return result
+
+
+async def test_workers_join_and_leave_through_redis():
+    r = _redis_or_fail()
+    prefix = f"kvroute-test-{uuid.uuid4().hex[:8]}:"
+    common = ["--redis-url", REDIS_URL, "--redis-prefix", prefix]
+    try:
+        with procs() as p:
+            w0 = p.worker("w0", *common)
+            w1 = p.worker("w1", *common)
+            assert sorted(k.decode() for k in r.keys(prefix + "*")) == [
+                f"{prefix}worker:w0",
+                f"{prefix}worker:w1",
+            ]
+            router = p.start(
+                "router",
+                [
+                    "router",
+                    "--port",
+                    "0",
+                    *common,
+                    "--redis-poll-s",
+                    "0.2",
+                    "--log-level",
+                    "WARNING",
+                ],
+            )
+            async with RouterClient(router.address, timeout_s=20) as client:
+
+                async def healthy_ids():
+                    expl = await client.explain([1, 2, 3, 4])
+                    return {w.worker_id for w in expl.workers if w.healthy}
+
+                await until(
+                    lambda: _eq(healthy_ids(), {"w0", "w1"}), "router never found both workers"
+                )
+                result = await client.generate([5, 6, 7, 8, 9], GenerateOptions(max_new_tokens=3))
+                assert result.worker_id in {"w0", "w1"}
+                assert len(result.token_ids) == 3
+
+                # a clean stop deregisters at once; the router drops the worker
+                p.kill(w1, signal.SIGTERM)
+                assert r.exists(f"{prefix}worker:w1") == 0
+                await until(lambda: _eq(healthy_ids(), {"w0"}), "router kept the stopped worker")
+                for i in range(3):
+                    result = await client.generate([i, 1, 2, 3], GenerateOptions(max_new_tokens=1))
+                    assert result.worker_id == "w0"
+            assert w0.popen.poll() is None
+    finally:
+        for key in r.scan_iter(prefix + "*"):
+            r.delete(key)
+
+
+async def _eq(awaitable, expected) -> bool:
+    return (await awaitable) == expected
