@@ -14,9 +14,10 @@ import os
 import signal
 import sys
 
+from kvroute_proto.registry import DEFAULT_PREFIX
+from kvroute_proto.telemetry import configure_tracing
 from router.core import RouterConfig
 from router.policy import policy_names
-from router.service.registry import DEFAULT_PREFIX
 from router.service.resilience import EjectionConfig
 from router.service.server import (
     RegistryConfig,
@@ -58,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--redis-url", default=None, help="Redis registry for dynamic membership (redis://...)"
     )
     p.add_argument("--redis-prefix", default=DEFAULT_PREFIX, help="registry key prefix")
+    p.add_argument(
+        "--trace-console",
+        action="store_true",
+        help="print OpenTelemetry spans to stderr (OTLP export: set OTEL_EXPORTER_OTLP_ENDPOINT)",
+    )
     p.add_argument("--redis-poll-s", type=float, default=2.0, help="registry poll interval")
     p.add_argument("--policy", default="cache_aware", choices=POLICIES, help="routing policy")
     p.add_argument(
@@ -179,5 +185,9 @@ def main(argv: list[str]) -> int:
     except ValueError as exc:
         print(f"kvroute router: {exc}", file=sys.stderr)
         return 2
-    run_event_loop(serve(config))
+    shutdown_tracing = configure_tracing("kvroute-router", console=args.trace_console)
+    try:
+        run_event_loop(serve(config))
+    finally:
+        shutdown_tracing()
     return 0
