@@ -71,3 +71,9 @@ def as_slots(slots: Any, num_tokens: int, num_slots: int) -> np.ndarray:
         bad = int(np.flatnonzero(arr.view(_U64) >= num_slots)[0])
         raise ValueError(f"slots[{bad}]={int(arr[bad])} is outside [0, {num_slots})")
     return arr
+
+
+def check_priority(priority: Any) -> None:
+    """A request priority must be a plain int (it is compared and stored on nodes)."""
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise TypeError(f"priority must be an int, got {type(priority).__name__}")

@@ -16,9 +16,8 @@ SGLang, ``hit_count`` counts the inserts of finished requests through a node, an
 
 Sizes: every cached token is either *protected* (its node's lock_ref > 0) or *evictable*.
 Only unlocked leaves are eviction candidates; they live in a persistent heap keyed by the
-strategy's ``priority(node)``. A leaf whose key changes (touched, hit) gets a fresh entry and
-a new version stamp; stale entries are skipped when popped and purged once they outnumber
-live ones, so evicting k nodes costs O(k log n), never a rebuild over every leaf.
+strategy's ``priority(node)`` with version-stamped lazy invalidation (eviction_heap.py), so
+evicting k nodes costs O(k log n), never a rebuild over every leaf.
 
 With ``CacheConfig.block_size`` set, every change of the set of full blocks the tree holds is
 appended to an outbox (BlockStored / BlockRemoved / AllCleared) drained by take_events();
@@ -44,7 +43,7 @@ from worker.cache.allocator import SlotAllocator
 from worker.cache.base import CacheConfig, CacheReq, MatchResult, PrefixCache
 from worker.cache.eviction import get_strategy
 from worker.cache.eviction_heap import EvictionHeap
-from worker.cache.keys import as_slots, as_tokens
+from worker.cache.keys import as_slots, as_tokens, check_priority
 from worker.cache.node import TreeNode
 
 _I64 = np.int64
@@ -228,6 +227,7 @@ class RadixCache(PrefixCache):
                 f"insert: len(token_ids)={len(key)} must be a multiple of "
                 f"page_size={self.page_size}"
             )
+        check_priority(priority)
         pid = self._pid(partition)
         prefix_len, _, _ = self._insert(key, value, pid, priority, True)
         return prefix_len
@@ -303,6 +303,7 @@ class RadixCache(PrefixCache):
     def _check_req(self, req: CacheReq) -> tuple[np.ndarray, np.ndarray, int]:
         key = as_tokens(req.token_ids)
         slots = as_slots(req.slots, len(key), self.allocator.num_slots)
+        check_priority(req.priority)
         pid = self._pid(req.partition)
         node = req.last_node
         self._check_node(node, "req.last_node")

@@ -259,6 +259,15 @@ def test_bad_input_raises_clearly_and_changes_nothing(tokens, slots, exc, messag
     cache.check_invariants()
 
 
+def test_non_int_priority_raises_before_any_change():
+    cache, alloc = make()
+    put(cache, alloc, [1, 2, 3])
+    before = state(cache, alloc)
+    with pytest.raises(TypeError, match="priority must be an int"):
+        cache.insert([1, 2, 4], np.array([0, 1, 5]), priority="high")
+    assert state(cache, alloc) == before
+
+
 def test_numpy_token_dtypes_are_accepted():
     cache, alloc = make()
     put(cache, alloc, np.array([1, 2, 3], dtype=np.uint32))
