@@ -166,7 +166,9 @@ def bench_evict(num_leaves: int, spec: TraceSpec) -> float:
     def add_leaves(n: int) -> None:
         nonlocal next_key
         for key in range(next_key, next_key + n):
-            cache.insert(np.full(3, key, dtype=np.int64), alloc.alloc(3))
+            slots = alloc.alloc(3)
+            assert slots is not None
+            cache.insert(np.full(3, key, dtype=np.int64), slots)
         next_key += n
 
     add_leaves(num_leaves)

@@ -32,12 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from kvroute_proto.events import (
-    DEFAULT_PARTITION,
-    KvEvent,
-    Partition,
-    Snapshot,
-)
+from kvroute_proto.events import DEFAULT_PARTITION, KvEvent, Partition, Snapshot
 from worker.cache import block_events, debug
 from worker.cache.allocator import SlotAllocator
 from worker.cache.base import CacheConfig, CacheReq, MatchResult, PrefixCache
@@ -378,14 +373,16 @@ class RadixCache(PrefixCache):
             return
         node.direct_locks += 1
         root = self._root
-        while node is not root:
-            if node.lock_ref == 0:
-                size = len(node.value)
+        cur: TreeNode | None = node
+        while cur is not root:
+            assert cur is not None  # every path ends at the root (checked above)
+            if cur.lock_ref == 0:
+                size = len(cur.value)
                 self._evictable -= size
                 self._protected += size
-                self._candidates.discard(node)
-            node.lock_ref += 1
-            node = node.parent
+                self._candidates.discard(cur)
+            cur.lock_ref += 1
+            cur = cur.parent
 
     def dec_lock_ref(self, node: TreeNode) -> None:
         """Undo one inc_lock_ref(node); ValueError (nothing changed) when none is held."""
@@ -396,15 +393,17 @@ class RadixCache(PrefixCache):
             raise ValueError(f"dec_lock_ref: {node!r} holds no lock (count would go below 0)")
         node.direct_locks -= 1
         root = self._root
-        while node is not root:
-            node.lock_ref -= 1
-            if node.lock_ref == 0:
-                size = len(node.value)
+        cur: TreeNode | None = node
+        while cur is not root:
+            assert cur is not None
+            cur.lock_ref -= 1
+            if cur.lock_ref == 0:
+                size = len(cur.value)
                 self._protected -= size
                 self._evictable += size
-                if not node.children:
-                    self._candidates.push(node)
-            node = node.parent
+                if not cur.children:
+                    self._candidates.push(cur)
+            cur = cur.parent
 
     # ------------------------------------------------------------------ eviction
 
@@ -425,6 +424,7 @@ class RadixCache(PrefixCache):
             if node is None:
                 break
             parent = node.parent
+            assert parent is not None
             del parent.children[(node.pid, node.kb[:pb])]
             node.parent = None
             pieces.append(node.value)
