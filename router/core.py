@@ -416,7 +416,7 @@ class RouterCore:
             deadline = now + self._ttl
             if not self._use_events and depth:  # approx mode: what was used stays longer
                 index.refresh_predicted(hashes[:depth], deadline)
-            index.predict(view.slot, hashes, deadline)
+            index.predict(view.slot, hashes, deadline, start=depth)
         return RouteDecision(
             req.request_id,
             view.worker_id,

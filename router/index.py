@@ -103,19 +103,20 @@ class IndexConfig:
 _is_not_none = partial(is_not, None)
 
 
-def _depths(masks: list[int]) -> dict[int, int]:
-    """Per slot, how many leading ``masks`` (nonzero bitsets) contain it."""
+def _depths(masks: list[int]) -> tuple[list[int], dict[int, int]]:
+    """Per slot, how many leading ``masks`` (nonzero bitsets) contain it; and the running
+    AND of ``masks`` (trimmed where it reaches 0)."""
     first = masks[0]
     n = len(masks)
     if masks.count(first) == n:  # one worker set all along: the common case
-        return dict.fromkeys(bits_of(first), n)
+        return masks, dict.fromkeys(bits_of(first), n)
     values = sorted(set(masks), reverse=True)
     if masks != sorted(masks, reverse=True) or any(b & ~a for a, b in pairwise(values)):
         # not non-increasing as sets (a worker holds a block without its parent): take the
         # running AND explicitly
         masks = list(takewhile(bool, accumulate(masks, and_)))
         if not masks:
-            return {}
+            return masks, {}
         values = sorted(set(masks), reverse=True)
     result: dict[int, int] = {}
     pos = 0
@@ -123,7 +124,7 @@ def _depths(masks: list[int]) -> dict[int, int]:
         pos += masks.count(value)
         for slot in bits_of(value & ~nxt):
             result[slot] = pos
-    return result
+    return masks, result
 
 
 class PrefixIndex:
@@ -195,19 +196,19 @@ class PrefixIndex:
             if masks.count(first) == depth:  # one worker set all along: the common case
                 result = dict.fromkeys(self._slots_of(first), depth)
             else:
-                result = _depths(masks)
-                depth = max(result.values(), default=0)
+                masks, result = _depths(masks)  # masks becomes the running AND
+                depth = len(masks)
             if depth and touch:
                 self._tick += 1
                 self._stamps[hashes[depth - 1]] = self._tick
         else:
             result = {}
         if len(self._predicted):
-            predicted = self._predicted.match(hashes)
+            predicted = self._predicted.match(hashes, masks)
             if predicted:
                 stride = self._predicted.stride
                 get = result.get
-                for slot, n in _depths(predicted).items():
+                for slot, n in _depths(predicted)[1].items():
                     n *= stride
                     if n > get(slot, 0):
                         result[slot] = n
@@ -224,9 +225,13 @@ class PrefixIndex:
 
     # ---- predicted entries ---------------------------------------------------------------
 
-    def predict(self, slot: int, hashes: Sequence[int], deadline: float) -> None:
-        """Predict that ``slot`` holds the prefix ``hashes`` until ``deadline``."""
-        self._predicted.add(self._bit(slot), hashes, deadline)
+    def predict(self, slot: int, hashes: Sequence[int], deadline: float, start: int = 0) -> None:
+        """Predict that ``slot`` holds the prefix ``hashes`` until ``deadline``.
+
+        ``start``: the worker's matched depth (from find_matches); the blocks before it are
+        held or predicted already and are not re-entered (nor their deadlines extended).
+        """
+        self._predicted.add(self._bit(slot), hashes, deadline, start)
 
     def refresh_predicted(self, hashes: Sequence[int], deadline: float) -> None:
         """Extend the deadline of the predicted prefix ``hashes`` (approx mode's LRU)."""

@@ -14,8 +14,10 @@ cost -- for an 8,192-token prompt at B=16 and stride 4, 128 entries instead of 5
     sparse probes             ^           ^           ^
     _pred[h]                 0b10        0b10       (absent)  -> worker 1: 8 blocks
 
-Events never touch predictions: a prediction confirmed by an event is simply also a
-confirmed entry, and one that never materialises expires at its deadline. A hash's
+A worker's predicted depth is stride times the number of leading probes it holds *or* is
+predicted to hold, so a prediction only needs the probes past the worker's known prefix
+(``start``). Events never touch predictions: a prediction confirmed by an event is simply
+also a confirmed entry, and one that never materialises expires at its deadline. A hash's
 deadline is the latest any prediction gave it (``_pred_until``); records in deadline order
 (``_pred_queue``) drop a hash at their deadline only if no later prediction refreshed it.
 Extending one worker's prediction extends the others' on the same block: a deliberate
@@ -28,14 +30,10 @@ import bisect
 import math
 from collections import deque
 from collections.abc import Sequence
-from functools import partial
-from itertools import repeat, takewhile
-from operator import is_not, itemgetter
-from typing import cast
+from itertools import chain, repeat, takewhile
+from operator import itemgetter, or_
 
 __all__ = ["PredictedEntries", "bits_of"]
-
-_is_not_none = partial(is_not, None)
 
 
 def bits_of(mask: int) -> list[int]:
@@ -80,17 +78,22 @@ class PredictedEntries:
         stride = self.stride
         return hashes if stride == 1 else hashes[stride - 1 :: stride]
 
-    def add(self, bit: int, hashes: Sequence[int], deadline: float) -> None:
-        """Predict ``bit``'s worker holds the prefix ``hashes`` until ``deadline``."""
+    def add(self, bit: int, hashes: Sequence[int], deadline: float, start: int = 0) -> None:
+        """Predict ``bit``'s worker holds the prefix ``hashes`` until ``deadline``.
+
+        Probes before block ``start`` (the worker's known depth) are left as they are.
+        """
         sparse = self.sparse(hashes)
+        if start >= self.stride:
+            sparse = sparse[start // self.stride :]  # probes at positions >= start
         if not sparse:
             return
         pred = self._pred
         if pred.keys().isdisjoint(sparse):  # all new (usual): C-level bulk insert
             pred.update(zip(sparse, repeat(bit)))
-        else:
-            for h in sparse:
-                pred[h] = pred.get(h, 0) | bit
+        else:  # OR the bit in, still without a Python loop
+            ors = map(or_, map(pred.get, sparse, repeat(0)), repeat(bit))
+            pred.update(zip(sparse, ors, strict=False))
         self._set_deadline(sparse, deadline)
 
     def refresh(self, hashes: Sequence[int], deadline: float) -> None:
@@ -145,7 +148,11 @@ class PredictedEntries:
         self._pred = pred
         self._until = {h: t for h, t in self._until.items() if h in pred}
 
-    def match(self, hashes: Sequence[int]) -> list[int]:
-        """Sparse bitsets of ``hashes`` up to the first unpredicted probe."""
-        found = takewhile(_is_not_none, map(self._pred.get, self.sparse(hashes)))
-        return cast(list[int], list(found))
+    def match(self, hashes: Sequence[int], confirmed: list[int]) -> list[int]:
+        """Per probe of ``hashes``, the workers predicted to hold it or whose confirmed
+        prefix covers it, up to the first probe nobody has. ``confirmed``: the running AND
+        of the confirmed bitsets along ``hashes`` (worker sets by depth), so a worker's
+        predicted tail continues its confirmed prefix."""
+        predicted = map(self._pred.get, self.sparse(hashes), repeat(0))
+        both = map(or_, predicted, chain(self.sparse(confirmed), repeat(0)))
+        return list(takewhile(bool, both))

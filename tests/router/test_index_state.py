@@ -2,7 +2,8 @@
 
 The model keeps, per worker, the set of confirmed block hashes and the set of predicted
 (sparse: every STRIDE-th) ones, plus each predicted hash's deadline; a worker's match is
-the longer of its leading confirmed blocks and STRIDE times its leading predicted probes.
+the longer of its leading confirmed blocks and STRIDE times its leading probes that are
+confirmed or predicted.
 Chains come from a two-token alphabet so prefixes overlap a lot.
 """
 
@@ -75,12 +76,16 @@ class IndexMachine(RuleBasedStateMachine):
         self.pred[w].clear()
         self.forget_unpredicted()
 
-    @rule(w=WORKERS, tokens=TOKENS, ttl=st.sampled_from([1.0, 2.0, 5.0]))
-    def predict(self, w: int, tokens: list[int], ttl: float) -> None:
+    @rule(w=WORKERS, tokens=TOKENS, ttl=st.sampled_from([1.0, 2.0, 5.0]), data=st.data())
+    def predict(self, w: int, tokens: list[int], ttl: float, data: st.DataObject) -> None:
         chain = hashes_of(tokens)
+        start = data.draw(st.integers(0, len(chain)))
         deadline = self.now + ttl
-        self.index.predict(w, chain, deadline)
-        for h in chain[STRIDE - 1 :: STRIDE]:
+        self.index.predict(w, chain, deadline, start)
+        for pos in range(STRIDE - 1, len(chain), STRIDE):
+            if pos < start:
+                continue  # the caller says the worker has these already
+            h = chain[pos]
             self.pred[w].add(h)
             self.until[h] = max(self.until.get(h, deadline), deadline)  # never lowered
 
@@ -103,8 +108,8 @@ class IndexMachine(RuleBasedStateMachine):
             depth = 0
             while depth < len(query) and query[depth] in self.held[w]:
                 depth += 1
-            k = 0
-            while k < len(probes) and probes[k] in self.pred[w]:
+            k = 0  # a probe counts if predicted, or inside the worker's confirmed prefix
+            while k < len(probes) and (probes[k] in self.pred[w] or (k + 1) * STRIDE <= depth):
                 k += 1
             if max(depth, k * STRIDE):
                 expected[w] = max(depth, k * STRIDE)
