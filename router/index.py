@@ -41,9 +41,10 @@ worker, the longer of its confirmed and its predicted prefix; ``snapshot``, ``si
 
 Size cap: past ``max_blocks`` confirmed blocks, the least recently matched leaves are evicted
 (down to 15/16 of the cap, so the O(n) leaf scan is amortised). Recency is a tick stamped on
-the deepest block of each match and on the last block of each stored event; a leaf inherits
-the later of its own stamp and its evicted child's, so a hot interior prefix whose cold
-tails go first is not evicted after them.
+the deepest block of each match and on the last block of each stored event. A block that
+becomes a leaf when its last child is evicted inherits the later of its own stamp and the
+child's: a prefix matched often but never to its end keeps its own (recent) stamp and
+outlives the cold tails below it.
 """
 
 from __future__ import annotations
