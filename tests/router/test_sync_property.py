@@ -188,5 +188,5 @@ class SyncMachine(RuleBasedStateMachine):
         assert self.core.worker_blocks("w0") == self.worker.blocks
 
 
-SyncMachine.TestCase.settings = settings(max_examples=250, stateful_step_count=40, deadline=None)
+SyncMachine.TestCase.settings = settings(max_examples=500, stateful_step_count=50, deadline=None)
 TestSyncMachine = SyncMachine.TestCase
