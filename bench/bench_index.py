@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvroute_proto.codec import decode_stream_message, encode_stream_message
-from kvroute_proto.events import BlockRemoved, BlockStored, EventBatch
+from kvroute_proto.events import DEFAULT_PARTITION, BlockRemoved, BlockStored, EventBatch
 from kvroute_proto.hashing import block_hashes
 from router.core import RouterConfig, RouterCore, RouteRequest
 from router.index import PrefixIndex
@@ -210,7 +210,9 @@ def bench_scale(cfg: ScaleConfig) -> dict[str, float]:
         rng.integers(0, VOCAB, cfg.system_tokens, dtype=np.uint32)
         for _ in range(cfg.num_system_prompts)
     ]
-    system_hashes = [block_hashes(s, bs).tolist() for s in systems]
+    # RouteRequest's default partition seeds the hashes route() computes: store the same
+    seed = DEFAULT_PARTITION.seed
+    system_hashes = [block_hashes(s, bs, seed).tolist() for s in systems]
     results: dict[str, float] = {}
 
     # memory: a fresh index, traced from empty (its key ints are created while tracing)
@@ -278,6 +280,7 @@ def bench_scale(cfg: ScaleConfig) -> dict[str, float]:
     results["route_cpu_p50_us"] = float(np.percentile(cpu[skip:], 50)) / 1000
     results["route_cpu_p99_us"] = float(np.percentile(cpu[skip:], 99)) / 1000
     results["route_mean_matched_tokens"] = matched / cfg.num_routes
+    assert matched == cfg.num_routes * cfg.system_tokens, "every prompt matches its system prompt"
     results["route_index_blocks"] = core.index.size()
     return results
 
