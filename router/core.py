@@ -369,10 +369,12 @@ class RouterCore:
     # ---- routing -------------------------------------------------------------------------
 
     def _query(self, req: RouteRequest) -> RouteQuery:
-        try:
-            tokens = as_token_array(req.token_ids)
-        except (TypeError, ValueError) as exc:
-            raise InvalidRouteRequestError("token_ids", str(exc)) from None
+        tokens = req.token_ids
+        if not (isinstance(tokens, np.ndarray) and tokens.dtype == np.uint32 and tokens.ndim == 1):
+            try:  # uint32 arrays (what the service decodes) are valid as they are
+                tokens = as_token_array(tokens)
+            except (TypeError, ValueError) as exc:
+                raise InvalidRouteRequestError("token_ids", str(exc)) from None
         block_size = self._block_size
         if block_size is None:
             hashes: list[int] = []

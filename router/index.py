@@ -191,6 +191,7 @@ class PrefixIndex:
         as recently used (for the size cap's LRU order).
         """
         masks = cast(list[int], list(takewhile(_is_not_none, map(self._masks.get, hashes))))
+        uniform = True  # every worker of the walk has the same depth
         if masks:
             depth = len(masks)
             first = masks[0]
@@ -199,12 +200,14 @@ class PrefixIndex:
             else:
                 masks, result = _depths(masks)  # masks becomes the running AND
                 depth = len(masks)
+                uniform = False
             if depth and touch:
                 self._tick += 1
                 self._stamps[hashes[depth - 1]] = self._tick
         else:
+            depth = 0
             result = {}
-        if len(self._predicted):
+        if len(self._predicted) and not (uniform and self._no_predicted_tail(hashes, depth)):
             predicted = self._predicted.match(hashes, masks)
             if predicted:
                 stride = self._predicted.stride
@@ -214,6 +217,17 @@ class PrefixIndex:
                     if n > get(slot, 0):
                         result[slot] = n
         return result
+
+    def _no_predicted_tail(self, hashes: Sequence[int], depth: int) -> bool:
+        """Whether no prediction can lengthen a match where every worker of the confirmed
+        walk stops at ``depth``: the walkers would need the first probe past ``depth``
+        predicted, any other worker the very first probe."""
+        stride = self._predicted.stride
+        has = self._predicted.has
+        first = stride - 1
+        after = depth // stride * stride + stride - 1
+        n = len(hashes)
+        return not (first < n and has(hashes[first])) and not (after < n and has(hashes[after]))
 
     def _slots_of(self, mask: int) -> tuple[int, ...]:
         cache = self._slots_cache

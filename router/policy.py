@@ -173,10 +173,11 @@ class Policy:
 def _argmin_random(values: list[float], rng: random.Random) -> int:
     """Index of the smallest value; equal minima are broken uniformly at random."""
     best = min(values)
-    if values.count(best) == 1:
-        return values.index(best)
-    ties = [i for i, v in enumerate(values) if v == best]
-    return ties[rng.randrange(len(ties))]
+    num_ties = values.count(best)
+    i = values.index(best)
+    for _ in range(rng.randrange(num_ties) if num_ties > 1 else 0):
+        i = values.index(best, i + 1)  # the k-th tie, found in C
+    return i
 
 
 class CacheAware(Policy):
@@ -196,11 +197,10 @@ class CacheAware(Policy):
         if not matched:
             return [wq * c.queued_prefill_tokens + wd * c.num_running + full for c in candidates]
         bs = query.block_size
-        get = matched.get
+        # the prefill term of the (few) matched workers; everyone else pays ``full``
+        get = {s: wp * max(prompt - d * bs, 0) for s, d in matched.items()}.get
         return [
-            wq * c.queued_prefill_tokens
-            + wd * c.num_running
-            + wp * max(prompt - get(c.slot, 0) * bs, 0)
+            wq * c.queued_prefill_tokens + wd * c.num_running + get(c.slot, full)
             for c in candidates
         ]
 

@@ -63,6 +63,10 @@ class PredictedEntries:
     def __len__(self) -> int:
         return len(self._pred)
 
+    def has(self, h: int) -> bool:
+        """Whether sparse block hash ``h`` is predicted for anyone."""
+        return h in self._pred
+
     @property
     def num_pairs(self) -> int:
         """(sparse block, worker) pairs predicted."""
