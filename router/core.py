@@ -31,13 +31,23 @@ import copy
 import heapq
 import random
 from collections import Counter
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
-from kvroute_proto.events import DEFAULT_PARTITION, EventBatch, LoadReport, Partition, Snapshot
+from kvroute_proto.events import EventBatch, Snapshot
 from kvroute_proto.hashing import as_token_array, block_hashes
+from router.core_types import (  # the API's value types live there; re-exported here
+    Action,
+    Explanation,
+    Resubscribe,
+    RouteDecision,
+    RouterConfig,
+    RouteRequest,
+    RouterStats,
+    WorkerScore,
+)
 from router.errors import (  # re-exported for the shells
     BlockSizeMismatchError,
     DuplicateWorkerError,
@@ -50,6 +60,7 @@ from router.policy import CostWeights, PolicyConfig, RouteQuery, WorkerView, mak
 from router.sync import StreamSequencer, SyncConfig
 
 __all__ = [
+    "Action",
     "BlockSizeMismatchError",
     "CostWeights",
     "DuplicateWorkerError",
@@ -66,123 +77,6 @@ __all__ = [
     "WorkerScore",
     "WorkerView",
 ]
-
-
-@dataclass(frozen=True, slots=True)
-class RouterConfig:
-    """Router core settings.
-
-    ``policy``: a name from ``router.policy.POLICIES`` (cache_aware, round_robin, random,
-    least_load, power_of_two, prefix_hash, approx_tree). ``block_size``: the fleet's block size;
-    None lets the first worker that announces one set it. ``max_indexed_blocks``: cap on
-    indexed blocks (least recently matched leaves are evicted past it). ``predicted_ttl_s``:
-    lifetime of a predicted entry not yet confirmed by an event (``approx_ttl_s`` instead for
-    the approx_tree policy, which never reads events). ``max_pending_batches``: per-worker
-    buffer of out-of-order batches waiting for a gap to fill. ``prefix_hash_blocks``: how many
-    leading blocks prefix_hash hashes. ``verify_hashes``: recompute stored chains from their
-    tokens (slow; mismatches are counted and dropped). ``predict_stride``: predictions keep
-    every stride-th block, so a predicted match is a multiple of it (router.predicted).
-    """
-
-    policy: str = "cache_aware"
-    weights: CostWeights = field(default_factory=CostWeights)
-    block_size: int | None = None
-    max_indexed_blocks: int = 4_000_000
-    predicted_ttl_s: float = 5.0
-    approx_ttl_s: float = 120.0
-    max_pending_batches: int = 1024
-    prefix_hash_blocks: int = 4
-    verify_hashes: bool = False
-    predict_stride: int = 4
-
-    def __post_init__(self) -> None:
-        if self.block_size is not None and self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1 or None, got {self.block_size}")
-        if self.predicted_ttl_s < 0 or self.approx_ttl_s < 0:
-            raise ValueError("predicted_ttl_s and approx_ttl_s must be >= 0")
-        if self.max_indexed_blocks < 1:
-            raise ValueError(f"max_indexed_blocks must be >= 1, got {self.max_indexed_blocks}")
-
-
-@dataclass(frozen=True, slots=True)
-class RouteRequest:
-    """A request to place. ``token_ids``: the prompt (1-D integer array or list of ints).
-
-    ``exclude``: worker ids not to use (e.g. the one a retry is moving away from).
-    """
-
-    request_id: str
-    token_ids: np.ndarray | Sequence[int]
-    partition: Partition = DEFAULT_PARTITION
-    exclude: frozenset[str] = frozenset()
-
-
-@dataclass(frozen=True, slots=True)
-class RouteDecision:
-    """Where a request goes and what the router expects to find cached there."""
-
-    request_id: str
-    worker_id: str
-    address: str
-    prompt_tokens: int
-    matched_tokens: int
-    cost: float  # the policy's cost for the chosen worker (0.0 without a cost model)
-    policy: str
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerScore:
-    """One worker's line in an explanation (mirrors the WorkerScore proto message)."""
-
-    worker_id: str
-    address: str
-    healthy: bool
-    matched_tokens: int
-    inflight_prefill_tokens: int
-    num_active_requests: int
-    cost: float | None  # None: unhealthy/excluded, or a policy without a cost (round_robin)
-    load: LoadReport | None
-
-
-@dataclass(frozen=True, slots=True)
-class Explanation:
-    """What route() would do for a request, per worker (mirrors ExplainResponse)."""
-
-    policy: str
-    prompt_tokens: int
-    chosen_worker_id: str | None  # None when no worker is available
-    workers: tuple[WorkerScore, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Resubscribe:
-    """Action for the shell: re-subscribe to ``worker_id``'s KV event stream.
-
-    Send SubscribeRequest(epoch=epoch, after_seq=after_seq); epoch 0 asks for a snapshot.
-    """
-
-    worker_id: str
-    epoch: int
-    after_seq: int
-    reason: str
-
-
-Action = Resubscribe
-
-
-@dataclass(frozen=True, slots=True)
-class RouterStats:
-    """Counters and gauges for metrics and tests."""
-
-    num_workers: int
-    num_healthy: int
-    num_indexed_blocks: int
-    num_index_entries: int
-    num_predicted_entries: int
-    num_inflight_requests: int
-    num_routed: int
-    apply_errors: dict[str, int]
-    sync_counters: dict[str, int]
 
 
 @dataclass(slots=True)
