@@ -25,7 +25,6 @@ from kvroute_proto.events import (
 )
 
 _HASH_DT = np.dtype("<u8")
-_TOKEN_DT = np.dtype("<u4")
 _U64_MAX = 2**64 - 1
 
 
@@ -43,7 +42,7 @@ def partition_to_pb(partition: Partition) -> pb.Partition:
 def _stored_to_pb(ev: BlockStored) -> pb.BlockStored:
     msg = pb.BlockStored(
         block_hashes=_hash_bytes(ev.block_hashes),
-        token_ids=np.asarray(ev.token_ids, dtype=_TOKEN_DT).tobytes(),
+        token_ids=ev.token_ids,
         partition=partition_to_pb(ev.partition),
     )
     if ev.parent_hash is not None:
@@ -133,9 +132,8 @@ def _stored_from_pb(msg: pb.BlockStored, block_size: int, where: str) -> BlockSt
             f"{where}.token_ids must hold block_size={block_size} uint32 ids for each of "
             f"{len(hashes)} blocks ({expected} bytes), got {len(msg.token_ids)} bytes"
         )
-    tokens = tuple(np.frombuffer(msg.token_ids, dtype=_TOKEN_DT).tolist())
     parent = msg.parent_hash if msg.has_parent else None
-    return BlockStored(hashes, parent, tokens, partition_from_pb(msg.partition))
+    return BlockStored(hashes, parent, msg.token_ids, partition_from_pb(msg.partition))
 
 
 def _event_from_pb(msg: pb.KvEvent, block_size: int, where: str) -> KvEvent:

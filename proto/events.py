@@ -13,9 +13,20 @@ as of (epoch, seq).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvroute_proto.hashing import BlockHash, partition_seed
+import numpy as np
+
+from kvroute_proto.hashing import BlockHash, as_token_array, partition_seed
+
+TOKEN_DTYPE = np.dtype("<u4")
+"""Token ids on the wire and in :class:`BlockStored`: little-endian uint32."""
+
+
+def pack_token_ids(token_ids: Sequence[int] | np.ndarray) -> bytes:
+    """Token ids as little-endian uint32 bytes (validated: 0 <= id < 2**32)."""
+    return as_token_array(token_ids).astype(TOKEN_DTYPE).tobytes()
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,17 +51,29 @@ class BlockStored:
 
     ``parent_hash`` is the hash of the block just before ``block_hashes[0]`` (None when the
     first block starts at token position 0). ``token_ids`` holds ``block_size`` ids per block
-    so the router can verify or rebuild the chain.
+    so the router can verify or rebuild the chain. It is kept packed, as little-endian uint32
+    bytes -- the wire form -- so decoding and building events never loops over tokens in
+    Python; any sequence of ints (or an integer array) given here is packed on construction.
+    :attr:`token_array` views it as a numpy array.
     """
 
     block_hashes: tuple[BlockHash, ...]
     parent_hash: BlockHash | None
-    token_ids: tuple[int, ...]
+    token_ids: bytes
     partition: Partition = DEFAULT_PARTITION
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.token_ids, bytes):
+            object.__setattr__(self, "token_ids", pack_token_ids(self.token_ids))
+
+    @property
+    def token_array(self) -> np.ndarray:
+        """The token ids as a read-only uint32 array (no copy)."""
+        return np.frombuffer(self.token_ids, dtype=TOKEN_DTYPE)
 
     @property
     def block_size(self) -> int:
-        return len(self.token_ids) // len(self.block_hashes) if self.block_hashes else 0
+        return len(self.token_ids) // (4 * len(self.block_hashes)) if self.block_hashes else 0
 
 
 @dataclass(frozen=True, slots=True)

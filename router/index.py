@@ -317,13 +317,13 @@ class PrefixIndex:
     def _verify(self, event: BlockStored) -> bool:
         """Recompute the chain's hashes from its tokens; count and reject a mismatch."""
         hashes = event.block_hashes
-        if len(event.token_ids) % len(hashes):
+        tokens = event.token_array.astype(np.uint64)
+        if len(tokens) % len(hashes):
             self.errors["hash_mismatch"] += 1
             return False
-        block_size = len(event.token_ids) // len(hashes)
+        block_size = len(tokens) // len(hashes)
         parent = event.parent_hash
         start = event.partition.seed if parent is None else unfmix64(parent)
-        tokens = np.asarray(event.token_ids, dtype=np.uint64)
         expect = block_hashes(tokens, block_size, start, validate=False)
         if np.array_equal(expect, np.asarray(hashes, dtype=np.uint64)):
             return True

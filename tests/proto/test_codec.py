@@ -123,3 +123,13 @@ def test_garbage_bytes_and_empty_message():
 
 def test_contract_error_is_a_value_error():
     assert issubclass(ContractError, ValueError)
+
+
+def test_block_stored_packs_token_ids_as_little_endian_uint32():
+    from_tuple = BlockStored((1,), None, (1, 2, 3, 2**32 - 1))
+    assert from_tuple.token_ids == b"\x01\0\0\0\x02\0\0\0\x03\0\0\0\xff\xff\xff\xff"
+    assert from_tuple.token_array.tolist() == [1, 2, 3, 2**32 - 1]
+    assert from_tuple == BlockStored((1,), None, from_tuple.token_ids)
+    assert from_tuple.block_size == 4
+    with pytest.raises(ValueError, match=r"token_ids\[0\]=-1"):
+        BlockStored((1,), None, (-1, 0, 0, 0))

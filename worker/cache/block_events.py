@@ -28,7 +28,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvroute_proto.events import AllCleared, BlockRemoved, BlockStored, KvEvent, Partition
+from kvroute_proto.events import (
+    TOKEN_DTYPE,
+    AllCleared,
+    BlockRemoved,
+    BlockStored,
+    KvEvent,
+    Partition,
+)
 from kvroute_proto.hashing import block_hashes, unfmix64
 from worker.cache.node import _EMPTY_HASHES, TreeNode
 
@@ -87,7 +94,9 @@ class BlockLedger:
             if not hash_list:
                 return
         self.events.append(
-            BlockStored(tuple(hash_list), parent_hash, tuple(toks.tolist()), partition)
+            BlockStored(
+                tuple(hash_list), parent_hash, toks.astype(TOKEN_DTYPE).tobytes(), partition
+            )
         )
 
     def on_remove(self, node: TreeNode) -> None:
@@ -173,7 +182,7 @@ class BlockLedger:
                     BlockStored(
                         tuple(hash_list[skip:]),
                         parent_hash,
-                        tuple(run.tolist()),
+                        run.astype(TOKEN_DTYPE).tobytes(),
                         partitions[node.pid],
                     )
                 )

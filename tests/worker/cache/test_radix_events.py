@@ -74,8 +74,8 @@ def test_split_emits_nothing_and_spanning_block_belongs_to_the_child():
     h = block_hash_list(second, 4, P0.seed)
     assert ev.block_hashes == (h[1],)
     assert ev.parent_hash == h[0]
-    assert ev.token_ids == tuple(second[4:8])
-    assert chain_block_hash(ev.parent_hash, ev.token_ids, P0.seed) == h[1]
+    assert ev.token_array.tolist() == list(second[4:8])
+    assert chain_block_hash(ev.parent_hash, ev.token_array, P0.seed) == h[1]
 
 
 def test_short_nodes_chain_through_several_ancestors():
