@@ -143,7 +143,7 @@ def text_request(
 @dataclass(frozen=True, slots=True)
 class HeldBlock:
     parent_hash: int | None
-    token_ids: tuple[int, ...]
+    token_ids: bytes  # little-endian uint32, as in BlockStored
     partition: Partition
 
 
@@ -184,7 +184,9 @@ class HeldBlocks:
         for i, h in enumerate(ev.block_hashes):
             assert h not in self.blocks, f"stored block {h} is already held"
             assert parent is None or parent in self.blocks, f"parent {parent} is not held"
-            self.blocks[h] = HeldBlock(parent, ev.token_ids[i * bs : (i + 1) * bs], ev.partition)
+            self.blocks[h] = HeldBlock(
+                parent, ev.token_array[i * bs : (i + 1) * bs].tobytes(), ev.partition
+            )
             parent = h
 
     @classmethod

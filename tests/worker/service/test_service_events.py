@@ -45,7 +45,7 @@ async def test_fresh_subscriber_gets_a_snapshot_then_live_batches() -> None:
         assert [i.seq for i in items] == list(range(1, last_seq + 1))
         stored = [ev for i in items for ev in i.events if isinstance(ev, BlockStored)]
         assert stored and stored[0].parent_hash is None
-        assert stored[0].token_ids[:4] == tuple(prompt(1)[:4])
+        assert stored[0].token_array[:4].tolist() == prompt(1)[:4]
         assert model.blocks == HeldBlocks.of(truth).blocks
         assert len(model.blocks) >= 3  # the 12-token prompt's three full blocks
         call.cancel()
