@@ -124,6 +124,7 @@ class _Worker:
     publisher: EventPublisher
     busy: bool = False  # a step is in flight (STEP_DONE scheduled)
     num_idle_steps: int = 0
+    busy_s: float = 0.0  # modelled time spent in steps (prefill + decode work)
 
 
 def max_context_for(records: Sequence[TraceRecord]) -> int:
@@ -279,6 +280,7 @@ class FleetSim:
                     f"at t={self.now:.3f}s"
                 )
         worker.busy = True
+        worker.busy_s += cost
         self._push(self.now + cost, _Kind.STEP_DONE, (worker, outputs))
 
     def _step_done(self, worker: _Worker, outputs: list[RequestOutput]) -> None:
@@ -345,7 +347,11 @@ class FleetSim:
 
     def report(self, label: str, wall_s: float = 0.0) -> PolicyReport:
         prompt = sum(r.prompt_tokens for r in self.results if r.worker_id is not None)
+        busy = [w.busy_s for w in self.workers.values()]
+        mean_busy = sum(busy) / len(busy)
         extra: dict[str, float | int] = {
+            # max / mean of modelled busy time per worker: prefill and decode work together
+            "busy_imbalance": round(max(busy) / mean_busy, 4) if mean_busy > 0 else 1.0,
             "sim_duration_s": round(self.now, 6),
             "event_batches": self.num_batches,
             "snapshots": self.num_snapshots,
