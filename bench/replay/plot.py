@@ -41,6 +41,9 @@ def plot_report(report: ReplayReport, path: str | Path, title: str | None = None
         ax_hit.text(i, h + 1, f"{h:.1f}", ha="center", fontsize=8)
 
     ax_ttft.bar(x, ttft, color=colors)
+    positive = [t for t in ttft if t > 0]
+    if positive and max(positive) > 50 * min(positive):
+        ax_ttft.set_yscale("log")  # one outlier must not flatten the others
     ax_ttft.set_ylabel("TTFT p99 (s)")
     ax_ttft.set_title("TTFT p99 (lower is better)")
     for i, t in enumerate(ttft):
