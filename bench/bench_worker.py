@@ -141,6 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-torch", action="store_true", help="skip the torch prefill benchmark (keys = null)"
     )
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="torch CPU threads for the prefill benchmark (default 1: on a small shared CPU, "
+        "more threads spin against other processes and run many times slower)",
+    )
     args = parser.parse_args(argv)
 
     n = 2_000 if args.quick else 20_000
@@ -156,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
         "prefill_cached_s": None,
     }
     if not args.no_torch:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
+        results["torch_threads"] = args.torch_threads
         if args.quick:
             prefill = bench_prefill(prefix_tokens=256, suffix_tokens=16, repeats=1)
         else:

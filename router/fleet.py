@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import ctypes
 import logging
+import os
 import signal
 import sys
 from dataclasses import dataclass
@@ -72,6 +73,16 @@ class WorkerProcess:
     _pump: asyncio.Task[None] | None = None
 
 
+def _torch_threads(config: FleetConfig) -> list[str]:
+    """Share the CPU between local torch workers: N workers x torch's default thread count
+    oversubscribe the cores, and spinning threads then make prefill many times slower."""
+    if config.executor != "torch" or any(
+        a.startswith("--torch-threads") for a in config.worker_args
+    ):
+        return []
+    return ["--torch-threads", str(max(1, (os.cpu_count() or 1) // max(1, config.num_workers)))]
+
+
 def worker_command(config: FleetConfig, worker_id: str) -> list[str]:
     """The argv of one worker subprocess."""
     return [
@@ -89,6 +100,7 @@ def worker_command(config: FleetConfig, worker_id: str) -> list[str]:
         config.executor,
         "--log-level",
         config.worker_log_level,
+        *_torch_threads(config),
         *config.worker_args,
     ]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import signal
 import sys
@@ -67,6 +68,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     model.add_argument("--device", default=None, help="torch device (default: cuda if present)")
     model.add_argument("--seed", type=int, default=0, help="model init and sampling seed")
+    model.add_argument(
+        "--torch-threads",
+        type=int,
+        default=0,
+        help="torch CPU threads (0 = torch's default; 1 is fastest on a small shared CPU)",
+    )
+    model.add_argument(
+        "--kv-memory-fraction",
+        type=float,
+        default=None,
+        help="torch on CUDA: size the KV pool to this fraction of free GPU memory "
+        "(overrides --kv-slots)",
+    )
     model.add_argument(
         "--sim-speedup",
         type=float,
@@ -160,6 +174,10 @@ def config_from_args(args: argparse.Namespace) -> WorkerServerConfig:
     """The server config the flags describe (raises ValueError naming a bad flag)."""
     if args.sim_speedup and args.executor != "sim":
         raise ValueError("--sim-speedup applies to --executor sim only")
+    if args.torch_threads < 0:
+        raise ValueError(f"--torch-threads must be >= 0, got {args.torch_threads}")
+    if args.kv_memory_fraction is not None and args.executor != "torch":
+        raise ValueError("--kv-memory-fraction applies to --executor torch only")
     if args.default_max_new_tokens < 1:
         raise ValueError(
             f"--default-max-new-tokens must be >= 1, got {args.default_max_new_tokens}"
@@ -204,13 +222,24 @@ def build_server(args: argparse.Namespace) -> WorkerServer:
     from worker.engine.factory import build_executor
 
     config = config_from_args(args)
+    if args.executor == "torch" and args.torch_threads > 0:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
     executor, tokenizer = build_executor(
         args.executor,
         model_dir=args.model,
         num_kv_slots=args.kv_slots,
         device=args.device,
         seed=args.seed,
+        kv_memory_fraction=args.kv_memory_fraction,
     )
+    num_slots = getattr(executor, "num_kv_slots", config.engine.num_kv_slots)
+    if num_slots != config.engine.num_kv_slots:  # sized from GPU memory
+        log.info("KV pool sized from GPU memory: %d slots", num_slots)
+        config = dataclasses.replace(
+            config, engine=dataclasses.replace(config.engine, num_kv_slots=num_slots)
+        )
     engine = Engine(config.engine, executor, clock=time.monotonic)
     return WorkerServer(engine, tokenizer, config)
 
