@@ -100,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="sim mode: a worker load report every this many seconds (default %(default)s)",
     )
+    p.add_argument(
+        "--cost-weights",
+        metavar="PREFILL,QUEUED,DECODE",
+        help="sim mode: cache_aware/approx_tree CostWeights (default: the router's)",
+    )
     p.add_argument("--no-bounds", action="store_true", help="skip the pooled/infinite runs")
     p.add_argument(
         "--timeout-s",
@@ -130,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         policies = _policies(args.policy)
+        _cost_weights(args.cost_weights)  # validate before any work
         if args.workers < 1:
             raise ValueError(f"--workers must be >= 1, got {args.workers}")
         limit = args.limit
@@ -184,10 +190,32 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _cost_weights(text: str | None):  # -> CostWeights | None
+    if text is None:
+        return None
+    from router.core import CostWeights
+
+    parts = text.split(",")
+    try:
+        if len(parts) != 3:
+            raise ValueError
+        prefill, queued, decode = (float(x) for x in parts)
+    except ValueError:
+        raise ValueError(
+            f"--cost-weights must be three numbers PREFILL,QUEUED,DECODE, got {text!r}"
+        ) from None
+    return CostWeights(prefill=prefill, queued_prefill=queued, decode=decode)
+
+
 def _sim_config(args: argparse.Namespace):  # -> SimConfig
     from bench.replay.sim import SimConfig
 
+    router = SimConfig().router
+    weights = _cost_weights(args.cost_weights)
+    if weights is not None:
+        router = replace(router, weights=weights)
     return SimConfig(
+        router=router,
         num_workers=args.workers,
         kv_capacity_tokens=args.kv_capacity_tokens,
         event_delay_s=args.event_delay_s,
@@ -203,6 +231,8 @@ def _run_sim(args, records, policies, setup, progress) -> ReplayReport:
 
     config = _sim_config(args)
     setup = {**setup, "event_delay_s": args.event_delay_s, "load_interval_s": args.load_interval_s}
+    if args.cost_weights:
+        setup["cost_weights"] = args.cost_weights
     report = ReplayReport(setup=setup)
     expander = TokenExpander(args.trace_block_size, config.vocab_size, args.seed)
     for policy in policies:

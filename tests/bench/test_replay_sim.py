@@ -135,6 +135,8 @@ def test_cli_errors_and_plot(tmp_path, capsys):
     write_trace(trace, two_prefix_trace(6))
     assert main(["--trace", str(trace), "--policy", "nope", "--trace-block-size", "64"]) == 2
     assert "nope" in capsys.readouterr().err
+    assert main(["--trace", str(trace), "--trace-block-size", "64", "--cost-weights", "1,2"]) == 2
+    assert "PREFILL,QUEUED,DECODE" in capsys.readouterr().err
     png = tmp_path / "p.png"
     argv = [
         "--trace",
