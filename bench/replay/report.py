@@ -64,6 +64,7 @@ class PolicyReport:
     load_imbalance: float
     prefill_tokens_per_worker: dict[str, int] = field(default_factory=dict)
     requests_per_worker: dict[str, int] = field(default_factory=dict)
+    errors_by_kind: dict[str, int] = field(default_factory=dict)  # "INVALID_ARGUMENT": 3
     extra: dict[str, float | int] = field(default_factory=dict)  # mode-specific counters
     wall_s: float = 0.0  # not in the JSON (not deterministic)
 
@@ -107,6 +108,11 @@ def summarize(
                 per_worker.get(r.worker_id, 0) + r.prompt_tokens - (r.cached_tokens)
             )
             count_per_worker[r.worker_id] = count_per_worker.get(r.worker_id, 0) + 1
+    errors_by_kind: dict[str, int] = {}
+    for r in results:
+        if r.error is not None or r.finish_s is None:
+            kind = (r.error or "unfinished").split(":", 1)[0]
+            errors_by_kind[kind] = errors_by_kind.get(kind, 0) + 1
     ttft = [r.first_token_s - r.arrival_s for r in done if r.first_token_s is not None]
     e2e = [r.finish_s - r.arrival_s for r in done]  # type: ignore[operator]
     if done:
@@ -135,6 +141,7 @@ def summarize(
         load_imbalance=_r(imbalance, 4),
         prefill_tokens_per_worker=per_worker,
         requests_per_worker=count_per_worker,
+        errors_by_kind=dict(sorted(errors_by_kind.items())),
         extra=dict(extra or {}),
         wall_s=wall_s,
     )
@@ -186,6 +193,10 @@ class ReplayReport:
                 f"{p.throughput_tok_s:8.0f} {p.load_imbalance:6.2f} {p.requests:6d} "
                 f"{p.errors:4d} {p.wall_s:7.1f}"
             )
+        for p in self.policies:
+            if p.errors_by_kind:
+                kinds = ", ".join(f"{k} x{n}" for k, n in p.errors_by_kind.items())
+                lines.append(f"{p.policy} errors: {kinds}")
         bounds = []
         if self.pooled_hit_rate is not None:
             bounds.append(f"pooled bound (1 cache x N capacity): {self.pooled_hit_rate:.1%}")

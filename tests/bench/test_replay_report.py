@@ -23,6 +23,7 @@ def results() -> list[RequestResult]:
 def test_summarize_definitions():
     p = summarize("cache_aware", results(), ["w0", "w1", "w2"])
     assert p.requests == 5 and p.errors == 2
+    assert p.errors_by_kind == {"QueueFullError": 1, "unfinished": 1}
     assert p.prompt_tokens == 400 and p.cached_tokens == 180
     assert p.prefill_tokens == 220 and p.hit_rate == 0.45
     assert p.prefill_tokens_per_worker == {"w0": 200, "w1": 20, "w2": 0}
@@ -65,6 +66,7 @@ def test_table_lists_every_policy_and_the_bounds():
     assert "cache_aware" in table and "round_robin" in table
     assert "45.0%" in table and "90.0%" in table  # hit / pooled = 0.45 / 0.5
     assert "pooled bound" in table and "infinite bound" in table
+    assert "cache_aware errors: QueueFullError x1, unfinished x1" in table
 
 
 def test_plot_writes_a_png(tmp_path):

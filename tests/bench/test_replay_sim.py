@@ -66,6 +66,7 @@ def test_too_long_request_is_an_error_not_a_crash():
     cfg = SimConfig(num_workers=2, kv_capacity_tokens=1024, max_context_tokens=1024)
     p = simulate(records, "round_robin", cfg, TokenExpander(BS, 128_256))
     assert p.requests == 3 and p.errors == 1
+    assert p.errors_by_kind == {"InvalidRequestError": 1}
 
 
 def test_infinite_capacity_counts_distinct_prefix_blocks():
