@@ -20,7 +20,6 @@ from kvroute_proto.events import (
 from kvroute_proto.hashing import block_hash_list
 from router.core import (
     BlockSizeMismatchError,
-    CostWeights,
     DuplicateWorkerError,
     InvalidRouteRequestError,
     NoWorkerAvailable,
@@ -265,7 +264,9 @@ def test_rerouting_an_in_flight_request_moves_its_accounting() -> None:
 
 
 def _hot_prefix_run(trickle: bool) -> Counter[str]:
-    core, _ = make_core(4, weights=CostWeights(decode=0.0))
+    # default weights: what one worker "cannot keep up with" is its queued prefill plus the
+    # requests it is decoding, both of which a burst piles up
+    core, _ = make_core(4)
     system = tokens(2048)
     give(core, "w0", stored(system))
     rng = np.random.default_rng(0)
@@ -282,7 +283,7 @@ def _hot_prefix_run(trickle: bool) -> Counter[str]:
 def test_hot_prefix_burst_spreads_but_a_trickle_stays_on_the_holder() -> None:
     burst = _hot_prefix_run(trickle=False)
     assert len(burst) > 1
-    assert burst["w0"] < 100
+    assert 50 < burst["w0"] < 100  # the holder keeps most of it; the overflow spreads
     assert _hot_prefix_run(trickle=True) == Counter({"w0": 100})
 
 
