@@ -69,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--device", default=None, help="torch device (default: cuda if present)")
     model.add_argument("--seed", type=int, default=0, help="model init and sampling seed")
     model.add_argument(
+        "--sim-max-context-tokens",
+        type=int,
+        default=None,
+        help="sim only: the simulated model's context length (default 8192)",
+    )
+    model.add_argument(
         "--torch-threads",
         type=int,
         default=0,
@@ -233,6 +239,7 @@ def build_server(args: argparse.Namespace) -> WorkerServer:
         device=args.device,
         seed=args.seed,
         kv_memory_fraction=args.kv_memory_fraction,
+        sim_max_context_tokens=args.sim_max_context_tokens,
     )
     num_slots = getattr(executor, "num_kv_slots", config.engine.num_kv_slots)
     if num_slots != config.engine.num_kv_slots:  # sized from GPU memory

@@ -56,6 +56,7 @@ class LiveConfig:
     page_size: int = 16
     block_size: int = 16
     trace_block_size: int = 512
+    max_context_tokens: int = 1 << 20  # of the simulated model: long trace prompts must fit
     timeout_s: float = 600.0  # the whole replay of one policy
     startup_timeout_s: float = 60.0  # each process, and readiness
     python: str = sys.executable
@@ -156,6 +157,8 @@ class LiveFleet:
             str(c.block_size),
             "--seed",
             str(c.seed),
+            "--sim-max-context-tokens",
+            str(c.max_context_tokens),
             "--load-interval-s",
             str(max(0.05, 1.0 / c.speedup)),
             "--log-level",

@@ -9,6 +9,7 @@ imported for ``torch``, so a sim-only process never pays for it.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -46,8 +47,12 @@ def build_executor(
     device: str | None = None,
     seed: int = 0,
     kv_memory_fraction: float | None = None,
+    sim_max_context_tokens: int | None = None,
 ) -> tuple[Executor, Tokenizer]:
     """An Executor and the Tokenizer that matches its vocab.
+
+    ``sim_max_context_tokens`` (sim only): the simulated model's context length (default
+    8,192, Llama-3-8B's); trace replays with long prompts raise it.
 
     ``kv_memory_fraction`` (torch on CUDA only): size the KV pool to that fraction of the
     GPU memory free after the weights are loaded, instead of ``num_kv_slots`` (which stays
@@ -59,6 +64,8 @@ def build_executor(
     """
     if num_kv_slots < 1:
         raise ValueError(f"num_kv_slots must be >= 1, got {num_kv_slots}")
+    if sim_max_context_tokens is not None and kind != "sim":
+        raise ValueError("sim_max_context_tokens: only the 'sim' executor takes it")
     if kv_memory_fraction is not None and not 0.0 < kv_memory_fraction <= 1.0:
         raise ValueError(f"kv_memory_fraction must be in (0, 1], got {kv_memory_fraction}")
     match kind:
@@ -67,7 +74,7 @@ def build_executor(
         case "sim":
             if model_dir is not None:
                 raise ValueError("model_dir: only the 'torch' executor loads a model")
-            return _build_sim()
+            return _build_sim(sim_max_context_tokens)
         case _:
             raise ValueError(f"executor kind must be one of {EXECUTOR_KINDS}, got {kind!r}")
 
@@ -108,7 +115,7 @@ def _build_torch(
     return TorchExecutor.create(model, num_kv_slots, seed=seed), tokenizer
 
 
-def _build_sim() -> tuple[Executor, Tokenizer]:
+def _build_sim(max_context_tokens: int | None) -> tuple[Executor, Tokenizer]:
     # Imported lazily: another module's owner maintains it; the torch path never needs it.
     from worker.engine.sim_executor import SimCostModel, SimExecutor, SimExecutorConfig
 
@@ -116,4 +123,6 @@ def _build_sim() -> tuple[Executor, Tokenizer]:
     # The vocab matches the byte tokenizer, so every simulated token decodes (or is a
     # special); the cost model stays the Llama-3-8B one.
     config = SimExecutorConfig(vocab_size=tokenizer.vocab_size, eos_token_id=tokenizer.eos_token_id)
+    if max_context_tokens is not None:
+        config = dataclasses.replace(config, max_context_tokens=max_context_tokens)
     return SimExecutor(SimCostModel(), config), tokenizer

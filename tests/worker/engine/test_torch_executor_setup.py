@@ -94,6 +94,12 @@ def test_build_sim_pairs_byte_tokenizer_vocab():
     ex, tok = build_executor("sim", num_kv_slots=16)
     assert ex.vocab_size == tok.vocab_size
     assert ex.eos_token_id == tok.eos_token_id
+    assert ex.max_context_tokens == 8192
+
+
+def test_build_sim_with_a_longer_context():
+    ex, _ = build_executor("sim", num_kv_slots=16, sim_max_context_tokens=200_000)
+    assert ex.max_context_tokens == 200_000
 
 
 @pytest.mark.parametrize(
@@ -103,6 +109,7 @@ def test_build_sim_pairs_byte_tokenizer_vocab():
         ({"kind": "torch", "num_kv_slots": 0}, "num_kv_slots must be >= 1"),
         ({"kind": "sim", "num_kv_slots": 1, "model_dir": "x"}, "model_dir"),
         ({"kind": "torch", "num_kv_slots": 1, "kv_memory_fraction": 0.0}, "kv_memory_fraction"),
+        ({"kind": "torch", "num_kv_slots": 1, "sim_max_context_tokens": 8}, "only the 'sim'"),
     ],
 )
 def test_build_rejects_bad_arguments(kwargs, match):
