@@ -120,11 +120,11 @@ def test_empty_trace_and_bad_block_size(tmp_path):
         list(iter_records([line()], block_size=0))
 
 
-def test_shared_mooncake_trace_parses():
+def test_real_mooncake_lines_parse():
     from pathlib import Path
 
-    path = Path("/work/shared/traces/mooncake_synthetic_trace.jsonl")
-    if not path.exists():
-        pytest.skip("shared trace not present")
-    records = read_trace(path, limit=50)
-    assert len(records) == 50 and records[0].input_length > 0
+    path = Path(__file__).parent / "data" / "mooncake_sample.jsonl"
+    records = read_trace(path)
+    assert len(records) == 20
+    assert (records[0].input_length, len(records[0].hash_ids)) == (40160, 79)
+    assert records[2].arrival_s == 0.040
