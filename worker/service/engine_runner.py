@@ -177,6 +177,9 @@ class EngineRunner:
         )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, RequestStream] = {}
+        # Released request ids whose abort job has not reported back yet: outputs for them
+        # belong to the released request, even once a new one reuses the id.
+        self._releasing: dict[str, int] = {}
         self._subscribers: set[Subscription] = set()  # engine thread only
         self._live_subscriptions: set[Subscription] = set()  # event loop side, for close()
         self._wake = asyncio.Event()
@@ -250,9 +253,11 @@ class EngineRunner:
         it on the engine thread without waiting (safe to call from a cancelled task)."""
         if self._streams.get(stream.request_id) is not stream:
             return  # already finished
-        del self._streams[stream.request_id]
+        rid = stream.request_id
+        del self._streams[rid]
         if not self._pool_closed:
-            self._pool.submit(self._job_abort, stream.request_id)
+            self._releasing[rid] = self._releasing.get(rid, 0) + 1
+            self._pool.submit(self._job_release, rid)
 
     async def abort(self, request_id: str) -> bool:
         """Abort an in-flight request; its stream ends with FinishReason.ABORT."""
@@ -341,9 +346,11 @@ class EngineRunner:
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
+            if out.request_id in self._releasing:
+                continue  # from a released request (its id may be reused already)
             stream = self._streams.get(out.request_id)
             if stream is None:
-                continue  # released by its caller; the abort job is queued
+                continue
             if out.finish_reason is FinishReason.ABORT and out.usage is None:
                 out = RequestOutput(
                     out.request_id,
@@ -359,6 +366,14 @@ class EngineRunner:
         msg = convert.stream_message_to_pb(batch)  # encoded once for every subscriber
         for sub in targets:
             sub.push(msg)
+
+    def _end_release(self, request_id: str) -> None:
+        # Posted after every output of the released request: later ones are a new request's.
+        left = self._releasing[request_id] - 1
+        if left:
+            self._releasing[request_id] = left
+        else:
+            del self._releasing[request_id]
 
     def _fail_all(self, exc: BaseException) -> None:
         streams, self._streams = self._streams, {}
@@ -390,6 +405,13 @@ class EngineRunner:
             self._post(self._dispatch, [RequestOutput(request_id, (), FinishReason.ABORT)])
         self._publish()
         return found
+
+    def _job_release(self, request_id: str) -> None:
+        try:
+            self.engine.abort(request_id)
+            self._publish()
+        finally:
+            self._post(self._end_release, request_id)
 
     def _job_abort_all(self, request_ids: list[str]) -> None:
         for rid in request_ids:
