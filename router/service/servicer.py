@@ -195,7 +195,13 @@ class RouterServicer(pb_grpc.RouterServicer):
                 failures.append(f"{worker_id}: disconnected")
                 continue
             entry.worker_id = worker_id
-            call = conn.stub.Generate(prepared.forward, timeout=remaining, metadata=metadata)
+            try:
+                call = conn.stub.Generate(prepared.forward, timeout=remaining, metadata=metadata)
+            except grpc.aio.UsageError:  # the channel closed: the pool is removing the worker
+                self._core.on_finished(rid)
+                excluded.add(worker_id)
+                failures.append(f"{worker_id}: disconnected")
+                continue
             relayed = False
             reported = False
             try:
@@ -290,6 +296,8 @@ class RouterServicer(pb_grpc.RouterServicer):
             return pb.AbortResponse(found=False)
         try:
             return await conn.stub.Abort(request, timeout=conn.config.rpc_timeout_s)
+        except grpc.aio.UsageError:  # the channel closed: the pool is removing the worker
+            return pb.AbortResponse(found=False)
         except grpc.aio.AioRpcError as exc:
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE,

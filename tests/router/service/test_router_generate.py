@@ -395,3 +395,21 @@ async def test_duplicate_worker_id_and_block_size_mismatch_are_refused(caplog):
     assert len(refusals) == 2  # once per address, not once per retry
     assert any("already served by" in m for m in refusals)
     assert any("block_size=8" in m for m in refusals)
+
+
+async def test_closed_worker_channel_is_a_disconnect_not_an_internal_error(fleet):
+    """A connection the pool is closing (its channel closed, its worker id not yet released)
+    is skipped like a disconnected one: UNAVAILABLE naming both, nothing left in flight."""
+    router, a, b = fleet
+    closed = grpc.aio.insecure_channel("127.0.0.1:1")
+    await closed.close()
+    for conn in router.server.pool.conns.values():
+        conn.stub = pb_grpc.WorkerStub(closed)  # what a call sees during WorkerConnection.close
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await router.client.generate(PROMPT, GenerateOptions(request_id="r1"))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "w0: disconnected" in err.value.details()
+    assert "w1: disconnected" in err.value.details()
+    assert a.received == [] and b.received == []
+    assert router.server.core.stats().num_inflight_requests == 0
+    assert router.server.servicer.num_inflight == 0
