@@ -182,6 +182,7 @@ class EngineRunner:
         self._releasing: dict[str, int] = {}
         self._subscribers: set[Subscription] = set()  # engine thread only
         self._live_subscriptions: set[Subscription] = set()  # event loop side, for close()
+        self._subscriptions_closed = False  # shutting down: no new KV event streams
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()  # set while the loop sleeps with nothing to do
         self._tasks: list[asyncio.Task[None]] = []
@@ -199,7 +200,9 @@ class EngineRunner:
             self._tasks.append(asyncio.create_task(self._load_loop(), name="engine-load"))
 
     def close_subscriptions(self) -> None:
-        """End every KV event stream cleanly (first step of a graceful shutdown)."""
+        """End every KV event stream cleanly and refuse new ones (first step of a graceful
+        shutdown)."""
+        self._subscriptions_closed = True
         for sub in self._live_subscriptions:
             sub.close()
 
@@ -268,8 +271,11 @@ class EngineRunner:
 
     async def subscribe(self, subscriber_id: str, epoch: int, after_seq: int) -> Subscription:
         """Register a subscriber; its ``initial`` messages are the replay (batches after
-        ``after_seq``) or a snapshot, and its queue gets every later batch."""
+        ``after_seq``) or a snapshot, and its queue gets every later batch. Raises
+        EngineStoppedError once the streams are closed for shutdown."""
         self._check_running()
+        if self._subscriptions_closed:
+            raise EngineStoppedError("the worker is shutting down; it takes no new subscribers")
         sub = Subscription(subscriber_id, self.config.subscriber_queue_size)
         try:
             initial = await self._call(self._job_subscribe, sub, epoch, after_seq)
@@ -278,6 +284,8 @@ class EngineRunner:
             raise
         sub.initial = [convert.stream_message_to_pb(item) for item in initial]
         self._live_subscriptions.add(sub)
+        if self._subscriptions_closed:  # closed while it registered: end after the initial
+            sub.close()
         return sub
 
     def unsubscribe(self, sub: Subscription) -> None:

@@ -173,7 +173,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         * A subscriber that falls more than ``subscriber_queue_size`` batches behind is
           dropped with RESOURCE_EXHAUSTED; what it received is a gap-free prefix, so it
           resubscribes with its last seq (replay, or a snapshot if that is gone).
-        * On shutdown the stream ends with OK.
+        * On shutdown the stream ends with OK; subscribing after that is UNAVAILABLE.
         """
         who = request.subscriber_id or (context.peer() or "?")
         try:

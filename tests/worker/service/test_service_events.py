@@ -193,6 +193,18 @@ async def test_shutdown_ends_event_streams_cleanly() -> None:
         assert await call.code() == grpc.StatusCode.OK
 
 
+async def test_a_subscriber_that_joins_during_shutdown_is_refused() -> None:
+    # Routers reconnect when their stream ends; a draining worker must not hand them a new
+    # live stream (it would only be cancelled once the grace period is over).
+    async with running_worker() as w:
+        await w.server.begin_shutdown()
+        late = subscribe(w, who="late")
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await late.read()
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "shutting down" in info.value.details()
+
+
 async def test_a_subscriber_that_falls_behind_is_dropped_with_resource_exhausted() -> None:
     setup = WorkerSetup(runner=RunnerConfig(load_interval_s=0, subscriber_queue_size=1))
     async with running_worker(setup) as w:
