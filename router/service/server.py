@@ -127,17 +127,24 @@ class RouterServer:
         port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
         if port == 0:
             raise OSError(f"could not bind {self.config.host}:{self.config.port}")
-        for address in self.config.workers:
-            self.pool.add(address, static=True)
-        if self.config.registry.redis_url:
-            self.watcher = RedisMembershipWatcher(
-                self.config.registry.redis_url,
-                self._on_members,
-                prefix=self.config.registry.prefix,
-                poll_s=self.config.registry.poll_s,
-            )
-            await self.watcher.start()
-        await server.start()
+        try:
+            for address in self.config.workers:
+                self.pool.add(address, static=True)
+            if self.config.registry.redis_url:
+                self.watcher = RedisMembershipWatcher(
+                    self.config.registry.redis_url,
+                    self._on_members,
+                    prefix=self.config.registry.prefix,
+                    poll_s=self.config.registry.poll_s,
+                )
+                await self.watcher.start()
+            await server.start()
+        except BaseException:  # a bad Redis URL, a failed bind: leave no task or channel behind
+            if self.watcher is not None:
+                await self.watcher.stop()
+                self.watcher = None
+            await self.pool.close()
+            raise
         self._server, self.port = server, port
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self._set_ready(self.pool.num_healthy > 0)

@@ -18,7 +18,7 @@ from kvroute_proto.events import BlockStored, EventBatch, Partition
 from kvroute_proto.hashing import block_hash_list
 from router.client import GenerateOptions, build_request
 from router.service.resilience import EjectionConfig
-from router.service.server import RegistryConfig
+from router.service.server import RegistryConfig, RouterServer
 from router.service.servicer import ServicerConfig
 from router.service.tenancy import TenancyConfig
 
@@ -413,3 +413,12 @@ async def test_closed_worker_channel_is_a_disconnect_not_an_internal_error(fleet
     assert a.received == [] and b.received == []
     assert router.server.core.stats().num_inflight_requests == 0
     assert router.server.servicer.num_inflight == 0
+
+
+async def test_failed_start_leaves_no_worker_connection_running():
+    config = router_config(["127.0.0.1:1"], registry=RegistryConfig("bogus://127.0.0.1:1"))
+    server = RouterServer(config)
+    with pytest.raises(ValueError, match="Redis URL"):
+        await server.start()
+    assert server.pool.conns == {}
+    assert [t for t in asyncio.all_tasks() if t.get_name().startswith("worker-conn-")] == []
