@@ -17,11 +17,12 @@ uncached tokens to the holder's queue until its first token, so a burst soon mak
 cold worker (which pays the whole prefix once, then holds it too) cheaper, while a trickle
 whose requests finish prefill before the next arrives stays on the holder.
 
-Queued tokens weigh half a token by default: a worker batches queued prefills (chunked
-prefill) and a request queued behind others with the same prefix reuses their KV, so a
-queue delays a request less than its own uncached tokens do. With 0.5 a holder keeps a
-hot prefix until its queue is about twice the prefix it saves; at 1.0 even the second
-request of a burst with a new prefix would already tie with a cold worker.
+Queued tokens weigh a quarter of a token by default (``CostWeights``): a worker batches
+queued prefills (chunked prefill) and a request queued behind others with the same prefix
+reuses their KV, so a queue delays a request less than its own uncached tokens do. With
+0.25 a holder keeps a hot prefix until its queue is about four times the prefix it saves;
+at 1.0 even the second request of a burst with a new prefix would already tie with a cold
+worker.
 
 Baselines share the interface: round_robin, random, least_load, power_of_two, prefix_hash
 (rendezvous hashing of the first blocks: consistent when workers come and go), and
