@@ -294,8 +294,9 @@ class EngineRunner:
             self._pool.submit(self._subscribers.discard, sub)
 
     async def wait_until_idle(self) -> None:
-        """Wait until the engine has no work left (requests finished or aborted, aborts of
-        released streams applied); used by graceful shutdown and by tests."""
+        """Wait until the step loop last found the engine without work (tests use it; the
+        server's shutdown does not). release() does not wake the loop, so a test reads the
+        engine through call() afterwards, which runs after every abort already queued."""
         await self._idle.wait()
 
     async def load_report(self) -> LoadReport:
