@@ -92,6 +92,7 @@ class LiveFleet:
         self.policy = policy
         self.workers: list[_Proc] = []
         self.router: _Proc | None = None
+        self._spawned: list[_Proc] = []  # every process started, listening or not: stop() ends them
         self._tmp = tempfile.TemporaryDirectory(prefix="kvroute-live-")
 
     async def __aenter__(self) -> LiveFleet:
@@ -120,6 +121,7 @@ class LiveFleet:
                 env=env,
             )
         proc = _Proc(name, process, log_path)
+        self._spawned.append(proc)
         assert process.stdout is not None
         try:
             line = await asyncio.wait_for(
@@ -164,16 +166,21 @@ class LiveFleet:
             "--log-level",
             "WARNING",
         ]
-        self.workers = list(
-            await asyncio.gather(
-                *(
-                    self._spawn(
-                        f"worker-{i}", ["worker", *worker_args, "--worker-id", f"worker-{i}"]
+        # A TaskGroup, not gather: when one worker fails to start, the others' spawns are
+        # cancelled and awaited before stop() runs, so none starts behind its back.
+        try:
+            async with asyncio.TaskGroup() as group:
+                spawns = [
+                    group.create_task(
+                        self._spawn(
+                            f"worker-{i}", ["worker", *worker_args, "--worker-id", f"worker-{i}"]
+                        )
                     )
                     for i in range(c.num_workers)
-                )
-            )
-        )
+                ]
+        except ExceptionGroup as group_error:  # report the first failure itself
+            raise group_error.exceptions[0] from None
+        self.workers = [t.result() for t in spawns]
         router_args = ["router", "--port", "0", "--policy", self.policy, "--seed", str(c.seed)]
         router_args += ["--log-level", "WARNING"]
         for w in self.workers:
@@ -181,7 +188,7 @@ class LiveFleet:
         self.router = await self._spawn("router", router_args)
 
     async def stop(self) -> None:
-        procs = [p for p in (*self.workers, self.router) if p is not None]
+        procs = self._spawned
         for p in procs:
             if p.process.returncode is None:
                 with contextlib.suppress(ProcessLookupError):

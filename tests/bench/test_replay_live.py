@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -67,3 +68,20 @@ def test_a_process_that_never_listens_is_reported(tmp_path):
     config = LiveConfig(num_workers=1, startup_timeout_s=20, python="/bin/false")
     with pytest.raises(LiveReplayError, match="before listening"):
         run_live(small_workload()[:2], "round_robin", config)
+
+
+def test_processes_that_never_listen_are_stopped(tmp_path, monkeypatch):
+    """Every spawned process is ended when start-up fails, even one still starting."""
+    pid_file = tmp_path / "pids"
+    script = tmp_path / "silent.sh"
+    script.write_text('#!/bin/sh\necho $$ >> "$KVROUTE_TEST_PID_FILE"\nexec sleep 60\n')
+    script.chmod(0o755)
+    monkeypatch.setenv("KVROUTE_TEST_PID_FILE", str(pid_file))
+    config = LiveConfig(num_workers=2, startup_timeout_s=1.0, python=str(script))
+    with pytest.raises(LiveReplayError, match="no 'listening on' line"):
+        run_live(small_workload()[:2], "round_robin", config)
+    pids = [int(line) for line in pid_file.read_text().split()]
+    assert len(pids) == 2
+    for pid in pids:  # terminated and reaped: no such process any more
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
