@@ -51,7 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
     net.add_argument(
         "--grace-s", type=float, default=10.0, help="shutdown grace for in-flight requests"
     )
-    net.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    net.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        default="INFO",
+        help="log level (any case)",
+    )
 
     model = p.add_argument_group("model")
     model.add_argument(
@@ -305,7 +311,7 @@ def _run(coro: Coroutine[Any, Any, None]) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
-        level=args.log_level.upper(),
+        level=args.log_level,
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )

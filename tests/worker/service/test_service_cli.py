@@ -45,6 +45,13 @@ def test_bad_flag_values_exit_2_naming_the_setting(
     assert needle in capsys.readouterr().err
 
 
+def test_an_unknown_log_level_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--log-level", "loud"])
+    assert info.value.code == 2
+    assert "--log-level" in capsys.readouterr().err
+
+
 async def test_worker_process_serves_and_stops_on_sigterm() -> None:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "worker.cli", "--executor", "sim", "--port", "0",
