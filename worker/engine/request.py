@@ -21,6 +21,7 @@ import math
 
 import numpy as np
 
+from kvroute_proto.events import Partition
 from kvroute_proto.hashing import block_hashes
 from worker.cache.base import CacheReq
 from worker.engine.engine_config import EngineConfig
@@ -73,7 +74,7 @@ class Req:
         self.sampling = req.sampling
         self.partition = req.partition
         self.partition_seed = req.partition.seed
-        self.priority = req.priority
+        self.priority = int(req.priority)  # validated: an int or a numpy integer
         self.arrival_time = req.arrival_time
         self.seq = seq
         self.max_new_tokens = max_new_tokens
@@ -91,7 +92,7 @@ class Req:
             slots=self.slot_buf[:0],
             last_node=root,
             partition=req.partition,
-            priority=req.priority,
+            priority=self.priority,
         )
         self.cached_prompt_tokens: int | None = None  # set at first admission
         self.status = ReqStatus.WAITING
@@ -171,6 +172,12 @@ def validate_request(
         raise InvalidRequestError(
             "prompt_token_ids",
             f"token id {int(prompt[bad])} at position {bad} is outside [0, {vocab_size})",
+        )
+    if not _is_int(req.priority):
+        raise InvalidRequestError("priority", f"must be an integer, got {req.priority!r}")
+    if not isinstance(req.partition, Partition):
+        raise InvalidRequestError(
+            "partition", f"must be a Partition, got {type(req.partition).__name__}"
         )
     max_new = _validate_sampling(req.sampling, vocab_size)
     if n + max_new > max_context_tokens:

@@ -37,6 +37,9 @@ def _engine():
         (request("", [1]), "request_id", "non-empty"),
         (EngineRequest("r", np.array([1.0, 2.0])), "prompt_token_ids", "integers"),
         (EngineRequest("r", np.array([[1, 2]])), "prompt_token_ids", "1-D"),
+        (EngineRequest("r", np.array([1]), priority=1.5), "priority", "integer"),
+        (EngineRequest("r", np.array([1]), priority=True), "priority", "integer"),
+        (EngineRequest("r", np.array([1]), partition="salt"), "partition", "Partition"),  # type: ignore[arg-type]
     ],
 )
 def test_invalid_requests_name_field_and_limit(req: EngineRequest, field: str, fragment: str):
@@ -106,3 +109,15 @@ def test_numpy_integers_are_accepted_and_bools_are_not() -> None:
     with pytest.raises(InvalidRequestError) as info:
         engine.add_request(request("b", [1, 2], max_new_tokens=True))
     assert info.value.field == "max_new_tokens"
+
+
+def test_a_numpy_integer_priority_runs_to_the_end() -> None:
+    # The cache stores priorities on nodes and takes plain ints only: a numpy priority
+    # that add_request accepts must not fail the first step.
+    engine = _engine()
+    engine.add_request(EngineRequest("np", np.array([1, 2, 3]), priority=np.int64(2)))
+    for _ in range(20):  # bounded: 16 tokens by default
+        if not engine.has_work():
+            break
+        engine.step()
+    assert engine.stats().num_finished == 1
