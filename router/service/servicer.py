@@ -9,6 +9,7 @@ Generate, step by step::
          worker failure before anything was relayed -> attempt 2 on the next-best worker
                                                        (route with exclude={first worker})
          worker failure after the first relayed message -> UNAVAILABLE (never duplicate)
+         (a worker stream that ends with OK but no Finished is a worker failure too)
          INVALID_ARGUMENT / RESOURCE_EXHAUSTED / DEADLINE_EXCEEDED from the worker
                                                      -> passed through, not counted
     -> the Finished message carries worker_id, the worker's usage, and attempts
@@ -217,36 +218,40 @@ class RouterServicer(pb_grpc.RouterServicer):
                         self._core.on_finished(rid)
                         reported = True
                     yield msg
-                self.ejector.record_success(worker_id)
-                return
+                if reported:
+                    self.ejector.record_success(worker_id)
+                    return
+                # ended with OK but no Finished: a broken worker, not an answer to relay
+                code_name, details = "INTERNAL", "the stream ended without a Finished message"
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
                 if code not in WORKER_FAILURE_CODES:
                     # the worker's answer about this request: the client's to see
                     await context.abort(code, exc.details() or code.name)
-                if self.ejector.record_failure(worker_id):
-                    log.warning(
-                        "worker %s ejected for %.1f s after %d consecutive failures",
-                        worker_id,
-                        self._config.ejection.cooldown_s,
-                        self._config.ejection.max_consecutive_failures,
-                    )
-                failures.append(f"{worker_id}: {code.name}: {exc.details()}")
-                span.add_event("worker_failure", {"worker_id": worker_id, "code": code.name})
-                if relayed:
-                    await context.abort(
-                        grpc.StatusCode.UNAVAILABLE,
-                        f"worker {worker_id} failed after the response had started "
-                        f"(not retried, to avoid duplicate output): {code.name}: {exc.details()}",
-                    )
-                excluded.add(worker_id)
-                if attempt < self._config.max_attempts:
-                    self.num_retries += 1
-                    log.info("request %s: retrying after %s", rid, failures[-1])
+                code_name, details = code.name, exc.details()
             finally:
                 call.cancel()
                 if not reported:
                     self._core.on_finished(rid)
+            if self.ejector.record_failure(worker_id):
+                log.warning(
+                    "worker %s ejected for %.1f s after %d consecutive failures",
+                    worker_id,
+                    self._config.ejection.cooldown_s,
+                    self._config.ejection.max_consecutive_failures,
+                )
+            failures.append(f"{worker_id}: {code_name}: {details}")
+            span.add_event("worker_failure", {"worker_id": worker_id, "code": code_name})
+            if relayed:
+                await context.abort(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"worker {worker_id} failed after the response had started "
+                    f"(not retried, to avoid duplicate output): {code_name}: {details}",
+                )
+            excluded.add(worker_id)
+            if attempt < self._config.max_attempts:
+                self.num_retries += 1
+                log.info("request %s: retrying after %s", rid, failures[-1])
         await context.abort(
             grpc.StatusCode.UNAVAILABLE,
             f"request failed on {len(failures)} worker(s) "

@@ -2,7 +2,8 @@
 
 Generate behaviours (by ``FakeWorker.behaviour``): "ok" streams ``num_chunks`` one-token
 chunks then Finished; "fail_before" aborts with ``fail_code`` before any message;
-"fail_after" sends one chunk then aborts; "hang" waits until cancelled. Every request,
+"fail_after" sends one chunk then aborts; "hang" waits until cancelled; "no_finished"
+sends the chunks and ends the call with OK but no Finished. Every request,
 cancellation and Abort is recorded. The event stream sends an empty snapshot, then whatever
 the test pushes with ``push()`` (earlier pushes are replayed to a new stream).
 """
@@ -67,6 +68,8 @@ class FakeWorker(pb_grpc.WorkerServicer):
                     await asyncio.Event().wait()
             for i in range(self.num_chunks):
                 yield pb.GenerateResponse(request_id=rid, chunk=pb.TokenChunk(token_ids=[i + 1]))
+            if self.behaviour == "no_finished":
+                return
             n = len(request.prompt_token_ids.ids) or len(request.prompt_text.encode())
             yield pb.GenerateResponse(
                 request_id=rid,

@@ -422,3 +422,29 @@ async def test_failed_start_leaves_no_worker_connection_running():
         await server.start()
     assert server.pool.conns == {}
     assert [t for t in asyncio.all_tasks() if t.get_name().startswith("worker-conn-")] == []
+
+
+async def test_stream_ending_without_finished_is_a_worker_failure(fleet):
+    router, a, b = fleet
+    a.behaviour = b.behaviour = "no_finished"
+    received = []
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for msg in router.client.stream(PROMPT):
+            received.append(msg)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "after the response had started" in err.value.details()
+    assert "without a Finished message" in err.value.details()
+    assert [list(m.chunk.token_ids) for m in received] == [[1], [2], [3]]
+    assert len(a.received) + len(b.received) == 1  # chunks were relayed: no second attempt
+    assert router.server.core.stats().num_inflight_requests == 0
+
+
+async def test_empty_stream_without_finished_is_retried_on_the_other_worker(fleet):
+    router, a, b = fleet
+    await hold(router, a, PROMPT)  # w0 is the first choice
+    a.behaviour, a.num_chunks = "no_finished", 0
+    r = await router.client.generate(PROMPT, GenerateOptions(request_id="r1"))
+    assert (r.worker_id, r.attempts) == ("w1", 2)
+    assert [x.request.request_id for x in b.received] == ["r1"]
+    assert router.server.servicer.num_retries == 1
+    assert router.server.core.stats().num_inflight_requests == 0
