@@ -330,13 +330,15 @@ class RouterCore:
         )
 
     def explain(self, req: RouteRequest) -> Explanation:
-        """Per-worker match, load, cost and the pick route() would make; changes nothing.
+        """Per-worker match, load, cost and the pick route() would make; changes nothing
+        (beyond dropping predictions past their deadline, which route() would drop too).
 
         Ties are broken with a generator seeded by the request id (not the router's), and
         stateful policies (round_robin) are consulted on a copy.
         """
         query = self._query(req)
         hashes = query.block_hashes
+        self._index.expire(self._clock())  # as route() does: a lapsed prediction matches nothing
         matched = self._index.find_matches(hashes, touch=False) if hashes else {}
         candidates = self._candidates(req)
         costs: list[float] | None = None

@@ -317,6 +317,17 @@ def test_explain_reports_every_worker_and_changes_nothing() -> None:
     assert core.route(RouteRequest("r", tokens(70))).worker_id == "w0"
 
 
+def test_explain_ignores_lapsed_predictions_like_route() -> None:
+    core, clock = make_core(2, predicted_ttl_s=2.0)
+    first = core.route(RouteRequest("r1", tokens(64)))
+    core.on_finished("r1")
+    assert core.explain(RouteRequest("r2", tokens(64))).chosen_worker_id == first.worker_id
+    clock.now += 2.0  # the prediction lapses unconfirmed
+    e = core.explain(RouteRequest("r2", tokens(64)))
+    assert [w.matched_tokens for w in e.workers] == [0, 0]
+    assert core.route(RouteRequest("r2", tokens(64))).matched_tokens == 0
+
+
 def test_explain_costs_for_cache_aware() -> None:
     core, _ = make_core(2)
     give(core, "w1", stored(tokens(64)))
