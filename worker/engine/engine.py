@@ -106,7 +106,11 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """One scheduling iteration + forward. Each output carries the new token(s) of one
-        request; the last one of a request has ``finish_reason`` and ``usage``."""
+        request; the last one of a request has ``finish_reason`` and ``usage``.
+
+        If the executor raises, the slots scheduled for this step are neither written nor
+        freed and the batch's requests are left mid-step: discard the engine (the worker
+        service treats it as fatal); ``abort`` does not repair it."""
         batch = self.scheduler.schedule()
         if batch.is_empty:
             self._last_step_cost_s = 0.0
