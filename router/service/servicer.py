@@ -110,8 +110,12 @@ class RouterServicer(pb_grpc.RouterServicer):
         self._clock = clock
         self.ejector = OutlierEjector(config.ejection, clock)
         self._inflight: dict[str, _InFlight] = {}
-        self.num_inflight = 0
         self.num_retries = 0
+
+    @property
+    def num_inflight(self) -> int:
+        """Generate calls admitted and not yet released (request ids are unique in flight)."""
+        return len(self._inflight)
 
     # ---- Generate ------------------------------------------------------------------------
 
@@ -133,7 +137,6 @@ class RouterServicer(pb_grpc.RouterServicer):
         deadline = self._clock() + self._timeout_s(context)
         entry = _InFlight("", prepared.forward.partition.cache_salt)
         self._inflight[rid] = entry
-        self.num_inflight += 1
         # Continue the caller's W3C trace, and pass ours on to the worker. The span is not
         # made "current": a context attached across the yields of this generator could not
         # be detached cleanly when the call ends early.
@@ -154,9 +157,7 @@ class RouterServicer(pb_grpc.RouterServicer):
     def _release(self, rid: str, entry: _InFlight) -> None:
         if not entry.released:
             entry.released = True
-            self.num_inflight -= 1
-            if self._inflight.get(rid) is entry:
-                del self._inflight[rid]
+            del self._inflight[rid]
 
     async def _relay(
         self,
