@@ -23,6 +23,7 @@ Text prompts are routed on their UTF-8 bytes (see validation.py) and forwarded u
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import uuid
@@ -230,6 +231,13 @@ class RouterServicer(pb_grpc.RouterServicer):
                     # the worker's answer about this request: the client's to see
                     await context.abort(code, exc.details() or code.name)
                 code_name, details = code.name, exc.details()
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is None or task.cancelling():  # the client's cancel or a shutdown
+                    raise
+                # not our cancellation: the pool closed the worker's channel under the call
+                # (the worker left the registry); grpc.aio raises CancelledError for that
+                code_name, details = "UNAVAILABLE", "the connection to the worker was closed"
             finally:
                 call.cancel()
                 if not reported:

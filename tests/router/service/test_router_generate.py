@@ -448,3 +448,20 @@ async def test_empty_stream_without_finished_is_retried_on_the_other_worker(flee
     assert [x.request.request_id for x in b.received] == ["r1"]
     assert router.server.servicer.num_retries == 1
     assert router.server.core.stats().num_inflight_requests == 0
+
+
+async def test_request_on_a_removed_worker_is_retried_not_cancelled(fleet):
+    """Removing a worker (it left the registry) closes its channel under the calls in flight
+    there; grpc.aio raises CancelledError for those, which is not the client's cancel."""
+    router, a, b = fleet
+    await hold(router, a, PROMPT)  # w0 is the first choice
+    a.behaviour = "hang"
+    request = router.client.generate(PROMPT, GenerateOptions(request_id="r1"))
+    task = asyncio.create_task(request)
+    await asyncio.wait_for(a.hanging.wait(), WAIT_S)
+    await router.server.pool.remove(router.server.pool.by_worker_id("w0").address)
+    r = await asyncio.wait_for(task, WAIT_S)
+    assert (r.worker_id, r.attempts) == ("w1", 2)
+    assert [x.request.request_id for x in b.received] == ["r1"]
+    assert router.server.core.stats().num_inflight_requests == 0
+    assert router.server.servicer.num_inflight == 0
