@@ -56,8 +56,9 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"block_size must be >= 1 or None, got {self.block_size}")
-        if self.predicted_ttl_s < 0 or self.approx_ttl_s < 0:
-            raise ValueError("predicted_ttl_s and approx_ttl_s must be >= 0")
+        for name in ("predicted_ttl_s", "approx_ttl_s"):
+            if not getattr(self, name) >= 0:  # NaN too
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_indexed_blocks < 1:
             raise ValueError(f"max_indexed_blocks must be >= 1, got {self.max_indexed_blocks}")
 

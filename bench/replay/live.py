@@ -66,8 +66,9 @@ class LiveConfig:
             raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
         if self.speedup <= 0:
             raise ValueError(f"speedup must be > 0, got {self.speedup}")
-        if self.timeout_s <= 0 or self.startup_timeout_s <= 0:
-            raise ValueError("timeout_s and startup_timeout_s must be > 0")
+        for name in ("timeout_s", "startup_timeout_s"):
+            if not getattr(self, name) > 0:  # NaN too
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
 @dataclass(slots=True)

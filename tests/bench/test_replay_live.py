@@ -85,3 +85,9 @@ def test_processes_that_never_listen_are_stopped(tmp_path, monkeypatch):
     for pid in pids:  # terminated and reaped: no such process any more
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+@pytest.mark.parametrize("field", ["timeout_s", "startup_timeout_s"])
+def test_live_config_timeout_error_names_the_field_and_value(field):
+    with pytest.raises(ValueError, match=rf"^{field} must be > 0, got 0$"):
+        LiveConfig(**{field: 0})

@@ -386,3 +386,9 @@ def test_approx_tree_keeps_its_history_across_a_resync() -> None:
     core.route(RouteRequest("r0", tokens(320)))
     give(core, "w0", stored(tokens(64)), seq=3)
     assert core.stats().num_predicted_entries == 5
+
+
+@pytest.mark.parametrize("field", ["predicted_ttl_s", "approx_ttl_s"])
+def test_router_config_ttl_error_names_the_field_and_value(field: str) -> None:
+    with pytest.raises(ValueError, match=rf"^{field} must be >= 0, got -1\.0$"):
+        RouterConfig(**{field: -1.0})
