@@ -165,6 +165,9 @@ class WorkerConnection:
                 reason = f"{exc.code().name}: {exc.details()}"
             except (ContractError, RouterError) as exc:
                 reason = f"{type(exc).__name__}: {exc}"
+            except Exception as exc:  # a bug must not end this worker's subscription for good
+                log.exception("worker at %s: unexpected error; reconnecting", self.address)
+                reason = f"{type(exc).__name__}: {exc}"
             self._on_failure(reason)
             await self._notify()
             await asyncio.sleep(self.next_retry_delay())

@@ -465,3 +465,25 @@ async def test_request_on_a_removed_worker_is_retried_not_cancelled(fleet):
     assert [x.request.request_id for x in b.received] == ["r1"]
     assert router.server.core.stats().num_inflight_requests == 0
     assert router.server.servicer.num_inflight == 0
+
+
+async def test_unexpected_error_in_a_subscription_reconnects_instead_of_ending_it(
+    fleet, monkeypatch
+):
+    router, a, _b = fleet
+    core = router.server.core
+    real = core.on_stream_message
+    raised: list[str] = []
+
+    def flaky(worker_id, msg):
+        if not raised:
+            raised.append(worker_id)
+            raise RuntimeError("scripted bug")
+        return real(worker_id, msg)
+
+    monkeypatch.setattr(core, "on_stream_message", flaky)
+    conn = router.server.pool.by_worker_id("w0")
+    await hold(router, a, PROMPT)  # the replay after the reconnect applies it
+    assert raised == ["w0"]
+    assert conn.num_connects == 2 and conn.last_error == "RuntimeError: scripted bug"
+    assert conn.healthy
