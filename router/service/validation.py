@@ -84,9 +84,12 @@ def check_request(req: pb.GenerateRequest, limits: RequestLimits) -> None:
 
 
 def routing_tokens(req: pb.GenerateRequest) -> np.ndarray:
-    """The token ids the router hashes for ``req`` (UTF-8 bytes for a text prompt)."""
+    """The token ids the router hashes for ``req`` (UTF-8 bytes for a text prompt).
+
+    uint32, what the proto field holds, so RouterCore takes them without re-validating.
+    """
     if req.WhichOneof("prompt") == "prompt_text":
-        return np.frombuffer(req.prompt_text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+        return np.frombuffer(req.prompt_text.encode("utf-8"), dtype=np.uint8).astype(np.uint32)
     return np.fromiter(
-        req.prompt_token_ids.ids, dtype=np.int64, count=len(req.prompt_token_ids.ids)
+        req.prompt_token_ids.ids, dtype=np.uint32, count=len(req.prompt_token_ids.ids)
     )

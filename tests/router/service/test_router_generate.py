@@ -8,6 +8,7 @@ import dataclasses
 import math
 
 import grpc
+import numpy as np
 import pytest
 from router_fake_worker import FakeWorker, running_fake
 from router_harness import WAIT_S, router_config, running_router
@@ -21,6 +22,7 @@ from router.service.resilience import EjectionConfig
 from router.service.server import RegistryConfig, RouterServer
 from router.service.servicer import ServicerConfig
 from router.service.tenancy import TenancyConfig
+from router.service.validation import routing_tokens
 
 PROMPT = list(range(1, 17))  # 4 blocks of 4
 
@@ -487,3 +489,13 @@ async def test_unexpected_error_in_a_subscription_reconnects_instead_of_ending_i
     assert raised == ["w0"]
     assert conn.num_connects == 2 and conn.last_error == "RuntimeError: scripted bug"
     assert conn.healthy
+
+
+def test_routing_tokens_are_uint32_as_on_the_wire():
+    """The dtype RouterCore takes without re-validating (the proto field is uint32)."""
+    ids = build_request([0, 7, 2**32 - 1], GenerateOptions())
+    text = build_request("hé", GenerateOptions())
+    assert routing_tokens(ids).dtype == np.uint32
+    assert routing_tokens(ids).tolist() == [0, 7, 2**32 - 1]
+    assert routing_tokens(text).dtype == np.uint32
+    assert routing_tokens(text).tolist() == list("hé".encode())
