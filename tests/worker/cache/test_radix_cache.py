@@ -403,3 +403,47 @@ def test_reset_frees_everything_unlocked_and_keeps_locked_paths():
     cache.reset()
     assert cache.structure() == {} and alloc.num_free == alloc.num_slots
     cache.check_invariants()
+
+
+def test_matching_unknown_partitions_registers_nothing():
+    cache = RadixCache(CacheConfig(), SlotAllocator(64))
+    for i in range(200):
+        assert cache.match_prefix([1, 2, 3], Partition(cache_salt=f"tenant-{i}")).num_matched == 0
+    assert cache.num_partitions == 0
+    with pytest.raises(TypeError, match="partition must be a Partition"):
+        cache.match_prefix([1, 2], "salt")  # type: ignore[arg-type]
+
+
+def test_partition_ids_of_evicted_partitions_are_recycled():
+    alloc = SlotAllocator(4096)
+    cache = RadixCache(CacheConfig(), alloc)
+    for i in range(500):  # one short request per unique salt, evicted right away
+        part = Partition(cache_salt=f"req-{i}")
+        slots = alloc.alloc(3)
+        assert cache.insert([7, 8, 9], slots, part) == 0
+        assert cache.match_prefix([7, 8, 9], part).num_matched == 3
+        assert cache.evict(3) == 3
+        cache.check_invariants()
+    assert cache.num_partitions <= 64 + 1
+    assert alloc.num_free == 4096
+    # a recycled id serves a new partition; old ones match nothing
+    kept = Partition(cache_salt="kept")
+    cache.insert([1, 2, 3, 4], alloc.alloc(4), kept)
+    cache.check_invariants()
+    assert cache.match_prefix([1, 2, 3, 4], kept).num_matched == 4
+    assert cache.match_prefix([7, 8, 9], Partition(cache_salt="req-0")).num_matched == 0
+
+
+def test_reset_keeps_the_partitions_of_locked_paths():
+    alloc = SlotAllocator(64)
+    cache = RadixCache(CacheConfig(), alloc)
+    a, b = Partition(cache_salt="a"), Partition(cache_salt="b")
+    cache.insert([1, 2], alloc.alloc(2), a)
+    cache.insert([1, 2], alloc.alloc(2), b)
+    locked = cache.match_prefix([1, 2], b).last_node
+    cache.inc_lock_ref(locked)
+    cache.reset()
+    cache.check_invariants()
+    assert cache.match_prefix([1, 2], a).num_matched == 0
+    assert cache.match_prefix([1, 2], b).num_matched == 2
+    cache.dec_lock_ref(locked)
