@@ -202,6 +202,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     async def GetLoad(
         self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext
     ) -> pb.WorkerInfo:
+        if self._draining:  # routers identify workers with GetLoad: do not get re-adopted
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, "the worker is shutting down; send it elsewhere"
+            )
         try:
             load = await self.runner.load_report()
         except EngineStoppedError as exc:

@@ -35,6 +35,18 @@ async def test_health_is_serving_then_not_serving_on_shutdown() -> None:
         watch.cancel()
 
 
+async def test_get_load_is_refused_while_draining() -> None:
+    # routers (re)identify a worker with GetLoad: a draining one must not look adoptable
+    async with running_worker() as w:
+        stub = w.stub
+        assert (await stub.GetLoad(pb.GetLoadRequest())).worker_id
+        await w.server.begin_shutdown()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.GetLoad(pb.GetLoadRequest())
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "shutting down" in (err.value.details() or "")
+
+
 async def test_reflection_lists_the_services() -> None:
     async with running_worker() as w:
         stub = reflection_pb2_grpc.ServerReflectionStub(w.channel)
