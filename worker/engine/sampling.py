@@ -13,6 +13,10 @@ import torch
 
 from worker.engine.types import SamplingParams
 
+# Below this temperature sampling is greedy: the float32 logits / temperature would overflow
+# to inf (and softmax to NaN) long before a draw could differ from argmax.
+MIN_SAMPLING_TEMPERATURE = 1e-5
+
 
 def step_seed(seed: int, num_generated: int) -> int:
     """A 63-bit generator seed derived from (request seed, generation step)."""
@@ -73,12 +77,14 @@ class Sampler:
                 f"{len(num_generated)} step counts; they must match"
             )
         tokens = [0] * len(params)
-        greedy_rows = [i for i, p in enumerate(params) if p.temperature <= 0.0]
+        greedy_rows = [i for i, p in enumerate(params) if p.temperature < MIN_SAMPLING_TEMPERATURE]
         if greedy_rows:
             picked = torch.argmax(logits[greedy_rows], dim=-1).tolist()
             for row, token in zip(greedy_rows, picked, strict=True):
                 tokens[row] = int(token)
-        sampled_rows = [i for i, p in enumerate(params) if p.temperature > 0.0]
+        sampled_rows = [
+            i for i, p in enumerate(params) if p.temperature >= MIN_SAMPLING_TEMPERATURE
+        ]
         if not sampled_rows:
             return tokens
         host = logits[sampled_rows].float().cpu()  # one device->host copy for the batch

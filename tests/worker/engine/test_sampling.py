@@ -21,6 +21,14 @@ def test_greedy_is_argmax():
     assert out == torch.argmax(logits, dim=-1).tolist()
 
 
+@pytest.mark.parametrize("temperature", [1e-40, 1e-20, 9e-6])
+def test_a_vanishing_temperature_is_greedy_not_an_overflow(temperature):
+    logits = rows(50, seed=3) * 100
+    p = SamplingParams(temperature=temperature, seed=1)
+    out = Sampler().sample(logits, [p] * 50, list(range(50)))
+    assert out == torch.argmax(logits, dim=-1).tolist()
+
+
 def test_top_k_one_equals_greedy():
     logits = rows(20, seed=1)
     p = SamplingParams(temperature=1.5, top_k=1, seed=9)
