@@ -24,8 +24,6 @@ always a leading run of a node's hashes (a later block covers the whole first pa
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 
 from kvroute_proto.events import (
@@ -38,6 +36,7 @@ from kvroute_proto.events import (
 )
 from kvroute_proto.hashing import block_hashes, unfmix64
 from worker.cache.node import _EMPTY_HASHES, TreeNode
+from worker.cache.partitions import PartitionTable
 
 _U64 = np.uint64
 
@@ -138,7 +137,7 @@ class BlockLedger:
             assert grand is not None
             new_parent.last_hash = grand.last_hash
 
-    def on_reset(self, root: TreeNode, partitions: Sequence[Partition]) -> None:
+    def on_reset(self, root: TreeNode, partitions: PartitionTable) -> None:
         """The tree dropped its unlocked nodes: AllCleared, then re-announce what is left."""
         self.events.append(AllCleared())
         blocks = self.held_blocks(root, partitions)
@@ -152,7 +151,7 @@ class BlockLedger:
                     self.refs[h] = self.refs.get(h, 0) + 1
                 stack.extend(node.children.values())
 
-    def held_blocks(self, root: TreeNode, partitions: Sequence[Partition]) -> list[BlockStored]:
+    def held_blocks(self, root: TreeNode, partitions: PartitionTable) -> list[BlockStored]:
         """Every block the tree holds, once each, as BlockStored runs (one per node),
         parents first."""
         bs = self.block_size

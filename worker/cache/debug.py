@@ -52,13 +52,7 @@ def check_invariants(cache: RadixCache) -> None:
     pb = 8 * page
     bs = cache.block_size
     assert root.parent is None and root.lock_ref == 0 and root.heap_ver == -1 and not root.kb
-    per_pid: dict[int, int] = {}
-    for child in root.children.values():
-        per_pid[child.pid] = per_pid.get(child.pid, 0) + 1
-    assert per_pid == cache._root_children, "root children per partition miscounted"
-    for partition, pid in cache._partition_ids.items():
-        assert cache._partitions[pid] == partition, f"partition id {pid} maps back wrongly"
-    assert set(per_pid) <= set(cache._partition_ids.values()), "a node uses a recycled id"
+    cache._partitions.check([child.pid for child in root.children.values()])
     live = {}
     heap = cache._candidates
     for prio, node_id, ver, node in heap.entries:

@@ -40,6 +40,7 @@ from worker.cache.eviction import get_strategy
 from worker.cache.eviction_heap import EvictionHeap
 from worker.cache.keys import as_slots, as_tokens, check_priority
 from worker.cache.node import TreeNode
+from worker.cache.partitions import PartitionTable
 
 _I64 = np.int64
 _EMPTY_SLOTS = np.empty(0, dtype=_I64)
@@ -70,12 +71,7 @@ class RadixCache(PrefixCache):
         self._clock = clock if clock is not None else itertools.count(1).__next__
         self._page_bytes = 8 * config.page_size
         self._node_ids = itertools.count(1)
-        # Partition <-> small int id (kept in child keys). Ids of partitions that no longer
-        # have a node are recycled (see _pid), so per-request salts cannot grow this forever.
-        self._partition_ids: dict[Partition, int] = {}
-        self._partitions: list[Partition | None] = []
-        self._free_pids: list[int] = []
-        self._root_children: dict[int, int] = {}  # pid -> children of the root in it
+        self._partitions = PartitionTable()  # Partition <-> the int kept in child keys
         self._ledger = (
             None
             if config.block_size is None
@@ -107,36 +103,10 @@ class RadixCache(PrefixCache):
     def num_evictable_leaves(self) -> int:
         return self._candidates.num_candidates
 
-    def _pid(self, partition: Partition) -> int:
-        """The id of ``partition``, registering it (insert paths only)."""
-        pid = self._partition_ids.get(partition)
-        if pid is None:
-            if not isinstance(partition, Partition):
-                raise TypeError(f"partition must be a Partition, got {type(partition).__name__}")
-            if len(self._partition_ids) > 2 * len(self._root_children) + 64:
-                self._recycle_pids()
-            if self._free_pids:
-                pid = self._free_pids.pop()
-                self._partitions[pid] = partition
-            else:
-                pid = len(self._partitions)
-                self._partitions.append(partition)
-            self._partition_ids[partition] = pid
-        return pid
-
-    def _recycle_pids(self) -> None:
-        """Forget partitions without a node. Every node of a partition hangs below a root
-        child of that partition, so a zero count means no node (and no lock) uses the id."""
-        for partition, pid in list(self._partition_ids.items()):
-            if pid not in self._root_children:
-                del self._partition_ids[partition]
-                self._partitions[pid] = None
-                self._free_pids.append(pid)
-
     @property
     def num_partitions(self) -> int:
         """Partitions with an id (those with nodes, plus not yet recycled ones)."""
-        return len(self._partition_ids)
+        return len(self._partitions)
 
     # ------------------------------------------------------------------ match
 
@@ -147,9 +117,7 @@ class RadixCache(PrefixCache):
         match ends inside its edge (no KV moves).
         """
         key = as_tokens(token_ids)
-        pid = self._partition_ids.get(partition)  # a lookup: matching registers nothing
-        if pid is None and not isinstance(partition, Partition):
-            raise TypeError(f"partition must be a Partition, got {type(partition).__name__}")
+        pid = self._partitions.lookup(partition)  # matching registers nothing
         n = len(key)
         n -= n % self.page_size
         if n == 0 or pid is None:
@@ -250,7 +218,7 @@ class RadixCache(PrefixCache):
                 f"page_size={self.page_size}"
             )
         check_priority(priority)
-        pid = self._pid(partition)
+        pid = self._partitions.register(partition)
         prefix_len, _, _ = self._insert(key, value, pid, priority, True)
         return prefix_len
 
@@ -316,7 +284,7 @@ class RadixCache(PrefixCache):
         new = TreeNode(next(self._node_ids), parent, kb[pos8:], value[pos:].copy(), pid, pos, now)
         parent.children[(pid, kb[pos8 : pos8 + self._page_bytes])] = new
         if parent is self._root:
-            self._root_children[pid] = self._root_children.get(pid, 0) + 1
+            self._partitions.add_root_child(pid)
         self._evictable += len(key) - pos
         if self._ledger is not None:
             self._ledger.on_new_leaf(new, key, self._partitions[pid])
@@ -328,7 +296,7 @@ class RadixCache(PrefixCache):
         key = as_tokens(req.token_ids)
         slots = as_slots(req.slots, len(key), self.allocator.num_slots)
         check_priority(req.priority)
-        pid = self._pid(req.partition)
+        pid = self._partitions.register(req.partition)
         node = req.last_node
         self._check_node(node, "req.last_node")
         num_tree = req.num_tree_tokens
@@ -456,7 +424,7 @@ class RadixCache(PrefixCache):
             assert parent is not None
             del parent.children[(node.pid, node.kb[:pb])]
             if parent is root:
-                self._forget_root_child(node.pid)
+                self._partitions.remove_root_child(node.pid)
             node.parent = None
             pieces.append(node.value)
             freed += len(node.value)
@@ -485,20 +453,11 @@ class RadixCache(PrefixCache):
                     stack.append(child)
         self._candidates.clear()
         self._evictable = 0
-        self._root_children = {}
-        for child in root.children.values():  # the locked paths that stay
-            self._root_children[child.pid] = self._root_children.get(child.pid, 0) + 1
+        self._partitions.recount([child.pid for child in root.children.values()])
         if pieces:
             self.allocator.free(np.concatenate(pieces))
         if self._ledger is not None:
             self._ledger.on_reset(root, self._partitions)
-
-    def _forget_root_child(self, pid: int) -> None:
-        left = self._root_children[pid] - 1
-        if left:
-            self._root_children[pid] = left
-        else:
-            del self._root_children[pid]
 
     @staticmethod
     def _detach_subtree(top: TreeNode) -> list[np.ndarray]:
@@ -534,7 +493,8 @@ class RadixCache(PrefixCache):
 
     def structure(self, partition: Partition = DEFAULT_PARTITION) -> dict:
         """Nested {edge tokens tuple: {...children}} of one partition, for exact tests."""
-        return debug.structure(self, self._partition_ids.get(partition, -2))
+        pid = self._partitions.lookup(partition)
+        return debug.structure(self, -2 if pid is None else pid)
 
     def check_invariants(self) -> None:
         """Raise AssertionError on any structural inconsistency (O(tree); for tests)."""
