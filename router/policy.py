@@ -173,9 +173,14 @@ class Policy:
     ) -> tuple[int, float]:
         """(index into ``candidates``, its cost -- 0.0 without a cost model).
 
-        ``candidates`` is non-empty and holds only healthy, non-excluded workers.
+        ``candidates`` is non-empty and holds only healthy, non-excluded workers. The default
+        picks the lowest :meth:`costs`, ties at random; policies without costs override it.
         """
-        raise NotImplementedError
+        costs = self.costs(query, candidates, matched)
+        if costs is None:
+            raise NotImplementedError(f"policy {self.name!r} has neither costs nor select")
+        i = _argmin_random(costs, rng)
+        return i, costs[i]
 
 
 def _argmin_random(values: list[float], rng: random.Random) -> int:
@@ -211,17 +216,6 @@ class CacheAware(Policy):
             wq * c.queued_prefill_tokens + wd * c.num_running + get(c.slot, full)
             for c in candidates
         ]
-
-    def select(
-        self,
-        query: RouteQuery,
-        candidates: Sequence[WorkerView],
-        matched: dict[int, int],
-        rng: random.Random,
-    ) -> tuple[int, float]:
-        costs = self.costs(query, candidates, matched)
-        i = _argmin_random(costs, rng)
-        return i, costs[i]
 
 
 class ApproxTree(CacheAware):
@@ -281,17 +275,6 @@ class LeastLoad(Policy):
         self, query: RouteQuery, candidates: Sequence[WorkerView], matched: dict[int, int]
     ) -> list[float]:
         return [_load(c) for c in candidates]
-
-    def select(
-        self,
-        query: RouteQuery,
-        candidates: Sequence[WorkerView],
-        matched: dict[int, int],
-        rng: random.Random,
-    ) -> tuple[int, float]:
-        loads = [_load(c) for c in candidates]
-        i = _argmin_random(loads, rng)
-        return i, loads[i]
 
 
 class PowerOfTwo(Policy):
