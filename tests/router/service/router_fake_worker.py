@@ -43,6 +43,7 @@ class FakeWorker(pb_grpc.WorkerServicer):
     cancelled: list[str] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     hanging: asyncio.Event = field(default_factory=asyncio.Event)
+    cancelled_event: asyncio.Event = field(default_factory=asyncio.Event)
     subscriptions: list[pb.SubscribeRequest] = field(default_factory=list)
     history: list = field(default_factory=list)  # pushed messages, replayed to new streams
     _queues: list[asyncio.Queue] = field(default_factory=list)
@@ -85,6 +86,7 @@ class FakeWorker(pb_grpc.WorkerServicer):
             )
         except asyncio.CancelledError:
             self.cancelled.append(rid)
+            self.cancelled_event.set()
             raise
 
     async def Abort(self, request, context):

@@ -171,10 +171,7 @@ async def test_consecutive_internal_errors_eject_the_worker(fleet):
 @pytest.mark.parametrize("fleet", [{"max_inflight": 1}], indirect=True)
 async def test_max_inflight_gives_resource_exhausted(fleet):
     router, a, b = fleet
-    a.behaviour = b.behaviour = "hang"
-    stub = pb_grpc.RouterStub(router.client._channel)
-    call = stub.Generate(build_request(PROMPT, GenerateOptions(request_id="long")))
-    await asyncio.wait_for(_either(a, b), WAIT_S)
+    _, call = await _hanging_call(router, a, b, "long")
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await router.client.generate(PROMPT)
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -184,26 +181,30 @@ async def test_max_inflight_gives_resource_exhausted(fleet):
 
 async def test_client_cancel_cancels_the_worker_call(fleet):
     router, a, b = fleet
-    a.behaviour = b.behaviour = "hang"
-    stub = pb_grpc.RouterStub(router.client._channel)
-    call = stub.Generate(build_request(PROMPT, GenerateOptions(request_id="c1")))
-    await asyncio.wait_for(asyncio.gather(*(asyncio.ensure_future(_either(a, b)),)), WAIT_S)
+    _, call = await _hanging_call(router, a, b, "c1")
     call.cancel()
-    for _ in range(200):  # bounded: the cancellation crosses two gRPC hops
-        if a.cancelled or b.cancelled:
-            break
-        await asyncio.sleep(0.01)
+    # the cancellation crosses two gRPC hops
+    await asyncio.wait_for(_either(a.cancelled_event, b.cancelled_event), WAIT_S)
     assert a.cancelled + b.cancelled == ["c1"]
     await router.wait_for(lambda: router.server.servicer.num_inflight == 0)
     assert router.server.core.stats().num_inflight_requests == 0
 
 
-async def _either(a: FakeWorker, b: FakeWorker) -> None:
-    wa = asyncio.ensure_future(a.hanging.wait())
-    wb = asyncio.ensure_future(b.hanging.wait())
+async def _either(a: asyncio.Event, b: asyncio.Event) -> None:
+    wa = asyncio.ensure_future(a.wait())
+    wb = asyncio.ensure_future(b.wait())
     await asyncio.wait((wa, wb), return_when=asyncio.FIRST_COMPLETED)
     wa.cancel()
     wb.cancel()
+
+
+async def _hanging_call(router, a: FakeWorker, b: FakeWorker, request_id: str):
+    """Both workers hang; start ``request_id`` and wait until one of them holds it."""
+    a.behaviour = b.behaviour = "hang"
+    stub = pb_grpc.RouterStub(router.client._channel)
+    call = stub.Generate(build_request(PROMPT, GenerateOptions(request_id=request_id)))
+    await asyncio.wait_for(_either(a.hanging, b.hanging), WAIT_S)
+    return stub, call
 
 
 async def test_deadline_is_propagated_and_capped(fleet):
@@ -262,10 +263,7 @@ async def test_bad_input_is_rejected_at_the_router(fleet, request_, message):
 
 async def test_duplicate_inflight_request_id_is_rejected(fleet):
     router, a, b = fleet
-    a.behaviour = b.behaviour = "hang"
-    stub = pb_grpc.RouterStub(router.client._channel)
-    call = stub.Generate(build_request(PROMPT, GenerateOptions(request_id="dup")))
-    await asyncio.wait_for(_either(a, b), WAIT_S)
+    stub, call = await _hanging_call(router, a, b, "dup")
     with pytest.raises(grpc.aio.AioRpcError) as err:
         [m async for m in stub.Generate(build_request(PROMPT, GenerateOptions(request_id="dup")))]
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -275,10 +273,7 @@ async def test_duplicate_inflight_request_id_is_rejected(fleet):
 
 async def test_abort_is_forwarded_to_the_serving_worker(fleet):
     router, a, b = fleet
-    a.behaviour = b.behaviour = "hang"
-    stub = pb_grpc.RouterStub(router.client._channel)
-    call = stub.Generate(build_request(PROMPT, GenerateOptions(request_id="ab")))
-    await asyncio.wait_for(_either(a, b), WAIT_S)
+    _, call = await _hanging_call(router, a, b, "ab")
     assert await router.client.abort("ab") is True
     assert a.aborted + b.aborted == ["ab"]
     assert await router.client.abort("unknown") is False
