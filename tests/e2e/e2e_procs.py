@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -15,6 +16,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 60.0
+POLL_S = 0.05
+
+
+async def until(check, what: str, timeout: float = 20.0):
+    """Poll a condition of another process (nothing to await) within ``timeout``."""
+    try:
+        async with asyncio.timeout(timeout):
+            while not (result := await check()):
+                await asyncio.sleep(POLL_S)
+    except TimeoutError:
+        raise AssertionError(what) from None
+    return result
 
 
 @dataclass

@@ -6,13 +6,12 @@ against the real Redis on 127.0.0.1:6379, under a key prefix of their own.
 
 from __future__ import annotations
 
-import asyncio
 import signal
 import uuid
 
 import pytest
 import redis
-from e2e_procs import procs
+from e2e_procs import procs, until
 
 from router.client import GenerateOptions, RouterClient
 
@@ -25,14 +24,6 @@ def _redis_or_fail() -> redis.Redis:
     client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2)
     client.ping()  # CI starts Redis in .ci/run: an unreachable Redis is a failure, not a skip
     return client
-
-
-async def until(check, what: str, timeout: float = 20.0):
-    async with asyncio.timeout(timeout):
-        while not (result := await check()):
-            await asyncio.sleep(0.05)
-    assert result, what
-    return result
 
 
 async def test_workers_join_and_leave_through_redis():
@@ -66,9 +57,13 @@ async def test_workers_join_and_leave_through_redis():
                     expl = await client.explain([1, 2, 3, 4])
                     return {w.worker_id for w in expl.workers if w.healthy}
 
-                await until(
-                    lambda: _eq(healthy_ids(), {"w0", "w1"}), "router never found both workers"
-                )
+                async def both_found():
+                    return await healthy_ids() == {"w0", "w1"}
+
+                async def w1_dropped():
+                    return await healthy_ids() == {"w0"}
+
+                await until(both_found, "router never found both workers")
                 result = await client.generate([5, 6, 7, 8, 9], GenerateOptions(max_new_tokens=3))
                 assert result.worker_id in {"w0", "w1"}
                 assert len(result.token_ids) == 3
@@ -76,7 +71,7 @@ async def test_workers_join_and_leave_through_redis():
                 # a clean stop deregisters at once; the router drops the worker
                 p.kill(w1, signal.SIGTERM)
                 assert r.exists(f"{prefix}worker:w1") == 0
-                await until(lambda: _eq(healthy_ids(), {"w0"}), "router kept the stopped worker")
+                await until(w1_dropped, "router kept the stopped worker")
                 for i in range(3):
                     result = await client.generate([i, 1, 2, 3], GenerateOptions(max_new_tokens=1))
                     assert result.worker_id == "w0"
@@ -84,7 +79,3 @@ async def test_workers_join_and_leave_through_redis():
     finally:
         for key in r.scan_iter(prefix + "*"):
             r.delete(key)
-
-
-async def _eq(awaitable, expected) -> bool:
-    return (await awaitable) == expected

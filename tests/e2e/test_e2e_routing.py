@@ -7,13 +7,12 @@ resynced. Everything is bounded by timeouts and every child is killed in ``final
 
 from __future__ import annotations
 
-import asyncio
 import signal
 import subprocess
 import sys
 
 import pytest
-from e2e_procs import ROOT, procs
+from e2e_procs import ROOT, procs, until
 
 from router.client import ExplainResult, GenerateOptions, RouterClient
 
@@ -21,18 +20,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
 PREFIX = list(range(20, 60))  # 40 tokens = 10 blocks of 4
 OPTS = GenerateOptions(max_new_tokens=2)
-POLL_S = 0.05
-
-
-async def until(check, what: str, timeout: float = 20.0):
-    """Poll a remote condition (another process: nothing to await) within ``timeout``."""
-    async with asyncio.timeout(timeout):
-        while True:
-            result = await check()
-            if result:
-                return result
-            await asyncio.sleep(POLL_S)
-    raise AssertionError(what)
 
 
 def scores(expl: ExplainResult) -> dict[str, tuple[bool, int]]:
