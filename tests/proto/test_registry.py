@@ -2,7 +2,6 @@
 
 import asyncio
 import logging
-import uuid
 
 import pytest
 import redis
@@ -18,25 +17,9 @@ REDIS_URL = "redis://127.0.0.1:6379/0"
 DEAD_URL = "redis://127.0.0.1:1/0"  # nothing listens on port 1
 
 
-def _redis_reachable() -> bool:
-    try:
-        return bool(redis.Redis.from_url(REDIS_URL, socket_connect_timeout=0.5).ping())
-    except redis.RedisError:
-        return False
-
-
-pytestmark = pytest.mark.skipif(
-    not _redis_reachable(), reason="Redis is not reachable at 127.0.0.1:6379"
-)
-
-
 @pytest.fixture
-def prefix():
-    p = f"kvroute-test-{uuid.uuid4().hex}:"
-    yield p
-    r = redis.Redis.from_url(REDIS_URL)
-    for key in r.scan_iter(match=f"{p}*"):
-        r.delete(key)
+def prefix(redis_prefix):
+    return redis_prefix
 
 
 def test_record_json_round_trip_and_validation():

@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import uuid
 
 import grpc
-import pytest
-import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from router_harness import router_config, running_router, sim_worker
@@ -136,17 +133,8 @@ async def test_two_replicas_see_all_events_and_route_consistently():
                 assert a.worker_id == b.worker_id == holder
 
 
-def _redis_ok() -> bool:
-    try:
-        return bool(redis.Redis(socket_connect_timeout=0.5).ping())
-    except redis.RedisError:
-        return False
-
-
-@pytest.mark.skipif(not _redis_ok(), reason="Redis is not reachable at 127.0.0.1:6379")
-async def test_redis_membership_adds_and_removes_workers():
-    prefix = f"kvroute-test-{uuid.uuid4().hex}:"
-    url = "redis://127.0.0.1:6379/0"
+async def test_redis_membership_adds_and_removes_workers(redis_url, redis_prefix):
+    prefix, url = redis_prefix, redis_url
     async with sim_worker("w0") as w0, sim_worker("w1") as w1:
         regs = [
             RedisRegistration(url, WorkerRecord(w.worker_id, w.address), prefix=prefix, ttl_s=5)
