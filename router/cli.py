@@ -16,6 +16,7 @@ import signal
 import sys
 
 from kvroute_proto.registry import DEFAULT_PREFIX
+from kvroute_proto.runtime import run_event_loop
 from kvroute_proto.telemetry import configure_tracing
 from router.core import RouterConfig
 from router.policy import policy_names
@@ -163,16 +164,6 @@ async def serve(config: RouterServerConfig) -> None:
         await stop.wait()
     finally:
         await server.stop()
-
-
-def run_event_loop(coro: object) -> None:
-    """Run ``coro`` on uvloop when available, else the default asyncio loop."""
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
-        asyncio.run(coro)  # type: ignore[arg-type]
-    else:
-        uvloop.run(coro)  # type: ignore[arg-type]
 
 
 def main(argv: list[str]) -> int:

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from router.cli import POLICIES, run_event_loop
+from kvroute_proto.runtime import run_event_loop
+from router.cli import POLICIES
 from router.client import GenerateOptions, RouterClient
 from router.core import RouterConfig
 from router.service.server import RouterServer, RouterServerConfig

@@ -15,8 +15,6 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import Coroutine
-from typing import Any
 
 from kvroute_proto.registry import (
     DEFAULT_PREFIX,
@@ -24,6 +22,7 @@ from kvroute_proto.registry import (
     RedisRegistration,
     WorkerRecord,
 )
+from kvroute_proto.runtime import run_event_loop
 from kvroute_proto.telemetry import configure_tracing
 from worker.engine.engine_config import EngineConfig
 from worker.errors import ModelLoadError
@@ -282,11 +281,10 @@ async def serve(server: WorkerServer, args: argparse.Namespace | None = None) ->
     registration: RedisRegistration | None = None
     try:
         port = await server.start()
-        if args is not None:
-            registration = _registration(server, args)
+        registration = None if args is None else _registration(server, args)
         if registration is not None:
             await registration.start()
-            log.info("registered as %s in %s", registration.key, args.redis_url)
+            log.info("registered in Redis as %s", registration.key)
         # printed once serving and (best effort) registered
         print(f"listening on {server.config.host}:{port}", flush=True)
         await stop.wait()
@@ -297,15 +295,6 @@ async def serve(server: WorkerServer, args: argparse.Namespace | None = None) ->
         await server.stop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
-
-
-def _run(coro: Coroutine[Any, Any, None]) -> None:
-    try:
-        import uvloop
-    except ImportError:  # e.g. Windows: plain asyncio
-        asyncio.run(coro)
-    else:
-        uvloop.run(coro)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -322,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     shutdown_tracing = configure_tracing("kvroute-worker", console=args.trace_console)
     try:
-        _run(serve(server, args))
+        run_event_loop(serve(server, args))
     except OSError as exc:
         print(f"kvroute worker: {exc}", file=sys.stderr)
         return 1
