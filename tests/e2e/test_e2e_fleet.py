@@ -49,18 +49,24 @@ def test_up_demo_with_the_torch_tiny_model():
     assert out.rstrip().endswith("stopped")
 
 
+def _start_sim_fleet(p, num_workers: int):
+    """``kvroute up`` with sim workers; returns the process and its workers' pids."""
+    up = p.start(
+        "up",
+        ["up", "--workers", str(num_workers), "--port", "0", "--executor", "sim"],
+        marker="router listening on",
+    )
+    pids = [
+        int(m)
+        for line in up.lines
+        for m in re.findall(r"worker worker-\d listening on \S+ \(pid (\d+)\)", line)
+    ]
+    return up, pids
+
+
 def test_up_stops_every_worker_on_sigterm():
     with procs() as p:
-        up = p.start(
-            "up",
-            ["up", "--workers", "2", "--port", "0", "--executor", "sim"],
-            marker="router listening on",
-        )
-        pids = [
-            int(m)
-            for line in up.lines
-            for m in re.findall(r"worker worker-\d listening on \S+ \(pid (\d+)\)", line)
-        ]
+        up, pids = _start_sim_fleet(p, 2)
         assert len(pids) == 2 and all(_alive(pid) for pid in pids)
         up.popen.send_signal(signal.SIGTERM)
         assert up.wait(timeout=60) == 0
@@ -70,16 +76,7 @@ def test_up_stops_every_worker_on_sigterm():
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux")
 def test_workers_do_not_outlive_a_killed_up():
     with procs() as p:
-        up = p.start(
-            "up",
-            ["up", "--workers", "1", "--port", "0", "--executor", "sim"],
-            marker="router listening on",
-        )
-        pids = [
-            int(m)
-            for line in up.lines
-            for m in re.findall(r"worker worker-\d listening on \S+ \(pid (\d+)\)", line)
-        ]
+        up, pids = _start_sim_fleet(p, 1)
         assert len(pids) == 1
         p.kill(up)  # SIGKILL: no cleanup code runs in `kvroute up`
         deadline = time.monotonic() + 30
