@@ -19,7 +19,8 @@ from kvroute_proto.registry import DEFAULT_PREFIX
 from kvroute_proto.runtime import run_event_loop
 from kvroute_proto.telemetry import configure_tracing
 from router.core import RouterConfig
-from router.policy import policy_names
+from router.core_types import DEFAULT_RECENT_WINDOW_S
+from router.policy import CostWeights, policy_names
 from router.service.resilience import EjectionConfig
 from router.service.server import (
     RegistryConfig,
@@ -68,6 +69,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--redis-poll-s", type=float, default=2.0, help="registry poll interval")
     p.add_argument("--policy", default="cache_aware", choices=POLICIES, help="routing policy")
+    p.add_argument(
+        "--cost-weights",
+        metavar="PREFILL,QUEUED,DECODE[,RECENT]",
+        default=None,
+        help=f"cache_aware/approx_tree cost weights (default {_default_weights()})",
+    )
+    p.add_argument(
+        "--recent-window-s",
+        type=float,
+        default=DEFAULT_RECENT_WINDOW_S,
+        help="decay time constant of each worker's recent-prefill count (default %(default)s)",
+    )
     p.add_argument(
         "--block-size",
         type=int,
@@ -125,6 +138,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _default_weights() -> str:
+    w = CostWeights()
+    return f"{w.prefill:g},{w.queued_prefill:g},{w.decode:g},{w.recent_prefill:g}"
+
+
+def _weights(text: str | None) -> CostWeights:
+    if not text:
+        return CostWeights()
+    try:
+        return CostWeights.parse(text)
+    except ValueError as exc:
+        raise ValueError(f"--cost-weights: {exc}") from None
+
+
 def config_from_args(args: argparse.Namespace) -> RouterServerConfig:
     """The server config the command-line options describe (ValueError on bad values)."""
     secret = args.tenant_salt_secret.encode() if args.tenant_salt_secret else None
@@ -133,7 +160,12 @@ def config_from_args(args: argparse.Namespace) -> RouterServerConfig:
         port=args.port,
         workers=tuple(args.worker),
         registry=RegistryConfig(args.redis_url, args.redis_prefix, args.redis_poll_s),
-        core=RouterConfig(policy=args.policy, block_size=args.block_size),
+        core=RouterConfig(
+            policy=args.policy,
+            block_size=args.block_size,
+            weights=_weights(args.cost_weights),
+            recent_window_s=args.recent_window_s,
+        ),
         service=ServicerConfig(
             max_inflight=args.max_inflight,
             max_deadline_s=args.max_deadline_s,

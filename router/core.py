@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import heapq
+import math
 import random
 from collections import Counter
 from collections.abc import Callable
@@ -128,6 +129,10 @@ class RouterCore:
         self._healthy: list[WorkerView] = []
         self._inflight: dict[str, _Inflight] = {}
         self._num_routed = 0
+        # recent prefill per worker decays as exp(-t / window); views hold it scaled by
+        # exp((t - t0) / window) so that a route touches one view, not all (see _recent_scale)
+        self._recent_window_s = config.recent_window_s
+        self._recent_t0 = clock()
         self._sync_counters: Counter[str] = Counter()
 
     # ---- fleet membership ----------------------------------------------------------------
@@ -262,7 +267,20 @@ class RouterCore:
 
     # ---- routing -------------------------------------------------------------------------
 
-    def _query(self, req: RouteRequest) -> RouteQuery:
+    def _recent_scale(self, now: float) -> float:
+        """exp((now - t0) / window): a view's ``recent_prefill`` divided by it is the decayed
+        sum of prefill tokens routed there. Rebased (t0 = now) before it passes e**230, so
+        neither it nor the stored sums overflow, however long the router runs or idles."""
+        x = (now - self._recent_t0) / self._recent_window_s
+        if x <= 230.0:
+            return math.exp(x)
+        decay = math.exp(-x)  # underflows to 0.0 after a long idle: everything has decayed
+        for worker in self._workers.values():
+            worker.view.recent_prefill *= decay
+        self._recent_t0 = now
+        return 1.0
+
+    def _query(self, req: RouteRequest, recent_scale: float = 1.0) -> RouteQuery:
         tokens = req.token_ids
         if not (isinstance(tokens, np.ndarray) and tokens.dtype == np.uint32 and tokens.ndim == 1):
             try:  # uint32 arrays (what the service decodes) are valid as they are
@@ -276,7 +294,7 @@ class RouterCore:
         else:
             seed = req.partition.seed
             hashes = block_hashes(tokens, block_size, seed, validate=False).tolist()
-        return RouteQuery(req.request_id, len(tokens), block_size, hashes)
+        return RouteQuery(req.request_id, len(tokens), block_size, hashes, recent_scale)
 
     def _candidates(self, req: RouteRequest) -> list[WorkerView]:
         if req.exclude:
@@ -295,8 +313,9 @@ class RouterCore:
         candidates = self._candidates(req)
         if not candidates:
             raise self._no_worker(req)
-        query = self._query(req)
         now = self._clock()
+        scale = self._recent_scale(now)
+        query = self._query(req, 1.0 / scale)
         index = self._index
         index.expire(now)
         hashes = query.block_hashes
@@ -308,6 +327,7 @@ class RouterCore:
         if req.request_id in self._inflight:
             self.on_finished(req.request_id)
         self._account(req.request_id, view, query.prompt_tokens - matched_tokens)
+        view.recent_prefill += (query.prompt_tokens - matched_tokens) * scale
         if hashes and self._policy.uses_matches:
             deadline = now + self._ttl
             if not self._use_events and depth:  # approx mode: what was used stays longer
@@ -336,9 +356,10 @@ class RouterCore:
         Ties are broken with a generator seeded by the request id (not the router's), and
         stateful policies (round_robin) are consulted on a copy.
         """
-        query = self._query(req)
+        now = self._clock()
+        query = self._query(req, 1.0 / self._recent_scale(now))
         hashes = query.block_hashes
-        self._index.expire(self._clock())  # as route() does: a lapsed prediction matches nothing
+        self._index.expire(now)  # as route() does: a lapsed prediction matches nothing
         matched = self._index.find_matches(hashes, touch=False) if hashes else {}
         candidates = self._candidates(req)
         costs: list[float] | None = None

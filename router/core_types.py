@@ -15,6 +15,7 @@ from kvroute_proto.events import DEFAULT_PARTITION, LoadReport, Partition
 from router.policy import CostWeights
 
 __all__ = [
+    "DEFAULT_RECENT_WINDOW_S",
     "Action",
     "Explanation",
     "Resubscribe",
@@ -24,6 +25,9 @@ __all__ = [
     "RouterStats",
     "WorkerScore",
 ]
+
+
+DEFAULT_RECENT_WINDOW_S = 30.0  # decay time constant of each worker's recent prefill
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +44,8 @@ class RouterConfig:
     leading blocks prefix_hash hashes. ``verify_hashes``: recompute stored chains from their
     tokens (slow; mismatches are counted and dropped). ``predict_stride``: predictions keep
     every stride-th block, so a predicted match is a multiple of it (router.predicted).
+    ``recent_window_s``: time constant of the decay of each worker's recent prefill tokens
+    (the cost's balance term; router.policy).
     """
 
     policy: str = "cache_aware"
@@ -52,10 +58,13 @@ class RouterConfig:
     prefix_hash_blocks: int = 4
     verify_hashes: bool = False
     predict_stride: int = 4
+    recent_window_s: float = DEFAULT_RECENT_WINDOW_S
 
     def __post_init__(self) -> None:
         if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"block_size must be >= 1 or None, got {self.block_size}")
+        if not self.recent_window_s > 0:
+            raise ValueError(f"recent_window_s must be > 0, got {self.recent_window_s}")
         for name in ("predicted_ttl_s", "approx_ttl_s"):
             if not getattr(self, name) >= 0:  # NaN too
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

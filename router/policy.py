@@ -10,6 +10,7 @@ would wait for there, in token equivalents::
     cost = w.prefill        * (prompt_tokens - cached prefix)     # work this request adds
          + w.queued_prefill * queued prefill tokens on the worker # work ahead of it
          + w.decode         * requests running on the worker      # decode slows each step
+         + w.recent_prefill * recent prefill tokens on the worker # its share of the past
 
 and takes the cheapest; equal costs are broken at random (never "always worker 0"). The
 queued term is what spreads a hot prefix: every request routed to the holder adds its own
@@ -23,6 +24,16 @@ reuses their KV, so a queue delays a request less than its own uncached tokens d
 0.25 a holder keeps a hot prefix until its queue is about four times the prefix it saves;
 at 1.0 even the second request of a burst with a new prefix would already tie with a cold
 worker.
+
+The recent term is the balance between bursts. Below saturation queues are empty most of
+the time, so the queued term says nothing, and a short prefix that every request shares (a
+512-token system prompt) kept all traffic on the few workers that had seen it while the rest
+of the fleet idled (support-agent replay on 16 workers: 6 workers never got a request,
+prefill per worker max/mean 2.25). ``recent_prefill`` is the router's count of uncached
+tokens it sent to the worker, decaying as exp(-t / window) (``RouterConfig.
+recent_window_s``, 30 s): at 0.1 a worker that prefilled 5,120 more tokens in the last
+half-minute loses a 512-token prefix advantage, while a conversation whose history of a few
+thousand tokens is cached stays where it is until the gap is ten times that.
 
 Baselines share the interface: round_robin, random, least_load, power_of_two, prefix_hash
 (rendezvous hashing of the first blocks: consistent when workers come and go), and
@@ -59,23 +70,43 @@ class CostWeights:
     cost(worker) = prefill * (prompt_tokens - matched_tokens)
                  + queued_prefill * queued prefill tokens on the worker
                  + decode * requests running on the worker
+                 + recent_prefill * prefill tokens routed there lately (decayed)
 
     Defaults chosen by trace replay (BENCHMARKS.md): a queued token weighs a quarter of a
     token to prefill here, because a miss costs more than this request's wait -- it spends
     fleet compute and writes a duplicate copy that evicts other prefixes. At 1.0 a burst with
     a new shared prefix did not follow its first request; at 0.5 the Mooncake trace on 8
     workers reached 94% of the pooled hit-rate bound with load imbalance 1.12; at 0.25, 96%
-    and 1.04, with the lowest TTFT p99 of all policies at 4, 8 and 16 workers.
+    and 1.04. ``recent_prefill`` 0.1 took the support-agent workload's imbalance from
+    1.29-2.25 to 1.01-1.07 at 4-16 workers at under a point of hit rate; 0.25 cost more hit
+    rate on the overloaded 4-worker runs and TTFT p99 at 8 workers.
     """
 
     prefill: float = 1.0
     queued_prefill: float = 0.25
     decode: float = 16.0
+    recent_prefill: float = 0.1
 
     def __post_init__(self) -> None:
-        for name in ("prefill", "queued_prefill", "decode"):
-            if getattr(self, name) < 0:
+        for name in ("prefill", "queued_prefill", "decode", "recent_prefill"):
+            if not getattr(self, name) >= 0:  # NaN too
                 raise ValueError(f"CostWeights.{name} must be >= 0, got {getattr(self, name)}")
+
+    @classmethod
+    def parse(cls, text: str) -> CostWeights:
+        """``"PREFILL,QUEUED,DECODE[,RECENT]"`` (a missing RECENT keeps its default);
+        ValueError naming the expected form otherwise."""
+        parts = text.split(",")
+        try:
+            if len(parts) not in (3, 4):
+                raise ValueError
+            values = [float(x) for x in parts]
+        except ValueError:
+            raise ValueError(
+                f"cost weights must be three or four numbers PREFILL,QUEUED,DECODE[,RECENT], "
+                f"got {text!r}"
+            ) from None
+        return cls(*values)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +133,9 @@ class WorkerView:
 
     ``queued_prefill_tokens``: the router's count, or the worker's report if larger (it also
     sees other routers' requests; ours may not have reached it yet). ``num_running``:
-    likewise for requests (running + waiting on the worker).
+    likewise for requests (running + waiting on the worker). ``recent_prefill``: prefill
+    tokens routed here, decayed, times the core's current scale factor (policies multiply by
+    ``RouteQuery.recent_scale`` to get tokens; see ``RouterCore._recent_scale``).
     """
 
     worker_id: str
@@ -114,6 +147,7 @@ class WorkerView:
     load: LoadReport | None = None
     queued_prefill_tokens: int = 0
     num_running: int = 0
+    recent_prefill: float = 0.0
 
     def refresh(self) -> None:
         """Recompute the derived fields from the router's counts and the last report."""
@@ -130,12 +164,14 @@ class WorkerView:
 
 @dataclass(frozen=True, slots=True)
 class RouteQuery:
-    """The request as policies see it. ``block_hashes``: its full blocks' hashes."""
+    """The request as policies see it. ``block_hashes``: its full blocks' hashes.
+    ``recent_scale``: turns a view's stored ``recent_prefill`` into decayed tokens now."""
 
     request_id: str
     prompt_tokens: int
     block_size: int
     block_hashes: Sequence[int]
+    recent_scale: float = 1.0
 
 
 class Policy:
@@ -205,15 +241,22 @@ class CacheAware(Policy):
     ) -> list[float]:
         w = self.config.weights
         wp, wq, wd = w.prefill, w.queued_prefill, w.decode
+        wr = w.recent_prefill * query.recent_scale
         prompt = query.prompt_tokens
         full = wp * prompt
         if not matched:
-            return [wq * c.queued_prefill_tokens + wd * c.num_running + full for c in candidates]
+            return [
+                wq * c.queued_prefill_tokens + wd * c.num_running + wr * c.recent_prefill + full
+                for c in candidates
+            ]
         bs = query.block_size
         # the prefill term of the (few) matched workers; everyone else pays ``full``
         get = {s: wp * max(prompt - d * bs, 0) for s, d in matched.items()}.get
         return [
-            wq * c.queued_prefill_tokens + wd * c.num_running + get(c.slot, full)
+            wq * c.queued_prefill_tokens
+            + wd * c.num_running
+            + wr * c.recent_prefill
+            + get(c.slot, full)
             for c in candidates
         ]
 

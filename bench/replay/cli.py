@@ -102,8 +102,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--cost-weights",
-        metavar="PREFILL,QUEUED,DECODE",
-        help="sim mode: cache_aware/approx_tree CostWeights (default: the router's)",
+        metavar="PREFILL,QUEUED,DECODE[,RECENT]",
+        help="cache_aware/approx_tree CostWeights (default: the router's)",
+    )
+    p.add_argument(
+        "--recent-window-s",
+        type=float,
+        default=None,
+        help="decay time constant, in trace seconds, of the recent-prefill balance term "
+        "(default: the router's)",
     )
     p.add_argument("--no-bounds", action="store_true", help="skip the pooled/infinite runs")
     p.add_argument(
@@ -135,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         policies = _policies(args.policy)
-        _cost_weights(args.cost_weights)  # validate before any work
+        _sim_config(args)  # validates the weights and window before any work
         if args.workers < 1:
             raise ValueError(f"--workers must be >= 1, got {args.workers}")
         limit = args.limit
@@ -156,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
         "page_size": args.page_size,
         "block_size": args.block_size,
     }
+    if args.cost_weights:
+        setup["cost_weights"] = args.cost_weights
+    if args.recent_window_s is not None:
+        setup["recent_window_s"] = args.recent_window_s
     progress = None if args.quiet else sys.stderr
     if args.mode == "sim":
         report = _run_sim(args, records, policies, setup, progress)
@@ -172,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
             block_size=args.block_size,
             trace_block_size=args.trace_block_size,
             timeout_s=args.timeout_s,
+            cost_weights=args.cost_weights,
+            recent_window_s=args.recent_window_s,
         )
         report = ReplayReport(setup=setup)
         for policy in policies:
@@ -193,18 +206,12 @@ def main(argv: list[str] | None = None) -> int:
 def _cost_weights(text: str | None):  # -> CostWeights | None
     if text is None:
         return None
-    from router.core import CostWeights
+    from router.policy import CostWeights
 
-    parts = text.split(",")
     try:
-        if len(parts) != 3:
-            raise ValueError
-        prefill, queued, decode = (float(x) for x in parts)
-    except ValueError:
-        raise ValueError(
-            f"--cost-weights must be three numbers PREFILL,QUEUED,DECODE, got {text!r}"
-        ) from None
-    return CostWeights(prefill=prefill, queued_prefill=queued, decode=decode)
+        return CostWeights.parse(text)
+    except ValueError as exc:
+        raise ValueError(f"--cost-weights: {exc}") from None
 
 
 def _sim_config(args: argparse.Namespace):  # -> SimConfig
@@ -214,6 +221,8 @@ def _sim_config(args: argparse.Namespace):  # -> SimConfig
     weights = _cost_weights(args.cost_weights)
     if weights is not None:
         router = replace(router, weights=weights)
+    if args.recent_window_s is not None:
+        router = replace(router, recent_window_s=args.recent_window_s)
     return SimConfig(
         router=router,
         num_workers=args.workers,
@@ -231,8 +240,6 @@ def _run_sim(args, records, policies, setup, progress) -> ReplayReport:
 
     config = _sim_config(args)
     setup = {**setup, "event_delay_s": args.event_delay_s, "load_interval_s": args.load_interval_s}
-    if args.cost_weights:
-        setup["cost_weights"] = args.cost_weights
     report = ReplayReport(setup=setup)
     expander = TokenExpander(args.trace_block_size, config.vocab_size, args.seed)
     for policy in policies:

@@ -37,6 +37,7 @@ from bench.replay.report import PolicyReport, RequestResult, summarize
 from bench.replay.trace import TokenExpander, TraceRecord
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
+from router.core_types import DEFAULT_RECENT_WINDOW_S
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,6 +59,8 @@ class LiveConfig:
     trace_block_size: int = 512
     max_context_tokens: int = 1 << 20  # of the simulated model: long trace prompts must fit
     timeout_s: float = 600.0  # the whole replay of one policy
+    cost_weights: str | None = None  # the router's --cost-weights (None: its defaults)
+    recent_window_s: float | None = None  # in trace seconds (None: the router's default)
     startup_timeout_s: float = 60.0  # each process, and readiness
     python: str = sys.executable
 
@@ -184,6 +187,11 @@ class LiveFleet:
         self.workers = [t.result() for t in spawns]
         router_args = ["router", "--port", "0", "--policy", self.policy, "--seed", str(c.seed)]
         router_args += ["--log-level", "WARNING"]
+        if c.cost_weights is not None:
+            router_args += ["--cost-weights", c.cost_weights]
+        # the router's clock is wall time, the trace's is compressed by the speedup
+        window_s = c.recent_window_s if c.recent_window_s is not None else DEFAULT_RECENT_WINDOW_S
+        router_args += ["--recent-window-s", repr(window_s / c.speedup)]
         for w in self.workers:
             router_args += ["--worker", w.address]
         self.router = await self._spawn("router", router_args)

@@ -6,10 +6,12 @@ import json
 
 import pytest
 
-from bench.replay.cli import main
+from bench.replay.cli import _sim_config, build_parser, main
 from bench.replay.sim import SimConfig, infinite_capacity_tokens, simulate, simulate_bound
 from bench.replay.trace import TokenExpander, TraceRecord, write_trace
 from bench.workload import SupportAgentConfig, generate_support_agent
+from router.core import RouterConfig
+from router.policy import CostWeights
 
 BS = 64  # trace block size of the tiny traces
 
@@ -47,6 +49,22 @@ def test_cache_aware_reaches_the_pooled_bound_and_round_robin_does_not():
     assert rr.hit_rate < pooled.hit_rate
     assert aware.extra["router_predicted_hit_rate"] == pytest.approx(aware.hit_rate)
     assert aware.extra["event_batches"] > 0 and aware.extra["resubscribes"] == 0
+
+
+def test_support_agent_in_miniature_keeps_its_hits_and_balances_prefill():
+    # 245 requests on 4 workers far below saturation: conversations stay where their history
+    # is cached, and the one-off RAG prefills spread instead of piling onto the workers that
+    # hold the system prompt (without the recent-prefill term: imbalance 1.55)
+    records = generate_support_agent(
+        SupportAgentConfig(rate_rps=4.0, duration_s=60.0, num_conversations=20, seed=0)
+    )
+    cfg = SimConfig(num_workers=4)
+    ex = TokenExpander(16, cfg.vocab_size, seed=0)
+    aware = simulate(records, "cache_aware", cfg, ex)
+    pooled = simulate_bound(records, "pooled", cfg, ex, trace_block_size=16)
+    assert aware.errors == 0
+    assert aware.hit_rate >= 0.97 * pooled.hit_rate
+    assert aware.load_imbalance <= 1.2, aware.prefill_tokens_per_worker
 
 
 def test_request_accounting_and_latencies_are_consistent():
@@ -137,7 +155,9 @@ def test_cli_errors_and_plot(tmp_path, capsys):
     assert main(["--trace", str(trace), "--policy", "nope", "--trace-block-size", "64"]) == 2
     assert "nope" in capsys.readouterr().err
     assert main(["--trace", str(trace), "--trace-block-size", "64", "--cost-weights", "1,2"]) == 2
-    assert "PREFILL,QUEUED,DECODE" in capsys.readouterr().err
+    assert "--cost-weights: cost weights must be three or four numbers" in capsys.readouterr().err
+    assert main(["--trace", str(trace), "--trace-block-size", "64", "--recent-window-s", "0"]) == 2
+    assert "recent_window_s must be > 0" in capsys.readouterr().err
     png = tmp_path / "p.png"
     argv = [
         "--trace",
@@ -168,3 +188,17 @@ def test_cli_errors_and_plot(tmp_path, capsys):
     ):
         assert name in out
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cost_settings_reach_the_router_and_the_report(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace, two_prefix_trace(8))
+    out = tmp_path / "r.json"
+    base = ["--trace", str(trace), "--trace-block-size", "64", "--workers", "2", "--quiet"]
+    argv = [*base, "--no-bounds", "--json", str(out)]
+    assert main([*argv, "--cost-weights", "1,0.25,16,0.5", "--recent-window-s", "5"]) == 0
+    setup = json.loads(out.read_text())["setup"]
+    assert (setup["cost_weights"], setup["recent_window_s"]) == ("1,0.25,16,0.5", 5.0)
+    router = _sim_config(build_parser().parse_args([*base, "--cost-weights", "2,0,1"])).router
+    assert router.weights == CostWeights(2.0, 0.0, 1.0)  # RECENT keeps the router's default
+    assert router.recent_window_s == RouterConfig().recent_window_s

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 
@@ -20,6 +21,7 @@ from kvroute_proto.events import (
 from kvroute_proto.hashing import block_hash_list
 from router.core import (
     BlockSizeMismatchError,
+    CostWeights,
     DuplicateWorkerError,
     InvalidRouteRequestError,
     NoWorkerAvailable,
@@ -294,6 +296,67 @@ def test_ties_are_not_always_the_first_worker() -> None:
         picks[core.route(RouteRequest(f"r{i}", tokens(8, 1000 * i))).worker_id] += 1
         core.on_finished(f"r{i}")
     assert len(picks) == 4
+
+
+def _one_off_requests(core: RouterCore, clock: Clock, n: int) -> Counter[str]:
+    """``n`` requests, one a second, each [the 512-token system prompt][4,000 unique tokens],
+    each done before the next arrives (a fleet far below saturation)."""
+    system = tokens(512)
+    rng = np.random.default_rng(1)
+    picks: Counter[str] = Counter()
+    for i in range(n):
+        prompt = np.concatenate([system, rng.integers(0, 30000, 4000).astype(np.uint32)])
+        picks[core.route(RouteRequest(f"r{i}", prompt)).worker_id] += 1
+        core.on_first_token(f"r{i}")
+        core.on_finished(f"r{i}")
+        clock.now += 1.0
+    return picks
+
+
+def test_one_off_requests_spread_over_an_idle_fleet_despite_a_shared_system_prompt() -> None:
+    # Every worker but w0 is idle and cold; w0 holds the system prompt. Queues are empty at
+    # each arrival, so only the recent-prefill term can move work off the holder.
+    core, clock = make_core(4)
+    give(core, "w0", stored(tokens(512)))
+    picks = _one_off_requests(core, clock, 200)
+    assert set(picks) == {"w0", "w1", "w2", "w3"}
+    assert max(picks.values()) <= 1.25 * min(picks.values()), picks
+    # without the term every request stays on the holder (the 512 cached tokens win)
+    core, clock = make_core(4, weights=CostWeights(recent_prefill=0.0))
+    give(core, "w0", stored(tokens(512)))
+    assert _one_off_requests(core, clock, 50) == Counter({"w0": 50})
+
+
+def test_recent_prefill_decays_with_the_window() -> None:
+    core, clock = make_core(2, weights=CostWeights(1.0, 0.0, 0.0, 1.0), recent_window_s=10.0)
+    first = core.route(RouteRequest("r1", tokens(1600)))  # idle fleet: a random worker
+    core.on_finished("r1")
+    other = {"w0": "w1", "w1": "w0"}[first.worker_id]
+
+    def costs() -> dict[str, float]:
+        e = core.explain(RouteRequest("probe", tokens(160, 50_000)))
+        return {w.worker_id: w.cost for w in e.workers}
+
+    assert costs() == {first.worker_id: 160 + 1600.0, other: 160.0}
+    clock.now += 10.0 * math.log(2)  # one half-life
+    assert costs()[first.worker_id] == pytest.approx(160 + 800.0)
+    assert core.route(RouteRequest("r2", tokens(800, 60_000))).worker_id == other
+    core.on_finished("r2")
+    got = costs()
+    assert got[first.worker_id] == pytest.approx(160 + 800.0)
+    assert got[other] == pytest.approx(160 + 800.0)
+
+
+def test_recent_prefill_survives_long_runs_without_overflow() -> None:
+    # exp(t / window) would overflow a float after 7,100 s at a 10 s window: the core rebases
+    core, clock = make_core(2, weights=CostWeights(1.0, 0.0, 0.0, 1.0), recent_window_s=10.0)
+    for i, gap in enumerate((1000.0, 2000.0, 3000.0, 10 * 3600.0, 5.0)):
+        clock.now += gap
+        picked = core.route(RouteRequest(f"r{i}", tokens(320, 1000 * i))).worker_id
+        core.on_finished(f"r{i}")
+        e = core.explain(RouteRequest("probe", tokens(16, 99_000)))
+        assert {w.worker_id: w.cost for w in e.workers}[picked] == pytest.approx(16 + 320.0)
+        assert all(math.isfinite(w.cost) for w in e.workers)
 
 
 # ---- explain ---------------------------------------------------------------------------

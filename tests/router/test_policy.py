@@ -47,6 +47,8 @@ def test_registry() -> None:
 def test_config_validation() -> None:
     with pytest.raises(ValueError, match=r"CostWeights\.decode must be >= 0"):
         CostWeights(decode=-1)
+    with pytest.raises(ValueError, match=r"CostWeights\.recent_prefill must be >= 0, got nan"):
+        CostWeights(recent_prefill=float("nan"))
     with pytest.raises(ValueError, match="prefix_hash_blocks"):
         PolicyConfig(prefix_hash_blocks=0)
 
@@ -70,6 +72,28 @@ def test_cache_aware_costs_are_exact() -> None:
     ]
     i, cost = policy.select(query(320), ws, matched, random.Random(0))
     assert (i, cost) == (3, 20.0)
+
+
+def test_cost_weights_parse() -> None:
+    assert CostWeights.parse("1,0.5,8") == CostWeights(1.0, 0.5, 8.0, CostWeights().recent_prefill)
+    assert CostWeights.parse(" 2, 0, 4 ,0.3") == CostWeights(2.0, 0.0, 4.0, 0.3)
+    for bad in ("", "1,2", "1,2,3,4,5", "1,,3", "a,b,c"):
+        with pytest.raises(ValueError, match=r"PREFILL,QUEUED,DECODE\[,RECENT\], got"):
+            CostWeights.parse(bad)
+    with pytest.raises(ValueError, match=r"CostWeights\.prefill must be >= 0"):
+        CostWeights.parse("-1,0,0")
+
+
+def test_recent_prefill_term_is_exact_and_scaled() -> None:
+    ws = views(3)
+    ws[1].recent_prefill = 1000.0  # stored values are in the core's scaled units
+    ws[2].recent_prefill = 4000.0
+    policy = make_policy("cache_aware", PolicyConfig(CostWeights(1.0, 0.0, 0.0, 0.5)))
+    q = RouteQuery("r", 320, B, list(range(20)), recent_scale=0.25)
+    assert policy.costs(q, ws, {}) == [320.0, 320.0 + 0.5 * 0.25 * 1000, 320.0 + 0.5 * 0.25 * 4000]
+    # with a match the term is added the same way
+    assert policy.costs(q, ws, {2: 20}) == [320.0, 445.0, 0.0 + 500.0]
+    assert policy.select(q, ws, {2: 20}, random.Random(0)) == (0, 320.0)
 
 
 def test_cache_aware_ties_are_broken_at_random_and_reproducibly() -> None:

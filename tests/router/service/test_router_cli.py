@@ -8,6 +8,8 @@ import sys
 import pytest
 
 from router import cli, client, fleet
+from router.core_types import DEFAULT_RECENT_WINDOW_S
+from router.policy import CostWeights
 from router.service.tenancy import TenancyConfig
 
 
@@ -40,6 +42,10 @@ def test_router_flags_map_to_the_config():
             "3",
             "--seed",
             "4",
+            "--cost-weights",
+            "1,0.5,8",
+            "--recent-window-s",
+            "12",
         ]
     )
     config = cli.config_from_args(args)
@@ -51,12 +57,30 @@ def test_router_flags_map_to_the_config():
     assert config.service.tenancy == TenancyConfig("x-org", b"s", False)
     assert config.connection.purge_after_s == 3
     assert config.seed == 4
+    assert config.core.weights == CostWeights(1.0, 0.5, 8.0)  # RECENT keeps its default
+    assert config.core.recent_window_s == 12.0
 
 
 def test_router_defaults():
     config = cli.config_from_args(cli.build_parser().parse_args(["--worker", "h:1"]))
     assert config.core.policy == "cache_aware" and config.port == 50051
     assert config.service.tenancy == TenancyConfig()
+    assert config.core.weights == CostWeights()
+    assert config.core.recent_window_s == DEFAULT_RECENT_WINDOW_S
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--cost-weights", "1,2", "--cost-weights: cost weights must be three or four numbers"),
+        ("--cost-weights", "1,x,3", "--cost-weights: cost weights must be three or four"),
+        ("--cost-weights", "1,-1,3", "CostWeights.queued_prefill must be >= 0, got -1.0"),
+        ("--recent-window-s", "0", "recent_window_s must be > 0, got 0.0"),
+    ],
+)
+def test_bad_cost_settings_are_usage_errors(flag, value, message, capsys):
+    assert cli.main(["--worker", "h:1", flag, value]) == 2
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("bad", ["nohost", "h:0", "h:70000", ":1", "h:x"])
