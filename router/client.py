@@ -75,6 +75,7 @@ class WorkerScoreView:
     cost: float
     num_running: int
     num_waiting: int
+    recent_prefill_tokens: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +202,7 @@ class RouterClient:
                     cost=w.cost,
                     num_running=w.load.num_running,
                     num_waiting=w.load.num_waiting,
+                    recent_prefill_tokens=w.recent_prefill_tokens,
                 )
                 for w in resp.workers
             ),
@@ -330,14 +332,14 @@ def format_explain(result: ExplainResult) -> str:
         f"policy={result.policy} prompt_tokens={result.prompt_tokens} "
         f"chosen={result.chosen_worker_id or '(none)'}",
         f"  {'worker':<16} {'address':<22} {'ok':<3} {'matched':>8} {'inflight':>9} "
-        f"{'run':>4} {'wait':>5} {'cost':>12}",
+        f"{'run':>4} {'wait':>5} {'recent':>9} {'cost':>12}",
     ]
     for w in result.workers:
         mark = "*" if w.worker_id == result.chosen_worker_id else " "
         lines.append(
             f"{mark} {w.worker_id:<16} {w.address:<22} {'yes' if w.healthy else 'no':<3} "
             f"{w.matched_tokens:>8} {w.inflight_prefill_tokens:>9} {w.num_running:>4} "
-            f"{w.num_waiting:>5} {w.cost:>12.4g}"
+            f"{w.num_waiting:>5} {w.recent_prefill_tokens:>9.0f} {w.cost:>12.4g}"
         )
     return "\n".join(lines)
 

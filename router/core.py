@@ -357,7 +357,8 @@ class RouterCore:
         stateful policies (round_robin) are consulted on a copy.
         """
         now = self._clock()
-        query = self._query(req, 1.0 / self._recent_scale(now))
+        unscale = 1.0 / self._recent_scale(now)
+        query = self._query(req, unscale)
         hashes = query.block_hashes
         self._index.expire(now)  # as route() does: a lapsed prediction matches nothing
         matched = self._index.find_matches(hashes, touch=False) if hashes else {}
@@ -384,6 +385,7 @@ class RouterCore:
                     v.num_active,
                     cost_of.get(v.worker_id),
                     v.load,
+                    v.recent_prefill * unscale,
                 )
             )
         return Explanation(self._policy.name, query.prompt_tokens, chosen, tuple(lines))

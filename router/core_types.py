@@ -110,6 +110,7 @@ class WorkerScore:
     num_active_requests: int
     cost: float | None  # None: unhealthy/excluded, or a policy without a cost (round_robin)
     load: LoadReport | None
+    recent_prefill_tokens: float = 0.0  # decayed sum of prefill tokens routed there
 
 
 @dataclass(frozen=True, slots=True)

@@ -347,6 +347,7 @@ class RouterServicer(pb_grpc.RouterServicer):
                 matched_tokens=w.matched_tokens,
                 inflight_prefill_tokens=w.inflight_prefill_tokens,
                 cost=math.nan if w.cost is None else w.cost,
+                recent_prefill_tokens=w.recent_prefill_tokens,
             )
             if w.load is not None:
                 score.load.CopyFrom(codec.load_to_pb(w.load))

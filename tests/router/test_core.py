@@ -338,6 +338,11 @@ def test_recent_prefill_decays_with_the_window() -> None:
         return {w.worker_id: w.cost for w in e.workers}
 
     assert costs() == {first.worker_id: 160 + 1600.0, other: 160.0}
+    e = core.explain(RouteRequest("probe", tokens(160, 50_000)))
+    assert {w.worker_id: w.recent_prefill_tokens for w in e.workers} == {
+        first.worker_id: 1600.0,
+        other: 0.0,
+    }
     clock.now += 10.0 * math.log(2)  # one half-life
     assert costs()[first.worker_id] == pytest.approx(160 + 800.0)
     assert core.route(RouteRequest("r2", tokens(800, 60_000))).worker_id == other

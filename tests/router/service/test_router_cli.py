@@ -129,13 +129,15 @@ def test_format_explain_marks_the_pick():
         8,
         "w1",
         (
-            client.WorkerScoreView("w0", "h:1", True, 0, 0, 8.0, 0, 0),
+            client.WorkerScoreView("w0", "h:1", True, 0, 0, 8.0, 0, 0, 1234.4),
             client.WorkerScoreView("w1", "h:2", True, 8, 0, 0.0, 1, 0),
         ),
     )
     lines = client.format_explain(result).splitlines()
     assert lines[0] == "policy=cache_aware prompt_tokens=8 chosen=w1"
+    assert lines[1].split()[-2:] == ["recent", "cost"]
     assert lines[2].startswith("  w0") and lines[3].startswith("* w1")
+    assert lines[2].split()[-2:] == ["1234", "8"]
 
 
 def test_token_id_prompts_are_parsed():

@@ -319,6 +319,16 @@ async def test_explain_lists_every_worker_and_the_pick(fleet):
     assert addresses == set(router.server.config.workers)
 
 
+async def test_explain_shows_the_recent_prefill_a_request_left(fleet):
+    router, _, _ = fleet
+    result = await router.client.generate(PROMPT)
+    expl = await router.client.explain(PROMPT)
+    recent = {w.worker_id: w.recent_prefill_tokens for w in expl.workers}
+    # 16 uncached tokens, decayed over the milliseconds since (30 s window)
+    assert 15.0 < recent[result.worker_id] <= 16.0
+    assert [v for k, v in recent.items() if k != result.worker_id] == [0.0]
+
+
 async def test_abort_from_another_tenant_does_not_find_the_request():
     a = FakeWorker("w0", behaviour="hang")
     async with running_fake(a) as ra, running_router([ra.address], tenant="acme") as router:
