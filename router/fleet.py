@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
+import gc
 import logging
 import os
 import signal
@@ -282,6 +283,7 @@ async def _up(config: FleetConfig, demo: bool, exit_after_demo: bool) -> int:
             return 130
         stopper.cancel()
         address = starting.result()
+        gc.freeze()  # as `kvroute router` does after start-up (route-latency p99, bench_index)
         for w in fleet.workers:
             print(f"worker {w.worker_id} listening on {w.address} (pid {w.proc.pid})", flush=True)
         print(f"router listening on {address} (policy {config.policy})", flush=True)
