@@ -115,6 +115,7 @@ class _ScaledExecutor:
         self.vocab_size = inner.vocab_size
         self.max_context_tokens = inner.max_context_tokens
         self.eos_token_id = inner.eos_token_id
+        self.eos_token_ids = inner.eos_token_ids
 
     def forward(self, prefill: list[ForwardItem], decode: list[ForwardItem]) -> list[int]:
         return self._inner.forward(prefill, decode)

@@ -72,6 +72,7 @@ class Engine:
             vocab_size=executor.vocab_size,
             max_context_tokens=executor.max_context_tokens,
             eos_token_id=executor.eos_token_id,
+            eos_token_ids=frozenset(executor.eos_token_ids),
         )
         self.scheduler = Scheduler(
             config, self.cache, self.allocator, limits, random.Random(config.seed)
@@ -90,7 +91,13 @@ class Engine:
 
     @property
     def eos_token_id(self) -> int | None:
+        """The model's first end-of-sequence id (None when it has none)."""
         return self.executor.eos_token_id
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every id that finishes a request (unless it sets ``ignore_eos``), in model order."""
+        return self.executor.eos_token_ids
 
     # -- requests
 

@@ -2,7 +2,8 @@
 
 A model directory holds ``config.json``, one or more ``*.safetensors`` files and,
 optionally, ``tokenizer.json`` (read with the ``tokenizers`` package when installed;
-otherwise, or when absent, the byte tokenizer is used if the model's vocab covers it).
+otherwise, or when absent, the byte tokenizer is used if the model's vocab covers it) and
+``generation_config.json`` (its ``eos_token_id`` ids join config.json's).
 Nothing is fetched from the network. Every failure is a ``ModelLoadError`` that names the
 file and, where there is one, the key.
 """
@@ -52,15 +53,13 @@ def _optional(raw: dict[str, Any], key: str, path: Path, kind: type, default: An
 
 
 def _eos_ids(value: Any, path: Path) -> tuple[int, ...]:
-    match value:
-        case None:
-            return ()
-        case int():
-            return (value,)
-        case list() if all(isinstance(v, int) for v in value):
-            return tuple(value)
-        case _:
-            raise ModelLoadError(f"{path}: key 'eos_token_id' must be an int or list of ints")
+    """The ``eos_token_id`` value (None, an id or a list of ids) as unique ids, in order."""
+    ids = value if isinstance(value, list) else [] if value is None else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ids):
+        raise ModelLoadError(
+            f"{path}: key 'eos_token_id' must be an id >= 0 or a list of them, got {value!r}"
+        )
+    return tuple(dict.fromkeys(ids))
 
 
 def _rope_scaling(raw: dict[str, Any], path: Path) -> RopeScaling | None:
@@ -177,7 +176,8 @@ def _load_weights(model_dir: Path, device: torch.device, dtype: torch.dtype):
 
 
 def _generation_eos_ids(model_dir: Path) -> tuple[int, ...]:
-    """eos_token_id from generation_config.json, for checkpoints whose config.json lacks it."""
+    """eos_token_id from generation_config.json: the ids HF ``generate`` stops on. An instruct
+    checkpoint may list its end-of-turn id (Llama 3's ``<|eot_id|>``) only there."""
     path = model_dir / "generation_config.json"
     if not path.is_file():
         return ()
@@ -196,8 +196,10 @@ def load_model(
     dev = torch.device(device)
     raw = read_config(model_dir)
     cfg = parse_config(raw, model_dir / "config.json", _pick_dtype(raw, dev, dtype))
-    if not cfg.eos_token_ids:
-        cfg = dataclasses.replace(cfg, eos_token_ids=_generation_eos_ids(model_dir))
+    # config.json's ids first (the first stays eos_token_id), then generation_config.json's.
+    eos_ids = tuple(dict.fromkeys(cfg.eos_token_ids + _generation_eos_ids(model_dir)))
+    if eos_ids != cfg.eos_token_ids:
+        cfg = dataclasses.replace(cfg, eos_token_ids=eos_ids)
     tensors, origin = _load_weights(model_dir, dev, cfg.dtype)
 
     with torch.device("meta"):
@@ -270,7 +272,10 @@ def hf_config_dict(cfg: LlamaConfig) -> dict[str, Any]:
         "mlp_bias": cfg.mlp_bias,
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "bos_token_id": cfg.bos_token_id,
-        "eos_token_id": cfg.eos_token_id,
+        # One id as an int (as most checkpoints write it), several as a list.
+        "eos_token_id": (
+            list(cfg.eos_token_ids) if len(cfg.eos_token_ids) > 1 else cfg.eos_token_id
+        ),
         "torch_dtype": dtype_name,
     }
     if cfg.rope_scaling is not None:

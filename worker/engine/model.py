@@ -85,15 +85,24 @@ class LlamaConfig:
 
     @property
     def eos_token_id(self) -> int | None:
-        """The first end-of-sequence id (the Executor protocol carries one)."""
+        """The first end-of-sequence id (None when there is none)."""
         return self.eos_token_ids[0] if self.eos_token_ids else None
 
 
-def tiny_config(*, vocab_size: int = 512, eos_token_id: int | None = None) -> LlamaConfig:
-    """The default model: small enough that tests and the CPU demo run in milliseconds."""
+def tiny_config(
+    *,
+    vocab_size: int = 512,
+    eos_token_id: int | None = None,
+    eos_token_ids: tuple[int, ...] = (),
+) -> LlamaConfig:
+    """The default model: small enough that tests and the CPU demo run in milliseconds.
+
+    Give its end-of-sequence id as ``eos_token_id`` or, for several, ``eos_token_ids``."""
+    if eos_token_id is not None and eos_token_ids:
+        raise ValueError("tiny_config: give eos_token_id or eos_token_ids, not both")
     return LlamaConfig(
         vocab_size=vocab_size,
-        eos_token_ids=() if eos_token_id is None else (eos_token_id,),
+        eos_token_ids=(eos_token_id,) if eos_token_id is not None else tuple(eos_token_ids),
     )
 
 

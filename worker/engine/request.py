@@ -68,7 +68,16 @@ class Req:
         "token_buf",
     )
 
-    def __init__(self, req: EngineRequest, seq: int, max_new_tokens: int, root: object) -> None:
+    def __init__(
+        self,
+        req: EngineRequest,
+        seq: int,
+        max_new_tokens: int,
+        root: object,
+        eos_token_ids: frozenset[int] = frozenset(),
+    ) -> None:
+        """``eos_token_ids``: the model's EOS ids this request stops on (empty when its
+        sampling sets ``ignore_eos``); they join ``stop_ids`` with its stop_token_ids."""
         prompt = req.prompt_token_ids
         self.request_id = req.request_id
         self.sampling = req.sampling
@@ -86,7 +95,7 @@ class Req:
         self.num_tokens = n
         self.num_computed = 0
         self.output_ids: list[int] = []
-        self.stop_ids = frozenset(req.sampling.stop_token_ids)
+        self.stop_ids = frozenset(req.sampling.stop_token_ids) | eos_token_ids
         self.cache_req = CacheReq(
             token_ids=self.token_buf[:0],
             slots=self.slot_buf[:0],

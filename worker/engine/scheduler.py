@@ -107,7 +107,8 @@ class Scheduler:
             raise QueueFullError(
                 f"waiting queue is full: max_waiting_requests={self.config.max_waiting_requests}"
             )
-        req = Req(er, self._next_seq, max_new, self._root)
+        eos = frozenset() if er.sampling.ignore_eos else lim.eos_token_ids
+        req = Req(er, self._next_seq, max_new, self._root, eos)
         self._next_seq += 1
         self._reqs[er.request_id] = req
         self._waiting[er.request_id] = req
@@ -429,9 +430,7 @@ class Scheduler:
         r.output_ids.append(tok)
         self.counters.generated_tokens += 1
         sp = r.sampling
-        if tok in r.stop_ids:
-            return FinishReason.STOP
-        if tok == self.limits.eos_token_id and not sp.ignore_eos:
+        if tok in r.stop_ids:  # stop_token_ids and, unless ignore_eos, every EOS id
             return FinishReason.STOP
         if len(r.output_ids) >= sp.max_new_tokens:
             return FinishReason.LENGTH

@@ -106,6 +106,9 @@ class SimExecutor:
         self.vocab_size = self.config.vocab_size
         self.max_context_tokens = self.config.max_context_tokens
         self.eos_token_id = self.config.eos_token_id
+        self.eos_token_ids: tuple[int, ...] = (
+            () if self.eos_token_id is None else (self.eos_token_id,)
+        )
         self._zero_cost = self.cost_model == SimCostModel.zero()
 
     def token_for(self, item: ForwardItem) -> int:

@@ -6,15 +6,30 @@ Pure: imports neither asyncio, grpc, torch nor a clock.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from numbers import Integral
 
 
 @dataclass(frozen=True, slots=True)
 class ModelLimits:
-    """What the executor's model allows (the scheduler validates against it)."""
+    """What the executor's model allows (the scheduler validates against it).
+
+    ``eos_token_ids`` is every id that ends a sequence (a frozenset: the scheduler tests each
+    generated token against it); ``eos_token_id``, the model's first one, is always in it.
+    """
 
     vocab_size: int
     max_context_tokens: int
     eos_token_id: int | None
+    eos_token_ids: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        ids = frozenset(self.eos_token_ids)
+        if self.eos_token_id is not None:
+            ids |= {self.eos_token_id}
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, Integral) or t < 0:
+                raise ValueError(f"ModelLimits.eos_token_ids must be ints >= 0, got {t!r}")
+        object.__setattr__(self, "eos_token_ids", ids)
 
 
 @dataclass(slots=True)

@@ -54,6 +54,7 @@ class TorchExecutor:
         self.device = torch.device(device)
         self.vocab_size: int = cfg.vocab_size
         self.max_context_tokens: int = cfg.max_position_embeddings
+        self.eos_token_ids: tuple[int, ...] = cfg.eos_token_ids
         self.eos_token_id: int | None = cfg.eos_token_id
         self.num_kv_slots: int = kv_pool.num_slots
         self._sampler = Sampler(seed)

@@ -85,11 +85,17 @@ class ForwardItem:
 class Executor(Protocol):
     """Runs forward passes over the paged KV pool; returns one sampled token per item
     (-1 for an item with sample=False). ``step_cost_s`` is the time the step took or, for
-    the simulated executor, the modelled time."""
+    the simulated executor, the modelled time.
+
+    ``eos_token_ids`` are every id that ends a sequence (a Llama-3-Instruct checkpoint lists
+    both ``<|end_of_text|>`` and ``<|eot_id|>``; may be empty); generating any of them
+    finishes a request unless its sampling sets ``ignore_eos``. ``eos_token_id`` is the
+    first of them (None when there is none), for code that wants a single id."""
 
     vocab_size: int
     max_context_tokens: int
     eos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
 
     def forward(self, prefill: list[ForwardItem], decode: list[ForwardItem]) -> list[int]: ...
 

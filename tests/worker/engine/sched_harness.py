@@ -24,13 +24,21 @@ VOCAB = 1000
 
 
 class RecordingExecutor:
-    """A zero-cost SimExecutor that records every step's forward slices."""
+    """A zero-cost SimExecutor that records every step's forward slices.
 
-    def __init__(self, config: SimExecutorConfig) -> None:
+    ``eos_token_ids``, when given, replaces the EOS ids it reports (a model that lists several,
+    as Llama-3-Instruct does); the tokens are still the sim's, whose EOS is its config's."""
+
+    def __init__(
+        self, config: SimExecutorConfig, eos_token_ids: tuple[int, ...] | None = None
+    ) -> None:
         self.inner = SimExecutor(SimCostModel.zero(), config)
         self.vocab_size = self.inner.vocab_size
         self.max_context_tokens = self.inner.max_context_tokens
-        self.eos_token_id = self.inner.eos_token_id
+        if eos_token_ids is None:
+            eos_token_ids = self.inner.eos_token_ids
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
         # One list per step: ("p"|"d", request_id, start_pos, num_tokens, sample)
         self.steps: list[list[tuple[str, str, int, int, bool]]] = []
 
@@ -50,11 +58,13 @@ class RecordingExecutor:
 def make_engine(
     *,
     sim: SimExecutorConfig | None = None,
+    eos_token_ids: tuple[int, ...] | None = None,
     **config: Any,
 ) -> tuple[Engine, RecordingExecutor]:
     """A zero-cost engine over a recording executor (vocab 1000, context 8192)."""
     executor = RecordingExecutor(
-        sim if sim is not None else SimExecutorConfig(vocab_size=VOCAB, max_context_tokens=8192)
+        sim if sim is not None else SimExecutorConfig(vocab_size=VOCAB, max_context_tokens=8192),
+        eos_token_ids,
     )
     config.setdefault("schedule_policy", "fcfs")
     clock = itertools.count(1).__next__

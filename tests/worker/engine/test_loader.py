@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from worker.engine.factory import build_tiny_default
 from worker.engine.loader import load_model, save_hf
-from worker.engine.model import LlamaForCausalLM
+from worker.engine.model import LlamaForCausalLM, build_tiny_model, tiny_config
 from worker.engine.tokenizer import ByteTokenizer, HFTokenizer
 from worker.engine.torch_executor import TorchExecutor
 from worker.engine.types import ForwardItem, SamplingParams
@@ -111,6 +111,24 @@ def test_eos_list_and_llama3_rope_scaling_are_read(model_dir):
     assert cfg.rope_scaling is not None and cfg.rope_scaling.factor == 8.0
 
 
+def test_generation_config_eos_ids_join_config_json(model_dir):
+    # Llama-3-8B-Instruct as released: config.json names <|end_of_text|> alone, and
+    # generation_config.json adds <|eot_id|>, the id a chat turn actually ends with.
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [259, 258]}))
+    loaded = load_model(model_dir)
+    assert loaded.model.config.eos_token_ids == (258, 259)  # config.json's first, no repeats
+    ex = TorchExecutor.create(loaded.model, 8)
+    assert (ex.eos_token_id, ex.eos_token_ids) == (258, (258, 259))
+    assert loaded.tokenizer.eos_token_id == 258
+
+
+def test_save_writes_several_eos_ids_as_a_list(tmp_path):
+    model = build_tiny_model(0, config=tiny_config(eos_token_ids=(258, 259)))
+    model_dir = save_hf(model, tmp_path / "m")
+    assert json.loads((model_dir / "config.json").read_text())["eos_token_id"] == [258, 259]
+    assert load_model(model_dir).model.config == model.config
+
+
 def test_missing_directory(tmp_path):
     with pytest.raises(ModelLoadError, match="model directory does not exist"):
         load_model(tmp_path / "nope")
@@ -136,6 +154,8 @@ def test_malformed_config_json(model_dir):
         ({"num_hidden_layers": "two"}, "key 'num_hidden_layers' must be an integer"),
         ({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
         ({"eos_token_id": "x"}, "key 'eos_token_id'"),
+        ({"eos_token_id": [1, -1]}, "key 'eos_token_id'"),
+        ({"eos_token_id": True}, "key 'eos_token_id'"),
         ({"rope_scaling": {"rope_type": "yarn"}}, "rope_type' 'yarn' is not supported"),
         ({"rope_scaling": {"rope_type": "llama3"}}, "key 'rope_scaling' is malformed"),
     ],

@@ -17,6 +17,7 @@ from sched_harness import (
 
 from worker.engine.engine import EngineConfig
 from worker.engine.sim_executor import SimExecutorConfig
+from worker.engine.stats import ModelLimits
 from worker.engine.types import FinishReason, Usage
 
 PROMPT = list(range(1, 101))
@@ -324,6 +325,47 @@ def test_stop_token_ids_and_eos() -> None:
     assert len(results["i"].tokens) == 10
     assert results["i"].finish_reason is FinishReason.LENGTH
     assert_baseline(engine)
+
+
+@pytest.mark.parametrize("emitted", [0, 7])
+def test_any_of_several_eos_ids_stops(emitted: int) -> None:
+    # A Llama-3-Instruct checkpoint lists <|end_of_text|> and <|eot_id|>: either one stops.
+    sim = SimExecutorConfig(
+        vocab_size=1000, max_context_tokens=8192, eos_token_id=emitted, eos_at=4
+    )
+    engine, _ = make_engine(sim=sim, eos_token_ids=(0, 7), num_kv_slots=1000)
+    assert (engine.eos_token_id, engine.eos_token_ids) == (0, (0, 7))
+    assert engine.scheduler.limits.eos_token_ids == frozenset({0, 7})
+    engine.add_request(request("e", [2] * 10, max_new_tokens=10))
+    engine.add_request(request("i", [3] * 10, max_new_tokens=10, ignore_eos=True))
+    results = run(engine)
+    assert results["e"].tokens == expected_tokens(engine, "e", 5)
+    assert results["e"].tokens[-1] == emitted
+    assert results["e"].finish_reason is FinishReason.STOP
+    assert results["i"].tokens == expected_tokens(engine, "i", 10)
+    assert results["i"].tokens[4] == emitted  # ignore_eos: generated, and ignored
+    assert results["i"].finish_reason is FinishReason.LENGTH
+    assert_baseline(engine)
+
+
+def test_no_eos_ids_never_stops_on_eos() -> None:
+    sim = SimExecutorConfig(vocab_size=1000, max_context_tokens=8192, eos_token_id=5, eos_at=1)
+    engine, _ = make_engine(sim=sim, eos_token_ids=(), num_kv_slots=1000)
+    assert (engine.eos_token_id, engine.eos_token_ids) == (None, ())
+    engine.add_request(request("e", [2] * 10, max_new_tokens=4))
+    results = run(engine)
+    assert results["e"].tokens[1] == 5
+    assert results["e"].finish_reason is FinishReason.LENGTH
+
+
+def test_model_limits_eos_ids_include_the_first_and_are_checked() -> None:
+    limits = ModelLimits(vocab_size=10, max_context_tokens=8, eos_token_id=3)
+    assert limits.eos_token_ids == frozenset({3})  # built with the single id only
+    both = ModelLimits(10, 8, eos_token_id=3, eos_token_ids=frozenset({3, 4}))
+    assert both.eos_token_ids == frozenset({3, 4})
+    assert ModelLimits(10, 8, eos_token_id=None).eos_token_ids == frozenset()
+    with pytest.raises(ValueError, match=r"ModelLimits\.eos_token_ids"):
+        ModelLimits(10, 8, eos_token_id=None, eos_token_ids=frozenset({-1}))
 
 
 def test_max_context_finish_when_clamped() -> None:

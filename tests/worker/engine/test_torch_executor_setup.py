@@ -85,6 +85,23 @@ def test_build_torch_from_model_dir(tmp_path):
     assert ex.eos_token_id == 258
 
 
+def test_torch_executor_reports_every_eos_id():
+    # Llama-3-Instruct lists <|end_of_text|> and <|eot_id|>; the scheduler needs both.
+    cfg = tiny_config(eos_token_ids=(258, 259))
+    ex = TorchExecutor.create(build_tiny_model(0, config=cfg), 8)
+    assert (ex.eos_token_id, ex.eos_token_ids) == (258, (258, 259))
+    none = TorchExecutor.create(build_tiny_model(0, config=tiny_config()), 8)
+    assert (none.eos_token_id, none.eos_token_ids) == (None, ())
+    with pytest.raises(ValueError, match="eos_token_id or eos_token_ids"):
+        tiny_config(eos_token_id=258, eos_token_ids=(259,))
+
+
+def test_build_torch_from_model_dir_keeps_every_eos_id(tmp_path):
+    save_hf(build_tiny_model(5, config=tiny_config(eos_token_ids=(258, 259))), tmp_path)
+    ex, _ = build_executor("torch", model_dir=tmp_path, num_kv_slots=16, device="cpu")
+    assert (ex.eos_token_id, ex.eos_token_ids) == (258, (258, 259))
+
+
 def test_build_torch_bad_model_dir(tmp_path):
     with pytest.raises(ModelLoadError, match="does not exist"):
         build_executor("torch", model_dir=tmp_path / "missing", num_kv_slots=16)
@@ -94,6 +111,7 @@ def test_build_sim_pairs_byte_tokenizer_vocab():
     ex, tok = build_executor("sim", num_kv_slots=16)
     assert ex.vocab_size == tok.vocab_size
     assert ex.eos_token_id == tok.eos_token_id
+    assert ex.eos_token_ids == (tok.eos_token_id,)
     assert ex.max_context_tokens == 8192
 
 
