@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import NewType
+from typing import NewType, cast
 
 import numpy as np
 import xxhash
@@ -205,7 +205,7 @@ def block_hashes(
     if validate and not (isinstance(token_ids, np.ndarray) and token_ids.dtype == np.uint32):
         tokens = as_token_array(token_ids)  # uint32 arrays are valid as they are
     else:
-        tokens = token_ids
+        tokens = cast(np.ndarray, token_ids)  # the caller vouches for it (validate=False)
     num_blocks = len(tokens) // block_size
     if num_blocks == 0:
         return np.empty(0, dtype=_U64)

@@ -117,7 +117,7 @@ def summarize(
     e2e = [r.finish_s - r.arrival_s for r in done]  # type: ignore[operator]
     if done:
         start = min(r.arrival_s for r in results)
-        end = max(r.finish_s for r in done)  # type: ignore[type-var]
+        end = max(r.finish_s for r in done if r.finish_s is not None)
         throughput = completion / (end - start) if end > start else math.nan
     else:
         throughput = math.nan

@@ -173,9 +173,8 @@ class FleetSim:
         self.workers: dict[str, _Worker] = {}
         for i in range(config.num_workers):
             wid = f"worker-{i}"
-            executor: SimExecutor | _ScaledExecutor = SimExecutor(config.cost_model, exec_config)
-            if speed != 1.0:
-                executor = _ScaledExecutor(executor, speed)
+            base = SimExecutor(config.cost_model, exec_config)
+            executor = base if speed == 1.0 else _ScaledExecutor(base, speed)
             engine = Engine(make_config(wid), executor, clock)
             publisher = EventPublisher(
                 PublisherConfig(worker_id=wid, epoch=1 + i, block_size=config.block_size)
