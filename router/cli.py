@@ -143,15 +143,6 @@ def _default_weights() -> str:
     return f"{w.prefill:g},{w.queued_prefill:g},{w.decode:g},{w.recent_prefill:g}"
 
 
-def _weights(text: str | None) -> CostWeights:
-    if not text:
-        return CostWeights()
-    try:
-        return CostWeights.parse(text)
-    except ValueError as exc:
-        raise ValueError(f"--cost-weights: {exc}") from None
-
-
 def config_from_args(args: argparse.Namespace) -> RouterServerConfig:
     """The server config the command-line options describe (ValueError on bad values)."""
     secret = args.tenant_salt_secret.encode() if args.tenant_salt_secret else None
@@ -163,7 +154,7 @@ def config_from_args(args: argparse.Namespace) -> RouterServerConfig:
         core=RouterConfig(
             policy=args.policy,
             block_size=args.block_size,
-            weights=_weights(args.cost_weights),
+            weights=CostWeights.parse(args.cost_weights) if args.cost_weights else CostWeights(),
             recent_window_s=args.recent_window_s,
         ),
         service=ServicerConfig(

@@ -94,8 +94,9 @@ class CostWeights:
 
     @classmethod
     def parse(cls, text: str) -> CostWeights:
-        """``"PREFILL,QUEUED,DECODE[,RECENT]"`` (a missing RECENT keeps its default);
-        ValueError naming the expected form otherwise."""
+        """``"PREFILL,QUEUED,DECODE[,RECENT]"``, the form of the ``--cost-weights`` option of
+        ``kvroute router`` and ``kvroute replay`` (a missing RECENT keeps its default);
+        ValueError naming the option and the expected form otherwise."""
         parts = text.split(",")
         try:
             if len(parts) not in (3, 4):
@@ -103,8 +104,8 @@ class CostWeights:
             values = [float(x) for x in parts]
         except ValueError:
             raise ValueError(
-                f"cost weights must be three or four numbers PREFILL,QUEUED,DECODE[,RECENT], "
-                f"got {text!r}"
+                "--cost-weights: cost weights must be three or four numbers "
+                f"PREFILL,QUEUED,DECODE[,RECENT], got {text!r}"
             ) from None
         return cls(*values)
 

@@ -203,24 +203,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _cost_weights(text: str | None):  # -> CostWeights | None
-    if text is None:
-        return None
-    from router.policy import CostWeights
-
-    try:
-        return CostWeights.parse(text)
-    except ValueError as exc:
-        raise ValueError(f"--cost-weights: {exc}") from None
-
-
 def _sim_config(args: argparse.Namespace):  # -> SimConfig
     from bench.replay.sim import SimConfig
 
     router = SimConfig().router
-    weights = _cost_weights(args.cost_weights)
-    if weights is not None:
-        router = replace(router, weights=weights)
+    if args.cost_weights is not None:
+        from router.policy import CostWeights
+
+        router = replace(router, weights=CostWeights.parse(args.cost_weights))
     if args.recent_window_s is not None:
         router = replace(router, recent_window_s=args.recent_window_s)
     return SimConfig(
