@@ -11,7 +11,7 @@ from bench.replay.sim import SimConfig, infinite_capacity_tokens, simulate, simu
 from bench.replay.trace import TokenExpander, TraceRecord, write_trace
 from bench.workload import SupportAgentConfig, generate_support_agent
 from router.core import RouterConfig
-from router.policy import CostWeights
+from router.policy import CostWeights, policy_names
 
 BS = 64  # trace block size of the tiny traces
 
@@ -176,16 +176,7 @@ def test_cli_errors_and_plot(tmp_path, capsys):
     ]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    for name in (
-        "cache_aware",
-        "round_robin",
-        "random",
-        "least_load",
-        "power_of_two",
-        "prefix_hash",
-        "approx_tree",
-        "pooled bound",
-    ):
+    for name in (*policy_names(), "pooled bound"):  # --policy all: every registered policy
         assert name in out
     assert png.read_bytes()[:4] == b"\x89PNG"
 

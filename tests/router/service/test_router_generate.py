@@ -111,15 +111,22 @@ async def test_both_workers_failing_gives_unavailable_naming_both(fleet):
     assert len(a.received) == len(b.received) == 1
 
 
-async def test_failure_after_first_token_is_not_retried(fleet):
-    router, a, b = fleet
-    a.behaviour = b.behaviour = "fail_after"
+async def _stream_until_error(router, a, b, behaviour: str):
+    """Both workers misbehave as ``behaviour``; stream PROMPT until the RPC fails.
+    Returns (the error, the messages received before it)."""
+    a.behaviour = b.behaviour = behaviour
     received = []
     with pytest.raises(grpc.aio.AioRpcError) as err:
         async for msg in router.client.stream(PROMPT):
             received.append(msg)
-    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert "after the response had started" in err.value.details()
+    return err.value, received
+
+
+async def test_failure_after_first_token_is_not_retried(fleet):
+    router, a, b = fleet
+    err, received = await _stream_until_error(router, a, b, "fail_after")
+    assert err.code() == grpc.StatusCode.UNAVAILABLE
+    assert "after the response had started" in err.details()
     assert [list(m.chunk.token_ids) for m in received] == [[1]]
     assert len(a.received) + len(b.received) == 1  # no duplicate attempt
 
@@ -433,14 +440,10 @@ async def test_failed_start_leaves_no_worker_connection_running():
 
 async def test_stream_ending_without_finished_is_a_worker_failure(fleet):
     router, a, b = fleet
-    a.behaviour = b.behaviour = "no_finished"
-    received = []
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        async for msg in router.client.stream(PROMPT):
-            received.append(msg)
-    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert "after the response had started" in err.value.details()
-    assert "without a Finished message" in err.value.details()
+    err, received = await _stream_until_error(router, a, b, "no_finished")
+    assert err.code() == grpc.StatusCode.UNAVAILABLE
+    assert "after the response had started" in err.details()
+    assert "without a Finished message" in err.details()
     assert [list(m.chunk.token_ids) for m in received] == [[1], [2], [3]]
     assert len(a.received) + len(b.received) == 1  # chunks were relayed: no second attempt
     assert router.server.core.stats().num_inflight_requests == 0
