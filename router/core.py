@@ -32,7 +32,7 @@ import heapq
 import math
 import random
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -85,6 +85,7 @@ class _Inflight:
     view: WorkerView
     prefill_tokens: int
     prefilling: bool = True
+    held: Sequence[int] = ()  # predicted blocks held until the first token (index.predict)
 
 
 @dataclass(slots=True)
@@ -188,7 +189,7 @@ class RouterCore:
         self._index.remove_worker(worker.view.slot)
         heapq.heappush(self._free_slots, worker.view.slot)
         for request_id in [r for r, f in self._inflight.items() if f.view is worker.view]:
-            del self._inflight[request_id]
+            self._release(self._inflight.pop(request_id))
         self._refresh_healthy()
 
     def set_health(self, worker_id: str, healthy: bool) -> None:
@@ -305,7 +306,8 @@ class RouterCore:
         """Pick a worker for ``req`` and account it as in flight there (on_routed).
 
         The request's full blocks are entered as predicted for the chosen worker, so the
-        next request with the same prefix sees them before any event arrives. Raises
+        next request with the same prefix sees them before any event arrives; they are
+        held until on_first_token / on_finished, then live for the TTL. Raises
         NoWorkerAvailable when no healthy worker outside ``req.exclude`` exists, and
         InvalidRouteRequestError for bad token ids. A request_id still in flight is first
         finished (a retry moves its accounting).
@@ -326,13 +328,15 @@ class RouterCore:
         matched_tokens = min(depth * query.block_size, query.prompt_tokens)
         if req.request_id in self._inflight:
             self.on_finished(req.request_id)
-        self._account(req.request_id, view, query.prompt_tokens - matched_tokens)
+        flight = self._account(req.request_id, view, query.prompt_tokens - matched_tokens)
         view.recent_prefill += (query.prompt_tokens - matched_tokens) * scale
         if hashes and self._policy.uses_matches:
             deadline = now + self._ttl
             if not self._use_events and depth:  # approx mode: what was used stays longer
                 index.refresh_predicted(hashes[:depth], deadline)
-            index.predict(view.slot, hashes, deadline, start=depth)
+            # held until the first token: however long it queues there, the worker will
+            # write these blocks, and its events confirm them soon after
+            flight.held = index.predict(view.slot, hashes, deadline, start=depth, hold=True)
         return RouteDecision(
             req.request_id,
             view.worker_id,
@@ -390,12 +394,19 @@ class RouterCore:
             )
         return Explanation(self._policy.name, query.prompt_tokens, chosen, tuple(lines))
 
-    def _account(self, request_id: str, view: WorkerView, prefill_tokens: int) -> None:
-        self._inflight[request_id] = _Inflight(view, prefill_tokens)
+    def _account(self, request_id: str, view: WorkerView, prefill_tokens: int) -> _Inflight:
+        flight = self._inflight[request_id] = _Inflight(view, prefill_tokens)
         view.inflight_prefill_tokens += prefill_tokens
         view.num_active += 1
         view.refresh()
         self._num_routed += 1
+        return flight
+
+    def _release(self, flight: _Inflight) -> None:
+        """End the hold on the request's predicted blocks: their TTL starts now."""
+        if flight.held:
+            self._index.release_predicted(flight.held, self._clock() + self._ttl)
+            flight.held = ()
 
     def on_routed(
         self, request_id: str, worker_id: str, prompt_tokens: int, matched_tokens: int
@@ -411,6 +422,7 @@ class RouterCore:
         """Prefill of ``request_id`` is done: its tokens leave the queued-prefill estimate."""
         flight = self._inflight.get(request_id)
         if flight is not None and flight.prefilling:
+            self._release(flight)
             flight.prefilling = False
             flight.view.inflight_prefill_tokens -= flight.prefill_tokens
             flight.view.refresh()
@@ -420,6 +432,7 @@ class RouterCore:
         flight = self._inflight.pop(request_id, None)
         if flight is None:
             return
+        self._release(flight)
         if flight.prefilling:
             flight.view.inflight_prefill_tokens -= flight.prefill_tokens
         flight.view.num_active -= 1

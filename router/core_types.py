@@ -38,8 +38,9 @@ class RouterConfig:
     least_load, power_of_two, prefix_hash, approx_tree). ``block_size``: the fleet's block size;
     None lets the first worker that announces one set it. ``max_indexed_blocks``: cap on
     indexed blocks (least recently matched leaves are evicted past it). ``predicted_ttl_s``:
-    lifetime of a predicted entry not yet confirmed by an event (``approx_ttl_s`` instead for
-    the approx_tree policy, which never reads events). ``max_pending_batches``: per-worker
+    how long a predicted entry not confirmed by an event lives after its request's first
+    token (or end); while the request waits for prefill it is held however long it queues
+    (``approx_ttl_s`` instead for the approx_tree policy, which never reads events). ``max_pending_batches``: per-worker
     buffer of out-of-order batches waiting for a gap to fill. ``prefix_hash_blocks``: how many
     leading blocks prefix_hash hashes. ``verify_hashes``: recompute stored chains from their
     tokens (slow; mismatches are counted and dropped). ``predict_stride``: predictions keep

@@ -240,13 +240,27 @@ class PrefixIndex:
 
     # ---- predicted entries ---------------------------------------------------------------
 
-    def predict(self, slot: int, hashes: Sequence[int], deadline: float, start: int = 0) -> None:
+    def predict(
+        self,
+        slot: int,
+        hashes: Sequence[int],
+        deadline: float,
+        start: int = 0,
+        hold: bool = False,
+    ) -> Sequence[int]:
         """Predict that ``slot`` holds the prefix ``hashes`` until ``deadline``.
 
         ``start``: the worker's matched depth (from find_matches); the blocks before it are
         held or predicted already and are not re-entered (nor their deadlines extended).
+        ``hold``: keep the entered blocks past ``deadline`` until :meth:`release_predicted`
+        is called with the returned handle (router.predicted: holds).
         """
-        self._predicted.add(self._bit(slot), hashes, deadline, start)
+        return self._predicted.add(self._bit(slot), hashes, deadline, start, hold)
+
+    def release_predicted(self, handle: Sequence[int], deadline: float) -> None:
+        """End the hold :meth:`predict` returned ``handle`` for; the blocks then live until
+        ``deadline``."""
+        self._predicted.release(handle, deadline)
 
     def refresh_predicted(self, hashes: Sequence[int], deadline: float) -> None:
         """Extend the deadline of the predicted prefix ``hashes`` (approx mode's LRU)."""

@@ -22,6 +22,15 @@ deadline is the latest any prediction gave it (``_pred_until``); records in dead
 (``_pred_queue``) drop a hash at their deadline only if no later prediction refreshed it.
 Extending one worker's prediction extends the others' on the same block: a deliberate
 simplification.
+
+Holds: a request still waiting for its prefill will write its blocks, however long the
+worker's queue is, so the core *holds* the hashes it predicted for it (``add(...,
+hold=True)``) until the request's first token, then :meth:`release` starts their TTL. A held
+hash outlives its deadline; holds are counted per hash (two queued requests predicting the
+same block keep it until both are released), and like deadlines they are shared by every
+worker predicted on that block. Without holds, a prediction for a request that queued for
+longer than the TTL lapsed before the blocks existed, and the next request of its prefix
+family went to a worker that had none of it (Mooncake replay at 4 workers: queues of 5-30 s).
 """
 
 from __future__ import annotations
@@ -30,8 +39,8 @@ import bisect
 import math
 from collections import deque
 from collections.abc import Sequence
-from itertools import chain, repeat, takewhile
-from operator import itemgetter, or_
+from itertools import chain, compress, repeat, takewhile
+from operator import add, itemgetter, not_, or_, sub
 
 __all__ = ["PredictedEntries", "bits_of"]
 
@@ -59,6 +68,7 @@ class PredictedEntries:
         self._pred: dict[int, int] = {}  # sparse block hash -> bitset of slots
         self._until: dict[int, float] = {}  # sparse block hash -> latest deadline
         self._queue: deque[tuple[float, Sequence[int]]] = deque()  # (deadline, hashes)
+        self._held: dict[int, int] = {}  # sparse block hash -> requests holding it
 
     def __len__(self) -> int:
         return len(self._pred)
@@ -82,16 +92,30 @@ class PredictedEntries:
         stride = self.stride
         return hashes if stride == 1 else hashes[stride - 1 :: stride]
 
-    def add(self, bit: int, hashes: Sequence[int], deadline: float, start: int = 0) -> None:
+    @property
+    def num_held(self) -> int:
+        """Sparse block hashes held by at least one request."""
+        return len(self._held)
+
+    def add(
+        self,
+        bit: int,
+        hashes: Sequence[int],
+        deadline: float,
+        start: int = 0,
+        hold: bool = False,
+    ) -> Sequence[int]:
         """Predict ``bit``'s worker holds the prefix ``hashes`` until ``deadline``.
 
         Probes before block ``start`` (the worker's known depth) are left as they are.
+        ``hold``: the probes entered also stay past ``deadline`` until :meth:`release`.
+        Returns the probes entered (what a holder passes to :meth:`release`).
         """
         sparse = self.sparse(hashes)
         if start >= self.stride:
             sparse = sparse[start // self.stride :]  # probes at positions >= start
         if not sparse:
-            return
+            return ()
         pred = self._pred
         if pred.keys().isdisjoint(sparse):  # all new (usual): C-level bulk insert
             pred.update(zip(sparse, repeat(bit)))
@@ -99,6 +123,25 @@ class PredictedEntries:
             ors = map(or_, map(pred.get, sparse, repeat(0)), repeat(bit))
             pred.update(zip(sparse, ors, strict=False))
         self._set_deadline(sparse, deadline)
+        if hold:
+            held = self._held
+            counts = map(add, map(held.get, sparse, repeat(0)), repeat(1))
+            held.update(zip(sparse, counts, strict=True))
+        return sparse
+
+    def release(self, sparse: Sequence[int], deadline: float) -> None:
+        """End one hold on the probes ``sparse`` (an :meth:`add` result); those no request
+        holds any more live until ``deadline`` (or a later deadline they already had)."""
+        if not sparse:
+            return
+        held = self._held
+        left = list(map(sub, map(held.get, sparse, repeat(1)), repeat(1)))
+        held.update(zip(sparse, left, strict=True))
+        free = list(compress(sparse, map(not_, left)))
+        deque(map(held.pop, free), 0)
+        live = list(filter(self._pred.__contains__, free))  # remove_slot may have dropped some
+        if live:
+            self._set_deadline(live, deadline)
 
     def refresh(self, hashes: Sequence[int], deadline: float) -> None:
         """Extend the deadline of the predicted blocks among ``hashes`` (approx mode's LRU)."""
@@ -124,11 +167,13 @@ class PredictedEntries:
         queue = self._queue
         if not queue or queue[0][0] > now:
             return 0
-        pred, until = self._pred, self._until
+        pred, until, held = self._pred, self._until, self._held
         dropped = 0
         while queue and queue[0][0] <= now:
             deadline, hashes = queue.popleft()
-            if list(map(until.get, hashes)).count(deadline) == len(hashes):
+            if list(map(until.get, hashes)).count(deadline) == len(hashes) and (
+                not held or held.keys().isdisjoint(hashes)
+            ):
                 # nobody refreshed them: C-level bulk delete
                 deque(map(until.pop, hashes, repeat(None)), 0)
                 before = len(pred)
@@ -137,7 +182,7 @@ class PredictedEntries:
                 continue
             for h in hashes:
                 t = until.get(h)
-                if t is not None and t <= now:
+                if t is not None and t <= now and h not in held:
                     del until[h]
                     dropped += pred.pop(h, None) is not None
         if not pred and (until or queue):  # nothing left: drop the grown tables

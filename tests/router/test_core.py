@@ -214,6 +214,42 @@ def test_invalid_tokens() -> None:
         core.route(RouteRequest("r", np.array([0.5])))
 
 
+def test_a_prediction_is_held_until_every_request_that_made_it_has_its_first_token() -> None:
+    core, clock = make_core(2, predicted_ttl_s=1.0)
+
+    def best_match(n: int) -> int:  # explain() also drops lapsed predictions
+        return max(w.matched_tokens for w in core.explain(RouteRequest("x", tokens(n))).workers)
+
+    a = core.route(RouteRequest("a", tokens(320)))
+    b = core.route(RouteRequest("b", tokens(320)))  # follows a: nothing new to hold
+    c = core.route(RouteRequest("c", tokens(640)))  # follows too, holds blocks 20-39
+    assert (b.worker_id, c.worker_id, c.matched_tokens) == (a.worker_id, a.worker_id, 320)
+    clock.now += 10.0
+    assert best_match(640) == 640
+    core.on_first_token("a")
+    clock.now += 1.0
+    # a's blocks lapsed; c's deeper ones are still held, but a match walks from block 0
+    assert best_match(320) == 0
+    assert core.stats().num_predicted_entries == 5
+    core.on_finished("c")  # a request that fails before its first token releases too
+    clock.now += 1.0
+    assert best_match(640) == 0
+    assert core.stats().num_predicted_entries == 0
+
+
+def test_removing_a_worker_releases_the_holds_of_its_requests() -> None:
+    core, clock = make_core(2, predicted_ttl_s=1.0)
+    d = core.route(RouteRequest("d", tokens(320)))
+    core.remove_worker(d.worker_id)
+    core.add_worker("w9", "10.0.0.9:50051", block_size=B)
+    e = core.route(RouteRequest("e", tokens(320)))
+    core.on_first_token("e")
+    clock.now += 1.0
+    explained = core.explain(RouteRequest("x", tokens(320)))
+    assert [w.matched_tokens for w in explained.workers] == [0, 0]  # not held by d
+    assert core.stats().num_inflight_requests == 1 and e.worker_id != d.worker_id
+
+
 def test_burst_with_a_new_prefix_follows_the_first_request_before_any_event() -> None:
     core, _ = make_core(4)
     prefix = tokens(1024)
@@ -224,11 +260,19 @@ def test_burst_with_a_new_prefix_follows_the_first_request_before_any_event() ->
         assert (d.worker_id, d.matched_tokens) == (first.worker_id, 1024)
 
 
-def test_predictions_expire_after_the_ttl_unless_confirmed() -> None:
+def test_predictions_expire_a_ttl_after_the_first_token_unless_confirmed() -> None:
     core, clock = make_core(4, predicted_ttl_s=2.0)
     d = core.route(RouteRequest("r0", tokens(320)))
     assert core.stats().num_predicted_entries == 5  # 20 blocks, every 4th kept
-    clock.now += 2.0
+    clock.now += 30.0  # r0 still queued there: its blocks are still coming
+    d1 = core.route(RouteRequest("r1", tokens(320)))
+    assert (d1.worker_id, d1.matched_tokens) == (d.worker_id, 320)
+    core.on_finished("r1")
+    core.on_first_token("r0")  # the TTL starts now
+    clock.now += 1.9
+    assert core.route(RouteRequest("r1b", tokens(320))).matched_tokens == 320
+    core.on_finished("r1b")
+    clock.now += 0.1
     core.on_finished("r0")
     d2 = core.route(RouteRequest("r1", tokens(320)))
     assert d2.matched_tokens == 0

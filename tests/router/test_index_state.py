@@ -1,13 +1,16 @@
 """Hypothesis state machine: PrefixIndex against a tiny reference model.
 
 The model keeps, per worker, the set of confirmed block hashes and the set of predicted
-(sparse: every STRIDE-th) ones, plus each predicted hash's deadline; a worker's match is
-the longer of its leading confirmed blocks and STRIDE times its leading probes that are
-confirmed or predicted.
+(sparse: every STRIDE-th) ones, plus each predicted hash's deadline and how many holds it
+has (a held hash outlives its deadline; releasing the last hold gives it a new one); a
+worker's match is the longer of its leading confirmed blocks and STRIDE times its leading
+probes that are confirmed or predicted.
 Chains come from a two-token alphabet so prefixes overlap a lot.
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -34,6 +37,8 @@ class IndexMachine(RuleBasedStateMachine):
         self.held: dict[int, set[int]] = {w: set() for w in range(4)}
         self.pred: dict[int, set[int]] = {w: set() for w in range(4)}
         self.until: dict[int, float] = {}
+        self.holds: Counter[int] = Counter()  # hash -> holds not yet released
+        self.handles: list[tuple[object, list[int]]] = []  # (index handle, hashes it holds)
         self.now = 0.0
         self.unknown_parent = 0
         self.unknown_block = 0
@@ -76,25 +81,53 @@ class IndexMachine(RuleBasedStateMachine):
         self.pred[w].clear()
         self.forget_unpredicted()
 
-    @rule(w=WORKERS, tokens=TOKENS, ttl=st.sampled_from([1.0, 2.0, 5.0]), data=st.data())
-    def predict(self, w: int, tokens: list[int], ttl: float, data: st.DataObject) -> None:
+    @rule(
+        w=WORKERS,
+        tokens=TOKENS,
+        ttl=st.sampled_from([1.0, 2.0, 5.0]),
+        hold=st.booleans(),
+        data=st.data(),
+    )
+    def predict(
+        self, w: int, tokens: list[int], ttl: float, hold: bool, data: st.DataObject
+    ) -> None:
         chain = hashes_of(tokens)
         start = data.draw(st.integers(0, len(chain)))
         deadline = self.now + ttl
-        self.index.predict(w, chain, deadline, start)
+        handle = self.index.predict(w, chain, deadline, start, hold=hold)
+        entered = []
         for pos in range(STRIDE - 1, len(chain), STRIDE):
             if pos < start:
                 continue  # the caller says the worker has these already
             h = chain[pos]
+            entered.append(h)
             self.pred[w].add(h)
             self.until[h] = max(self.until.get(h, deadline), deadline)  # never lowered
+        assert list(handle) == entered
+        if hold and entered:
+            self.holds.update(entered)
+            self.handles.append((handle, entered))
+
+    @precondition(lambda self: self.handles)
+    @rule(ttl=st.sampled_from([1.0, 2.0, 5.0]), data=st.data())
+    def release(self, ttl: float, data: st.DataObject) -> None:
+        handle, entered = self.handles.pop(data.draw(st.integers(0, len(self.handles) - 1)))
+        deadline = self.now + ttl
+        self.index.release_predicted(handle, deadline)
+        predicted = set().union(*self.pred.values())
+        for h in entered:
+            self.holds[h] -= 1
+            if not self.holds[h]:
+                del self.holds[h]
+                if h in predicted:
+                    self.until[h] = max(self.until.get(h, deadline), deadline)
 
     @rule(dt=st.sampled_from([0.5, 1.0, 3.0]))
     def advance(self, dt: float) -> None:
         self.now += dt
         self.index.expire(self.now)
         for h, t in list(self.until.items()):
-            if t <= self.now:
+            if t <= self.now and not self.holds[h]:
                 del self.until[h]
                 for w in range(4):
                     self.pred[w].discard(h)
