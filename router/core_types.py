@@ -40,8 +40,9 @@ class RouterConfig:
     indexed blocks (least recently matched leaves are evicted past it). ``predicted_ttl_s``:
     how long a predicted entry not confirmed by an event lives after its request's first
     token (or end); while the request waits for prefill it is held however long it queues
-    (``approx_ttl_s`` instead for the approx_tree policy, which never reads events). ``max_pending_batches``: per-worker
-    buffer of out-of-order batches waiting for a gap to fill. ``prefix_hash_blocks``: how many
+    (``approx_ttl_s`` instead for the approx_tree policy, which never reads events).
+    ``max_pending_batches``: per-worker buffer of out-of-order batches waiting for a gap to
+    fill. ``prefix_hash_blocks``: how many
     leading blocks prefix_hash hashes. ``verify_hashes``: recompute stored chains from their
     tokens (slow; mismatches are counted and dropped). ``predict_stride``: predictions keep
     every stride-th block, so a predicted match is a multiple of it (router.predicted).

@@ -122,7 +122,8 @@ class PredictedEntries:
         else:  # OR the bit in, still without a Python loop
             ors = map(or_, map(pred.get, sparse, repeat(0)), repeat(bit))
             pred.update(zip(sparse, ors, strict=False))
-        self._set_deadline(sparse, deadline)
+        # a held hash needs no deadline record now: release() queues the one that counts
+        self._set_deadline(sparse, deadline, record=not hold)
         if hold:
             held = self._held
             counts = map(add, map(held.get, sparse, repeat(0)), repeat(1))
@@ -151,16 +152,21 @@ class PredictedEntries:
             return
         self._set_deadline([h for h in sparse if h in pred], deadline)
 
-    def _set_deadline(self, sparse: Sequence[int], deadline: float) -> None:
+    def _set_deadline(self, sparse: Sequence[int], deadline: float, record: bool = True) -> None:
+        """Give ``sparse`` the deadline (or keep a later one they have), and queue the
+        record expire() acts on unless ``record`` is False."""
         queue, until = self._queue, self._until
         if not queue or deadline >= queue[-1][0]:
             # in order (the core's clock is monotonic): overwriting is taking the latest
             until.update(zip(sparse, repeat(deadline)))
-            queue.append((deadline, sparse))
+            if record:
+                queue.append((deadline, sparse))
             return
         for h in sparse:
             until[h] = max(until.get(h, -math.inf), deadline)
-        queue.insert(bisect.bisect_right(queue, deadline, key=itemgetter(0)), (deadline, sparse))
+        if record:
+            i = bisect.bisect_right(queue, deadline, key=itemgetter(0))
+            queue.insert(i, (deadline, sparse))
 
     def expire(self, now: float) -> int:
         """Drop predictions whose deadline is <= ``now``; returns the blocks dropped."""
