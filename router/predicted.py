@@ -69,6 +69,7 @@ class PredictedEntries:
         self._until: dict[int, float] = {}  # sparse block hash -> latest deadline
         self._queue: deque[tuple[float, Sequence[int]]] = deque()  # (deadline, hashes)
         self._held: dict[int, int] = {}  # sparse block hash -> requests holding it
+        self._latest = -math.inf  # no deadline in _until is later (held ones have no record)
 
     def __len__(self) -> int:
         return len(self._pred)
@@ -141,8 +142,14 @@ class PredictedEntries:
         free = list(compress(sparse, map(not_, left)))
         deque(map(held.pop, free), 0)
         live = list(filter(self._pred.__contains__, free))  # remove_slot may have dropped some
-        if live:
-            self._set_deadline(live, deadline)
+        if not live:
+            return
+        old = list(map(self._until.__getitem__, live))
+        self._set_deadline(live, deadline)
+        if max(old) > deadline:  # later deadlines they had get the records they lacked
+            for h, t in zip(live, old, strict=True):
+                if t > deadline:
+                    self._set_deadline([h], t)
 
     def refresh(self, hashes: Sequence[int], deadline: float) -> None:
         """Extend the deadline of the predicted blocks among ``hashes`` (approx mode's LRU)."""
@@ -156,8 +163,9 @@ class PredictedEntries:
         """Give ``sparse`` the deadline (or keep a later one they have), and queue the
         record expire() acts on unless ``record`` is False."""
         queue, until = self._queue, self._until
-        if not queue or deadline >= queue[-1][0]:
+        if deadline >= self._latest:
             # in order (the core's clock is monotonic): overwriting is taking the latest
+            self._latest = deadline
             until.update(zip(sparse, repeat(deadline)))
             if record:
                 queue.append((deadline, sparse))
