@@ -20,7 +20,7 @@ from kvroute_proto.runtime import run_event_loop
 from kvroute_proto.telemetry import configure_tracing
 from router.core import RouterConfig
 from router.core_types import DEFAULT_RECENT_WINDOW_S
-from router.policy import CostWeights, policy_names
+from router.policy import DEFAULT_BACKLOG_TOKENS, CostWeights, policy_names
 from router.service.resilience import EjectionConfig
 from router.service.server import (
     RegistryConfig,
@@ -80,6 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=DEFAULT_RECENT_WINDOW_S,
         help="decay time constant of each worker's recent-prefill count (default %(default)s)",
+    )
+    p.add_argument(
+        "--backlog-tokens",
+        type=float,
+        default=DEFAULT_BACKLOG_TOKENS,
+        help="queued prefill tokens on the least loaded worker at which the cost counts a "
+        "cache miss double; 0 turns it off (default %(default)s)",
     )
     p.add_argument(
         "--block-size",
@@ -156,6 +163,7 @@ def config_from_args(args: argparse.Namespace) -> RouterServerConfig:
             block_size=args.block_size,
             weights=CostWeights.parse(args.cost_weights) if args.cost_weights else CostWeights(),
             recent_window_s=args.recent_window_s,
+            backlog_tokens=args.backlog_tokens,
         ),
         service=ServicerConfig(
             max_inflight=args.max_inflight,

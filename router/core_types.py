@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvroute_proto.events import DEFAULT_PARTITION, LoadReport, Partition
-from router.policy import CostWeights
+from router.policy import DEFAULT_BACKLOG_TOKENS, CostWeights
 
 __all__ = [
     "DEFAULT_RECENT_WINDOW_S",
@@ -47,7 +47,8 @@ class RouterConfig:
     tokens (slow; mismatches are counted and dropped). ``predict_stride``: predictions keep
     every stride-th block, so a predicted match is a multiple of it (router.predicted).
     ``recent_window_s``: time constant of the decay of each worker's recent prefill tokens
-    (the cost's balance term; router.policy).
+    (the cost's balance term; router.policy). ``backlog_tokens``: the least loaded worker's
+    queued prefill at which the cost counts a miss double (0: off; router.policy).
     """
 
     policy: str = "cache_aware"
@@ -61,13 +62,14 @@ class RouterConfig:
     verify_hashes: bool = False
     predict_stride: int = 4
     recent_window_s: float = DEFAULT_RECENT_WINDOW_S
+    backlog_tokens: float = DEFAULT_BACKLOG_TOKENS
 
     def __post_init__(self) -> None:
         if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"block_size must be >= 1 or None, got {self.block_size}")
         if not self.recent_window_s > 0:
             raise ValueError(f"recent_window_s must be > 0, got {self.recent_window_s}")
-        for name in ("predicted_ttl_s", "approx_ttl_s"):
+        for name in ("predicted_ttl_s", "approx_ttl_s", "backlog_tokens"):
             if not getattr(self, name) >= 0:  # NaN too
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_indexed_blocks < 1:

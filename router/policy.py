@@ -7,12 +7,13 @@ only state a policy keeps is its own (round-robin's cursor).
 The default, ``cache_aware``, estimates for each candidate the prefill work the request
 would wait for there, in token equivalents::
 
-    cost = w.prefill        * (prompt_tokens - cached prefix)     # work this request adds
+    cost = w.prefill * b    * (prompt_tokens - cached prefix)     # work this request adds
          + w.queued_prefill * queued prefill tokens on the worker # work ahead of it
          + w.decode         * requests running on the worker      # decode slows each step
          + w.recent_prefill * recent prefill tokens on the worker # its share of the past
 
-and takes the cheapest; equal costs are broken at random (never "always worker 0"). The
+and takes the cheapest; equal costs are broken at random (never "always worker 0"); ``b``
+is the backlog factor, 1 unless the whole fleet is queued (below). The
 queued term is what spreads a hot prefix: every request routed to the holder adds its own
 uncached tokens to the holder's queue until its first token, so a burst soon makes a
 cold worker (which pays the whole prefix once, then holds it too) cheaper, while a trickle
@@ -35,6 +36,16 @@ recent_window_s``, 30 s): at 0.1 a worker that prefilled 5,120 more tokens in th
 half-minute loses a 512-token prefix advantage, while a conversation whose history of a few
 thousand tokens is cached stays where it is until the gap is ten times that.
 
+The backlog factor is for a saturated fleet. When every candidate has prefill queued, the
+fleet is compute-bound: the tokens a miss adds are work that queued requests wait behind,
+and going elsewhere no longer puts an idle worker to use. The prefill term is then
+multiplied by ``1 + (smallest queued prefill among the candidates) / backlog_tokens``
+(``PolicyConfig.backlog_tokens``, 50,000 by default, about 2 s of prefill of an 8B model on
+an H100): a fleet whose least loaded worker has 50k tokens queued counts a miss double.
+Below saturation some worker is idle at nearly every decision and the factor is 1. (Mooncake
+replay on 4 saturated workers: from 92.6% to 95.5% of the pooled hit-rate bound and TTFT
+p99 from 17.8 s to 15.8 s; the support-agent runs and 8-16 workers barely change.)
+
 Baselines share the interface: round_robin, random, least_load, power_of_two, prefix_hash
 (rendezvous hashing of the first blocks: consistent when workers come and go), and
 approx_tree (cache_aware over the router's own routing history only: the core gives it
@@ -47,11 +58,13 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from kvroute_proto.events import LoadReport
 from kvroute_proto.hashing import fmix64, partition_seed
 
 __all__ = [
+    "DEFAULT_BACKLOG_TOKENS",
     "POLICIES",
     "CostWeights",
     "Policy",
@@ -110,16 +123,26 @@ class CostWeights:
         return cls(*values)
 
 
+DEFAULT_BACKLOG_TOKENS = 50_000.0
+
+
 @dataclass(frozen=True, slots=True)
 class PolicyConfig:
-    """Settings shared by the policies (each reads what it needs)."""
+    """Settings shared by the policies (each reads what it needs).
+
+    ``backlog_tokens``: the cost's backlog factor (module docstring): the smallest queued
+    prefill among the candidates at which a miss counts double; 0 turns the factor off.
+    """
 
     weights: CostWeights = field(default_factory=CostWeights)
     prefix_hash_blocks: int = 4
+    backlog_tokens: float = DEFAULT_BACKLOG_TOKENS
 
     def __post_init__(self) -> None:
         if self.prefix_hash_blocks < 1:
             raise ValueError(f"prefix_hash_blocks must be >= 1, got {self.prefix_hash_blocks}")
+        if not self.backlog_tokens >= 0:  # NaN too
+            raise ValueError(f"backlog_tokens must be >= 0, got {self.backlog_tokens}")
 
 
 @dataclass(slots=True, eq=False)
@@ -230,6 +253,9 @@ def _argmin_random(values: list[float], rng: random.Random) -> int:
     return i
 
 
+_queued = attrgetter("queued_prefill_tokens")
+
+
 class CacheAware(Policy):
     """Lowest estimated prefill wait (see the module docstring)."""
 
@@ -237,11 +263,20 @@ class CacheAware(Policy):
     uses_matches = True
     has_cost = True
 
+    def __init__(self, config: PolicyConfig) -> None:
+        super().__init__(config)
+        backlog = config.backlog_tokens
+        self._per_backlog = 1.0 / backlog if backlog else 0.0
+
     def costs(
         self, query: RouteQuery, candidates: Sequence[WorkerView], matched: dict[int, int]
     ) -> list[float]:
         w = self.config.weights
         wp, wq, wd = w.prefill, w.queued_prefill, w.decode
+        if self._per_backlog:
+            floor = min(map(_queued, candidates))
+            if floor > 0:  # every candidate has a backlog: a miss is fleet work
+                wp *= 1.0 + floor * self._per_backlog
         wr = w.recent_prefill * query.recent_scale
         prompt = query.prompt_tokens
         full = wp * prompt

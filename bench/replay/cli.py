@@ -112,6 +112,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="decay time constant, in trace seconds, of the recent-prefill balance term "
         "(default: the router's)",
     )
+    p.add_argument(
+        "--backlog-tokens",
+        type=float,
+        default=None,
+        help="queued prefill on the least loaded worker at which the cost counts a miss "
+        "double; 0: off (default: the router's)",
+    )
     p.add_argument("--no-bounds", action="store_true", help="skip the pooled/infinite runs")
     p.add_argument(
         "--timeout-s",
@@ -167,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         setup["cost_weights"] = args.cost_weights
     if args.recent_window_s is not None:
         setup["recent_window_s"] = args.recent_window_s
+    if args.backlog_tokens is not None:
+        setup["backlog_tokens"] = args.backlog_tokens
     progress = None if args.quiet else sys.stderr
     if args.mode == "sim":
         report = _run_sim(args, records, policies, setup, progress)
@@ -185,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             timeout_s=args.timeout_s,
             cost_weights=args.cost_weights,
             recent_window_s=args.recent_window_s,
+            backlog_tokens=args.backlog_tokens,
         )
         report = ReplayReport(setup=setup)
         for policy in policies:
@@ -213,6 +223,8 @@ def _sim_config(args: argparse.Namespace):  # -> SimConfig
         router = replace(router, weights=CostWeights.parse(args.cost_weights))
     if args.recent_window_s is not None:
         router = replace(router, recent_window_s=args.recent_window_s)
+    if args.backlog_tokens is not None:
+        router = replace(router, backlog_tokens=args.backlog_tokens)
     return SimConfig(
         router=router,
         num_workers=args.workers,

@@ -61,6 +61,7 @@ class LiveConfig:
     timeout_s: float = 600.0  # the whole replay of one policy
     cost_weights: str | None = None  # the router's --cost-weights (None: its defaults)
     recent_window_s: float | None = None  # in trace seconds (None: the router's default)
+    backlog_tokens: float | None = None  # the router's --backlog-tokens (None: its default)
     startup_timeout_s: float = 60.0  # each process, and readiness
     python: str = sys.executable
 
@@ -192,6 +193,8 @@ class LiveFleet:
         # the router's clock is wall time, the trace's is compressed by the speedup
         window_s = c.recent_window_s if c.recent_window_s is not None else DEFAULT_RECENT_WINDOW_S
         router_args += ["--recent-window-s", repr(window_s / c.speedup)]
+        if c.backlog_tokens is not None:
+            router_args += ["--backlog-tokens", repr(c.backlog_tokens)]
         for w in self.workers:
             router_args += ["--worker", w.address]
         self.router = await self._spawn("router", router_args)

@@ -51,12 +51,15 @@ def test_live_replay_through_real_processes(tmp_path):
         "1,0.25,16,0.1",
         "--recent-window-s",
         "20",
+        "--backlog-tokens",
+        "20000",
     ]
     assert main(argv) == 0
     data = json.loads(out.read_text())
     p = data["policies"][0]
     assert p["policy"] == "cache_aware" and data["setup"]["mode"] == "live"
     assert data["setup"]["cost_weights"] == "1,0.25,16,0.1"
+    assert data["setup"]["backlog_tokens"] == 20000.0
     assert p["requests"] == len(records) and p["errors"] == 0
     assert p["prompt_tokens"] == sum(r.input_length for r in records)
     assert p["completion_tokens"] == sum(r.output_length for r in records)

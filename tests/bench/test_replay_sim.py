@@ -158,6 +158,8 @@ def test_cli_errors_and_plot(tmp_path, capsys):
     assert "--cost-weights: cost weights must be three or four numbers" in capsys.readouterr().err
     assert main(["--trace", str(trace), "--trace-block-size", "64", "--recent-window-s", "0"]) == 2
     assert "recent_window_s must be > 0" in capsys.readouterr().err
+    assert main(["--trace", str(trace), "--trace-block-size", "64", "--backlog-tokens", "-1"]) == 2
+    assert "backlog_tokens must be >= 0" in capsys.readouterr().err
     png = tmp_path / "p.png"
     argv = [
         "--trace",
@@ -187,9 +189,14 @@ def test_cost_settings_reach_the_router_and_the_report(tmp_path):
     out = tmp_path / "r.json"
     base = ["--trace", str(trace), "--trace-block-size", "64", "--workers", "2", "--quiet"]
     argv = [*base, "--no-bounds", "--json", str(out)]
-    assert main([*argv, "--cost-weights", "1,0.25,16,0.5", "--recent-window-s", "5"]) == 0
+    costs = ["--cost-weights", "1,0.25,16,0.5", "--recent-window-s", "5", "--backlog-tokens", "9"]
+    assert main([*argv, *costs]) == 0
     setup = json.loads(out.read_text())["setup"]
     assert (setup["cost_weights"], setup["recent_window_s"]) == ("1,0.25,16,0.5", 5.0)
+    assert setup["backlog_tokens"] == 9.0
+    router = _sim_config(build_parser().parse_args([*base, "--backlog-tokens", "9"])).router
+    assert router.backlog_tokens == 9.0
     router = _sim_config(build_parser().parse_args([*base, "--cost-weights", "2,0,1"])).router
     assert router.weights == CostWeights(2.0, 0.0, 1.0)  # RECENT keeps the router's default
     assert router.recent_window_s == RouterConfig().recent_window_s
+    assert router.backlog_tokens == RouterConfig().backlog_tokens

@@ -51,6 +51,9 @@ def test_config_validation() -> None:
         CostWeights(recent_prefill=float("nan"))
     with pytest.raises(ValueError, match="prefix_hash_blocks"):
         PolicyConfig(prefix_hash_blocks=0)
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="backlog_tokens must be >= 0"):
+            PolicyConfig(backlog_tokens=bad)
 
 
 def test_cache_aware_costs_are_exact() -> None:
@@ -72,6 +75,27 @@ def test_cache_aware_costs_are_exact() -> None:
     ]
     i, cost = policy.select(query(320), ws, matched, random.Random(0))
     assert (i, cost) == (3, 20.0)
+
+
+def test_backlog_factor_weighs_a_miss_more_only_when_every_worker_is_queued() -> None:
+    ws = views(2)
+    ws[0].inflight_prefill_tokens = 30_000  # holds half the prompt, busier
+    ws[1].inflight_prefill_tokens = 10_000
+    for w in ws:
+        w.refresh()
+    weights = CostWeights(1.0, 0.25, 0.0, 0.0)
+    q, matched = query(8000), {0: 250}  # 4,000 of 8,000 tokens cached on w0
+
+    def pick(backlog: float) -> tuple[list[float], int]:
+        policy = make_policy("approx_tree", PolicyConfig(weights, backlog_tokens=backlog))
+        return policy.costs(q, ws, matched), policy.select(q, ws, matched, random.Random(0))[0]
+
+    # the least loaded worker has 10k queued: at backlog 10k a miss counts double
+    assert pick(10_000) == ([7500 + 2 * 4000, 2500 + 2 * 8000], 0)
+    assert pick(0) == ([7500 + 4000, 2500 + 8000], 1)  # off: the idler worker wins
+    ws[1].inflight_prefill_tokens = 0  # one worker is idle: no backlog, factor 1
+    ws[1].refresh()
+    assert pick(10_000) == ([7500 + 4000, 8000], 1)
 
 
 def test_cost_weights_parse() -> None:

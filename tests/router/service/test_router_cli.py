@@ -9,7 +9,7 @@ import pytest
 
 from router import cli, client, fleet
 from router.core_types import DEFAULT_RECENT_WINDOW_S
-from router.policy import CostWeights
+from router.policy import DEFAULT_BACKLOG_TOKENS, CostWeights
 from router.service.tenancy import TenancyConfig
 
 
@@ -46,6 +46,8 @@ def test_router_flags_map_to_the_config():
             "1,0.5,8",
             "--recent-window-s",
             "12",
+            "--backlog-tokens",
+            "0",
         ]
     )
     config = cli.config_from_args(args)
@@ -59,6 +61,7 @@ def test_router_flags_map_to_the_config():
     assert config.seed == 4
     assert config.core.weights == CostWeights(1.0, 0.5, 8.0)  # RECENT keeps its default
     assert config.core.recent_window_s == 12.0
+    assert config.core.backlog_tokens == 0.0  # the backlog factor turned off
 
 
 def test_router_defaults():
@@ -67,6 +70,7 @@ def test_router_defaults():
     assert config.service.tenancy == TenancyConfig()
     assert config.core.weights == CostWeights()
     assert config.core.recent_window_s == DEFAULT_RECENT_WINDOW_S
+    assert config.core.backlog_tokens == DEFAULT_BACKLOG_TOKENS
 
 
 @pytest.mark.parametrize(
@@ -76,6 +80,8 @@ def test_router_defaults():
         ("--cost-weights", "1,x,3", "--cost-weights: cost weights must be three or four"),
         ("--cost-weights", "1,-1,3", "CostWeights.queued_prefill must be >= 0, got -1.0"),
         ("--recent-window-s", "0", "recent_window_s must be > 0, got 0.0"),
+        ("--backlog-tokens", "-5", "backlog_tokens must be >= 0, got -5.0"),
+        ("--backlog-tokens", "nan", "backlog_tokens must be >= 0, got nan"),
     ],
 )
 def test_bad_cost_settings_are_usage_errors(flag, value, message, capsys):
