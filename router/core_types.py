@@ -42,9 +42,9 @@ class RouterConfig:
     token (or end); while the request waits for prefill it is held however long it queues
     (``approx_ttl_s`` instead for the approx_tree policy, which never reads events).
     ``max_pending_batches``: per-worker buffer of out-of-order batches waiting for a gap to
-    fill. ``prefix_hash_blocks``: how many
-    leading blocks prefix_hash hashes. ``verify_hashes``: recompute stored chains from their
-    tokens (slow; mismatches are counted and dropped). ``predict_stride``: predictions keep
+    fill. ``prefix_hash_blocks``: how many leading blocks prefix_hash hashes.
+    ``verify_hashes``: recompute stored chains from their tokens (slow; mismatches are
+    counted and dropped). ``predict_stride``: predictions keep
     every stride-th block, so a predicted match is a multiple of it (router.predicted).
     ``recent_window_s``: time constant of the decay of each worker's recent prefill tokens
     (the cost's balance term; router.policy). ``backlog_tokens``: the least loaded worker's

@@ -93,11 +93,6 @@ class PredictedEntries:
         stride = self.stride
         return hashes if stride == 1 else hashes[stride - 1 :: stride]
 
-    @property
-    def num_held(self) -> int:
-        """Sparse block hashes held by at least one request."""
-        return len(self._held)
-
     def add(
         self,
         bit: int,
