@@ -122,8 +122,11 @@ class PredictedEntries:
         self._set_deadline(sparse, deadline, record=not hold)
         if hold:
             held = self._held
-            counts = map(add, map(held.get, sparse, repeat(0)), repeat(1))
-            held.update(zip(sparse, counts, strict=True))
+            if held.keys().isdisjoint(sparse):  # usual: nobody holds these yet
+                held.update(zip(sparse, repeat(1)))
+            else:
+                counts = map(add, map(held.get, sparse, repeat(0)), repeat(1))
+                held.update(zip(sparse, counts, strict=True))
         return sparse
 
     def release(self, sparse: Sequence[int], deadline: float) -> None:
