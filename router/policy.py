@@ -44,7 +44,8 @@ multiplied by ``1 + (smallest queued prefill among the candidates) / backlog_tok
 an H100): a fleet whose least loaded worker has 50k tokens queued counts a miss double.
 Below saturation some worker is idle at nearly every decision and the factor is 1. (Mooncake
 replay on 4 saturated workers: from 92.6% to 95.5% of the pooled hit-rate bound and TTFT
-p99 from 17.8 s to 15.8 s; the support-agent runs and 8-16 workers barely change.)
+p99 from 17.8 s to 15.8 s; support-agent at 4 workers, queued in bursts: TTFT p99 344 ->
+354 ms; the 8- and 16-worker runs barely change. BENCHMARKS.md.)
 
 Baselines share the interface: round_robin, random, least_load, power_of_two, prefix_hash
 (rendezvous hashing of the first blocks: consistent when workers come and go), and
