@@ -19,7 +19,7 @@ from kvroute_proto.registry import DEFAULT_PREFIX
 from kvroute_proto.runtime import run_event_loop
 from kvroute_proto.telemetry import configure_tracing
 from router.core import RouterConfig
-from router.core_types import DEFAULT_RECENT_WINDOW_S
+from router.core_types import DEFAULT_RECENT_DECODE_RATIO, DEFAULT_RECENT_WINDOW_S
 from router.policy import DEFAULT_BACKLOG_TOKENS, CostWeights, policy_names
 from router.service.resilience import EjectionConfig
 from router.service.server import (
@@ -80,6 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=DEFAULT_RECENT_WINDOW_S,
         help="decay time constant of each worker's recent-prefill count (default %(default)s)",
+    )
+    p.add_argument(
+        "--recent-decode-ratio",
+        type=float,
+        default=DEFAULT_RECENT_DECODE_RATIO,
+        help="recent-prefill tokens each generated token of a finished request adds to its "
+        "worker's balance term (default %(default)s)",
     )
     p.add_argument(
         "--backlog-tokens",
@@ -164,6 +171,7 @@ def config_from_args(args: argparse.Namespace) -> RouterServerConfig:
             weights=CostWeights.parse(args.cost_weights) if args.cost_weights else CostWeights(),
             recent_window_s=args.recent_window_s,
             backlog_tokens=args.backlog_tokens,
+            recent_decode_ratio=args.recent_decode_ratio,
         ),
         service=ServicerConfig(
             max_inflight=args.max_inflight,

@@ -134,6 +134,7 @@ class RouterCore:
         # recent prefill per worker decays as exp(-t / window); views hold it scaled by
         # exp((t - t0) / window) so that a route touches one view, not all (see _recent_scale)
         self._recent_window_s = config.recent_window_s
+        self._recent_decode_ratio = config.recent_decode_ratio
         self._recent_t0 = clock()
         self._sync_counters: Counter[str] = Counter()
 
@@ -428,12 +429,19 @@ class RouterCore:
             flight.view.inflight_prefill_tokens -= flight.prefill_tokens
             flight.view.refresh()
 
-    def on_finished(self, request_id: str) -> None:
-        """The request ended (finished, aborted or failed). Unknown ids are ignored."""
+    def on_finished(self, request_id: str, generated_tokens: int = 0) -> None:
+        """The request ended (finished, aborted or failed). Unknown ids are ignored.
+
+        ``generated_tokens``: what the worker decoded for it (the Finished usage); each adds
+        ``recent_decode_ratio`` tokens to the worker's recent sum, so a worker busy decoding
+        long conversations is not taken for an idle one by the balance term."""
         flight = self._inflight.pop(request_id, None)
         if flight is None:
             return
         self._release(flight)
+        if generated_tokens > 0 and self._recent_decode_ratio:
+            scale = self._recent_scale(self._clock())
+            flight.view.recent_prefill += self._recent_decode_ratio * generated_tokens * scale
         if flight.prefilling:
             flight.view.inflight_prefill_tokens -= flight.prefill_tokens
         flight.view.num_active -= 1

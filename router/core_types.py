@@ -15,6 +15,7 @@ from kvroute_proto.events import DEFAULT_PARTITION, LoadReport, Partition
 from router.policy import DEFAULT_BACKLOG_TOKENS, CostWeights
 
 __all__ = [
+    "DEFAULT_RECENT_DECODE_RATIO",
     "DEFAULT_RECENT_WINDOW_S",
     "Action",
     "Explanation",
@@ -28,6 +29,7 @@ __all__ = [
 
 
 DEFAULT_RECENT_WINDOW_S = 30.0  # decay time constant of each worker's recent prefill
+DEFAULT_RECENT_DECODE_RATIO = 0.5  # recent-sum tokens per generated token of a finished request
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +51,8 @@ class RouterConfig:
     ``recent_window_s``: time constant of the decay of each worker's recent prefill tokens
     (the cost's balance term; router.policy). ``backlog_tokens``: the least loaded worker's
     queued prefill at which the cost counts a miss double (0: off; router.policy).
+    ``recent_decode_ratio``: prefill tokens that one generated token of a finished request
+    adds to its worker's recent sum (decode work counts toward the balance term, at half).
     """
 
     policy: str = "cache_aware"
@@ -63,13 +67,14 @@ class RouterConfig:
     predict_stride: int = 4
     recent_window_s: float = DEFAULT_RECENT_WINDOW_S
     backlog_tokens: float = DEFAULT_BACKLOG_TOKENS
+    recent_decode_ratio: float = DEFAULT_RECENT_DECODE_RATIO
 
     def __post_init__(self) -> None:
         if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"block_size must be >= 1 or None, got {self.block_size}")
         if not self.recent_window_s > 0:
             raise ValueError(f"recent_window_s must be > 0, got {self.recent_window_s}")
-        for name in ("predicted_ttl_s", "approx_ttl_s", "backlog_tokens"):
+        for name in ("predicted_ttl_s", "approx_ttl_s", "backlog_tokens", "recent_decode_ratio"):
             if not getattr(self, name) >= 0:  # NaN too
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_indexed_blocks < 1:

@@ -113,6 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: the router's)",
     )
     p.add_argument(
+        "--recent-decode-ratio",
+        type=float,
+        default=None,
+        help="recent-prefill tokens per generated token of a finished request "
+        "(default: the router's)",
+    )
+    p.add_argument(
         "--backlog-tokens",
         type=float,
         default=None,
@@ -176,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         setup["recent_window_s"] = args.recent_window_s
     if args.backlog_tokens is not None:
         setup["backlog_tokens"] = args.backlog_tokens
+    if args.recent_decode_ratio is not None:
+        setup["recent_decode_ratio"] = args.recent_decode_ratio
     progress = None if args.quiet else sys.stderr
     if args.mode == "sim":
         report = _run_sim(args, records, policies, setup, progress)
@@ -195,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             cost_weights=args.cost_weights,
             recent_window_s=args.recent_window_s,
             backlog_tokens=args.backlog_tokens,
+            recent_decode_ratio=args.recent_decode_ratio,
         )
         report = ReplayReport(setup=setup)
         for policy in policies:
@@ -225,6 +235,8 @@ def _sim_config(args: argparse.Namespace):  # -> SimConfig
         router = replace(router, recent_window_s=args.recent_window_s)
     if args.backlog_tokens is not None:
         router = replace(router, backlog_tokens=args.backlog_tokens)
+    if args.recent_decode_ratio is not None:
+        router = replace(router, recent_decode_ratio=args.recent_decode_ratio)
     return SimConfig(
         router=router,
         num_workers=args.workers,

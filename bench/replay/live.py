@@ -62,6 +62,7 @@ class LiveConfig:
     cost_weights: str | None = None  # the router's --cost-weights (None: its defaults)
     recent_window_s: float | None = None  # in trace seconds (None: the router's default)
     backlog_tokens: float | None = None  # the router's --backlog-tokens (None: its default)
+    recent_decode_ratio: float | None = None  # --recent-decode-ratio (None: its default)
     startup_timeout_s: float = 60.0  # each process, and readiness
     python: str = sys.executable
 
@@ -195,6 +196,8 @@ class LiveFleet:
         router_args += ["--recent-window-s", repr(window_s / c.speedup)]
         if c.backlog_tokens is not None:
             router_args += ["--backlog-tokens", repr(c.backlog_tokens)]
+        if c.recent_decode_ratio is not None:
+            router_args += ["--recent-decode-ratio", repr(c.recent_decode_ratio)]
         for w in self.workers:
             router_args += ["--worker", w.address]
         self.router = await self._spawn("router", router_args)

@@ -313,7 +313,8 @@ class FleetSim:
                 result.completion_tokens = out.usage.completion_tokens
             if result.first_token_s is None:  # finished without a token (abort)
                 result.error = f"finished without output: {out.finish_reason.value}"
-            self.router.on_finished(out.request_id)
+            generated = out.usage.completion_tokens if out.usage is not None else 0
+            self.router.on_finished(out.request_id, generated)
             del self._by_request_id[out.request_id]
             self.num_finished += 1
 

@@ -217,7 +217,7 @@ class RouterServicer(pb_grpc.RouterServicer):
                         if not msg.finished.worker_id:
                             msg.finished.worker_id = worker_id
                         self.ejector.record_success(worker_id)
-                        self._core.on_finished(rid)
+                        self._core.on_finished(rid, msg.finished.usage.completion_tokens)
                         reported = True
                     yield msg
                 if reported:

@@ -53,6 +53,8 @@ def test_live_replay_through_real_processes(tmp_path):
         "20",
         "--backlog-tokens",
         "20000",
+        "--recent-decode-ratio",
+        "0.5",
     ]
     assert main(argv) == 0
     data = json.loads(out.read_text())

@@ -190,13 +190,15 @@ def test_cost_settings_reach_the_router_and_the_report(tmp_path):
     base = ["--trace", str(trace), "--trace-block-size", "64", "--workers", "2", "--quiet"]
     argv = [*base, "--no-bounds", "--json", str(out)]
     costs = ["--cost-weights", "1,0.25,16,0.5", "--recent-window-s", "5", "--backlog-tokens", "9"]
-    assert main([*argv, *costs]) == 0
+    assert main([*argv, *costs, "--recent-decode-ratio", "2"]) == 0
     setup = json.loads(out.read_text())["setup"]
     assert (setup["cost_weights"], setup["recent_window_s"]) == ("1,0.25,16,0.5", 5.0)
-    assert setup["backlog_tokens"] == 9.0
-    router = _sim_config(build_parser().parse_args([*base, "--backlog-tokens", "9"])).router
-    assert router.backlog_tokens == 9.0
+    assert (setup["backlog_tokens"], setup["recent_decode_ratio"]) == (9.0, 2.0)
+    args = build_parser().parse_args([*base, "--backlog-tokens", "9", "--recent-decode-ratio", "2"])
+    router = _sim_config(args).router
+    assert (router.backlog_tokens, router.recent_decode_ratio) == (9.0, 2.0)
     router = _sim_config(build_parser().parse_args([*base, "--cost-weights", "2,0,1"])).router
     assert router.weights == CostWeights(2.0, 0.0, 1.0)  # RECENT keeps the router's default
     assert router.recent_window_s == RouterConfig().recent_window_s
     assert router.backlog_tokens == RouterConfig().backlog_tokens
+    assert router.recent_decode_ratio == RouterConfig().recent_decode_ratio

@@ -396,6 +396,30 @@ def test_recent_prefill_decays_with_the_window() -> None:
     assert got[other] == pytest.approx(160 + 800.0)
 
 
+def test_generated_tokens_of_a_finished_request_count_toward_its_worker() -> None:
+    weights = CostWeights(1.0, 0.0, 0.0, 1.0)
+    core, clock = make_core(2, weights=weights, recent_window_s=10.0, recent_decode_ratio=0.5)
+    d = core.route(RouteRequest("r1", tokens(320)))
+    core.on_first_token("r1")
+    core.on_finished("r1", generated_tokens=400)
+    core.on_finished("r1", generated_tokens=400)  # a second report of the same id: ignored
+
+    def recent() -> float:
+        e = core.explain(RouteRequest("probe", tokens(16, 50_000)))
+        return {w.worker_id: w.recent_prefill_tokens for w in e.workers}[d.worker_id]
+
+    assert recent() == pytest.approx(320 + 0.5 * 400)
+    clock.now += 10.0 * math.log(2)  # decays like the rest of the sum
+    assert recent() == pytest.approx((320 + 200) / 2)
+    off, _ = make_core(2, weights=weights, recent_decode_ratio=0.0)
+    d = off.route(RouteRequest("r1", tokens(320)))
+    off.on_finished("r1", generated_tokens=400)
+    e = off.explain(RouteRequest("probe", tokens(16, 50_000)))
+    assert {w.worker_id: w.recent_prefill_tokens for w in e.workers}[d.worker_id] == 320.0
+    with pytest.raises(ValueError, match="recent_decode_ratio must be >= 0"):
+        make_core(1, recent_decode_ratio=-1.0)
+
+
 def test_recent_prefill_survives_long_runs_without_overflow() -> None:
     # exp(t / window) would overflow a float after 7,100 s at a 10 s window: the core rebases
     core, clock = make_core(2, weights=CostWeights(1.0, 0.0, 0.0, 1.0), recent_window_s=10.0)

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from router import cli, client, fleet
-from router.core_types import DEFAULT_RECENT_WINDOW_S
+from router.core_types import DEFAULT_RECENT_DECODE_RATIO, DEFAULT_RECENT_WINDOW_S
 from router.policy import DEFAULT_BACKLOG_TOKENS, CostWeights
 from router.service.tenancy import TenancyConfig
 
@@ -48,6 +48,8 @@ def test_router_flags_map_to_the_config():
             "12",
             "--backlog-tokens",
             "0",
+            "--recent-decode-ratio",
+            "0.25",
         ]
     )
     config = cli.config_from_args(args)
@@ -62,6 +64,7 @@ def test_router_flags_map_to_the_config():
     assert config.core.weights == CostWeights(1.0, 0.5, 8.0)  # RECENT keeps its default
     assert config.core.recent_window_s == 12.0
     assert config.core.backlog_tokens == 0.0  # the backlog factor turned off
+    assert config.core.recent_decode_ratio == 0.25
 
 
 def test_router_defaults():
@@ -71,6 +74,7 @@ def test_router_defaults():
     assert config.core.weights == CostWeights()
     assert config.core.recent_window_s == DEFAULT_RECENT_WINDOW_S
     assert config.core.backlog_tokens == DEFAULT_BACKLOG_TOKENS
+    assert config.core.recent_decode_ratio == DEFAULT_RECENT_DECODE_RATIO
 
 
 @pytest.mark.parametrize(
@@ -82,6 +86,7 @@ def test_router_defaults():
         ("--recent-window-s", "0", "recent_window_s must be > 0, got 0.0"),
         ("--backlog-tokens", "-5", "backlog_tokens must be >= 0, got -5.0"),
         ("--backlog-tokens", "nan", "backlog_tokens must be >= 0, got nan"),
+        ("--recent-decode-ratio", "-1", "recent_decode_ratio must be >= 0, got -1.0"),
     ],
 )
 def test_bad_cost_settings_are_usage_errors(flag, value, message, capsys):

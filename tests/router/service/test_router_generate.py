@@ -326,13 +326,16 @@ async def test_explain_lists_every_worker_and_the_pick(fleet):
     assert addresses == set(router.server.config.workers)
 
 
-async def test_explain_shows_the_recent_prefill_a_request_left(fleet):
+async def test_explain_shows_the_recent_work_a_request_left(fleet):
     router, _, _ = fleet
     result = await router.client.generate(PROMPT)
     expl = await router.client.explain(PROMPT)
     recent = {w.worker_id: w.recent_prefill_tokens for w in expl.workers}
-    # 16 uncached tokens, decayed over the milliseconds since (30 s window)
-    assert 15.0 < recent[result.worker_id] <= 16.0
+    # 16 uncached tokens plus half a token per generated one (the Finished usage the router
+    # relayed), decayed over the milliseconds since (30 s window)
+    assert result.completion_tokens > 0
+    left = 16 + 0.5 * result.completion_tokens
+    assert 0.95 * left < recent[result.worker_id] <= left
     assert [v for k, v in recent.items() if k != result.worker_id] == [0.0]
 
 
