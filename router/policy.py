@@ -38,9 +38,9 @@ thousand tokens is cached stays where it is until the gap is ten times that. The
 counts decode work: each finished request adds half a token per generated token
 (``RouterConfig.recent_decode_ratio``). Without it, a worker holding many conversations
 looked idle to the balance term (their turns hit the cache) while it ran 20-30 decodes, and
-long RAG prefills went there, each chunk waiting on that decode batch (support-agent replay:
-TTFT p99 292.4 -> 291.9 ms at 8 workers, now the lowest on every size and workload seed;
-prefill imbalance 1.01 -> 1.08).
+long RAG prefills went there, each chunk waiting on that decode batch (support-agent replay
+at 8 workers: TTFT p99 292.4 -> 291.9 ms, ahead of approx_tree on five workload seeds where
+it had been behind on four; prefill imbalance 1.01 -> 1.08).
 
 The backlog factor is for a saturated fleet. When every candidate has prefill queued, the
 fleet is compute-bound: the tokens a miss adds are work that queued requests wait behind,
