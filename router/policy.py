@@ -90,7 +90,8 @@ class CostWeights:
     cost(worker) = prefill * (prompt_tokens - matched_tokens)
                  + queued_prefill * queued prefill tokens on the worker
                  + decode * requests running on the worker
-                 + recent_prefill * prefill tokens routed there lately (decayed)
+                 + recent_prefill * work routed there lately (decayed: uncached prompt
+                                    tokens, plus recent_decode_ratio per generated token)
 
     Defaults chosen by trace replay (BENCHMARKS.md): a queued token weighs a quarter of a
     token to prefill here, because a miss costs more than this request's wait -- it spends
@@ -165,7 +166,8 @@ class WorkerView:
     ``queued_prefill_tokens``: the router's count, or the worker's report if larger (it also
     sees other routers' requests; ours may not have reached it yet). ``num_running``:
     likewise for requests (running + waiting on the worker). ``recent_prefill``: prefill
-    tokens routed here, decayed, times the core's current scale factor (policies multiply by
+    tokens routed here (and decode work of finished requests), decayed, times the core's
+    current scale factor (policies multiply by
     ``RouteQuery.recent_scale`` to get tokens; see ``RouterCore._recent_scale``).
     """
 
