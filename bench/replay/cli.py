@@ -17,6 +17,7 @@ import argparse
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from bench.replay.report import ReplayReport
 from bench.replay.trace import DEFAULT_TRACE_BLOCK_SIZE, TokenExpander, read_trace
@@ -179,12 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.cost_weights:
         setup["cost_weights"] = args.cost_weights
-    if args.recent_window_s is not None:
-        setup["recent_window_s"] = args.recent_window_s
-    if args.backlog_tokens is not None:
-        setup["backlog_tokens"] = args.backlog_tokens
-    if args.recent_decode_ratio is not None:
-        setup["recent_decode_ratio"] = args.recent_decode_ratio
+    setup.update(_router_overrides(args))
     progress = None if args.quiet else sys.stderr
     if args.mode == "sim":
         report = _run_sim(args, records, policies, setup, progress)
@@ -202,9 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             trace_block_size=args.trace_block_size,
             timeout_s=args.timeout_s,
             cost_weights=args.cost_weights,
-            recent_window_s=args.recent_window_s,
-            backlog_tokens=args.backlog_tokens,
-            recent_decode_ratio=args.recent_decode_ratio,
+            **_router_overrides(args),
         )
         report = ReplayReport(setup=setup)
         for policy in policies:
@@ -223,6 +217,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+# RouterConfig fields with a replay option of the same name (None: the router's default);
+# LiveConfig has the same fields and passes them to the router process
+_ROUTER_OPTIONS = ("recent_window_s", "backlog_tokens", "recent_decode_ratio")
+
+
+def _router_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The router options given on the command line, by RouterConfig field name."""
+    return {k: v for k in _ROUTER_OPTIONS if (v := getattr(args, k)) is not None}
+
+
 def _sim_config(args: argparse.Namespace):  # -> SimConfig
     from bench.replay.sim import SimConfig
 
@@ -231,12 +235,7 @@ def _sim_config(args: argparse.Namespace):  # -> SimConfig
         from router.policy import CostWeights
 
         router = replace(router, weights=CostWeights.parse(args.cost_weights))
-    if args.recent_window_s is not None:
-        router = replace(router, recent_window_s=args.recent_window_s)
-    if args.backlog_tokens is not None:
-        router = replace(router, backlog_tokens=args.backlog_tokens)
-    if args.recent_decode_ratio is not None:
-        router = replace(router, recent_decode_ratio=args.recent_decode_ratio)
+    router = replace(router, **_router_overrides(args))
     return SimConfig(
         router=router,
         num_workers=args.workers,
