@@ -190,8 +190,9 @@ class RouterCore:
         del self._workers[worker_id]
         self._index.remove_worker(worker.view.slot)
         heapq.heappush(self._free_slots, worker.view.slot)
+        now = self._clock()
         for request_id in [r for r, f in self._inflight.items() if f.view is worker.view]:
-            self._release(self._inflight.pop(request_id))
+            self._release(self._inflight.pop(request_id), now)
         self._refresh_healthy()
 
     def set_health(self, worker_id: str, healthy: bool) -> None:
@@ -404,10 +405,10 @@ class RouterCore:
         self._num_routed += 1
         return flight
 
-    def _release(self, flight: _Inflight) -> None:
-        """End the hold on the request's predicted blocks: their TTL starts now."""
+    def _release(self, flight: _Inflight, now: float) -> None:
+        """End the hold on the request's predicted blocks: their TTL starts ``now``."""
         if flight.held:
-            self._index.release_predicted(flight.held, self._clock() + self._ttl)
+            self._index.release_predicted(flight.held, now + self._ttl)
             flight.held = ()
 
     def on_routed(
@@ -424,7 +425,7 @@ class RouterCore:
         """Prefill of ``request_id`` is done: its tokens leave the queued-prefill estimate."""
         flight = self._inflight.get(request_id)
         if flight is not None and flight.prefilling:
-            self._release(flight)
+            self._release(flight, self._clock())
             flight.prefilling = False
             flight.view.inflight_prefill_tokens -= flight.prefill_tokens
             flight.view.refresh()
@@ -438,9 +439,10 @@ class RouterCore:
         flight = self._inflight.pop(request_id, None)
         if flight is None:
             return
-        self._release(flight)
+        now = self._clock()
+        self._release(flight, now)
         if generated_tokens > 0 and self._recent_decode_ratio:
-            scale = self._recent_scale(self._clock())
+            scale = self._recent_scale(now)
             flight.view.recent_prefill += self._recent_decode_ratio * generated_tokens * scale
         if flight.prefilling:
             flight.view.inflight_prefill_tokens -= flight.prefill_tokens
