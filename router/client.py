@@ -254,6 +254,11 @@ def _client(args: argparse.Namespace) -> RouterClient:
     )
 
 
+def _ids_text(token_ids: Sequence[int]) -> str:
+    """What the CLI prints for an output without text: its token ids."""
+    return " ".join(map(str, token_ids))
+
+
 def _rpc_error(exc: grpc.aio.AioRpcError) -> int:
     print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
     return 1
@@ -270,16 +275,24 @@ async def _generate(args: argparse.Namespace) -> int:
     async with _client(args) as client:
         if not args.stream:
             r = await client.generate(prompt, options)
-            print(r.text if r.text else " ".join(map(str, r.token_ids)))
+            print(r.text if r.text else _ids_text(r.token_ids))
         else:
+            # Text as it arrives. A chunk may carry ids and no text (the worker holds back an
+            # incomplete character until later ids complete it): print nothing for it, so the
+            # streamed output equals the non-streamed one. Only a stream with no text at all
+            # prints its token ids, as the non-streamed path does.
             fin = None
+            any_text = False
+            token_ids: list[int] = []
             async for msg in client.stream(prompt, options):
                 if msg.HasField("chunk"):
-                    out = msg.chunk.text or "".join(f" {t}" for t in msg.chunk.token_ids)
-                    print(out, end="", flush=True)
+                    token_ids.extend(msg.chunk.token_ids)
+                    if msg.chunk.text:
+                        any_text = True
+                        print(msg.chunk.text, end="", flush=True)
                 else:
                     fin = msg.finished
-            print()
+            print("" if any_text else _ids_text(token_ids))
             if fin is None:
                 print("error: the stream ended without a Finished message", file=sys.stderr)
                 return 1
@@ -304,12 +317,12 @@ async def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str]) -> int:
-    """``kvroute generate``: send one prompt through a router and print the output."""
+def build_generate_parser() -> argparse.ArgumentParser:
+    """The ``kvroute generate`` command line."""
     parser = _common_parser(
         "kvroute generate", "Send one prompt through a router and print the generated text."
     )
-    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate at most")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--seed", type=int, default=None, help="sampling seed")
     parser.add_argument("--stream", action="store_true", help="print tokens as they arrive")
@@ -319,7 +332,12 @@ def main(argv: list[str]) -> int:
         action="store_true",
         help="also print (on stderr) which worker served it and how many tokens were cached",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    """``kvroute generate``: send one prompt through a router and print the output."""
+    args = build_generate_parser().parse_args(argv)
     try:
         return asyncio.run(_generate(args))
     except grpc.aio.AioRpcError as exc:
