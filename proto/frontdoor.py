@@ -21,7 +21,7 @@ This module imports neither grpc nor an HTTP stack: codes are grpc.StatusCode *n
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
@@ -141,4 +141,4 @@ class GenerationBackend(Protocol):
 
     def generate(
         self, request: pb.GenerateRequest, call: CallInfo
-    ) -> AsyncIterator[pb.GenerateResponse]: ...
+    ) -> AsyncGenerator[pb.GenerateResponse, None]: ...

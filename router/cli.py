@@ -21,6 +21,7 @@ from kvroute_proto.telemetry import configure_tracing
 from router.core import RouterConfig
 from router.core_types import DEFAULT_RECENT_DECODE_RATIO, DEFAULT_RECENT_WINDOW_S
 from router.policy import DEFAULT_BACKLOG_TOKENS, CostWeights, policy_names
+from router.service.frontend import FrontendConfig
 from router.service.resilience import EjectionConfig
 from router.service.server import (
     RegistryConfig,
@@ -28,7 +29,6 @@ from router.service.server import (
     RouterServerConfig,
     check_address,
 )
-from router.service.servicer import ServicerConfig
 from router.service.tenancy import TenancyConfig
 from router.service.worker_conn import ConnectionConfig
 
@@ -173,7 +173,7 @@ def config_from_args(args: argparse.Namespace) -> RouterServerConfig:
             backlog_tokens=args.backlog_tokens,
             recent_decode_ratio=args.recent_decode_ratio,
         ),
-        service=ServicerConfig(
+        service=FrontendConfig(
             max_inflight=args.max_inflight,
             max_deadline_s=args.max_deadline_s,
             tenancy=TenancyConfig(args.tenant_header.lower(), secret, args.trust_client_salt),

@@ -31,8 +31,9 @@ from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
 from kvroute_proto.registry import DEFAULT_PREFIX, RedisMembershipWatcher, WorkerRecord
 from router.core import RouterConfig, RouterCore
+from router.service.frontend import Frontend, FrontendConfig, TextTokenizer
 from router.service.pool import WorkerPool
-from router.service.servicer import RouterServicer, ServicerConfig
+from router.service.servicer import RouterServicer
 from router.service.worker_conn import ConnectionConfig
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ class RouterServerConfig:
     workers: tuple[str, ...] = ()  # static HOST:PORT addresses
     registry: RegistryConfig = field(default_factory=RegistryConfig)
     core: RouterConfig = field(default_factory=RouterConfig)
-    service: ServicerConfig = field(default_factory=ServicerConfig)
+    service: FrontendConfig = field(default_factory=FrontendConfig)
     connection: ConnectionConfig = field(default_factory=ConnectionConfig)
     grace_s: float = 5.0
     seed: int | None = None  # tie-breaks and jitter; None = from the OS
@@ -91,7 +92,11 @@ class RouterServer:
     """One router replica."""
 
     def __init__(
-        self, config: RouterServerConfig, *, clock: Callable[[], float] = time.monotonic
+        self,
+        config: RouterServerConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        tokenizer: TextTokenizer | None = None,
     ) -> None:
         self.config = config
         self._clock = clock
@@ -104,7 +109,11 @@ class RouterServer:
             clock=clock,
             on_health_change=self._on_health_change,
         )
-        self.servicer = RouterServicer(self.core, self.pool, config.service, clock=clock)
+        # one request path (validate, tokenize, route, relay) under every front door
+        self.frontend = Frontend(
+            self.core, self.pool, config.service, clock=clock, tokenizer=tokenizer
+        )
+        self.servicer = RouterServicer(self.frontend, self.pool)
         self.health = health.aio.HealthServicer()
         self.watcher: RedisMembershipWatcher | None = None
         self._server: grpc.aio.Server | None = None

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 from router.client import RouterClient
 from router.core import RouterConfig
+from router.service.frontend import FrontendConfig
 from router.service.resilience import BackoffConfig, EjectionConfig
 from router.service.server import RegistryConfig, RouterServer, RouterServerConfig
-from router.service.servicer import ServicerConfig
 from router.service.worker_conn import ConnectionConfig
 
 WAIT_S = 10.0  # upper bound for any awaited condition
@@ -33,7 +33,7 @@ def router_config(workers: list[str], **overrides) -> RouterServerConfig:
     base = RouterServerConfig(
         workers=tuple(workers),
         core=RouterConfig(policy="cache_aware"),
-        service=ServicerConfig(ejection=EjectionConfig(max_consecutive_failures=3, cooldown_s=60)),
+        service=FrontendConfig(ejection=EjectionConfig(max_consecutive_failures=3, cooldown_s=60)),
         connection=FAST_CONN,
         registry=RegistryConfig(),
         grace_s=0.5,
@@ -67,9 +67,13 @@ class RunningRouter:
 
 @contextlib.asynccontextmanager
 async def running_router(
-    workers: list[str], config: RouterServerConfig | None = None, *, tenant: str | None = None
+    workers: list[str],
+    config: RouterServerConfig | None = None,
+    *,
+    tenant: str | None = None,
+    tokenizer: object | None = None,
 ) -> AsyncIterator[RunningRouter]:
-    server = RouterServer(config or router_config(workers))
+    server = RouterServer(config or router_config(workers), tokenizer=tokenizer)  # type: ignore[arg-type]
     await server.start()
     client = RouterClient(server.address, tenant=tenant, timeout_s=WAIT_S)
     try:

@@ -18,18 +18,18 @@ from kvroute_proto import kvroute_pb2_grpc as pb_grpc
 from kvroute_proto.events import BlockStored, EventBatch, Partition
 from kvroute_proto.hashing import block_hash_list
 from router.client import GenerateOptions, build_request
+from router.service.frontend import FrontendConfig
 from router.service.resilience import EjectionConfig
 from router.service.server import RegistryConfig, RouterServer
-from router.service.servicer import ServicerConfig
 from router.service.tenancy import TenancyConfig
-from router.service.validation import routing_tokens
+from router.service.validation import RequestLimits, routing_tokens
 
 PROMPT = list(range(1, 17))  # 4 blocks of 4
 
 
 @pytest.fixture
 async def fleet(request):
-    """Two fake workers w0, w1 behind a router; ``request.param`` overrides ServicerConfig."""
+    """Two fake workers w0, w1 behind a router; ``request.param`` overrides FrontendConfig."""
     overrides = getattr(request, "param", {})
     a, b = FakeWorker("w0"), FakeWorker("w1")
     async with running_fake(a) as ra, running_fake(b) as rb:
@@ -68,7 +68,7 @@ async def test_generate_relays_stream_and_reports_worker_and_usage(fleet):
     assert [x.request.request_id for x in served.received] == ["r1"]
     # in-flight accounting is back to zero
     assert router.server.core.stats().num_inflight_requests == 0
-    assert router.server.servicer.num_inflight == 0
+    assert router.server.frontend.num_inflight == 0
 
 
 async def test_router_assigns_a_request_id_when_empty(fleet):
@@ -96,7 +96,7 @@ async def test_failure_before_first_token_retries_once_on_the_other_worker(fleet
     assert (r.worker_id, r.attempts) == ("w1", 2)
     assert [x.request.request_id for x in a.received] == ["r1"]
     assert [x.request.request_id for x in b.received] == ["r1"]
-    assert router.server.servicer.num_retries == 1
+    assert router.server.frontend.num_retries == 1
     assert router.server.core.stats().num_inflight_requests == 0
 
 
@@ -148,7 +148,7 @@ async def test_request_errors_pass_through_uncounted(fleet, code):
         assert err.value.code() == code
         assert "scripted failure" in err.value.details()
     assert len(a.received) + len(b.received) == 4  # never retried
-    assert router.server.servicer.ejector.ejected() == frozenset()
+    assert router.server.frontend.ejector.ejected() == frozenset()
 
 
 @pytest.mark.parametrize(
@@ -166,7 +166,7 @@ async def test_consecutive_internal_errors_eject_the_worker(fleet):
         await hold(router, a, prompt, seq=i + 1)  # w0 holds the longest prefix: first choice
         r = await router.client.generate(prompt, GenerateOptions(request_id=f"x{i}"))
         assert (r.worker_id, r.attempts) == ("w1", 2)
-    assert router.server.servicer.ejector.ejected() == {"w0"}
+    assert router.server.frontend.ejector.ejected() == {"w0"}
     expl = await router.client.explain(PROMPT)
     assert {w.worker_id: w.healthy for w in expl.workers} == {"w0": False, "w1": True}
     for i in range(4):
@@ -193,7 +193,7 @@ async def test_client_cancel_cancels_the_worker_call(fleet):
     # the cancellation crosses two gRPC hops
     await asyncio.wait_for(_either(a.cancelled_event, b.cancelled_event), WAIT_S)
     assert a.cancelled + b.cancelled == ["c1"]
-    await router.wait_for(lambda: router.server.servicer.num_inflight == 0)
+    await router.wait_for(lambda: router.server.frontend.num_inflight == 0)
     assert router.server.core.stats().num_inflight_requests == 0
 
 
@@ -300,7 +300,7 @@ async def test_tenant_salt_overwrites_the_body_salt():
     async with running_fake(a) as ra:
         config = router_config(
             [ra.address],
-            service=ServicerConfig(tenancy=TenancyConfig(salt_secret=b"k")),
+            service=FrontendConfig(tenancy=TenancyConfig(salt_secret=b"k")),
         )
         async with running_router([ra.address], config, tenant="acme") as router:
             await router.wait_synced(1)
@@ -429,7 +429,7 @@ async def test_closed_worker_channel_is_a_disconnect_not_an_internal_error(fleet
     assert "w1: disconnected" in err.value.details()
     assert a.received == [] and b.received == []
     assert router.server.core.stats().num_inflight_requests == 0
-    assert router.server.servicer.num_inflight == 0
+    assert router.server.frontend.num_inflight == 0
 
 
 async def test_failed_start_leaves_no_worker_connection_running():
@@ -459,7 +459,7 @@ async def test_empty_stream_without_finished_is_retried_on_the_other_worker(flee
     r = await router.client.generate(PROMPT, GenerateOptions(request_id="r1"))
     assert (r.worker_id, r.attempts) == ("w1", 2)
     assert [x.request.request_id for x in b.received] == ["r1"]
-    assert router.server.servicer.num_retries == 1
+    assert router.server.frontend.num_retries == 1
     assert router.server.core.stats().num_inflight_requests == 0
 
 
@@ -477,7 +477,7 @@ async def test_request_on_a_removed_worker_is_retried_not_cancelled(fleet):
     assert (r.worker_id, r.attempts) == ("w1", 2)
     assert [x.request.request_id for x in b.received] == ["r1"]
     assert router.server.core.stats().num_inflight_requests == 0
-    assert router.server.servicer.num_inflight == 0
+    assert router.server.frontend.num_inflight == 0
 
 
 async def test_unexpected_error_in_a_subscription_reconnects_instead_of_ending_it(
@@ -510,3 +510,49 @@ def test_routing_tokens_are_uint32_as_on_the_wire():
     assert routing_tokens(ids).tolist() == [0, 7, 2**32 - 1]
     assert routing_tokens(text).dtype == np.uint32
     assert routing_tokens(text).tolist() == list("hé".encode())
+
+
+class WordTokenizer:
+    """A stand-in for the fleet's tokenizer: one id per whitespace-separated word."""
+
+    def encode(self, text: str) -> list[int]:
+        return [100 + int(w) for w in text.split()]
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(str(i - 100) for i in ids)
+
+
+async def test_text_prompt_is_tokenized_by_the_router_and_forwarded_as_ids():
+    """With the fleet's tokenizer the router routes a text prompt on its real token ids
+    (the ids the workers' events report) and forwards those ids, not the text."""
+    text = " ".join(str(i) for i in range(16))
+    ids = WordTokenizer().encode(text)
+    a, b = FakeWorker("w0"), FakeWorker("w1")
+    async with running_fake(a) as ra, running_fake(b) as rb:
+        workers = [ra.address, rb.address]
+        async with running_router(workers, tokenizer=WordTokenizer()) as router:
+            await router.wait_synced(2)
+            await hold(router, b, ids)  # only w1 caches the prompt's real blocks
+            r = await router.client.generate(text, GenerateOptions(request_id="t1"))
+            assert r.worker_id == "w1"
+            forwarded = b.received[0].request
+            assert forwarded.WhichOneof("prompt") == "prompt_token_ids"
+            assert list(forwarded.prompt_token_ids.ids) == ids
+            assert a.received == []
+
+
+async def test_text_prompt_that_encodes_past_the_limit_is_refused():
+    a = FakeWorker("w0")
+    async with running_fake(a) as ra:
+        config = router_config([ra.address])
+        config = dataclasses.replace(
+            config,
+            service=dataclasses.replace(config.service, limits=RequestLimits(max_prompt_tokens=4)),
+        )
+        async with running_router([ra.address], config, tokenizer=WordTokenizer()) as router:
+            await router.wait_synced(1)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await router.client.generate("1 2 3 4 5", GenerateOptions())
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "encodes to 5 tokens; the limit is 4" in err.value.details()
+            assert a.received == []

@@ -1,0 +1,390 @@
+"""The router's one request path, under every front door (gRPC, OpenAI HTTP).
+
+``Frontend.generate``, step by step::
+
+    check capacity (Overloaded) -> check fields (BadRequest)
+    -> tenancy: the partition's cache_salt from the caller's metadata (tenancy.py)
+    -> tokenize a text prompt with the fleet's tokenizer; forward the token ids
+    -> deadline = min(client's remaining time, max_deadline_s)  (max_deadline_s if none)
+    -> attempt 1: core.route -> worker.Generate(timeout=remaining) -> relay the stream
+         worker failure before anything was relayed -> attempt 2 on the next-best worker
+                                                       (route with exclude={first worker})
+         worker failure after the first relayed message -> Unavailable (never duplicate)
+         (a worker stream that ends with OK but no Finished is a worker failure too)
+         INVALID_ARGUMENT / RESOURCE_EXHAUSTED / DEADLINE_EXCEEDED from the worker
+                                                     -> passed through, not counted
+    -> the Finished message carries worker_id, the worker's usage, and attempts
+
+It knows neither protocol's server side: it takes a ``GenerateRequest`` message (our own
+request type, also what is forwarded to the worker) and a ``CallInfo``, yields the worker's
+messages, and refuses by raising a ``kvroute_proto.frontdoor.ServiceError``, which carries
+its gRPC code and HTTP status. Closing the iterator (a cancelled gRPC call, an HTTP client
+that went away) cancels the worker call, which aborts the request on the worker.
+
+Transport and internal failures count towards the worker's outlier ejection
+(resilience.py); ejected workers are excluded from routing until their cooldown ends.
+
+Tokens: with a tokenizer (``kvroute router --model DIR``) a text prompt is encoded here and
+forwarded as token ids, so the blocks the router hashes are the blocks the worker caches and
+reports. Without one, a text prompt is routed on its UTF-8 bytes and forwarded as text (exact
+for workers with the byte tokenizer: the tiny default model and the sim executor).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import grpc
+from opentelemetry import propagate, trace
+
+from kvroute_proto import codec
+from kvroute_proto import kvroute_pb2 as pb
+from kvroute_proto.events import Partition
+from kvroute_proto.frontdoor import (
+    BadRequest,
+    CallInfo,
+    DeadlineExceeded,
+    Overloaded,
+    Unavailable,
+    error_for_grpc_code,
+)
+from router.core import Explanation, RouteDecision, RouterCore, RouteRequest
+from router.errors import InvalidRouteRequestError, NoWorkerAvailable
+from router.service.pool import WorkerPool
+from router.service.resilience import EjectionConfig, OutlierEjector
+from router.service.tenancy import TenancyConfig, TenancyError, resolve_partition
+from router.service.validation import RequestError, RequestLimits, check_request, routing_tokens
+
+log = logging.getLogger(__name__)
+tracer = trace.get_tracer("kvroute.router")
+
+# Statuses that say the worker (or the way to it) is broken: counted, retried if possible.
+WORKER_FAILURE_CODES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.DATA_LOSS,
+        grpc.StatusCode.UNIMPLEMENTED,
+    }
+)
+
+DEFAULT_MODEL_NAME = "kvroute-tiny"
+
+
+class TextTokenizer(Protocol):
+    """What the front end needs of the fleet's tokenizer (kvroute_proto's tokenizers)."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+@dataclass(frozen=True, slots=True)
+class FrontendConfig:
+    """Admission, deadline, retry and tenancy settings of the router's request path."""
+
+    max_inflight: int = 1024
+    max_deadline_s: float = 600.0
+    max_attempts: int = 2
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    tenancy: TenancyConfig = field(default_factory=TenancyConfig)
+    ejection: EjectionConfig = field(default_factory=EjectionConfig)
+    model_name: str = DEFAULT_MODEL_NAME  # what the HTTP front serves (GET /v1/models)
+
+    def __post_init__(self) -> None:
+        if self.max_inflight < 1:
+            raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight}")
+        if not self.max_deadline_s > 0:
+            raise ValueError(f"max_deadline_s must be > 0, got {self.max_deadline_s}")
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A checked request: what is forwarded, and what the router routes on."""
+
+    forward: pb.GenerateRequest
+    route: RouteRequest
+
+
+@dataclass(slots=True)
+class _InFlight:
+    worker_id: str
+    cache_salt: str  # Abort only from the same tenant
+    released: bool = False
+
+
+class Frontend:
+    """Validate, tokenize, route, retry, relay, account: one object for every front door."""
+
+    def __init__(
+        self,
+        core: RouterCore,
+        pool: WorkerPool,
+        config: FrontendConfig,
+        *,
+        clock: Callable[[], float],
+        tokenizer: TextTokenizer | None = None,
+    ) -> None:
+        self._core = core
+        self._pool = pool
+        self.config = config
+        self._clock = clock
+        self.tokenizer = tokenizer
+        self.ejector = OutlierEjector(config.ejection, clock)
+        self._inflight: dict[str, _InFlight] = {}
+        self.num_retries = 0
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model_name
+
+    @property
+    def num_inflight(self) -> int:
+        """Generate calls admitted and not yet released (request ids are unique in flight)."""
+        return len(self._inflight)
+
+    # ---- generate ------------------------------------------------------------------------
+
+    async def generate(
+        self, request: pb.GenerateRequest, call: CallInfo
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
+        """Route ``request`` and relay the chosen worker's stream (raises ServiceError)."""
+        if self.num_inflight >= self.config.max_inflight:
+            raise Overloaded(
+                f"router has {self.num_inflight} requests in flight, "
+                f"the limit is max_inflight={self.config.max_inflight}",
+                retry_after_s=1.0,
+            )
+        prepared = self.prepare(request, call)
+        rid = prepared.forward.request_id
+        if rid in self._inflight:
+            raise BadRequest(f"request_id {rid!r} is already in flight", param="request_id")
+        deadline = self._clock() + self._timeout_s(call)
+        entry = _InFlight("", prepared.forward.partition.cache_salt)
+        self._inflight[rid] = entry
+        # Continue the caller's W3C trace, and pass ours on to the worker. The span is not
+        # made "current": a context attached across the yields of this generator could not
+        # be detached cleanly when the call ends early.
+        parent = propagate.extract(dict(call.metadata))
+        span = tracer.start_span("kvroute.router.Generate", context=parent)
+        span.set_attribute("kvroute.request_id", rid)
+        try:
+            async for msg in self._relay(prepared, entry, deadline, span):
+                if msg.HasField("finished"):
+                    # release before the client can see the end, so the accounting is exact
+                    # the moment the client's call completes
+                    self._release(rid, entry)
+                yield msg
+        finally:
+            self._release(rid, entry)
+            span.end()
+
+    def _release(self, rid: str, entry: _InFlight) -> None:
+        if not entry.released:
+            entry.released = True
+            del self._inflight[rid]
+
+    async def _relay(
+        self,
+        prepared: Prepared,
+        entry: _InFlight,
+        deadline: float,
+        span: trace.Span,
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        rid = prepared.forward.request_id
+        excluded: set[str] = set()
+        failures: list[str] = []
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier, context=trace.set_span_in_context(span))
+        metadata = tuple(carrier.items())
+        for attempt in range(1, self.config.max_attempts + 1):
+            remaining = deadline - self._clock()
+            if remaining <= 0:
+                raise DeadlineExceeded(
+                    f"deadline exceeded before attempt {attempt}; failures: {'; '.join(failures)}"
+                )
+            decision = self._route(prepared.route, excluded, failures)
+            worker_id = decision.worker_id
+            span.set_attributes(
+                {
+                    "kvroute.worker_id": worker_id,
+                    "kvroute.attempts": attempt,
+                    "kvroute.prompt_tokens": decision.prompt_tokens,
+                    "kvroute.matched_tokens": decision.matched_tokens,
+                }
+            )
+            conn = self._pool.by_worker_id(worker_id)
+            if conn is None:  # released between route() and here; try another
+                self._core.on_finished(rid)
+                excluded.add(worker_id)
+                failures.append(f"{worker_id}: disconnected")
+                continue
+            entry.worker_id = worker_id
+            try:
+                call = conn.stub.Generate(prepared.forward, timeout=remaining, metadata=metadata)
+            except grpc.aio.UsageError:  # the channel closed: the pool is removing the worker
+                self._core.on_finished(rid)
+                excluded.add(worker_id)
+                failures.append(f"{worker_id}: disconnected")
+                continue
+            relayed = False
+            reported = False
+            try:
+                async for msg in call:
+                    if not relayed:
+                        self._core.on_first_token(rid)
+                        relayed = True
+                    if msg.HasField("finished"):
+                        msg.finished.attempts = attempt
+                        if not msg.finished.worker_id:
+                            msg.finished.worker_id = worker_id
+                        self.ejector.record_success(worker_id)
+                        self._core.on_finished(rid, msg.finished.usage.completion_tokens)
+                        reported = True
+                    yield msg
+                if reported:
+                    self.ejector.record_success(worker_id)
+                    return
+                # ended with OK but no Finished: a broken worker, not an answer to relay
+                code_name, details = "INTERNAL", "the stream ended without a Finished message"
+            except grpc.aio.AioRpcError as exc:
+                code = exc.code()
+                if code not in WORKER_FAILURE_CODES:
+                    # the worker's answer about this request: the client's to see
+                    raise error_for_grpc_code(code.name, exc.details() or code.name) from None
+                code_name, details = code.name, exc.details()
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is None or task.cancelling():  # the client's cancel or a shutdown
+                    raise
+                # not our cancellation: the pool closed the worker's channel under the call
+                # (the worker left the registry); grpc.aio raises CancelledError for that
+                code_name, details = "UNAVAILABLE", "the connection to the worker was closed"
+            finally:
+                call.cancel()
+                if not reported:
+                    self._core.on_finished(rid)
+            if self.ejector.record_failure(worker_id):
+                log.warning(
+                    "worker %s ejected for %.1f s after %d consecutive failures",
+                    worker_id,
+                    self.config.ejection.cooldown_s,
+                    self.config.ejection.max_consecutive_failures,
+                )
+            failures.append(f"{worker_id}: {code_name}: {details}")
+            span.add_event("worker_failure", {"worker_id": worker_id, "code": code_name})
+            if relayed:
+                raise Unavailable(
+                    f"worker {worker_id} failed after the response had started "
+                    f"(not retried, to avoid duplicate output): {code_name}: {details}"
+                )
+            excluded.add(worker_id)
+            if attempt < self.config.max_attempts:
+                self.num_retries += 1
+                log.info("request %s: retrying after %s", rid, failures[-1])
+        raise Unavailable(
+            f"request failed on {len(failures)} worker(s) "
+            f"(max_attempts={self.config.max_attempts}): {'; '.join(failures)}"
+        )
+
+    def _route(self, route: RouteRequest, excluded: set[str], failures: list[str]) -> RouteDecision:
+        req = RouteRequest(
+            route.request_id,
+            route.token_ids,
+            route.partition,
+            exclude=frozenset(excluded) | self.ejector.ejected(),
+        )
+        try:
+            return self._core.route(req)
+        except NoWorkerAvailable as exc:
+            detail = f"; earlier failures: {'; '.join(failures)}" if failures else ""
+            raise Unavailable(f"{exc}{detail}", retry_after_s=1.0) from None
+        except InvalidRouteRequestError as exc:
+            raise BadRequest(str(exc), param=exc.field) from None
+
+    # ---- abort and explain ---------------------------------------------------------------
+
+    async def abort(self, request_id: str, call: CallInfo) -> bool:
+        """Abort an in-flight request of the caller's tenant; whether it was found."""
+        entry = self._inflight.get(request_id)
+        if entry is None or not entry.worker_id:
+            return False
+        try:
+            salt = resolve_partition(self.config.tenancy, call.metadata, Partition()).cache_salt
+        except TenancyError as exc:
+            raise BadRequest(str(exc)) from None
+        if salt != entry.cache_salt and not self.config.tenancy.trust_client_salt:
+            return False  # another tenant's request: not visible
+        conn = self._pool.by_worker_id(entry.worker_id)
+        if conn is None:
+            return False
+        try:
+            resp = await conn.stub.Abort(
+                pb.AbortRequest(request_id=request_id), timeout=conn.config.rpc_timeout_s
+            )
+        except grpc.aio.UsageError:  # the channel closed: the pool is removing the worker
+            return False
+        except grpc.aio.AioRpcError as exc:
+            raise Unavailable(
+                f"worker {entry.worker_id} did not answer Abort: {exc.code().name}"
+            ) from None
+        return bool(resp.found)
+
+    def explain(self, request: pb.GenerateRequest, call: CallInfo) -> Explanation:
+        """Each worker's match, load and cost, and the pick; routes nothing."""
+        prepared = self.prepare(request, call)
+        route = RouteRequest(
+            prepared.route.request_id,
+            prepared.route.token_ids,
+            prepared.route.partition,
+            exclude=self.ejector.ejected(),
+        )
+        try:
+            return self._core.explain(route)
+        except InvalidRouteRequestError as exc:
+            raise BadRequest(str(exc), param=exc.field) from None
+
+    # ---- helpers -------------------------------------------------------------------------
+
+    def prepare(self, request: pb.GenerateRequest, call: CallInfo) -> Prepared:
+        """Check fields, derive the partition, tokenize, assign a request id (BadRequest)."""
+        try:
+            check_request(request, self.config.limits)
+            partition = resolve_partition(
+                self.config.tenancy, call.metadata, codec.partition_from_pb(request.partition)
+            )
+        except (RequestError, TenancyError) as exc:
+            raise BadRequest(str(exc)) from None
+        forward = pb.GenerateRequest()
+        forward.CopyFrom(request)
+        if not forward.request_id:
+            forward.request_id = f"r-{uuid.uuid4().hex}"
+        forward.partition.CopyFrom(codec.partition_to_pb(partition))
+        if self.tokenizer is not None and forward.WhichOneof("prompt") == "prompt_text":
+            ids = self.tokenizer.encode(forward.prompt_text)
+            if not ids:
+                raise BadRequest("prompt_text encodes to no tokens", param="prompt_text")
+            limit = self.config.limits.max_prompt_tokens
+            if len(ids) > limit:
+                raise BadRequest(
+                    f"prompt_text encodes to {len(ids)} tokens; the limit is {limit}",
+                    param="prompt_text",
+                )
+            forward.prompt_token_ids.ids[:] = ids  # clears prompt_text (one oneof)
+        route = RouteRequest(forward.request_id, routing_tokens(forward), partition)
+        return Prepared(forward, route)
+
+    def _timeout_s(self, call: CallInfo) -> float:
+        remaining = call.timeout_s
+        if remaining is None or not math.isfinite(remaining):
+            return self.config.max_deadline_s
+        return min(max(remaining, 0.0), self.config.max_deadline_s)
