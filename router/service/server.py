@@ -24,11 +24,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
+from kvroute_proto.grpc_services import HEALTH_SERVICE_NAME, HealthServicer, enable_reflection
 from kvroute_proto.registry import DEFAULT_PREFIX, RedisMembershipWatcher, WorkerRecord
 from router.core import RouterConfig, RouterCore
 from router.service.frontend import Frontend, FrontendConfig, TextTokenizer
@@ -114,7 +114,7 @@ class RouterServer:
             self.core, self.pool, config.service, clock=clock, tokenizer=tokenizer
         )
         self.servicer = RouterServicer(self.frontend, self.pool)
-        self.health = health.aio.HealthServicer()
+        self.health = HealthServicer()  # with List
         self.watcher: RedisMembershipWatcher | None = None
         self._server: grpc.aio.Server | None = None
         self.port: int | None = None
@@ -130,9 +130,7 @@ class RouterServer:
         server = grpc.aio.server(options=server_options(self.config.connection))
         pb_grpc.add_RouterServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection(
-            (ROUTER_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-        )
+        enable_reflection((ROUTER_SERVICE_NAME, HEALTH_SERVICE_NAME), server)  # v1 and v1alpha
         port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
         if port == 0:
             raise OSError(f"could not bind {self.config.host}:{self.config.port}")

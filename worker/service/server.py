@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
 from kvroute_proto.events import LoadReport
+from kvroute_proto.grpc_services import HEALTH_SERVICE_NAME, HealthServicer, enable_reflection
 from worker.engine.engine_config import EngineConfig
 from worker.engine.tokenizer import Tokenizer
 from worker.service.convert import RequestLimits, WorkerInfo
@@ -93,7 +93,7 @@ class WorkerServer:
             load=LoadReport(),  # GetLoad reads it fresh on the engine thread
         )
         self.servicer = WorkerServicer(self.runner, tokenizer, config.limits, self.info)
-        self.health = health.aio.HealthServicer()
+        self.health = HealthServicer()  # with List
         self._server: grpc.aio.Server | None = None
         self.port: int | None = None
         self._stopped = False
@@ -124,9 +124,7 @@ class WorkerServer:
         )
         pb_grpc.add_WorkerServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection(
-            (WORKER_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-        )
+        enable_reflection((WORKER_SERVICE_NAME, HEALTH_SERVICE_NAME), server)  # v1 and v1alpha
         address = f"{self.config.host}:{self.config.port}"
         try:
             port = server.add_insecure_port(address)
