@@ -22,7 +22,7 @@ from kvroute_proto import kvroute_pb2 as pb
 from worker.engine.engine import EngineConfig
 from worker.engine.sim_executor import SimCostModel
 from worker.engine.tokenizer import ByteTokenizer
-from worker.service import servicer
+from worker.service import generation
 from worker.service.engine_runner import RunnerConfig
 
 # Real-time pacing with the default cost model: ~8 ms per decode step, so a long request
@@ -174,7 +174,7 @@ async def test_each_generate_records_a_span_that_continues_the_callers_trace(
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    monkeypatch.setattr(servicer, "tracer", provider.get_tracer("test"))
+    monkeypatch.setattr(generation, "tracer", provider.get_tracer("test"))
     trace_id, parent_id = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
     async with running_worker() as w:
         metadata = (("traceparent", f"00-{trace_id}-{parent_id}-01"),)

@@ -1,0 +1,165 @@
+"""The worker's one request path, under both front doors (gRPC and HTTP).
+
+``WorkerGeneration.generate``: admit (decode + submit) -> stream the outputs as
+``GenerateResponse`` messages (chunks, then one Finished) -> abort on close. It knows neither
+protocol: it refuses by raising a :class:`~kvroute_proto.frontdoor.ServiceError` (BadRequest
+for an invalid request, Overloaded when the waiting queue is full, Unavailable while shutting
+down or when the engine loop stopped). Closing the iterator before the Finished (a cancelled
+gRPC call, an HTTP client that went away) releases the request: the engine aborts it and
+frees its KV slots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+
+from opentelemetry import propagate, trace
+from opentelemetry.trace import Span
+
+from kvroute_proto import kvroute_pb2 as pb
+from kvroute_proto.frontdoor import BadRequest, CallInfo, Overloaded, Unavailable
+from worker.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from worker.engine.types import RequestOutput
+from worker.errors import InvalidRequestError, QueueFullError
+from worker.service import convert
+from worker.service.convert import RequestLimits, WorkerInfo
+from worker.service.engine_runner import EngineRunner, EngineStoppedError, RequestStream
+
+log = logging.getLogger("kvroute.worker.service")
+tracer = trace.get_tracer("kvroute.worker")
+
+SHUTTING_DOWN = "the worker is shutting down; send it elsewhere"
+
+
+class WorkerGeneration:
+    """Generate over an :class:`EngineRunner`; a ``kvroute_proto.frontdoor.GenerationBackend``."""
+
+    def __init__(
+        self,
+        runner: EngineRunner,
+        tokenizer: Tokenizer | None,
+        limits: RequestLimits,
+        info: WorkerInfo,
+        *,
+        model_name: str = "kvroute-tiny",
+    ) -> None:
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.info = info
+        self._model_name = model_name
+        self._num_generating = 0
+        self._none_generating = asyncio.Event()
+        self._none_generating.set()
+        self.draining = False
+
+    @property
+    def model_name(self) -> str:
+        return self._model_name
+
+    @property
+    def num_generating(self) -> int:
+        """Generate calls (any front door) that have not ended yet."""
+        return self._num_generating
+
+    def refuse_new_requests(self) -> None:
+        """From now on generate raises Unavailable (graceful shutdown)."""
+        self.draining = True
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Refuse new requests and wait up to ``timeout_s`` for the running ones to end;
+        True when they all did."""
+        self.draining = True
+        try:
+            await asyncio.wait_for(self._none_generating.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    async def generate(
+        self, request: pb.GenerateRequest, call: CallInfo
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """The request's chunks, then its Finished; raises ServiceError to refuse."""
+        if self.draining:
+            raise Unavailable(SHUTTING_DOWN)
+        self._num_generating += 1
+        self._none_generating.clear()
+        try:
+            async with contextlib.aclosing(self._generate(request, call)) as responses:
+                async for response in responses:
+                    yield response
+        finally:
+            self._num_generating -= 1
+            if self._num_generating == 0:
+                self._none_generating.set()
+
+    async def _generate(
+        self, request: pb.GenerateRequest, call: CallInfo
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
+        # Continue the caller's trace when it sent a W3C traceparent (the router does, when
+        # it is instrumented); otherwise this is a root span. No exporter is configured by
+        # default, so spans cost little.
+        parent = propagate.extract(dict(call.metadata))
+        with tracer.start_as_current_span("kvroute.worker.Generate", context=parent) as span:
+            stream = await self._admit(request, span)
+            rid = stream.request_id
+            detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None
+            finished = False
+            try:
+                while not finished:  # every stream ends with a finish_reason or an error
+                    try:
+                        out = await stream.get()
+                    except EngineStoppedError as exc:
+                        raise Unavailable(str(exc)) from None
+                    finished = out.finish_reason is not None
+                    text = ""
+                    if detok is not None:
+                        text = detok.push(out.new_token_ids)
+                        text += detok.flush() if finished else ""
+                    if out.new_token_ids or text:
+                        yield convert.chunk_to_pb(rid, out.new_token_ids, text)
+                    if out.finish_reason is not None:
+                        _record_finish(span, out)
+                        log.debug("request %s finished: %s", rid, out.finish_reason.value)
+                        yield convert.finished_to_pb(
+                            rid, out.finish_reason, out.usage, self.info.worker_id
+                        )
+            finally:
+                if not finished:  # cancelled, deadline passed, or the client went away
+                    log.info("request %s stopped before finishing; aborting it", rid)
+                    self.runner.release(stream)
+
+    async def _admit(self, request: pb.GenerateRequest, span: Span) -> RequestStream:
+        """Decode and submit a request, or raise the matching ServiceError."""
+        try:
+            req = convert.request_from_pb(
+                request,
+                tokenizer=self.tokenizer,
+                limits=self.limits,
+                new_request_id=lambda: uuid.uuid4().hex,
+            )
+            span.set_attribute("kvroute.request_id", req.request_id)
+            span.set_attribute("kvroute.prompt_tokens", len(req.prompt_token_ids))
+            stream = await self.runner.submit(req)
+        except InvalidRequestError as exc:
+            log.info("request %s rejected: %s", request.request_id or "-", exc)
+            raise BadRequest(str(exc), param=exc.field) from None
+        except QueueFullError as exc:
+            log.info("request %s rejected: %s", request.request_id or "-", exc)
+            raise Overloaded(str(exc), retry_after_s=1.0) from None
+        except EngineStoppedError as exc:
+            raise Unavailable(str(exc)) from None
+        log.debug("request %s admitted (%d prompt tokens)", req.request_id, stream.num_prompt)
+        return stream
+
+
+def _record_finish(span: Span, out: RequestOutput) -> None:
+    assert out.finish_reason is not None
+    span.set_attribute("kvroute.finish_reason", out.finish_reason.value)
+    if out.usage is not None:
+        span.set_attribute("kvroute.cached_prompt_tokens", out.usage.cached_prompt_tokens)
+        span.set_attribute("kvroute.completion_tokens", out.usage.completion_tokens)
