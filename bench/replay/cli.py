@@ -9,6 +9,9 @@ Examples::
         --policy cache_aware --policy round_robin
     kvroute replay --trace sa.jsonl --trace-block-size 16 --mode live --limit 200 \\
         --speedup 10 --workers 4 --policy cache_aware
+    kvroute replay --trace sa.jsonl --trace-block-size 16 --mode live --workers 4 \\
+        --front kvroute:cache_aware --front sglang-router:cache_aware \\
+        --front vllm-router:consistent_hash --front kvroute:round_robin
 """
 
 from __future__ import annotations
@@ -135,7 +138,48 @@ def build_parser() -> argparse.ArgumentParser:
         help="live mode: overall time limit per policy (default %(default)s)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress line on stderr")
+    front = p.add_argument_group(
+        "live mode through an HTTP front end",
+        "With --front, live mode starts the sim workers with their OpenAI-compatible HTTP API "
+        "and plays the trace as streamed POST /v1/completions with text prompts (one ASCII "
+        "character per token) through each front in turn, one fresh fleet each.",
+    )
+    front.add_argument(
+        "--front",
+        action="append",
+        default=None,
+        metavar="FRONT",
+        help="kvroute[:POLICY] (our router's --http-port; no POLICY: each --policy), "
+        "sglang-router[:POLICY] or vllm-router[:POLICY] (peer routers from --peers-dir; "
+        "default policy cache_aware), or http(s)://HOST:PORT of a running OpenAI-compatible "
+        "endpoint (nothing started). Repeatable: one report row per front",
+    )
+    front.add_argument(
+        "--peers-dir",
+        default=None,
+        help="virtualenvs of the peer routers (default: .peers in the repository; "
+        "made by bench/peers/install_peers.sh)",
+    )
+    front.add_argument(
+        "--model",
+        default=None,
+        help="the requests' model name (default: the first id of the front's /v1/models)",
+    )
     return p
+
+
+def _fronts(args: argparse.Namespace, policies: list[str]) -> list:  # -> list[FrontSpec]
+    """The --front values, parsed and expanded (validated before any work)."""
+    from bench.replay.front import expand_fronts, parse_front
+
+    if not args.front:
+        if args.peers_dir is not None or args.model is not None:
+            raise ValueError("--peers-dir and --model only apply with --front")
+        return []
+    if args.mode != "live":
+        raise ValueError("--front needs --mode live")
+    known = available_policies()
+    return expand_fronts([parse_front(v, known) for v in args.front], policies)
 
 
 def _policies(requested: list[str] | None) -> list[str]:
@@ -163,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         limit = args.limit
         if limit is None and args.mode == "live":
             limit = LIVE_DEFAULT_LIMIT
+        fronts = _fronts(args, policies)
         records = read_trace(args.trace, args.trace_block_size, limit)
     except (OSError, ValueError) as exc:
         print(f"kvroute replay: {exc}", file=sys.stderr)
@@ -201,8 +246,11 @@ def main(argv: list[str] | None = None) -> int:
             **_router_overrides(args),
         )
         report = ReplayReport(setup=setup)
-        for policy in policies:
-            report.policies.append(run_live(records, policy, config, progress_stream=progress))
+        if fronts:
+            _run_fronts(args, records, fronts, config, report, progress)
+        else:
+            for policy in policies:
+                report.policies.append(run_live(records, policy, config, progress_stream=progress))
         if not args.no_bounds:
             _add_sim_bounds(args, records, report, progress)
     print(report.format_table())
@@ -215,6 +263,21 @@ def main(argv: list[str] | None = None) -> int:
         plot_report(report, args.plot)
         print(f"wrote {args.plot}")
     return 0
+
+
+def _run_fronts(args, records, fronts, config, report, progress) -> None:
+    """One fresh fleet per front, back to back, one report row each."""
+    from bench.replay.front import DEFAULT_PEERS_DIR
+    from bench.replay.live_http import HttpOptions, run_http
+
+    options = HttpOptions(
+        peers_dir=Path(args.peers_dir) if args.peers_dir else DEFAULT_PEERS_DIR,
+        model=args.model,
+    )
+    report.setup["fronts"] = [f.label for f in fronts]
+    report.setup["prompts"] = "text (1 ASCII character = 1 byte-tokenizer token)"
+    for front in fronts:
+        report.policies.append(run_http(records, front, config, options, progress))
 
 
 # RouterConfig fields with a replay option of the same name (None: the router's default);

@@ -25,10 +25,10 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import Self, TextIO
 
 import grpc
 
@@ -101,7 +101,7 @@ class LiveFleet:
         self._spawned: list[_Proc] = []  # every process started, listening or not: stop() ends them
         self._tmp = tempfile.TemporaryDirectory(prefix="kvroute-live-")
 
-    async def __aenter__(self) -> LiveFleet:
+    async def __aenter__(self) -> Self:
         try:
             await self._start()
         except BaseException:
@@ -113,21 +113,10 @@ class LiveFleet:
         await self.stop()
 
     async def _spawn(self, name: str, args: list[str]) -> _Proc:
-        log_path = Path(self._tmp.name) / f"{name}.log"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        with open(log_path, "wb") as log:
-            process = await asyncio.create_subprocess_exec(
-                self.config.python,
-                "-m",
-                "kvroute_cli",
-                *args,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=log,
-                cwd=REPO_ROOT,
-                env=env,
-            )
-        proc = _Proc(name, process, log_path)
-        self._spawned.append(proc)
+        """Start ``python -m kvroute_cli ARGS`` and wait for its ``listening on HOST:PORT``
+        line; stderr goes to a log file."""
+        proc = await self._start_process(name, self._kvroute_command(args), True)
+        process = proc.process
         assert process.stdout is not None
         try:
             line = await asyncio.wait_for(
@@ -148,9 +137,29 @@ class LiveFleet:
         proc.address = text.removeprefix("listening on ").strip()
         return proc
 
-    async def _start(self) -> None:
+    def _kvroute_command(self, args: list[str]) -> list[str]:
+        return [self.config.python, "-m", "kvroute_cli", *args]
+
+    async def _start_process(self, name: str, argv: list[str], pipe_stdout: bool) -> _Proc:
+        """Start ``argv``; stdout is piped when ``pipe_stdout``, else logged with stderr."""
+        log_path = Path(self._tmp.name) / f"{name}.log"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with open(log_path, "wb") as log:
+            process = await asyncio.create_subprocess_exec(
+                *argv,
+                stdout=asyncio.subprocess.PIPE if pipe_stdout else log,
+                stderr=log,
+                cwd=REPO_ROOT,
+                env=env,
+            )
+        proc = _Proc(name, process, log_path)
+        self._spawned.append(proc)
+        return proc
+
+    def worker_args(self) -> list[str]:
+        """Every sim worker's command-line options (without its id)."""
         c = self.config
-        worker_args = [
+        return [
             "--executor",
             "sim",
             "--port",
@@ -172,6 +181,19 @@ class LiveFleet:
             "--log-level",
             "WARNING",
         ]
+
+    async def _start(self) -> None:
+        await self._start_workers(self.worker_args())
+        router_args = ["router", "--port", "0", *self.router_args(self.policy)]
+        for w in self.workers:
+            router_args += ["--worker", w.address]
+        self.router = await self._spawn("router", router_args)
+
+    async def _start_workers(
+        self, worker_args: list[str], per_worker: Callable[[int], list[str]] | None = None
+    ) -> None:
+        """Start the N workers; ``per_worker(i)`` adds options to worker i."""
+        c = self.config
         # A TaskGroup, not gather: when one worker fails to start, the others' spawns are
         # cancelled and awaited before stop() runs, so none starts behind its back.
         try:
@@ -179,7 +201,14 @@ class LiveFleet:
                 spawns = [
                     group.create_task(
                         self._spawn(
-                            f"worker-{i}", ["worker", *worker_args, "--worker-id", f"worker-{i}"]
+                            f"worker-{i}",
+                            [
+                                "worker",
+                                *worker_args,
+                                "--worker-id",
+                                f"worker-{i}",
+                                *(per_worker(i) if per_worker else []),
+                            ],
                         )
                     )
                     for i in range(c.num_workers)
@@ -187,8 +216,11 @@ class LiveFleet:
         except ExceptionGroup as group_error:  # report the first failure itself
             raise group_error.exceptions[0] from None
         self.workers = [t.result() for t in spawns]
-        router_args = ["router", "--port", "0", "--policy", self.policy, "--seed", str(c.seed)]
-        router_args += ["--log-level", "WARNING"]
+
+    def router_args(self, policy: str) -> list[str]:
+        """The router's options for ``policy`` (without --port and the workers)."""
+        c = self.config
+        router_args = ["--policy", policy, "--seed", str(c.seed), "--log-level", "WARNING"]
         if c.cost_weights is not None:
             router_args += ["--cost-weights", c.cost_weights]
         # the router's clock is wall time, the trace's is compressed by the speedup
@@ -198,9 +230,7 @@ class LiveFleet:
             router_args += ["--backlog-tokens", repr(c.backlog_tokens)]
         if c.recent_decode_ratio is not None:
             router_args += ["--recent-decode-ratio", repr(c.recent_decode_ratio)]
-        for w in self.workers:
-            router_args += ["--worker", w.address]
-        self.router = await self._spawn("router", router_args)
+        return router_args
 
     async def stop(self) -> None:
         procs = self._spawned
