@@ -37,6 +37,7 @@ import sys
 from dataclasses import dataclass
 
 from bench.replay.trace import TraceRecord, write_trace
+from kvroute_proto.cli_help import HelpFormatter
 
 DEFAULT_BLOCK_SIZE = 16
 
@@ -182,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvroute workload",
         description="Generate a synthetic workload trace (Mooncake JSONL: timestamp ms, "
         "input_length, output_length, hash_ids) for 'kvroute replay'.",
+        formatter_class=HelpFormatter,
     )
     p.add_argument("name", choices=sorted(WORKLOADS), help="which workload")
     p.add_argument("-o", "--output", required=True, help="JSONL file to write")
@@ -201,9 +203,24 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.block_size,
         help="tokens per hash id (pass the same to replay --trace-block-size)",
     )
-    p.add_argument("--system-tokens", type=int, default=d.system_tokens)
-    p.add_argument("--fewshot-tokens", type=int, default=d.fewshot_tokens)
-    p.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens)
+    p.add_argument(
+        "--system-tokens",
+        type=int,
+        default=d.system_tokens,
+        help="tokens of the shared system prompt every request starts with",
+    )
+    p.add_argument(
+        "--fewshot-tokens",
+        type=int,
+        default=d.fewshot_tokens,
+        help="tokens of the few-shot block after the system prompt (conversations only)",
+    )
+    p.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=d.max_prompt_tokens,
+        help="a conversation whose next prompt would exceed this starts over",
+    )
     return p
 
 

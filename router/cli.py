@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 
+from kvroute_proto.cli_help import HelpFormatter
 from kvroute_proto.registry import DEFAULT_PREFIX
 from kvroute_proto.runtime import run_event_loop
 from kvroute_proto.telemetry import configure_tracing
@@ -47,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvroute router",
         description="Run the cache-aware router in front of kvroute workers.",
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=50051, help="port to bind; 0 picks a free one")

@@ -21,6 +21,7 @@ import grpc
 
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
+from kvroute_proto.cli_help import HelpFormatter
 
 Prompt = str | Sequence[int]
 
@@ -220,7 +221,9 @@ class RouterClient:
 
 
 def _common_parser(prog: str, description: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser = argparse.ArgumentParser(
+        prog=prog, description=description, formatter_class=HelpFormatter
+    )
     parser.add_argument("--router", default="127.0.0.1:50051", help="router HOST:PORT")
     parser.add_argument(
         "--token-ids",

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from kvroute_proto.cli_help import HelpFormatter
 from kvroute_proto.runtime import run_event_loop
 from router.cli import POLICIES
 from router.client import GenerateOptions, RouterClient
@@ -240,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvroute up",
         description="Start N local workers and a cache-aware router; Ctrl-C stops them all.",
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--workers", type=int, default=2, help="number of worker processes")
     p.add_argument("--port", type=int, default=50051, help="router port (0 picks one)")
@@ -260,9 +262,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--demo", action="store_true", help="send demo requests after start")
     p.add_argument("--exit", action="store_true", help="with --demo: stop after the demo")
-    p.add_argument("--startup-timeout-s", type=float, default=120.0)
-    p.add_argument("--stop-timeout-s", type=float, default=10.0)
-    p.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    p.add_argument(
+        "--startup-timeout-s",
+        type=float,
+        default=120.0,
+        help="seconds each worker may take to listen (loading a model) and the fleet to "
+        "become ready for --demo",
+    )
+    p.add_argument(
+        "--stop-timeout-s",
+        type=float,
+        default=10.0,
+        help="seconds a worker gets to stop after SIGTERM before it is killed",
+    )
+    p.add_argument(
+        "--log-level",
+        default="WARNING",
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        help="log level of the router and the workers (logs go to stderr)",
+    )
     return p
 
 

@@ -16,6 +16,7 @@ import signal
 import sys
 import time
 
+from kvroute_proto.cli_help import HelpFormatter
 from kvroute_proto.registry import (
     DEFAULT_PREFIX,
     DEFAULT_TTL_S,
@@ -24,7 +25,9 @@ from kvroute_proto.registry import (
 )
 from kvroute_proto.runtime import run_event_loop
 from kvroute_proto.telemetry import configure_tracing
+from worker.cache.eviction import strategy_names
 from worker.engine.engine_config import EngineConfig
+from worker.engine.schedule_policy import POLICIES as SCHEDULE_POLICIES
 from worker.errors import ModelLoadError
 from worker.service.convert import RequestLimits
 from worker.service.engine_runner import RunnerConfig
@@ -41,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run one kvroute serving worker: a radix KV cache, a continuous-batching "
         "engine and the Worker gRPC service (Generate, Abort, SubscribeKvEvents, GetLoad, "
         "health, reflection). Prints 'listening on HOST:PORT' on stdout once bound.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     net = p.add_argument_group("server")
     net.add_argument("--host", default="127.0.0.1", help="address to bind")
@@ -104,16 +107,36 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument(
         "--kv-slots", type=int, default=_ENGINE_DEFAULTS.num_kv_slots, help="KV pool size in tokens"
     )
-    eng.add_argument("--page-size", type=int, default=_ENGINE_DEFAULTS.page_size)
+    eng.add_argument(
+        "--page-size",
+        type=int,
+        default=_ENGINE_DEFAULTS.page_size,
+        help="KV pool allocation unit in tokens (the radix cache matches whole pages)",
+    )
     eng.add_argument(
         "--block-size",
         type=int,
         default=_ENGINE_DEFAULTS.block_size,
         help="tokens per KV event block (announced to routers)",
     )
-    eng.add_argument("--eviction-policy", default=_ENGINE_DEFAULTS.eviction_policy)
-    eng.add_argument("--schedule-policy", default=_ENGINE_DEFAULTS.schedule_policy)
-    eng.add_argument("--max-running", type=int, default=_ENGINE_DEFAULTS.max_running_requests)
+    eng.add_argument(
+        "--eviction-policy",
+        default=_ENGINE_DEFAULTS.eviction_policy,
+        help=f"which cached prefixes the radix cache evicts first: {', '.join(strategy_names())}",
+    )
+    eng.add_argument(
+        "--schedule-policy",
+        default=_ENGINE_DEFAULTS.schedule_policy,
+        help="order of the waiting queue: "
+        + ", ".join(sorted(SCHEDULE_POLICIES))
+        + " (lpm: longest cached prefix first)",
+    )
+    eng.add_argument(
+        "--max-running",
+        type=int,
+        default=_ENGINE_DEFAULTS.max_running_requests,
+        help="requests in the running batch at most (the rest wait)",
+    )
     eng.add_argument(
         "--max-waiting",
         type=int,

@@ -24,6 +24,7 @@ from typing import Any
 
 from bench.replay.report import ReplayReport
 from bench.replay.trace import DEFAULT_TRACE_BLOCK_SIZE, TokenExpander, read_trace
+from kvroute_proto.cli_help import RawDescriptionHelpFormatter
 
 DEFAULT_POLICIES = ("cache_aware", "round_robin")
 LIVE_DEFAULT_LIMIT = 200
@@ -45,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
         "output_length, hash_ids) against a fleet under one or more routing policies; "
         "report hit rate, TTFT, e2e latency, throughput and load imbalance per policy, "
         "next to the pooled-cache and infinite-cache hit-rate bounds.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=RawDescriptionHelpFormatter,
         epilog=__doc__.split("Examples::", 1)[1] if __doc__ else None,
     )
     p.add_argument("--trace", required=True, help="Mooncake-format JSONL trace")
@@ -62,7 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="routing policy (repeatable), or 'all'; default: cache_aware and round_robin",
     )
-    p.add_argument("--mode", choices=("sim", "live"), default="sim", help="default: sim")
+    p.add_argument(
+        "--mode",
+        choices=("sim", "live"),
+        default="sim",
+        help="sim: simulated time, real router and caches; live: real gRPC servers and sim "
+        "executors on 127.0.0.1",
+    )
     p.add_argument(
         "--kv-capacity-tokens",
         type=int,
