@@ -1,0 +1,39 @@
+"""argparse help formatters every ``kvroute`` subcommand uses, so ``--help`` reads the same
+everywhere: each option's default is shown once, after its help text.
+
+argparse's ``ArgumentDefaultsHelpFormatter`` appends ``(default: X)`` to every option, also to
+one whose help already names its default (printing it twice) and to ones whose default means
+"unset" (``(default: None)``, ``(default: False)``). :class:`HelpFormatter` appends it only when
+the help does not already say ``default`` and the default is a value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+_MENTIONS_DEFAULT = re.compile(r"\bdefault\b[ :]", re.IGNORECASE)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an option's default once, and only when it is a value (not None/False/[])."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (
+            not action.option_strings  # positionals: their value is required
+            or default is None
+            or default is False
+            or default is argparse.SUPPRESS
+            or default == []
+            or default == ""
+            or _MENTIONS_DEFAULT.search(text)
+            or "%(default)" in text
+        ):
+            return text
+        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+
+
+class RawDescriptionHelpFormatter(argparse.RawDescriptionHelpFormatter, HelpFormatter):
+    """:class:`HelpFormatter` that keeps the description's and epilog's line breaks."""
