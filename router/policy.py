@@ -53,11 +53,13 @@ replay on 4 saturated workers: from 92.6% to 95.5% of the pooled hit-rate bound 
 p99 from 17.8 s to 15.8 s; support-agent at 4 workers, queued in bursts: TTFT p99 344 ->
 354 ms; the 8- and 16-worker runs barely change. BENCHMARKS.md.)
 
-Baselines share the interface: round_robin, random, least_load, power_of_two, prefix_hash
-(rendezvous hashing of the first blocks: consistent when workers come and go), and
+Baselines share the interface: round_robin, random, least_load, power_of_two, and
 approx_tree (cache_aware over the router's own routing history only: the core gives it
 matches from predicted entries and never applies events for it -- SGLang's approximate
-tree mode).
+tree mode). The peers' own algorithms -- sglang, dynamo, llm_d, aibrix and
+consistent_hash (bounded-load consistent hashing of a prefix, which replaced prefix_hash;
+the old name is an alias) -- live in router.peer_policies, each citing the source it
+follows.
 """
 
 from __future__ import annotations
@@ -68,9 +70,9 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 
 from kvroute_proto.events import LoadReport
-from kvroute_proto.hashing import fmix64, partition_seed
 
 __all__ = [
+    "ALIASES",
     "DEFAULT_BACKLOG_TOKENS",
     "POLICIES",
     "CostWeights",
@@ -388,46 +390,17 @@ class PowerOfTwo(Policy):
         return i, float(min(la, lb))
 
 
-class PrefixHash(Policy):
-    """Rendezvous (highest-random-weight) hashing of the first ``prefix_hash_blocks`` blocks.
-
-    The k-th block hash already names blocks 0..k-1. Prompts shorter than one block hash
-    their request id. When a worker leaves, only its keys move.
-    """
-
-    name = "prefix_hash"
-
-    def __init__(self, config: PolicyConfig) -> None:
-        super().__init__(config)
-        self._worker_keys: dict[str, int] = {}
-
-    def _worker_key(self, worker_id: str) -> int:
-        key = self._worker_keys.get(worker_id)
-        if key is None:
-            key = self._worker_keys[worker_id] = partition_seed("prefix_hash", worker_id)
-        return key
-
-    def select(
-        self,
-        query: RouteQuery,
-        candidates: Sequence[WorkerView],
-        matched: dict[int, int],
-        rng: random.Random,
-    ) -> tuple[int, float]:
-        hashes = query.block_hashes
-        if len(hashes):
-            key = int(hashes[min(len(hashes), self.config.prefix_hash_blocks) - 1])
-        else:
-            key = partition_seed("prefix_hash/request", query.request_id)
-        scores = [fmix64(key ^ self._worker_key(c.worker_id)) for c in candidates]
-        return scores.index(max(scores)), 0.0
-
-
 POLICIES: dict[str, Callable[[PolicyConfig], Policy]] = {
     cls.name: cls
-    for cls in (CacheAware, RoundRobin, RandomPolicy, LeastLoad, PowerOfTwo, PrefixHash, ApproxTree)
+    for cls in (CacheAware, RoundRobin, RandomPolicy, LeastLoad, PowerOfTwo, ApproxTree)
 }
-"""Policy factories by name."""
+"""Policy factories by name; router.peer_policies adds the peers' algorithms (imported at
+the end of this module, since they subclass Policy)."""
+
+ALIASES: dict[str, str] = {"prefix_hash": "consistent_hash"}
+"""Old names still accepted by :func:`make_policy` (not listed by :func:`policy_names`, so
+``--policy all`` runs each policy once): ``prefix_hash`` was plain rendezvous hashing of the
+first blocks, replaced by consistent hashing with bounded loads."""
 
 
 def policy_names() -> list[str]:
@@ -436,8 +409,13 @@ def policy_names() -> list[str]:
 
 
 def make_policy(name: str, config: PolicyConfig | None = None) -> Policy:
-    """A new policy instance by name; ValueError listing the valid names otherwise."""
-    factory = POLICIES.get(name)
+    """A new policy instance by name (or alias); ValueError listing the valid names
+    otherwise."""
+    factory = POLICIES.get(ALIASES.get(name, name))
     if factory is None:
         raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {name!r}")
     return factory(config or PolicyConfig())
+
+
+# registers sglang, dynamo, llm_d, aibrix and consistent_hash in POLICIES
+import router.peer_policies  # noqa: E402, F401

@@ -493,7 +493,7 @@ def test_approx_tree_uses_routing_history_not_events() -> None:
 
 
 def test_baselines_route_and_report_matches() -> None:
-    for name in ("round_robin", "random", "least_load", "power_of_two", "prefix_hash"):
+    for name in ("round_robin", "random", "least_load", "power_of_two", "consistent_hash"):
         core, _ = make_core(4, policy=name)
         give(core, "w1", stored(tokens(64)))
         seen = set()

@@ -35,9 +35,14 @@ def test_registry() -> None:
         "random",
         "least_load",
         "power_of_two",
-        "prefix_hash",
         "approx_tree",
+        "sglang",
+        "dynamo",
+        "llm_d",
+        "aibrix",
+        "consistent_hash",
     ]
+    assert make_policy("prefix_hash").name == "consistent_hash"  # the old name, an alias
     with pytest.raises(ValueError, match="policy must be one of cache_aware, round_robin"):
         make_policy("fastest")
     assert make_policy("approx_tree").uses_events is False
@@ -180,8 +185,8 @@ def test_power_of_two_takes_the_less_loaded_of_two() -> None:
     assert make_policy("power_of_two").select(query(), ws[:1], {}, rng) == (0, 0.0)
 
 
-def test_prefix_hash_is_sticky_and_consistent() -> None:
-    policy = make_policy("prefix_hash", PolicyConfig(prefix_hash_blocks=2))
+def test_consistent_hash_is_sticky_and_consistent() -> None:
+    policy = make_policy("consistent_hash", PolicyConfig(prefix_hash_blocks=2))
     ws = views(8)
     rng = random.Random(0)
 
@@ -199,8 +204,8 @@ def test_prefix_hash_is_sticky_and_consistent() -> None:
     assert moved and all(before[tuple(k)] == "w3" for k in moved)  # only w3's keys move
 
 
-def test_prefix_hash_without_full_block_uses_request_id() -> None:
-    policy = make_policy("prefix_hash")
+def test_consistent_hash_without_full_block_uses_request_id() -> None:
+    policy = make_policy("consistent_hash")
     ws = views(8)
     rng = random.Random(0)
     picks = {policy.select(query(5, [], rid=f"r{i}"), ws, {}, rng)[0] for i in range(50)}
