@@ -1,4 +1,9 @@
-"""``--plot OUT.png``: hit rate and TTFT p99 per policy, side by side, bounds as lines.
+"""``--plot OUT.png``: hit rate, TTFT p99 and imbalance per policy, side by side.
+
+The hit-rate panel draws the pooled reference and the infinite ceiling as lines; the
+imbalance panel shows prefill and busy-time imbalance (max / mean) next to each other. A
+policy with failed requests gets its error count under its name on every panel: hit rate
+and latency are measured over completed requests only, so the count must be seen with them.
 
 matplotlib (the ``bench`` extra) with the Agg backend, imported only when a plot is asked for.
 """
@@ -8,7 +13,14 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from bench.replay.report import ReplayReport
+from bench.replay.report import PolicyReport, ReplayReport
+
+
+def policy_label(p: PolicyReport) -> str:
+    """A policy's axis label: its name, and its error count when it has any."""
+    if not p.errors:
+        return p.policy
+    return f"{p.policy}\n({p.errors} error{'s' if p.errors != 1 else ''})"
 
 
 def plot_report(report: ReplayReport, path: str | Path, title: str | None = None) -> Path:
@@ -18,12 +30,14 @@ def plot_report(report: ReplayReport, path: str | Path, title: str | None = None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [p.policy for p in report.policies]
+    names = [policy_label(p) for p in report.policies]
     hits = [p.hit_rate * 100 for p in report.policies]
     ttft = [0.0 if math.isnan(p.ttft_p99_s) else p.ttft_p99_s for p in report.policies]
-    colors = ["tab:green" if n == "cache_aware" else "tab:blue" for n in names]
+    colors = ["tab:green" if p.policy == "cache_aware" else "tab:blue" for p in report.policies]
 
-    fig, (ax_hit, ax_ttft) = plt.subplots(1, 2, figsize=(max(8.0, 1.3 * len(names) + 4), 4.2))
+    fig, (ax_hit, ax_ttft, ax_imb) = plt.subplots(
+        1, 3, figsize=(max(12.0, 1.9 * len(names) + 6), 4.6)
+    )
     x = range(len(names))
     ax_hit.bar(x, hits, color=colors)
     for value, style, label in (
@@ -49,7 +63,20 @@ def plot_report(report: ReplayReport, path: str | Path, title: str | None = None
     for i, t in enumerate(ttft):
         ax_ttft.text(i, t, f"{t:.2f}", ha="center", va="bottom", fontsize=8)
 
-    for ax in (ax_hit, ax_ttft):
+    width = 0.4
+    prefill = [p.load_imbalance for p in report.policies]
+    busy = [math.nan if p.busy_imbalance is None else p.busy_imbalance for p in report.policies]
+    ax_imb.bar([i - width / 2 for i in x], prefill, width, color="tab:orange", label="prefill")
+    ax_imb.bar([i + width / 2 for i in x], busy, width, color="tab:purple", label="busy time")
+    ax_imb.axhline(1.0, color="black", linewidth=0.8)
+    ax_imb.set_ylabel("max / mean per worker")
+    ax_imb.set_title("imbalance (1.0 = even)")
+    ax_imb.legend(loc="upper right", fontsize=8)
+    finite = [v for v in (*prefill, *busy) if not math.isnan(v)]
+    if finite and max(finite) > 4:
+        ax_imb.set_yscale("log")
+
+    for ax in (ax_hit, ax_ttft, ax_imb):
         ax.set_xticks(list(x))
         ax.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
     setup = report.setup

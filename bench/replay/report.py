@@ -9,7 +9,15 @@ Definitions (all times in trace seconds -- virtual in sim mode, wall time * spee
 - ``prefill_tokens`` = prompt tokens actually computed (prompt - cached).
 - ``ttft`` = first token time - arrival; ``e2e`` = finish time - arrival.
 - ``throughput_tok_s`` = generated tokens / (last finish - first arrival).
-- ``load_imbalance`` = max / mean of prefill tokens computed per worker (1.0 = even).
+- ``load_imbalance`` = max / mean of prefill tokens computed per worker (1.0 = even): the
+  *prefill* imbalance.
+- ``busy_imbalance`` = max / mean of each worker's modelled busy time (prefill and decode
+  steps together; sim mode only, None where the mode cannot measure it). Users feel busy
+  time: a worker can compute few prefill tokens (its requests hit the cache) and still be
+  the one everyone queues behind because it runs the most decodes.
+- ``errors`` = requests that failed or never finished. They are left out of hit rate, TTFT
+  and e2e (there is nothing to measure), so every table and figure prints their count next
+  to those figures: a policy is never made to look better by dropping requests silently.
 
 The JSON is a pure function of the results, so a deterministic simulation gives the same
 JSON byte for byte; wall-clock time is kept out of it (the table prints it).
@@ -62,6 +70,8 @@ class PolicyReport:
     e2e_p99_s: float
     throughput_tok_s: float
     load_imbalance: float
+    busy_imbalance: float | None = None  # max / mean busy time per worker (sim mode)
+    busy_s_per_worker: dict[str, float] = field(default_factory=dict)
     prefill_tokens_per_worker: dict[str, int] = field(default_factory=dict)
     requests_per_worker: dict[str, int] = field(default_factory=dict)
     errors_by_kind: dict[str, int] = field(default_factory=dict)  # "INVALID_ARGUMENT": 3
@@ -92,8 +102,12 @@ def summarize(
     *,
     extra: dict[str, float | int] | None = None,
     wall_s: float = 0.0,
+    busy_s_per_worker: dict[str, float] | None = None,
 ) -> PolicyReport:
-    """Fold per-request results into a :class:`PolicyReport`."""
+    """Fold per-request results into a :class:`PolicyReport`.
+
+    ``busy_s_per_worker``: modelled busy seconds per worker (prefill and decode steps), when
+    the mode knows them; gives ``busy_imbalance``."""
     results = list(results)
     done = [r for r in results if r.done]
     errors = sum(1 for r in results if r.error is not None or r.finish_s is None)
@@ -124,6 +138,11 @@ def summarize(
     loads = list(per_worker.values())
     mean_load = sum(loads) / len(loads) if loads else 0.0
     imbalance = max(loads) / mean_load if mean_load > 0 else 1.0
+    busy_imbalance: float | None = None
+    busy = {w: round(b, 6) for w, b in (busy_s_per_worker or {}).items()}
+    if busy:
+        mean_busy = sum(busy.values()) / len(busy)
+        busy_imbalance = _r(max(busy.values()) / mean_busy, 4) if mean_busy > 0 else 1.0
     return PolicyReport(
         policy=policy,
         requests=len(results),
@@ -139,6 +158,8 @@ def summarize(
         e2e_p99_s=_r(_percentile(e2e, 99)),
         throughput_tok_s=_r(throughput, 3),
         load_imbalance=_r(imbalance, 4),
+        busy_imbalance=busy_imbalance,
+        busy_s_per_worker=busy,
         prefill_tokens_per_worker=per_worker,
         requests_per_worker=count_per_worker,
         errors_by_kind=dict(sorted(errors_by_kind.items())),
@@ -177,21 +198,22 @@ class ReplayReport:
     def format_table(self) -> str:
         """A fixed-width table, one row per policy, bounds underneath."""
         head = (
-            f"{'policy':<14} {'hit':>6} {'/pool':>6} {'prefill Mtok':>12} {'ttft p50':>9} "
-            f"{'ttft p99':>9} {'e2e p50':>8} {'e2e p99':>8} {'tok/s':>8} {'imbal':>6} "
-            f"{'reqs':>6} {'err':>4} {'wall s':>7}"
+            f"{'policy':<15} {'hit':>6} {'/pool':>6} {'prefill Mtok':>12} {'ttft p50':>9} "
+            f"{'ttft p99':>9} {'e2e p50':>8} {'e2e p99':>8} {'tok/s':>8} {'prefill imb':>11} "
+            f"{'busy imb':>8} {'reqs':>6} {'errors':>6} {'wall s':>7}"
         )
         lines = [head, "-" * len(head)]
         for p in self.policies:
             ratio = (
                 f"{p.hit_rate / self.pooled_hit_rate:6.1%}" if self.pooled_hit_rate else f"{'-':>6}"
             )
+            busy = f"{p.busy_imbalance:8.2f}" if p.busy_imbalance is not None else f"{'-':>8}"
             lines.append(
-                f"{p.policy:<14} {p.hit_rate:6.1%} {ratio} {p.prefill_tokens / 1e6:12.2f} "
+                f"{p.policy:<15} {p.hit_rate:6.1%} {ratio} {p.prefill_tokens / 1e6:12.2f} "
                 f"{_fmt_s(p.ttft_p50_s):>9} {_fmt_s(p.ttft_p99_s):>9} "
                 f"{_fmt_s(p.e2e_p50_s):>8} {_fmt_s(p.e2e_p99_s):>8} "
-                f"{p.throughput_tok_s:8.0f} {p.load_imbalance:6.2f} {p.requests:6d} "
-                f"{p.errors:4d} {p.wall_s:7.1f}"
+                f"{p.throughput_tok_s:8.0f} {p.load_imbalance:11.2f} {busy} {p.requests:6d} "
+                f"{p.errors:6d} {p.wall_s:7.1f}"
             )
         for p in self.policies:
             if p.errors_by_kind:

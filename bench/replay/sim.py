@@ -354,11 +354,7 @@ class FleetSim:
 
     def report(self, label: str, wall_s: float = 0.0) -> PolicyReport:
         prompt = sum(r.prompt_tokens for r in self.results if r.worker_id is not None)
-        busy = [w.busy_s for w in self.workers.values()]
-        mean_busy = sum(busy) / len(busy)
         extra: dict[str, float | int] = {
-            # max / mean of modelled busy time per worker: prefill and decode work together
-            "busy_imbalance": round(max(busy) / mean_busy, 4) if mean_busy > 0 else 1.0,
             "sim_duration_s": round(self.now, 6),
             "event_batches": self.num_batches,
             "snapshots": self.num_snapshots,
@@ -368,7 +364,16 @@ class FleetSim:
             if prompt
             else 0.0,
         }
-        return summarize(label, self.results, list(self.workers), extra=extra, wall_s=wall_s)
+        # modelled busy time per worker (prefill and decode steps): the busy imbalance
+        busy = {w.worker_id: w.busy_s for w in self.workers.values()}
+        return summarize(
+            label,
+            self.results,
+            list(self.workers),
+            extra=extra,
+            wall_s=wall_s,
+            busy_s_per_worker=busy,
+        )
 
 
 def simulate(

@@ -36,6 +36,25 @@ def test_summarize_definitions():
     assert p.throughput_tok_s == round(40 / 3.0, 3)  # 40 tokens, first arrival 0, last finish 3
 
 
+def test_busy_imbalance_is_max_over_mean_busy_time_and_reported_everywhere():
+    busy = {"w0": 3.0, "w1": 1.0, "w2": 2.0}
+    p = summarize("cache_aware", results(), ["w0", "w1", "w2"], busy_s_per_worker=busy)
+    assert p.busy_imbalance == 1.5  # 3 / mean 2
+    assert p.busy_s_per_worker == busy
+    q = summarize("live", results(), ["w0", "w1"])  # a mode that cannot measure it
+    assert q.busy_imbalance is None
+    r = ReplayReport(setup={}, policies=[p, q])
+    data = json.loads(r.dumps())
+    assert data["policies"][0]["busy_imbalance"] == 1.5
+    assert data["policies"][1]["busy_imbalance"] is None
+    table = r.format_table()
+    assert "busy imb" in table and "prefill imb" in table and "errors" in table
+    row = next(line for line in table.splitlines() if line.startswith("cache_aware"))
+    assert row.split()[-4:-1] == ["1.50", "5", "2"]  # busy imbalance, requests, errors
+    live_row = next(line for line in table.splitlines() if line.startswith("live"))
+    assert live_row.split()[-4] == "-"
+
+
 def test_no_completed_requests_gives_nan_not_crash():
     p = summarize("random", [RequestResult(0, 0.0, 10, error="x")], ["w0"])
     assert p.errors == 1 and p.hit_rate == 0.0 and p.load_imbalance == 1.0
@@ -78,4 +97,12 @@ def test_plot_writes_a_png(tmp_path):
     r.policies.append(summarize("cache_aware", results(), ["w0", "w1"]))
     r.policies.append(summarize("random", [RequestResult(0, 0.0, 10, error="x")], ["w0"]))
     out = plot_report(r, tmp_path / "p.png")
+    from bench.replay.plot import policy_label
+
+    assert [policy_label(p) for p in r.policies] == [
+        "cache_aware\n(2 errors)",  # failed requests are counted on the figure, not dropped
+        "random\n(1 error)",
+    ]
+    r.policies.append(summarize("ok", results()[:3], ["w0", "w1"]))
+    assert policy_label(r.policies[-1]) == "ok"
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

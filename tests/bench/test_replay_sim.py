@@ -138,8 +138,10 @@ def test_same_seed_same_json(tmp_path):
         "e2e_p99_s",
         "throughput_tok_s",
         "load_imbalance",
+        "busy_imbalance",
     ):
         assert key in aware
+    assert aware["busy_imbalance"] >= 1.0
     assert 0 < aware["hit_rate"] <= data["pooled_hit_rate"] <= data["infinite_hit_rate"]
 
 
