@@ -23,6 +23,7 @@ class _Root:
     """The only node a disabled cache has (a request's ``last_node`` when it holds no lock)."""
 
     __slots__ = ()
+    node_id = 0  # as a radix cache's root: node ids are stable keys (never id())
 
     def __repr__(self) -> str:
         return "DisabledRoot"

@@ -174,10 +174,9 @@ class Scheduler:
 
     def _schedule_decode(self, batch: ScheduledBatch) -> None:
         while not self._make_free(len(self._decoding)):
-            victim = self._pick_victim()
-            if victim is None:
-                raise AssertionError("one decoding request cannot get a KV slot (pool too small)")
-            self._retract(victim)
+            # Retract until the rest fits; the last one too when something else pins the
+            # pool (locked prefixes): it waits in the queue instead of killing the loop.
+            self._retract(self._pick_victim())
         decoding = list(self._decoding.values())
         if not decoding:
             return
@@ -200,14 +199,12 @@ class Scheduler:
             )
         batch.decode_reqs = decoding
 
-    def _pick_victim(self) -> Req | None:
-        """Lowest priority, then fewest generated tokens, then newest; None if at most one
-        request is left running."""
+    def _pick_victim(self) -> Req:
+        """Lowest priority, then fewest generated tokens, then newest (called while at
+        least one request decodes)."""
         candidates = list(self._decoding.values())
         if self._chunked is not None:
             candidates.append(self._chunked)
-        if len(candidates) <= 1:
-            return None
         return min(candidates, key=lambda r: (r.priority, len(r.output_ids), -r.seq))
 
     def _retract(self, req: Req) -> None:
@@ -305,7 +302,7 @@ class Scheduler:
             match = cache.match_prefix(r.token_buf[: ctx_len - 1], r.partition)
             m = match.num_matched
             r.est_match = m
-            r.est_node_key = id(match.last_node)
+            r.est_node_key = match.last_node.node_id
             r.match_version = changes.version
             extend = ctx_len - m
             if inflight and extend >= min_dedup and inflight.shares(r, m, min_dedup):
@@ -362,7 +359,7 @@ class Scheduler:
             budget -= 1
             match = cache.match_prefix(r.token_buf[: r.num_tokens - 1], r.partition)
             r.est_match = match.num_matched
-            r.est_node_key = id(match.last_node)
+            r.est_node_key = match.last_node.node_id
             r.match_version = version
         used = self.config.lpm_rematch_budget - budget
         self.counters.num_lpm_rematches += used

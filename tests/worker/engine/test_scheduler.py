@@ -413,3 +413,46 @@ def test_load_report_and_stats_gauges() -> None:
     assert (stats.num_running, stats.num_waiting) == (1, 1)
     assert stats.num_protected_kv_tokens == 100
     assert stats.kv_usage == pytest.approx(0.1)
+
+
+def test_a_lone_decoding_request_short_of_slots_is_retracted_not_fatal() -> None:
+    """Something else pins the pool (a locked prefix): the only running request cannot get
+    a slot for its next token. It is retracted and waits -- the loop never dies -- and it
+    finishes with every token once the pin is released."""
+    engine, _ = make_engine(num_kv_slots=64)
+    engine.add_request(request("p", [7] * 40, max_new_tokens=1))
+    run(engine)
+    cache = engine.cache
+    pinned = cache.match_prefix(np.asarray([7] * 40, dtype=np.int64)).last_node
+    cache.inc_lock_ref(pinned)  # 40 of 64 slots protected
+    engine.add_request(request("a", [9] * 20, max_new_tokens=10))  # needs 29 slots
+    results: dict = {}
+    for step in range(50):
+        collect(engine.step(), results, step)
+        check_accounting(engine)
+    assert engine.stats().num_retractions >= 1
+    assert results["a"].finish_reason is None  # waiting for slots, not failed
+    assert engine.scheduler.num_waiting == 1
+    cache.dec_lock_ref(pinned)
+    run(engine, results)
+    assert results["a"].finish_reason is FinishReason.LENGTH
+    assert results["a"].tokens == expected_tokens(engine, "a", 10)
+    assert_baseline(engine)
+
+
+def test_dfs_weight_keys_on_stable_node_ids() -> None:
+    """Waiting requests are grouped by the matched node's id, which the cache never reuses
+    (``id()`` of a freed node can come back for a new one)."""
+    engine, _ = make_engine(num_kv_slots=4000, schedule_policy="dfs-weight")
+    engine.add_request(request("w", [11] * 100, max_new_tokens=1))
+    run(engine)
+    engine.add_request(request("a", [11] * 100 + [1], max_new_tokens=1))
+    engine.scheduler._refresh_estimates(list(engine.scheduler._waiting.values()))
+    node = engine.cache.match_prefix(np.asarray([11] * 100, dtype=np.int64)).last_node
+    assert engine.scheduler._reqs["a"].est_node_key == node.node_id != id(node)
+    seen = {node.node_id}
+    engine.cache.reset()  # frees every node; new ones get new ids
+    engine.add_request(request("b", [12] * 100, max_new_tokens=1))
+    run(engine)
+    fresh = engine.cache.match_prefix(np.asarray([12] * 100, dtype=np.int64)).last_node
+    assert fresh.node_id not in seen
