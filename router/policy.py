@@ -49,7 +49,7 @@ multiplied by ``1 + (smallest queued prefill among the candidates) / backlog_tok
 (``PolicyConfig.backlog_tokens``, 50,000 by default, about 2 s of prefill of an 8B model on
 an H100): a fleet whose least loaded worker has 50k tokens queued counts a miss double.
 Below saturation some worker is idle at nearly every decision and the factor is 1. (Mooncake
-replay on 4 saturated workers: from 92.6% to 95.5% of the pooled hit-rate bound and TTFT
+replay on 4 saturated workers: from 92.6% to 95.5% of the pooled reference hit rate and TTFT
 p99 from 17.8 s to 15.8 s; support-agent at 4 workers, queued in bursts: TTFT p99 344 ->
 354 ms; the 8- and 16-worker runs barely change. BENCHMARKS.md.)
 
@@ -99,7 +99,7 @@ class CostWeights:
     token to prefill here, because a miss costs more than this request's wait -- it spends
     fleet compute and writes a duplicate copy that evicts other prefixes. At 1.0 a burst with
     a new shared prefix did not follow its first request; at 0.5 the Mooncake trace on 8
-    workers reached 94% of the pooled hit-rate bound with load imbalance 1.12; at 0.25, 96%
+    workers reached 94% of the pooled reference hit rate with load imbalance 1.12; at 0.25, 96%
     and 1.04. ``recent_prefill`` 0.1 took the support-agent workload's imbalance from
     1.29-2.25 to 1.01-1.07 at 4-16 workers at under a point of hit rate; 0.25 cost more hit
     rate on the overloaded 4-worker runs and TTFT p99 at 8 workers.

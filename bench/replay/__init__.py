@@ -2,8 +2,9 @@
 
 ``kvroute replay`` plays a Mooncake-format trace against a fleet of workers under several
 routing policies and reports hit rate, TTFT, end-to-end latency, throughput and load
-imbalance per policy, next to two upper bounds (one pooled cache of N times the capacity,
-and an infinite cache). Two modes:
+imbalance per policy, next to two references: the pooled reference (one cache of N times the
+capacity and N times the speed -- a reference, not a bound: a policy that delays requests can
+beat it) and the infinite ceiling (no eviction). Two modes:
 
 - ``sim`` (:mod:`bench.replay.sim`): a discrete-event simulation under a virtual clock that
   runs the real :class:`router.core.RouterCore` and, per worker, the real engine (radix cache

@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Replay a Mooncake-format JSONL trace (timestamp ms, input_length, "
         "output_length, hash_ids) against a fleet under one or more routing policies; "
         "report hit rate, TTFT, e2e latency, throughput and load imbalance per policy, "
-        "next to the pooled-cache and infinite-cache hit-rate bounds.",
+        "next to the pooled-cache hit-rate reference and the infinite-cache ceiling.",
         formatter_class=RawDescriptionHelpFormatter,
         epilog=__doc__.split("Examples::", 1)[1] if __doc__ else None,
     )
@@ -137,7 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="queued prefill on the least loaded worker at which the cost counts a miss "
         "double; 0: off (default: the router's)",
     )
-    p.add_argument("--no-bounds", action="store_true", help="skip the pooled/infinite runs")
+    p.add_argument(
+        "--no-reference",
+        "--no-bounds",
+        dest="no_bounds",
+        action="store_true",
+        help="skip the pooled-reference and infinite-ceiling runs (--no-bounds: old name)",
+    )
     p.add_argument(
         "--timeout-s",
         type=float,
@@ -259,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
             for policy in policies:
                 report.policies.append(run_live(records, policy, config, progress_stream=progress))
         if not args.no_bounds:
-            _add_sim_bounds(args, records, report, progress)
+            _add_sim_references(args, records, report, progress)
     print(report.format_table())
     if args.json:
         Path(args.json).write_text(report.dumps(), encoding="utf-8")
@@ -330,17 +336,17 @@ def _run_sim(args, records, policies, setup, progress) -> ReplayReport:
             simulate(records, policy, config, expander, progress_stream=progress)
         )
     if not args.no_bounds:
-        _add_sim_bounds(args, records, report, progress, expander)
+        _add_sim_references(args, records, report, progress, expander)
     return report
 
 
-def _add_sim_bounds(args, records, report, progress, expander=None) -> None:
-    from bench.replay.sim import simulate_bound
+def _add_sim_references(args, records, report, progress, expander=None) -> None:
+    from bench.replay.sim import simulate_reference
 
     config = _sim_config(args)
     expander = expander or TokenExpander(args.trace_block_size, config.vocab_size, args.seed)
     for kind in ("pooled", "infinite"):
-        bound = simulate_bound(
+        ref = simulate_reference(
             records,
             kind,
             replace(config, event_delay_s=0.0),
@@ -349,9 +355,9 @@ def _add_sim_bounds(args, records, report, progress, expander=None) -> None:
             progress_stream=progress,
         )
         if kind == "pooled":
-            report.pooled_hit_rate = bound.hit_rate
+            report.pooled_reference_hit_rate = ref.hit_rate
         else:
-            report.infinite_hit_rate = bound.hit_rate
+            report.infinite_hit_rate = ref.hit_rate
 
 
 if __name__ == "__main__":

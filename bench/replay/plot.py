@@ -41,12 +41,12 @@ def plot_report(report: ReplayReport, path: str | Path, title: str | None = None
     x = range(len(names))
     ax_hit.bar(x, hits, color=colors)
     for value, style, label in (
-        (report.pooled_hit_rate, "--", "pooled bound"),
-        (report.infinite_hit_rate, ":", "infinite bound"),
+        (report.pooled_reference_hit_rate, "--", "pooled reference"),
+        (report.infinite_hit_rate, ":", "infinite ceiling"),
     ):
         if value is not None:
             ax_hit.axhline(value * 100, color="black", linestyle=style, linewidth=1, label=label)
-    if report.pooled_hit_rate is not None or report.infinite_hit_rate is not None:
+    if report.pooled_reference_hit_rate is not None or report.infinite_hit_rate is not None:
         ax_hit.legend(loc="upper right", fontsize=8)
     ax_hit.set_ylabel("prefix cache hit rate (%)")
     ax_hit.set_ylim(0, 100)

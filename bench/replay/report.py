@@ -170,17 +170,18 @@ def summarize(
 
 @dataclass(slots=True)
 class ReplayReport:
-    """The whole replay: setup, one row per policy, and the two hit-rate upper bounds."""
+    """The whole replay: setup, one row per policy, the pooled reference hit rate (one cache
+    of N times the capacity; not a bound) and the infinite ceiling (no eviction)."""
 
     setup: dict[str, object]
     policies: list[PolicyReport] = field(default_factory=list)
-    pooled_hit_rate: float | None = None
+    pooled_reference_hit_rate: float | None = None
     infinite_hit_rate: float | None = None
 
     def to_json(self) -> dict:
         return {
             "setup": self.setup,
-            "pooled_hit_rate": self.pooled_hit_rate,
+            "pooled_reference_hit_rate": self.pooled_reference_hit_rate,
             "infinite_hit_rate": self.infinite_hit_rate,
             "policies": [p.to_json() for p in self.policies],
         }
@@ -196,16 +197,18 @@ class ReplayReport:
         raise KeyError(f"no policy {name!r} in the report")
 
     def format_table(self) -> str:
-        """A fixed-width table, one row per policy, bounds underneath."""
+        """A fixed-width table, one row per policy, the references underneath."""
         head = (
-            f"{'policy':<15} {'hit':>6} {'/pool':>6} {'prefill Mtok':>12} {'ttft p50':>9} "
+            f"{'policy':<15} {'hit':>6} {'/ref':>6} {'prefill Mtok':>12} {'ttft p50':>9} "
             f"{'ttft p99':>9} {'e2e p50':>8} {'e2e p99':>8} {'tok/s':>8} {'prefill imb':>11} "
             f"{'busy imb':>8} {'reqs':>6} {'errors':>6} {'wall s':>7}"
         )
         lines = [head, "-" * len(head)]
         for p in self.policies:
             ratio = (
-                f"{p.hit_rate / self.pooled_hit_rate:6.1%}" if self.pooled_hit_rate else f"{'-':>6}"
+                f"{p.hit_rate / ref:6.1%}"
+                if (ref := self.pooled_reference_hit_rate)
+                else f"{'-':>6}"
             )
             busy = f"{p.busy_imbalance:8.2f}" if p.busy_imbalance is not None else f"{'-':>8}"
             lines.append(
@@ -219,13 +222,15 @@ class ReplayReport:
             if p.errors_by_kind:
                 kinds = ", ".join(f"{k} x{n}" for k, n in p.errors_by_kind.items())
                 lines.append(f"{p.policy} errors: {kinds}")
-        bounds = []
-        if self.pooled_hit_rate is not None:
-            bounds.append(f"pooled bound (1 cache x N capacity): {self.pooled_hit_rate:.1%}")
+        refs = []
+        if self.pooled_reference_hit_rate is not None:
+            refs.append(
+                f"pooled reference (1 cache x N capacity): {self.pooled_reference_hit_rate:.1%}"
+            )
         if self.infinite_hit_rate is not None:
-            bounds.append(f"infinite bound (no eviction): {self.infinite_hit_rate:.1%}")
-        if bounds:
-            lines.append("; ".join(bounds))
+            refs.append(f"infinite ceiling (no eviction): {self.infinite_hit_rate:.1%}")
+        if refs:
+            lines.append("; ".join(refs))
         return "\n".join(lines)
 
 

@@ -25,9 +25,13 @@ fleet would. 16 keeps matches within 15 tokens of exact while the radix cache an
 stay fast enough: the whole Mooncake trace (3,993 requests, 61 M prompt tokens) replays on
 8 workers in ~15-25 s per policy on a 2-core machine.
 
-Bounds: :func:`simulate_bound` runs one engine with N times the KV capacity and N times the
-speed (a wrapper divides the step cost by N) under the same scheduler -- "pooled" -- or
-with room for every token the trace ever holds -- "infinite" (nothing is ever evicted).
+References: :func:`simulate_reference` runs one engine with N times the KV capacity and N
+times the speed (a wrapper divides the step cost by N) under the same scheduler -- the
+"pooled" reference -- or with room for every token the trace ever holds -- the "infinite"
+ceiling (nothing is ever evicted). The pooled run is a reference, not a bound: its
+scheduler admits work sooner than N queued workers do, and a policy whose queues hold
+requests back longer can reuse more (the old prefix_hash exceeded it at 4 workers). The
+infinite run is a true ceiling on hit rate for the trace's content.
 """
 
 from __future__ import annotations
@@ -410,7 +414,7 @@ def infinite_capacity_tokens(records: Sequence[TraceRecord], block_size: int) ->
     return len(ids) * block_size + outputs + 2 * max_context_for(records)
 
 
-def simulate_bound(
+def simulate_reference(
     records: Sequence[TraceRecord],
     kind: str,
     config: SimConfig,
@@ -419,7 +423,8 @@ def simulate_bound(
     trace_block_size: int = 512,
     progress_stream: TextIO | None = None,
 ) -> PolicyReport:
-    """The ``pooled`` or ``infinite`` upper bound: one engine as big and fast as the fleet."""
+    """The ``pooled`` reference or the ``infinite`` ceiling: one engine as big and fast as
+    the fleet (module docstring)."""
     n = config.num_workers
     match kind:
         case "pooled":

@@ -64,27 +64,29 @@ def test_no_completed_requests_gives_nan_not_crash():
 
 
 def test_json_is_deterministic_and_excludes_wall_time():
-    a = ReplayReport(setup={"workers": 2}, pooled_hit_rate=0.5, infinite_hit_rate=0.6)
-    b = ReplayReport(setup={"workers": 2}, pooled_hit_rate=0.5, infinite_hit_rate=0.6)
+    a = ReplayReport(setup={"workers": 2}, pooled_reference_hit_rate=0.5, infinite_hit_rate=0.6)
+    b = ReplayReport(setup={"workers": 2}, pooled_reference_hit_rate=0.5, infinite_hit_rate=0.6)
     a.policies.append(summarize("x", results(), ["w0", "w1"], wall_s=1.0))
     b.policies.append(summarize("x", results(), ["w0", "w1"], wall_s=2.0))
     assert a.dumps() == b.dumps()
     data = json.loads(a.dumps())
     assert "wall_s" not in data["policies"][0]
-    assert data["pooled_hit_rate"] == 0.5 and data["infinite_hit_rate"] == 0.6
+    assert data["pooled_reference_hit_rate"] == 0.5 and data["infinite_hit_rate"] == 0.6
+    assert "bound" not in a.dumps()  # the pooled run is a reference, not a bound
     assert a.policy("x").hit_rate == 0.45
     with pytest.raises(KeyError):
         a.policy("y")
 
 
-def test_table_lists_every_policy_and_the_bounds():
-    r = ReplayReport(setup={}, pooled_hit_rate=0.5, infinite_hit_rate=0.9)
+def test_table_lists_every_policy_and_the_references():
+    r = ReplayReport(setup={}, pooled_reference_hit_rate=0.5, infinite_hit_rate=0.9)
     r.policies.append(summarize("cache_aware", results(), ["w0", "w1"]))
     r.policies.append(summarize("round_robin", results(), ["w0", "w1"]))
     table = r.format_table()
     assert "cache_aware" in table and "round_robin" in table
     assert "45.0%" in table and "90.0%" in table  # hit / pooled = 0.45 / 0.5
-    assert "pooled bound" in table and "infinite bound" in table
+    assert "pooled reference" in table and "infinite ceiling" in table
+    assert "bound" not in table
     assert "cache_aware errors: QueueFullError x1, unfinished x1" in table
 
 
@@ -93,7 +95,7 @@ def test_plot_writes_a_png(tmp_path):
     from bench.replay.plot import plot_report
 
     r = ReplayReport(setup={"trace": "t.jsonl", "workers": 2, "mode": "sim"})
-    r.pooled_hit_rate = 0.5
+    r.pooled_reference_hit_rate = 0.5
     r.policies.append(summarize("cache_aware", results(), ["w0", "w1"]))
     r.policies.append(summarize("random", [RequestResult(0, 0.0, 10, error="x")], ["w0"]))
     out = plot_report(r, tmp_path / "p.png")

@@ -1,4 +1,4 @@
-"""The discrete-event replay: known answers, bounds, determinism, the CLI end to end."""
+"""The discrete-event replay: known answers, references, determinism, the CLI end to end."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 
 from bench.replay.cli import _sim_config, build_parser, main
-from bench.replay.sim import SimConfig, infinite_capacity_tokens, simulate, simulate_bound
+from bench.replay.sim import SimConfig, infinite_capacity_tokens, simulate, simulate_reference
 from bench.replay.trace import TokenExpander, TraceRecord, write_trace
 from bench.workload import SupportAgentConfig, generate_support_agent
 from router.core import RouterConfig
@@ -31,12 +31,12 @@ def tiny_config(**kw) -> SimConfig:
     return SimConfig(num_workers=2, kv_capacity_tokens=20_000, **kw)
 
 
-def test_cache_aware_reaches_the_pooled_bound_and_round_robin_does_not():
+def test_cache_aware_reaches_the_pooled_reference_and_round_robin_does_not():
     records = two_prefix_trace()
     cfg = tiny_config()
     ex = TokenExpander(BS, cfg.vocab_size, seed=0)
-    pooled = simulate_bound(records, "pooled", cfg, ex, trace_block_size=BS)
-    infinite = simulate_bound(records, "infinite", cfg, ex, trace_block_size=BS)
+    pooled = simulate_reference(records, "pooled", cfg, ex, trace_block_size=BS)
+    infinite = simulate_reference(records, "infinite", cfg, ex, trace_block_size=BS)
     # one engine: only the first A and the first B miss their 256-token prefix
     assert pooled.cached_tokens == (len(records) - 2) * 4 * BS
     assert infinite.hit_rate == pooled.hit_rate  # nothing is evicted at this size
@@ -61,7 +61,7 @@ def test_support_agent_in_miniature_keeps_its_hits_and_balances_prefill():
     cfg = SimConfig(num_workers=4)
     ex = TokenExpander(16, cfg.vocab_size, seed=0)
     aware = simulate(records, "cache_aware", cfg, ex)
-    pooled = simulate_bound(records, "pooled", cfg, ex, trace_block_size=16)
+    pooled = simulate_reference(records, "pooled", cfg, ex, trace_block_size=16)
     assert aware.errors == 0
     assert aware.hit_rate >= 0.97 * pooled.hit_rate
     assert aware.load_imbalance <= 1.2, aware.prefill_tokens_per_worker
@@ -142,7 +142,7 @@ def test_same_seed_same_json(tmp_path):
     ):
         assert key in aware
     assert aware["busy_imbalance"] >= 1.0
-    assert 0 < aware["hit_rate"] <= data["pooled_hit_rate"] <= data["infinite_hit_rate"]
+    assert 0 < aware["hit_rate"] <= data["pooled_reference_hit_rate"] <= data["infinite_hit_rate"]
 
 
 def test_cli_errors_and_plot(tmp_path, capsys):
@@ -180,7 +180,11 @@ def test_cli_errors_and_plot(tmp_path, capsys):
     ]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    for name in (*policy_names(), "pooled bound"):  # --policy all: every registered policy
+    for name in (
+        *policy_names(),
+        "pooled reference",
+        "infinite ceiling",
+    ):  # --policy all: every registered policy
         assert name in out
     assert png.read_bytes()[:4] == b"\x89PNG"
 
@@ -190,7 +194,7 @@ def test_cost_settings_reach_the_router_and_the_report(tmp_path):
     write_trace(trace, two_prefix_trace(8))
     out = tmp_path / "r.json"
     base = ["--trace", str(trace), "--trace-block-size", "64", "--workers", "2", "--quiet"]
-    argv = [*base, "--no-bounds", "--json", str(out)]
+    argv = [*base, "--no-reference", "--json", str(out)]
     costs = ["--cost-weights", "1,0.25,16,0.5", "--recent-window-s", "5", "--backlog-tokens", "9"]
     assert main([*argv, *costs, "--recent-decode-ratio", "2"]) == 0
     setup = json.loads(out.read_text())["setup"]
