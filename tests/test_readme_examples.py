@@ -63,3 +63,14 @@ def test_nothing_tracked_points_outside_the_repository():
             if pattern.search(line)
         ]
     assert offenders == []
+
+
+def test_the_readme_says_how_to_get_torchs_cpu_build_for_the_quick_starts_pin():
+    text = (ROOT / "README.md").read_text()
+    quick_start = re.search(r"pip install torch==(\S+) &&", text)
+    assert quick_start, "the quick start installs a pinned torch first"
+    pin = quick_start.group(1)
+    # On Linux, PyPI's torch wheel pulls the CUDA libraries (~3 GB); PyTorch's own CPU index
+    # has the same version without them.
+    cpu = f"pip install torch=={pin} --index-url https://download.pytorch.org/whl/cpu"
+    assert cpu in text
