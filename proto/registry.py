@@ -13,6 +13,11 @@ Redis layout (one key per worker, a JSON value, expiring unless refreshed)::
   Polling (rather than keyspace notifications) needs no Redis configuration and recovers by
   itself after an outage. While Redis is unreachable the watcher keeps the last known
   membership (routing goes on) and logs the outage once, and once more when it ends.
+* A registry that comes back *empty* (Redis restarted without persistence, a flush) is not
+  taken as the truth: a worker missing from a poll is still reported for
+  ``absent_grace_s`` (default one TTL), long enough for live workers to re-register with
+  their next heartbeat. Only a worker absent for the whole window is removed, so a registry
+  that lost its data costs the router no connection, no load history and no index.
 
 The key layout and record format are a contract between worker and router, so this module
 lives in the shared package; it imports only the standard library and ``redis``.
@@ -24,6 +29,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 
@@ -166,11 +172,18 @@ class RedisMembershipWatcher:
         *,
         prefix: str = DEFAULT_PREFIX,
         poll_s: float = DEFAULT_TTL_S / 3,
+        absent_grace_s: float = DEFAULT_TTL_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if poll_s <= 0:
             raise ValueError(f"poll_s must be > 0, got {poll_s}")
+        if not absent_grace_s >= 0:  # NaN too
+            raise ValueError(f"absent_grace_s must be >= 0, got {absent_grace_s}")
         self._prefix = prefix
         self._poll_s = poll_s
+        self._absent_grace_s = absent_grace_s
+        self._clock = clock
+        self._absent_since: dict[str, float] = {}  # reported, but missing from the registry
         self._on_members = on_members
         self._redis = aioredis.Redis.from_url(
             redis_url, socket_timeout=max(poll_s, 1.0), socket_connect_timeout=max(poll_s, 1.0)
@@ -214,9 +227,34 @@ class RedisMembershipWatcher:
         if self.redis_down:
             log.info("registry: Redis reachable again (%d workers registered)", len(members))
         self.redis_down = False
-        self.members = members
+        self.members = self._with_grace(members)
         self.num_polls += 1
-        await self._on_members(members)
+        await self._on_members(dict(self.members))
+
+    def _with_grace(self, live: dict[str, WorkerRecord]) -> dict[str, WorkerRecord]:
+        """``live`` plus the workers reported before and missing for less than the grace."""
+        now = self._clock()
+        report = dict(live)
+        for worker_id, record in self.members.items():
+            if worker_id in live:
+                continue
+            since = self._absent_since.setdefault(worker_id, now)
+            if now - since < self._absent_grace_s:
+                if since == now:
+                    log.warning(
+                        "registry: worker %s (%s) is no longer registered; keeping it for "
+                        "up to %.1f s in case the registry lost its data",
+                        worker_id,
+                        record.address,
+                        self._absent_grace_s,
+                    )
+                report[worker_id] = record
+            else:
+                log.info("registry: worker %s absent for %.1f s: removed", worker_id, now - since)
+        for worker_id in list(self._absent_since):
+            if worker_id in live or worker_id not in report:
+                del self._absent_since[worker_id]
+        return report
 
     async def start(self) -> None:
         """Poll once now, then every ``poll_s`` in the background."""

@@ -16,7 +16,7 @@ import signal
 import sys
 
 from kvroute_proto.cli_help import HelpFormatter
-from kvroute_proto.registry import DEFAULT_PREFIX
+from kvroute_proto.registry import DEFAULT_PREFIX, DEFAULT_TTL_S
 from kvroute_proto.runtime import run_event_loop
 from kvroute_proto.telemetry import configure_tracing
 from router.core import RouterConfig
@@ -70,6 +70,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="print OpenTelemetry spans to stderr (OTLP export: set OTEL_EXPORTER_OTLP_ENDPOINT)",
     )
     p.add_argument("--redis-poll-s", type=float, default=2.0, help="registry poll interval")
+    p.add_argument(
+        "--registry-grace-s",
+        type=float,
+        default=DEFAULT_TTL_S,
+        help="keep a worker that vanished from the registry this long before removing it "
+        "(a Redis that restarted empty must not empty the fleet; live workers re-register "
+        "within one heartbeat)",
+    )
     p.add_argument("--policy", default="cache_aware", choices=POLICIES, help="routing policy")
     p.add_argument(
         "--cost-weights",
@@ -146,6 +154,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keepalive-s", type=float, default=30.0, help="HTTP/2 keepalive ping interval")
     p.add_argument("--seed", type=int, default=None, help="seed for tie-breaks (reproducible runs)")
     p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics on http://HOST:PORT/metrics (HOST from --host; 0 picks "
+        "a free port; default: no metrics endpoint). Names: docs/METRICS.md",
+    )
+    p.add_argument(
         "--log-level",
         default="INFO",
         choices=("DEBUG", "INFO", "WARNING", "ERROR"),
@@ -166,7 +181,9 @@ def config_from_args(args: argparse.Namespace) -> RouterServerConfig:
         host=args.host,
         port=args.port,
         workers=tuple(args.worker),
-        registry=RegistryConfig(args.redis_url, args.redis_prefix, args.redis_poll_s),
+        registry=RegistryConfig(
+            args.redis_url, args.redis_prefix, args.redis_poll_s, args.registry_grace_s
+        ),
         core=RouterConfig(
             policy=args.policy,
             block_size=args.block_size,
@@ -188,14 +205,26 @@ def config_from_args(args: argparse.Namespace) -> RouterServerConfig:
     )
 
 
-async def serve(config: RouterServerConfig) -> None:
-    """Run one router until SIGINT/SIGTERM."""
+async def serve(config: RouterServerConfig, metrics_port: int | None = None) -> None:
+    """Run one router until SIGINT/SIGTERM (with a /metrics endpoint when ``metrics_port``
+    is not None)."""
     server = RouterServer(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await server.start()
+    endpoint = None
+    if metrics_port is not None:
+        from router.service.metrics import RouterMetricsEndpoint
+
+        endpoint = RouterMetricsEndpoint(server, config.host, metrics_port)
+        try:
+            endpoint.start()
+        except BaseException:
+            await server.stop()
+            raise
+        print(f"metrics on {endpoint.url}", flush=True)
     # Start-up objects (modules, configs, the empty index) live for the whole run: move them
     # out of the collector's generations so a full collection does not rescan them (it was
     # the main source of route-latency p99 spikes in bench_index).
@@ -204,6 +233,8 @@ async def serve(config: RouterServerConfig) -> None:
     try:
         await stop.wait()
     finally:
+        if endpoint is not None:
+            endpoint.stop()
         await server.stop()
 
 
@@ -224,7 +255,7 @@ def main(argv: list[str]) -> int:
         return 2
     shutdown_tracing = configure_tracing("kvroute-router", console=args.trace_console)
     try:
-        run_event_loop(serve(config))
+        run_event_loop(serve(config, args.metrics_port))
     finally:
         shutdown_tracing()
     return 0

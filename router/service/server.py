@@ -29,7 +29,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
 from kvroute_proto.grpc_services import HEALTH_SERVICE_NAME, HealthServicer, enable_reflection
-from kvroute_proto.registry import DEFAULT_PREFIX, RedisMembershipWatcher, WorkerRecord
+from kvroute_proto.registry import (
+    DEFAULT_PREFIX,
+    DEFAULT_TTL_S,
+    RedisMembershipWatcher,
+    WorkerRecord,
+)
 from router.core import RouterConfig, RouterCore
 from router.service.frontend import Frontend, FrontendConfig, TextTokenizer
 from router.service.pool import WorkerPool
@@ -48,6 +53,16 @@ class RegistryConfig:
     redis_url: str | None = None
     prefix: str = DEFAULT_PREFIX
     poll_s: float = 2.0
+    absent_grace_s: float = DEFAULT_TTL_S  # a worker missing from the registry is kept this long
+
+    def __post_init__(self) -> None:
+        if not self.poll_s > 0:  # NaN too
+            raise ValueError(f"registry poll_s (--redis-poll-s) must be > 0, got {self.poll_s}")
+        if not self.absent_grace_s >= 0:
+            raise ValueError(
+                f"registry absent_grace_s (--registry-grace-s) must be >= 0, "
+                f"got {self.absent_grace_s}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +158,7 @@ class RouterServer:
                     self._on_members,
                     prefix=self.config.registry.prefix,
                     poll_s=self.config.registry.poll_s,
+                    absent_grace_s=self.config.registry.absent_grace_s,
                 )
                 await self.watcher.start()
             await server.start()

@@ -39,6 +39,8 @@ def test_timing_validation():
         RedisRegistration(REDIS_URL, rec, ttl_s=1.0, heartbeat_s=2.0)
     with pytest.raises(ValueError, match="poll_s must be > 0"):
         RedisMembershipWatcher(REDIS_URL, None, poll_s=0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="absent_grace_s must be >= 0"):
+        RedisMembershipWatcher(REDIS_URL, None, absent_grace_s=-1)  # type: ignore[arg-type]
 
 
 async def test_registration_is_seen_by_the_watcher_and_removed_on_stop(prefix):
@@ -49,7 +51,9 @@ async def test_registration_is_seen_by_the_watcher_and_removed_on_stop(prefix):
 
     rec = WorkerRecord("w0", "127.0.0.1:5000", epoch=3, block_size=16, kv_capacity_tokens=1024)
     reg = RedisRegistration(REDIS_URL, rec, prefix=prefix, ttl_s=5.0)
-    watcher = RedisMembershipWatcher(REDIS_URL, on_members, prefix=prefix, poll_s=0.05)
+    watcher = RedisMembershipWatcher(
+        REDIS_URL, on_members, prefix=prefix, poll_s=0.05, absent_grace_s=0
+    )
     await reg.start()
     try:
         assert reg.num_beats == 1
@@ -75,7 +79,9 @@ async def test_key_expires_without_heartbeat(prefix):
     async def on_members(m):
         members.append(m)
 
-    watcher = RedisMembershipWatcher(REDIS_URL, on_members, prefix=prefix, poll_s=0.05)
+    watcher = RedisMembershipWatcher(
+        REDIS_URL, on_members, prefix=prefix, poll_s=0.05, absent_grace_s=0
+    )
     for _ in range(100):  # bounded: the key expires after 0.2 s
         await watcher.poll_once()
         if members[-1] == {}:
@@ -128,3 +134,42 @@ async def test_registration_survives_redis_down(caplog):
         assert not await reg.beat()
     assert len([r for r in caplog.records if "cannot write" in r.getMessage()]) == 1
     await reg.stop()
+
+
+async def test_a_registry_that_lost_its_data_does_not_empty_the_fleet(prefix, caplog):
+    """Redis restarted empty: every key is gone at once. The watcher keeps reporting the
+    workers for the grace window; those that re-register in it are never removed, and one
+    that stays away is removed once the window has passed."""
+    now = [100.0]
+    seen: list[dict[str, WorkerRecord]] = []
+
+    async def on_members(m):
+        seen.append(m)
+
+    r = redis.Redis.from_url(REDIS_URL)
+    recs = {w: WorkerRecord(w, f"127.0.0.1:{5000 + i}") for i, w in enumerate(("w0", "w1"))}
+    for rec in recs.values():
+        r.set(worker_key(prefix, rec.worker_id), rec.to_json())
+    watcher = RedisMembershipWatcher(
+        REDIS_URL, on_members, prefix=prefix, poll_s=1, absent_grace_s=10, clock=lambda: now[0]
+    )
+    await watcher.poll_once()
+    assert seen[-1] == recs
+    r.delete(*(worker_key(prefix, w) for w in recs))  # the registry lost everything
+    with caplog.at_level(logging.WARNING, logger="kvroute_proto.registry"):
+        await watcher.poll_once()
+    assert seen[-1] == recs  # not taken as the truth
+    assert caplog.text.count("no longer registered") == 2
+    now[0] += 3.0  # w0 re-registers with its next heartbeat; w1 does not come back
+    r.set(worker_key(prefix, "w0"), recs["w0"].to_json())
+    await watcher.poll_once()
+    assert seen[-1] == recs
+    now[0] += 6.9  # 9.9 s after w1 went missing
+    await watcher.poll_once()
+    assert seen[-1] == recs
+    now[0] += 0.2  # past the grace: w1 is removed, w0 never was
+    await watcher.poll_once()
+    assert seen[-1] == {"w0": recs["w0"]}
+    assert all("w0" in m for m in seen)
+    await watcher.stop()
+    r.close()

@@ -87,6 +87,8 @@ def test_router_defaults():
         ("--backlog-tokens", "-5", "backlog_tokens must be >= 0, got -5.0"),
         ("--backlog-tokens", "nan", "backlog_tokens must be >= 0, got nan"),
         ("--recent-decode-ratio", "-1", "recent_decode_ratio must be >= 0, got -1.0"),
+        ("--registry-grace-s", "-1", "(--registry-grace-s) must be >= 0, got -1.0"),
+        ("--redis-poll-s", "0", "(--redis-poll-s) must be > 0, got 0.0"),
     ],
 )
 def test_bad_cost_settings_are_usage_errors(flag, value, message, capsys):

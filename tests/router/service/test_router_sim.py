@@ -3,10 +3,12 @@ affinity, worker loss and restart (new epoch), two replicas, Redis membership, h
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 
 import grpc
+import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from router_harness import router_config, running_router, sim_worker
@@ -142,7 +144,8 @@ async def test_redis_membership_adds_and_removes_workers(redis_url, redis_prefix
         ]
         for reg in regs:
             await reg.start()
-        config = router_config([], registry=RegistryConfig(url, prefix, poll_s=0.05))
+        registry = RegistryConfig(url, prefix, poll_s=0.05, absent_grace_s=0)
+        config = router_config([], registry=registry)
         try:
             async with running_router([], config) as router:
                 await router.wait_synced(2)
@@ -182,3 +185,39 @@ async def test_router_is_not_ready_without_a_healthy_worker():
         ready = await stub.Check(health_pb2.HealthCheckRequest(service="kvroute.v1.Router"))
         assert live.status == health_pb2.HealthCheckResponse.SERVING
         assert ready.status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+async def test_registry_flush_keeps_the_fleet_routing(redis_url, redis_prefix):
+    """A Redis that restarts empty: no worker is removed (connection, load history and
+    index kept) and every request is served while the workers re-register."""
+    prefix, url = redis_prefix, redis_url
+    async with sim_worker("w0") as w0, sim_worker("w1") as w1:
+        records = [WorkerRecord(w.worker_id, w.address) for w in (w0, w1)]
+        regs = [RedisRegistration(url, rec, prefix=prefix, ttl_s=5) for rec in records]
+        for reg in regs:
+            await reg.start()
+        config = router_config([], registry=RegistryConfig(url, prefix, poll_s=0.05))
+        rds = redis.Redis.from_url(url)
+        try:
+            async with running_router([], config) as router:
+                await router.wait_synced(2)
+                await router.client.generate(PREFIX, OPTS)
+                blocks = {w: router.server.core.worker_blocks(w) for w in ("w0", "w1")}
+                conns = dict(router.server.pool.conns)
+                polls = router.server.watcher.num_polls
+                rds.delete(*rds.keys(prefix + "*"))  # the registry lost its data
+                for _ in range(200):  # bounded: 5 polls of 0.05 s
+                    if router.server.watcher.num_polls >= polls + 5:
+                        break
+                    await asyncio.sleep(0.02)
+                assert router.server.watcher.num_polls >= polls + 5
+                for i in range(5):
+                    r = await router.client.generate([i + 1, *PREFIX], OPTS)
+                    assert r.worker_id in ("w0", "w1")
+                assert router.server.pool.conns == conns  # the same connection objects
+                for w, held in blocks.items():
+                    assert held <= router.server.core.worker_blocks(w)
+        finally:
+            rds.close()
+            for reg in regs:
+                await reg.stop()
