@@ -1,9 +1,10 @@
 """Synthetic workload traces in the Mooncake JSONL format (``kvroute workload``).
 
-``support-agent`` is the classic prefix-heavy case from DESIGN.md: every request starts with
-the same 512-token system prompt; conversation turns add a 1,543-token few-shot block and
-then the conversation so far (each turn appends the previous reply and a new user message);
-a share of one-off RAG requests follow the system prompt with a long unique context.
+``support-agent`` is the classic prefix-heavy case (docs/ARCHITECTURE.md, "Why a cache-aware
+router"): every request starts with the same 512-token system prompt; conversation turns add
+a 1,543-token few-shot block and then the conversation so far (each turn appends the previous
+reply and a new user message); a share of one-off RAG requests follow the system prompt with a
+long unique context.
 
 ::
 

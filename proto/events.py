@@ -3,7 +3,7 @@
 Pure and synchronous; imports neither asyncio, grpc nor a clock. Only ``codec`` touches the
 generated protobuf classes.
 
-Contract (see DESIGN.md): each worker process has an ``epoch`` (new on every start) and a
+Contract (docs/ARCHITECTURE.md): each worker process has an ``epoch`` (new on every start) and a
 per-epoch ``seq`` that increases by one per :class:`EventBatch`. A block is "held" while all
 of its ``block_size`` tokens are in the worker's radix tree. :class:`BlockStored` announces a
 run of consecutive blocks of one chain (parent first); :class:`BlockRemoved` withdraws blocks;

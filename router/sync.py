@@ -3,7 +3,7 @@
 Sans-I/O: imports neither asyncio, grpc nor a clock. Messages in, (things to apply, a
 resubscribe request) out; the router core applies and the shell resubscribes.
 
-Contract (DESIGN.md, "Events"): a worker process has a random ``epoch`` and numbers its
+Contract (docs/ARCHITECTURE.md): a worker process has a random ``epoch`` and numbers its
 batches 1, 2, 3, ... A subscriber asks for "everything after seq S of epoch E" and gets the
 missing batches, or a snapshot at the worker's last seq, then the live stream.
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """Settings of one engine. The first twelve fields are the TEAM.md contract; the rest are
-    additions with defaults.
+    """Settings of one engine. The first twelve fields are the stable interface callers build
+    (docs/ARCHITECTURE.md, "Engine settings"); the rest are additions with defaults.
 
     * ``new_token_reserve_ratio``: admission keeps ``ratio * min(remaining new tokens, 4096)``
       free KV tokens per running request for its future decode tokens, so a fresh admission

@@ -18,7 +18,7 @@ Cost model (Llama-3-8B, bf16, one H100 SXM; derived, not measured)::
 * ``prefill_s_per_token`` = 2 * 8.0e9 FLOP / 400 TFLOP/s achieved = 40 us (the weight GEMMs).
 * ``prefill_s_per_attn_pair`` = 4 * 32 layers * 4096 * 2 FLOP / 400 TFLOP/s ~= 1.31 ns (QK^T
   and AV per query/key pair). An 8,192-token cold prefill costs 328 ms + 44 ms = 372 ms,
-  i.e. ~22,000 tokens/s -- the figure DESIGN.md uses.
+  i.e. ~22,000 tokens/s -- the figure docs/ARCHITECTURE.md uses.
 * ``decode_base_s`` = 8 ms: streaming 16 GB of weights at ~2.5 TB/s achieved HBM bandwidth,
   plus launch overhead. ``decode_s_per_context_token`` = 128 KiB of KV per token / 2.5 TB/s
   ~= 52 ns, rounded to 60 ns. ``decode_s_per_seq`` = 0.1 ms (sampling and per-row work).

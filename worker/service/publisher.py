@@ -4,7 +4,7 @@ Sans-I/O: imports neither asyncio, grpc nor a clock. The engine runner calls it 
 engine thread only (it is not thread-safe), right after draining ``engine.take_events()``,
 so a batch's seq and the engine state it describes always agree.
 
-Numbering (DESIGN.md, "Events")::
+Numbering (docs/ARCHITECTURE.md, "The event contract")::
 
     epoch E (new per process)   seq: 1   2   3   4 ... last_seq
     replay buffer (last N)                   [3   4 ... last_seq]
