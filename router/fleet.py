@@ -4,8 +4,9 @@
 
 Each worker is ``python -m kvroute_cli worker --port 0 ...``; its ``listening on HOST:PORT``
 line tells us where it is. The router runs in this process (it never imports the worker
-package). Ctrl-C or SIGTERM stops everything: the router first, then each worker gets
-SIGTERM, ``--stop-timeout-s`` to exit, then SIGKILL. Workers also get SIGTERM from the
+package). Ctrl-C or SIGTERM stops everything in order: the router refuses new requests and
+lets those in flight finish (``--stop-timeout-s``), then each worker gets SIGTERM,
+``--stop-timeout-s`` to exit, then SIGKILL. Workers also get SIGTERM from the
 kernel if this process dies without cleaning up (Linux parent-death signal): no orphans.
 
 ``--demo`` sends two requests that share a long prefix through the router and prints which
@@ -206,9 +207,10 @@ class Fleet:
         await pool.wait_for(lambda: all(c.healthy for c in pool.conns.values()), timeout_s)
 
     async def stop(self) -> None:
-        """Router first (in-flight requests get a short grace), then every worker."""
+        """Drain in order: the router refuses new requests and lets those in flight finish
+        (up to ``stop_timeout_s``, the time a worker gets too), then every worker stops."""
         if self.router is not None:
-            await self.router.stop(grace_s=1.0)
+            await self.router.stop(grace_s=self.config.stop_timeout_s)
             self.router = None
         await asyncio.gather(*(stop_worker(w, self.config.stop_timeout_s) for w in self.workers))
         self.workers = []

@@ -10,7 +10,9 @@ import sys
 import time
 
 import pytest
-from e2e_procs import ROOT, procs
+from e2e_procs import ROOT, procs, until
+
+from router.client import GenerateOptions, RouterClient
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -49,11 +51,11 @@ def test_up_demo_with_the_torch_tiny_model():
     assert out.rstrip().endswith("stopped")
 
 
-def _start_sim_fleet(p, num_workers: int):
+def _start_sim_fleet(p, num_workers: int, *extra: str):
     """``kvroute up`` with sim workers; returns the process and its workers' pids."""
     up = p.start(
         "up",
-        ["up", "--workers", str(num_workers), "--port", "0", "--executor", "sim"],
+        ["up", "--workers", str(num_workers), "--port", "0", "--executor", "sim", *extra],
         marker="router listening on",
     )
     pids = [
@@ -83,3 +85,33 @@ def test_workers_do_not_outlive_a_killed_up():
         while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
             time.sleep(0.05)  # another process: nothing to await
         assert not any(_alive(pid) for pid in pids)
+
+
+async def test_up_on_sigterm_lets_in_flight_requests_finish():
+    """SIGTERM drains in order: a request already streaming completes (the router keeps
+    relaying for up to --stop-timeout-s before the workers are stopped)."""
+    with procs() as p:
+        # paced at half real time: the request below takes seconds, more than the old 1 s
+        up, _ = _start_sim_fleet(p, 1, "--worker-arg=--sim-speedup=0.5")
+        address = re.search(r"router listening on (\S+)", "\n".join(up.lines)).group(1)
+        async with RouterClient(address, timeout_s=60) as client:
+
+            async def ready() -> bool:
+                return any(w.healthy for w in (await client.explain([1, 2])).workers)
+
+            await until(ready, "the router never saw its worker healthy")
+            opts = GenerateOptions(max_new_tokens=300, ignore_eos=True)
+            stream = client.stream([1, 2, 3, 4, 5, 6, 7, 8], opts)
+            first = await anext(stream)
+            assert first.HasField("chunk")
+            up.popen.send_signal(signal.SIGTERM)
+            tokens = list(first.chunk.token_ids)
+            finished = None
+            async for msg in stream:
+                if msg.HasField("finished"):
+                    finished = msg.finished
+                else:
+                    tokens.extend(msg.chunk.token_ids)
+            assert finished is not None and finished.usage.completion_tokens == 300
+            assert len(tokens) == 300
+        assert up.wait(timeout=60) == 0
