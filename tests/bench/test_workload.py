@@ -8,7 +8,15 @@ from collections import defaultdict
 import pytest
 
 from bench.replay.trace import TokenExpander, read_trace
-from bench.workload import SupportAgentConfig, generate_support_agent, main
+from bench.workload import (
+    ColdBurstsConfig,
+    SupportAgentConfig,
+    ZipfTenantsConfig,
+    generate_cold_bursts,
+    generate_support_agent,
+    generate_zipf_tenants,
+    main,
+)
 
 SMALL = SupportAgentConfig(rate_rps=40.0, duration_s=30.0, num_conversations=20, seed=7)
 
@@ -140,3 +148,102 @@ def test_cli_writes_a_replayable_trace(tmp_path, capsys):
     records = read_trace(out, block_size=32)
     assert 50 < len(records) < 160
     assert main(["support-agent", "-o", str(out), "--rate", "-1"]) == 2
+
+
+# ---- held-out workloads: zipf-tenants and cold-bursts ------------------------------------
+
+ZT = ZipfTenantsConfig(rate_rps=50.0, duration_s=20.0, num_tenants=200, seed=3)
+
+
+def test_zipf_tenants_shape_and_skew():
+    records = generate_zipf_tenants(ZT)
+    assert 850 < len(records) < 1150  # Poisson(50/s * 20 s)
+    ts = [r.timestamp_ms for r in records]
+    assert ts == sorted(ts) and ts[-1] < 20_000
+    bs = ZT.block_size
+    by_tenant = defaultdict(list)  # first block id -> requests: one tenant's system prompt
+    for r in records:
+        assert len(r.hash_ids) == -(-r.input_length // bs)
+        assert ZT.reply_tokens[0] <= r.output_length <= ZT.reply_tokens[1]
+        lo = ZT.system_tokens[0] + ZT.user_tokens[0]
+        assert lo <= r.input_length <= ZT.system_tokens[1] + ZT.user_tokens[1]
+        by_tenant[r.hash_ids[0]].append(r)
+    sizes = sorted((len(v) for v in by_tenant.values()), reverse=True)
+    weights = ZT.tenant_weights()
+    top_share = weights[0] / sum(weights)  # ~0.18 for s=1.1 over 200 tenants
+    assert abs(sizes[0] / len(records) - top_share) < 0.05
+    assert sizes[0] > 5 * sizes[len(sizes) // 2]  # skewed: the hottest far above the median
+    for group in by_tenant.values():
+        # a tenant's requests share its whole system prompt (full blocks), then diverge
+        shared = min(len(r.hash_ids) for r in group) - 1
+        common = [r.hash_ids[: ZT.system_tokens[0] // bs] for r in group]
+        assert all(c == common[0] for c in common)
+        if len(group) > 1:
+            tails = [h for r in group for h in r.hash_ids[shared + 1 :]]
+            assert len(tails) == len(set(tails))  # the messages are unique per request
+    # different tenants share nothing
+    firsts = {r.hash_ids[0] for r in records}
+    assert len(firsts) == len(by_tenant)
+
+
+def test_zipf_tenants_hottest_prompt_is_shared_and_deterministic():
+    assert generate_zipf_tenants(ZT) == generate_zipf_tenants(ZT)
+    other = ZipfTenantsConfig(rate_rps=50.0, duration_s=20.0, num_tenants=200, seed=4)
+    assert generate_zipf_tenants(other) != generate_zipf_tenants(ZT)
+    with pytest.raises(ValueError, match="zipf_s"):
+        ZipfTenantsConfig(zipf_s=0)
+    with pytest.raises(ValueError, match="num_tenants"):
+        ZipfTenantsConfig(num_tenants=0)
+
+
+CB = ColdBurstsConfig(rate_rps=5.0, duration_s=20.0, burst_interval_s=5.0, seed=2)
+
+
+def test_cold_bursts_shape():
+    records = generate_cold_bursts(CB)
+    ts = [r.timestamp_ms for r in records]
+    assert ts == sorted(ts)
+    bs = CB.block_size
+    prefix_blocks = CB.burst_prefix_tokens // bs
+    groups = defaultdict(list)
+    for r in records:
+        assert len(r.hash_ids) == -(-r.input_length // bs)
+        groups[r.timestamp_ms].append(r)
+    bursts = {t: g for t, g in groups.items() if len(g) == CB.burst_size}
+    # one burst every 5 s from 2.5 s: 2.5, 7.5, 12.5, 17.5
+    assert sorted(bursts) == [2500.0, 7500.0, 12500.0, 17500.0]
+    seen_prefixes = set()
+    for burst in bursts.values():
+        prefix = burst[0].hash_ids[:prefix_blocks]
+        assert all(r.hash_ids[:prefix_blocks] == prefix for r in burst)  # one shared prefix
+        assert not seen_prefixes & set(prefix)  # cold: no earlier request holds it
+        seen_prefixes |= set(prefix)
+        for r in burst:
+            lo, hi = CB.burst_question_tokens
+            assert lo <= r.input_length - CB.burst_prefix_tokens <= hi
+        tails = [h for r in burst for h in r.hash_ids[prefix_blocks:]]
+        assert len(tails) == len(set(tails))  # each its own question
+    background = [r for t, g in groups.items() if t not in bursts for r in g]
+    assert 60 < len(background) < 145  # Poisson(5/s * 20 s)
+    own = [h for r in background for h in r.hash_ids]
+    assert len(own) == len(set(own))  # unique documents share nothing
+    assert not set(own) & seen_prefixes
+    assert generate_cold_bursts(CB) == records
+
+
+def test_cli_writes_the_held_out_workloads(tmp_path, capsys):
+    for name, extra in (
+        ("zipf-tenants", ["--tenants", "50", "--zipf-s", "1.3"]),
+        ("cold-bursts", ["--burst-size", "8", "--burst-interval-s", "2"]),
+    ):
+        out = tmp_path / f"{name}.jsonl"
+        argv = [name, "-o", str(out), "--rate", "5", "--duration-s", "6", "--seed", "9"]
+        assert main([*argv, *extra]) == 0
+        assert name in capsys.readouterr().out
+        assert read_trace(out, block_size=16)
+    bursts = read_trace(tmp_path / "cold-bursts.jsonl", block_size=16)
+    assert sum(1 for r in bursts if r.timestamp_ms == 1000.0) == 8
+    assert main(["zipf-tenants", "-o", str(out), "--burst-size", "3"]) == 2
+    assert "--burst-size applies to the cold-bursts workload" in capsys.readouterr().err
+    assert main(["cold-bursts", "-o", str(out), "--burst-size", "0"]) == 2
+    assert "burst_size must be >= 1" in capsys.readouterr().err
