@@ -15,8 +15,10 @@ import logging
 import signal
 import sys
 import time
+from pathlib import Path
 
 from kvroute_proto.cli_help import HelpFormatter
+from kvroute_proto.http_front import HttpFrontConfig
 from kvroute_proto.registry import (
     DEFAULT_PREFIX,
     DEFAULT_TTL_S,
@@ -31,7 +33,7 @@ from worker.engine.schedule_policy import POLICIES as SCHEDULE_POLICIES
 from worker.errors import ModelLoadError
 from worker.service.convert import RequestLimits
 from worker.service.engine_runner import RunnerConfig
-from worker.service.server import WorkerServer, WorkerServerConfig
+from worker.service.server import DEFAULT_MODEL_NAME, WorkerServer, WorkerServerConfig
 
 log = logging.getLogger("kvroute.worker")
 
@@ -50,6 +52,20 @@ def build_parser() -> argparse.ArgumentParser:
     net.add_argument("--host", default="127.0.0.1", help="address to bind")
     net.add_argument("--port", type=int, default=0, help="port to bind (0 = pick a free one)")
     net.add_argument("--worker-id", default=_ENGINE_DEFAULTS.worker_id, help="this worker's id")
+    net.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="also serve HTTP here: the OpenAI API and the SGLang/vLLM worker endpoints that "
+        "sglang-router and vllm-router call (0 = pick a free port; default: no HTTP)",
+    )
+    net.add_argument("--http-host", default="127.0.0.1", help="address the HTTP front binds")
+    net.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name the HTTP API serves (default: the --model directory's name, "
+        "else kvroute-tiny)",
+    )
     net.add_argument(
         "--grace-s", type=float, default=10.0, help="shutdown grace for in-flight requests"
     )
@@ -201,6 +217,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print OpenTelemetry spans to stderr (OTLP export: set OTEL_EXPORTER_OTLP_ENDPOINT)",
     )
+    reg.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics on http://HOST:PORT/metrics (HOST from --host; 0 picks "
+        "a free port; default: no metrics endpoint). Names: docs/METRICS.md",
+    )
     return p
 
 
@@ -234,7 +257,16 @@ def config_from_args(args: argparse.Namespace) -> WorkerServerConfig:
         enable_cache=not args.no_cache,
         seed=args.seed,
     )
+    http = None
+    if args.http_port is not None:
+        http = HttpFrontConfig(host=args.http_host, port=args.http_port)  # ValueError: bad port
+    model_name = args.served_model_name or (
+        Path(args.model).resolve().name if args.model else DEFAULT_MODEL_NAME
+    )
     return WorkerServerConfig(
+        http=http,
+        model_name=model_name,
+        model_path=args.model,
         engine=engine,
         executor_kind=args.executor,
         host=args.host,
@@ -302,19 +334,32 @@ async def serve(server: WorkerServer, args: argparse.Namespace | None = None) ->
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     registration: RedisRegistration | None = None
+    metrics = None
     try:
         port = await server.start()
+        metrics_port = None if args is None else args.metrics_port
+        if metrics_port is not None:
+            from worker.service.metrics import WorkerMetricsEndpoint
+
+            metrics = WorkerMetricsEndpoint(server, server.config.host, metrics_port)
+            metrics.start()
         registration = None if args is None else _registration(server, args)
         if registration is not None:
             await registration.start()
             log.info("registered in Redis as %s", registration.key)
         # printed once serving and (best effort) registered
         print(f"listening on {server.config.host}:{port}", flush=True)
+        if metrics is not None:
+            print(f"metrics on {metrics.url}", flush=True)
+        if server.http is not None:  # after the gRPC line, which parents wait for first
+            print(f"http listening on {server.http.address}", flush=True)
         await stop.wait()
         log.info("shutting down (grace %.1fs)", server.config.shutdown_grace_s)
     finally:
         if registration is not None:
             await registration.stop()  # routers stop sending here before we drain
+        if metrics is not None:
+            metrics.stop()
         await server.stop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)

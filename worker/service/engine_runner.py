@@ -267,6 +267,14 @@ class EngineRunner:
         self._check_running()
         return await self._call(self._job_abort, request_id)
 
+    async def flush_cache(self) -> bool:
+        """Drop every cached block (AllCleared goes out to subscribers) when no request is in
+        flight, as SGLang's /flush_cache does; False (nothing done) otherwise."""
+        self._check_running()
+        if self._streams:
+            return False
+        return await self._call(self._job_flush_cache)
+
     # ---- KV events and load --------------------------------------------------------------
 
     async def subscribe(self, subscriber_id: str, epoch: int, after_seq: int) -> Subscription:
@@ -414,6 +422,13 @@ class EngineRunner:
             self._post(self._dispatch, [RequestOutput(request_id, (), FinishReason.ABORT)])
         self._publish()
         return found
+
+    def _job_flush_cache(self) -> bool:
+        if self.engine.has_work():
+            return False
+        self.engine.cache.reset()
+        self._publish()
+        return True
 
     def _job_release(self, request_id: str) -> None:
         try:

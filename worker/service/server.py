@@ -27,10 +27,12 @@ from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
 from kvroute_proto.events import LoadReport
 from kvroute_proto.grpc_services import HEALTH_SERVICE_NAME, HealthServicer, enable_reflection
+from kvroute_proto.http_front import HttpFront, HttpFrontConfig
 from worker.engine.engine_config import EngineConfig
 from worker.engine.tokenizer import Tokenizer
 from worker.service.convert import RequestLimits, WorkerInfo
 from worker.service.engine_runner import EngineRunner, RunnerConfig
+from worker.service.generation import WorkerGeneration
 from worker.service.publisher import EventPublisher, PublisherConfig
 from worker.service.servicer import WorkerServicer
 
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvroute.worker.server")
 
 _STATUS_TAIL_S = 0.5
+DEFAULT_MODEL_NAME = "kvroute-tiny"  # the served name of the tiny default model (and sim)
 WORKER_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Worker"].full_name  # kvroute.v1.Worker
 
 
@@ -60,6 +63,9 @@ class WorkerServerConfig:
     runner: RunnerConfig = field(default_factory=RunnerConfig)
     limits: RequestLimits = field(default_factory=RequestLimits)
     shutdown_grace_s: float = 10.0
+    http: HttpFrontConfig | None = None  # the HTTP (OpenAI, SGLang/vLLM compat) front; None: off
+    model_name: str = DEFAULT_MODEL_NAME  # the served model name (HTTP "model")
+    model_path: str | None = None  # the model directory, reported by GET /model_info
 
 
 class WorkerServer:
@@ -92,7 +98,15 @@ class WorkerServer:
             executor=config.executor_kind,
             load=LoadReport(),  # GetLoad reads it fresh on the engine thread
         )
-        self.servicer = WorkerServicer(self.runner, tokenizer, config.limits, self.info)
+        self.generation = WorkerGeneration(
+            self.runner, tokenizer, config.limits, self.info, model_name=config.model_name
+        )
+        self.servicer = WorkerServicer(
+            self.runner, tokenizer, config.limits, self.info, generation=self.generation
+        )
+        self.http: HttpFront | None = None
+        self.http_port: int | None = None
+        self._engine_failed = False
         self.health = HealthServicer()  # with List
         self._server: grpc.aio.Server | None = None
         self.port: int | None = None
@@ -103,11 +117,33 @@ class WorkerServer:
         # Routers must stop sending here: report NOT_SERVING (the process keeps running so
         # an operator can look; GetLoad and Generate answer UNAVAILABLE).
         log.error("engine loop failed (%r): health NOT_SERVING", exc)
+        self._engine_failed = True
         self._failure_task = asyncio.create_task(self.health.enter_graceful_shutdown())
 
     @property
     def address(self) -> str:
         return f"{self.config.host}:{self.port}"
+
+    def http_health(self) -> str | None:
+        """None when this worker serves; else why not (HTTP GET /health answers 503)."""
+        if self._engine_failed:
+            return "the engine loop failed"
+        if self.generation.draining or self._stopped:
+            return "the worker is shutting down"
+        return None
+
+    def _build_http(self, config: HttpFrontConfig) -> HttpFront:
+        from worker.service.http import build_worker_app  # aiohttp only when HTTP is on
+
+        app = build_worker_app(
+            self.generation,
+            self.runner,
+            self.http_health,
+            model_path=self.config.model_path,
+            executor=self.config.executor_kind,
+            max_body_bytes=config.max_body_bytes,
+        )
+        return HttpFront(app, config)
 
     async def start(self) -> int:
         """Bind, start serving and return the bound port."""
@@ -133,6 +169,17 @@ class WorkerServer:
         self.runner.start()
         await server.start()
         self._server, self.port = server, port
+        if self.config.http is not None:
+            http = self._build_http(self.config.http)
+            try:
+                self.http_port = await http.start()
+            except OSError as exc:
+                await server.stop(None)
+                await self.runner.stop()
+                raise OSError(
+                    f"could not bind HTTP {self.config.http.host}:{self.config.http.port}: {exc}"
+                ) from None
+            self.http = http
         serving = health_pb2.HealthCheckResponse.SERVING
         await self.health.set("", serving)
         await self.health.set(WORKER_SERVICE_NAME, serving)
@@ -166,6 +213,8 @@ class WorkerServer:
         try:
             if not await self.servicer.drain(grace):
                 log.warning("requests still running after the %.1fs grace: cancelling", grace)
+            if self.http is not None:  # HTTP handlers left are cancelled: aborts their requests
+                await self.http.stop()
             if self._server is not None:
                 # A short tail lets finished calls send their status; long-lived streams
                 # (health watches, stragglers) are cancelled after it.

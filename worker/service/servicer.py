@@ -133,4 +133,3 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         except EngineStoppedError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         return convert.worker_info_to_pb(dataclasses.replace(self.info, load=load))
-

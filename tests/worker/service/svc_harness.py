@@ -20,6 +20,7 @@ from kvroute_proto.events import (
     Partition,
     Snapshot,
 )
+from kvroute_proto.http_front import HttpFrontConfig
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.factory import build_executor
 from worker.engine.sim_executor import SimCostModel, SimExecutor, SimExecutorConfig
@@ -52,6 +53,8 @@ class WorkerSetup:
     epoch: int | None = None
     tokenizer: bool = True
     executor_kind: str = "sim"  # "torch": the factory's tiny random Llama on CPU
+    http: bool = False  # also serve the HTTP front (127.0.0.1, port 0)
+    max_body_bytes: int = 1 << 20
 
 
 @dataclass
@@ -62,6 +65,11 @@ class Worker:
     engine: Engine
     channel: grpc.aio.Channel
     stub: pb_grpc.WorkerStub
+
+    @property
+    def http_url(self) -> str:
+        assert self.server.http_port is not None, "started without WorkerSetup(http=True)"
+        return f"http://127.0.0.1:{self.server.http_port}"
 
     async def stats(self) -> EngineStats:
         return await self.server.runner.call(self.engine.stats)
@@ -96,6 +104,7 @@ async def running_worker(setup: WorkerSetup | None = None) -> AsyncIterator[Work
         runner=setup.runner,
         limits=setup.limits,
         shutdown_grace_s=2.0,
+        http=HttpFrontConfig(max_body_bytes=setup.max_body_bytes) if setup.http else None,
     )
     server = WorkerServer(engine, tokenizer if setup.tokenizer else None, config, epoch=setup.epoch)
     port = await server.start()
