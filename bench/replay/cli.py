@@ -138,6 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
         "double; 0: off (default: the router's)",
     )
     p.add_argument(
+        "--prefix-hash-blocks",
+        type=int,
+        default=None,
+        help="sim mode: leading blocks consistent_hash keys on (default: the router's, "
+        "RouterConfig.prefix_hash_blocks)",
+    )
+    p.add_argument(
         "--no-reference",
         "--no-bounds",
         dest="no_bounds",
@@ -239,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.cost_weights:
         setup["cost_weights"] = args.cost_weights
     setup.update(_router_overrides(args))
+    if args.prefix_hash_blocks is not None:
+        setup["prefix_hash_blocks"] = args.prefix_hash_blocks
     progress = None if args.quiet else sys.stderr
     if args.mode == "sim":
         report = _run_sim(args, records, policies, setup, progress)
@@ -312,6 +321,10 @@ def _sim_config(args: argparse.Namespace):  # -> SimConfig
 
         router = replace(router, weights=CostWeights.parse(args.cost_weights))
     router = replace(router, **_router_overrides(args))
+    if args.prefix_hash_blocks is not None:
+        if args.prefix_hash_blocks < 1:
+            raise ValueError(f"--prefix-hash-blocks must be >= 1, got {args.prefix_hash_blocks}")
+        router = replace(router, prefix_hash_blocks=args.prefix_hash_blocks)
     return SimConfig(
         router=router,
         num_workers=args.workers,

@@ -208,3 +208,14 @@ def test_cost_settings_reach_the_router_and_the_report(tmp_path):
     assert router.recent_window_s == RouterConfig().recent_window_s
     assert router.backlog_tokens == RouterConfig().backlog_tokens
     assert router.recent_decode_ratio == RouterConfig().recent_decode_ratio
+
+
+def test_prefix_hash_blocks_reaches_consistent_hash(tmp_path, capsys):
+    base = ["--trace", "t.jsonl", "--workers", "2"]
+    args = build_parser().parse_args([*base, "--prefix-hash-blocks", "8"])
+    assert _sim_config(args).router.prefix_hash_blocks == 8
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace, two_prefix_trace(4))
+    argv = ["--trace", str(trace), "--trace-block-size", "64", "--prefix-hash-blocks", "0"]
+    assert main(argv) == 2
+    assert "--prefix-hash-blocks must be >= 1" in capsys.readouterr().err
