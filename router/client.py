@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -32,6 +33,9 @@ _FINISH_NAMES = {
     pb.FINISH_REASON_MAX_CONTEXT: "max_context",
     pb.FINISH_REASON_ABORT: "abort",
 }
+
+
+UINT32_LIMIT = 1 << 32  # token ids and max_new_tokens are uint32 on the wire
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,20 +239,65 @@ def _common_parser(prog: str, description: str) -> argparse.ArgumentParser:
         "--tenant-header", default="x-tenant-id", help="metadata key of the tenant id"
     )
     parser.add_argument("--extra-key", default="", help="partition extra_key (e.g. a LoRA name)")
-    parser.add_argument("--timeout", type=float, default=60.0, help="deadline in seconds")
+    parser.add_argument(
+        "--timeout",
+        type=_float_at_least("--timeout", 0.0, strict=True),
+        default=60.0,
+        help="deadline in seconds",
+    )
     parser.add_argument("prompt", metavar="PROMPT", help="the prompt")
     return parser
+
+
+def _int_in(name: str, low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: an int in [low, high], else a one-line usage error naming it."""
+
+    def parse(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {value!r}") from None
+        if not low <= n <= high:
+            raise argparse.ArgumentTypeError(f"{name} must be in {low}..{high}, got {n}")
+        return n
+
+    return parse
+
+
+def _float_at_least(name: str, low: float, *, strict: bool) -> Callable[[str], float]:
+    """An argparse type: a finite float > low (strict) or >= low."""
+
+    def parse(value: str) -> float:
+        try:
+            x = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number, got {value!r}") from None
+        ok = math.isfinite(x) and (x > low if strict else x >= low)
+        if not ok:
+            raise argparse.ArgumentTypeError(
+                f"{name} must be a finite number {'>' if strict else '>='} {low:g}, got {value}"
+            )
+        return x
+
+    return parse
 
 
 def _parse_prompt(args: argparse.Namespace) -> Prompt:
     if not args.token_ids:
         return args.prompt
     try:
-        return [int(t) for t in args.prompt.replace(" ", "").split(",") if t]
+        ids = [int(t) for t in args.prompt.replace(" ", "").split(",") if t]
     except ValueError:
         raise SystemExit(
             f"--token-ids: PROMPT must be comma-separated ints, got {args.prompt!r}"
         ) from None
+    bad = [i for i in ids if not 0 <= i < UINT32_LIMIT]
+    if bad or not ids:
+        raise SystemExit(
+            f"--token-ids: every id must be in 0..{UINT32_LIMIT - 1}"
+            + (f", got {bad[0]}" if bad else ", got no ids")
+        )
+    return ids
 
 
 def _client(args: argparse.Namespace) -> RouterClient:
@@ -325,9 +374,21 @@ def build_generate_parser() -> argparse.ArgumentParser:
     parser = _common_parser(
         "kvroute generate", "Send one prompt through a router and print the generated text."
     )
-    parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate at most")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--seed", type=int, default=None, help="sampling seed")
+    parser.add_argument(
+        "--max-new-tokens",
+        type=_int_in("--max-new-tokens", 1, UINT32_LIMIT - 1),
+        default=32,
+        help="tokens to generate at most",
+    )
+    parser.add_argument(
+        "--temperature",
+        type=_float_at_least("--temperature", 0.0, strict=False),
+        default=0.0,
+        help="0 = greedy",
+    )
+    parser.add_argument(
+        "--seed", type=_int_in("--seed", 0, (1 << 64) - 1), default=None, help="sampling seed"
+    )
     parser.add_argument("--stream", action="store_true", help="print tokens as they arrive")
     parser.add_argument(
         "-v",

@@ -159,3 +159,27 @@ def test_token_id_prompts_are_parsed():
     args = client._common_parser("p", "d").parse_args(["--token-ids", "1,x"])
     with pytest.raises(SystemExit, match="comma-separated ints"):
         client._parse_prompt(args)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--max-new-tokens", "-5", "x"], "--max-new-tokens must be in 1..4294967295, got -5"),
+        (["--max-new-tokens", "1e3", "x"], "--max-new-tokens must be an integer, got '1e3'"),
+        (["--seed", "-1", "x"], "--seed must be in 0..18446744073709551615, got -1"),
+        (["--timeout", "0", "x"], "--timeout must be a finite number > 0, got 0"),
+        (["--timeout", "nan", "x"], "--timeout must be a finite number > 0, got nan"),
+        (["--temperature", "-1", "x"], "--temperature must be a finite number >= 0, got -1"),
+        (["--token-ids", "--", "-3,2"], "every id must be in 0..4294967295, got -3"),
+        (["--token-ids", "--", "4294967296"], "every id must be in 0..4294967295, got 4294967296"),
+        (["--token-ids", ","], "every id must be in 0..4294967295, got no ids"),
+    ],
+)
+def test_generate_rejects_bad_numbers_with_one_line(argv, message, capsys):
+    """Out-of-range numbers are usage errors on one line, never a traceback; nothing is
+    sent (the router address is unreachable: a send would fail differently)."""
+    with pytest.raises(SystemExit) as exc:
+        client.main(["--router", "127.0.0.1:1", *argv])
+    err = capsys.readouterr().err + str(exc.value.code)
+    assert message in err
+    assert "Traceback" not in err and "UNAVAILABLE" not in err
