@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.mode == "sim":
         report = _run_sim(args, records, policies, setup, progress)
     else:
-        from bench.replay.live import LiveConfig, run_live
+        from bench.replay.live import LiveConfig, LiveReplayError, run_live
 
         setup["speedup"] = args.speedup
         config = LiveConfig(
@@ -268,11 +268,17 @@ def main(argv: list[str] | None = None) -> int:
             **_router_overrides(args),
         )
         report = ReplayReport(setup=setup)
-        if fronts:
-            _run_fronts(args, records, fronts, config, report, progress)
-        else:
-            for policy in policies:
-                report.policies.append(run_live(records, policy, config, progress_stream=progress))
+        try:
+            if fronts:
+                _run_fronts(args, records, fronts, config, report, progress)
+            else:
+                for policy in policies:
+                    report.policies.append(
+                        run_live(records, policy, config, progress_stream=progress)
+                    )
+        except (LiveReplayError, ValueError) as exc:  # a fleet that did not start
+            print(f"kvroute replay: {exc}", file=sys.stderr)
+            return 1
         if not args.no_bounds:
             _add_sim_references(args, records, report, progress)
     print(report.format_table())

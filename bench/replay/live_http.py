@@ -3,7 +3,7 @@
 For each front a fresh fleet is started (unless the front is a URL, which already fronts
 its own workers)::
 
-    python -m kvroute_cli worker --executor sim --port 0 --http-port P_i ...   (N of them)
+    python -m kvroute_cli worker --executor sim --port 0 --http-port 0 ...     (N of them)
     python -m kvroute_cli router --port 0 --http-port P --worker GRPC_i ...    (--front kvroute)
     .peers/sglang/bin/python -m sglang_router.launch_router --worker-urls HTTP_i ...
     .peers/vllm/bin/python -m vllm_router.launch_router --worker-urls HTTP_i ...
@@ -18,9 +18,9 @@ session. Per request the replay records:
   tokens are random and the worker holds back a partial UTF-8 character);
 - e2e: the ``[DONE]`` line (or the end of the stream);
 - cached tokens: ``usage.prompt_tokens_details.cached_tokens`` of the final usage chunk;
-- the serving worker: the ``X-Kvroute-Worker-Id`` response header, else a ``worker_id``
-  field of a chunk (kvroute workers and our router set them; a peer may drop the header
-  but passes the stream through).
+- the serving worker: the ``X-Kvroute-Worker-Id`` response header, else the last chunk's
+  ``kvroute.worker_id`` (kvroute's HTTP fronts, worker and router, add it; a peer router
+  passes the stream through unchanged).
 
 Prompts are text (:mod:`bench.replay.text_prompt`): one ASCII character per byte-tokenizer
 token, so every front routes exactly the tokens the trace means; the replay checks each
@@ -87,15 +87,16 @@ class HttpFleet(LiveFleet):
         self.worker_urls: list[str] = []
         self.front_url = spec.url or ""
         self.front: _Proc | None = None
+        self.model = options.model  # the requests' "model" (None: not known yet)
 
     async def _start(self) -> None:
         c = self.config
         if self.spec.kind == URL:
             await _wait_http_ok(self.front_url + "/health", c.startup_timeout_s, None)
+            await self._probe()
             return
-        ports = [free_port() for _ in range(c.num_workers)]
-        await self._start_workers(self.worker_args(), lambda i: ["--http-port", str(ports[i])])
-        self.worker_urls = [f"http://127.0.0.1:{p}" for p in ports]
+        await self._start_workers(self.worker_args(), lambda i: ["--http-port", "0"])
+        self.worker_urls = [await self._http_address(w) for w in self.workers]
         for url, proc in zip(self.worker_urls, self.workers, strict=True):
             await _wait_http_ok(url + "/health", c.startup_timeout_s, proc)
         port = free_port()
@@ -120,7 +121,35 @@ class HttpFleet(LiveFleet):
             )
             self.front = await self._start_process(self.spec.kind, argv, pipe_stdout=False)
             await _wait_http_ok(self.front_url + "/health", c.startup_timeout_s, self.front)
-        await _wait_probe(self.front_url, self.options.model, c.startup_timeout_s, self.front)
+        await self._probe()
+
+    async def _probe(self) -> None:
+        """Pick the model name (peers refuse a request without one), then wait until a
+        one-token completion goes through the front."""
+        c = self.config
+        if self.model is None:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10.0)) as s:
+                self.model = await _front_model(s, self.front_url)
+        await _wait_probe(self.front_url, self.model, c.startup_timeout_s, self.front)
+
+    async def _http_address(self, proc: _Proc) -> str:
+        """The URL of a worker's ``http listening on HOST:PORT`` line (after the gRPC one)."""
+        assert proc.process.stdout is not None
+        timeout_s = self.config.startup_timeout_s
+        try:
+            line = await asyncio.wait_for(proc.process.stdout.readline(), timeout=timeout_s)
+        except TimeoutError:
+            raise LiveReplayError(
+                f"{proc.name} printed no 'http listening on' line in {timeout_s}s; "
+                f"log tail:\n{proc.log_tail()}"
+            ) from None
+        text = line.decode(errors="replace").strip()
+        if not text.startswith("http listening on "):
+            raise LiveReplayError(
+                f"{proc.name}: expected 'http listening on HOST:PORT', got {text!r} "
+                f"(does this worker have --http-port?); log tail:\n{proc.log_tail()}"
+            )
+        return "http://" + text.removeprefix("http listening on ").strip()
 
 
 async def _wait_http_ok(url: str, timeout_s: float, proc: _Proc | None) -> None:
@@ -196,6 +225,15 @@ class _StreamOutcome:
     saw_worker_id: bool = False
 
 
+def _chunk_worker_id(chunk: dict[str, Any]) -> str | None:
+    """The serving worker a chunk names: ``kvroute.worker_id`` (our fronts' extension on
+    the last chunk) or a top-level ``worker_id``; None when it names none."""
+    ext = chunk.get("kvroute")
+    value = ext.get("worker_id") if isinstance(ext, dict) else None
+    value = value or chunk.get("worker_id")
+    return str(value) if value else None
+
+
 async def _play_one(
     session: aiohttp.ClientSession,
     url: str,
@@ -231,8 +269,8 @@ async def _play_one(
                 result.first_token_s = trace_now()
             if chunk.get("usage"):
                 usage = chunk["usage"]
-            if worker_id is None and chunk.get("worker_id"):
-                worker_id = str(chunk["worker_id"])
+            if worker_id is None:
+                worker_id = _chunk_worker_id(chunk)
         result.finish_s = trace_now()
         if not done:
             result.error = "stream ended without [DONE]"
@@ -273,7 +311,7 @@ async def replay_http_async(
         connector = aiohttp.TCPConnector(limit=0)
         timeout = aiohttp.ClientTimeout(total=config.timeout_s)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-            model = options.model or await _front_model(session, fleet.front_url)
+            model = fleet.model
             url = fleet.front_url + "/v1/completions"
             label = spec.label
             progress = Progress(label, len(records), progress_stream) if progress_stream else None
