@@ -307,9 +307,12 @@ class HttpFront:
         log.info("HTTP (OpenAI API) listening on http://%s", self.address)
         return self.port
 
-    async def stop(self) -> None:
-        """Stop listening; handlers still running get ``shutdown_timeout_s``, then are
-        cancelled (which closes their backend iterators). Idempotent."""
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Stop listening; handlers still running get ``grace_s`` (default: the config's
+        ``shutdown_timeout_s``), then are cancelled, which closes their backend iterators
+        (their requests are aborted). Idempotent."""
         runner, self._runner = self._runner, None
         if runner is not None:
+            if grace_s is not None:
+                runner._shutdown_timeout = grace_s  # aiohttp reads it in cleanup()
             await runner.cleanup()

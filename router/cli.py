@@ -16,13 +16,14 @@ import signal
 import sys
 
 from kvroute_proto.cli_help import HelpFormatter
+from kvroute_proto.http_front import HttpFrontConfig
 from kvroute_proto.registry import DEFAULT_PREFIX, DEFAULT_TTL_S
 from kvroute_proto.runtime import run_event_loop
 from kvroute_proto.telemetry import configure_tracing
 from router.core import RouterConfig
 from router.core_types import DEFAULT_RECENT_DECODE_RATIO, DEFAULT_RECENT_WINDOW_S
 from router.policy import DEFAULT_BACKLOG_TOKENS, CostWeights, policy_names
-from router.service.frontend import FrontendConfig
+from router.service.frontend import DEFAULT_MODEL_NAME, FrontendConfig
 from router.service.resilience import EjectionConfig
 from router.service.server import (
     RegistryConfig,
@@ -52,6 +53,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=50051, help="port to bind; 0 picks a free one")
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="also serve the OpenAI-compatible HTTP API here (/v1/completions, "
+        "/v1/chat/completions, /v1/models, /health); 0 picks a free one (default: no HTTP)",
+    )
+    p.add_argument("--http-host", default="127.0.0.1", help="address the HTTP API binds")
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help=f"the model name the HTTP API serves (default {DEFAULT_MODEL_NAME})",
+    )
     p.add_argument(
         "--worker",
         action="append",
@@ -197,11 +211,15 @@ def config_from_args(args: argparse.Namespace) -> RouterServerConfig:
             max_deadline_s=args.max_deadline_s,
             tenancy=TenancyConfig(args.tenant_header.lower(), secret, args.trust_client_salt),
             ejection=EjectionConfig(args.eject_after, args.eject_cooldown_s),
+            **({"model_name": args.served_model_name} if args.served_model_name else {}),
         ),
         connection=ConnectionConfig(
             keepalive_time_s=args.keepalive_s, purge_after_s=args.purge_after_s
         ),
         seed=args.seed,
+        http=None
+        if args.http_port is None
+        else HttpFrontConfig(host=args.http_host, port=args.http_port),
     )
 
 
@@ -230,6 +248,8 @@ async def serve(config: RouterServerConfig, metrics_port: int | None = None) -> 
     # the main source of route-latency p99 spikes in bench_index).
     gc.freeze()
     print(f"listening on {server.address}", flush=True)
+    if server.http is not None:  # after the gRPC line, which parents wait for first
+        print(f"http listening on {server.http.address}", flush=True)
     try:
         await stop.wait()
     finally:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import grpc
 
 from kvroute_proto.cli_help import HelpFormatter
+from kvroute_proto.http_front import HttpFrontConfig
 from kvroute_proto.runtime import run_event_loop
 from router.cli import POLICIES
 from router.client import GenerateOptions, RouterClient
@@ -55,8 +56,11 @@ class FleetConfig:
     worker_log_level: str = "WARNING"
     startup_timeout_s: float = 120.0
     stop_timeout_s: float = 10.0
+    http_port: int | None = None  # the router's OpenAI-compatible HTTP port; None: off
 
     def __post_init__(self) -> None:
+        if self.http_port is not None and not 0 <= self.http_port < 65536:
+            raise ValueError(f"--http-port must be in 0..65535, got {self.http_port}")
         if not 1 <= self.num_workers <= 64:
             raise ValueError(f"--workers must be in 1..64, got {self.num_workers}")
         if not 0 <= self.port < 65536:
@@ -195,6 +199,9 @@ class Fleet:
                 core=RouterConfig(policy=self.config.policy),
                 connection=ConnectionConfig(purge_after_s=5.0),
                 seed=0,
+                http=None
+                if self.config.http_port is None
+                else HttpFrontConfig(host=self.config.host, port=self.config.http_port),
             )
         )
         await self.router.start()
@@ -247,6 +254,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--workers", type=int, default=2, help="number of worker processes")
     p.add_argument("--port", type=int, default=50051, help="router port (0 picks one)")
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="the router's OpenAI-compatible HTTP port (0 picks one; default: no HTTP)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address everything binds to")
     p.add_argument(
         "--executor",
@@ -307,6 +320,8 @@ async def _up(config: FleetConfig, demo: bool, exit_after_demo: bool) -> int:
         for w in fleet.workers:
             print(f"worker {w.worker_id} listening on {w.address} (pid {w.proc.pid})", flush=True)
         print(f"router listening on {address} (policy {config.policy})", flush=True)
+        if fleet.router is not None and fleet.router.http is not None:
+            print(f"router http listening on http://{fleet.router.http.address}", flush=True)
         if demo:
             await fleet.wait_ready(config.startup_timeout_s)
             await run_demo(address)
@@ -342,6 +357,7 @@ def main(argv: list[str]) -> int:
         config = FleetConfig(
             num_workers=args.workers,
             port=args.port,
+            http_port=args.http_port,
             host=args.host,
             executor=args.executor,
             policy=args.policy,

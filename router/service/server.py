@@ -29,6 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
 from kvroute_proto.grpc_services import HEALTH_SERVICE_NAME, HealthServicer, enable_reflection
+from kvroute_proto.http_front import HttpFront, HttpFrontConfig, build_app
 from kvroute_proto.registry import (
     DEFAULT_PREFIX,
     DEFAULT_TTL_S,
@@ -78,6 +79,7 @@ class RouterServerConfig:
     connection: ConnectionConfig = field(default_factory=ConnectionConfig)
     grace_s: float = 5.0
     seed: int | None = None  # tie-breaks and jitter; None = from the OS
+    http: HttpFrontConfig | None = None  # the OpenAI-compatible HTTP front; None: off
 
     def __post_init__(self) -> None:
         for address in self.workers:
@@ -133,6 +135,7 @@ class RouterServer:
         self.watcher: RedisMembershipWatcher | None = None
         self._server: grpc.aio.Server | None = None
         self.port: int | None = None
+        self.http: HttpFront | None = None  # over the same Frontend as the gRPC servicer
         self._stopping = False
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -149,6 +152,7 @@ class RouterServer:
         port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
         if port == 0:
             raise OSError(f"could not bind {self.config.host}:{self.config.port}")
+        grpc_started = False
         try:
             for address in self.config.workers:
                 self.pool.add(address, static=True)
@@ -162,7 +166,21 @@ class RouterServer:
                 )
                 await self.watcher.start()
             await server.start()
+            grpc_started = True
+            if self.config.http is not None:
+                http = HttpFront(
+                    build_app(
+                        self.frontend,
+                        self.http_health,
+                        max_body_bytes=self.config.http.max_body_bytes,
+                    ),
+                    self.config.http,
+                )
+                await http.start()
+                self.http = http
         except BaseException:  # a bad Redis URL, a failed bind: leave no task or channel behind
+            if grpc_started:  # the HTTP bind failed
+                await server.stop(None)
             if self.watcher is not None:
                 await self.watcher.stop()
                 self.watcher = None
@@ -186,13 +204,25 @@ class RouterServer:
         grace = self.config.grace_s if grace_s is None else grace_s
         await self.health.enter_graceful_shutdown()
         try:
-            if self._server is not None:
-                await self._server.stop(grace)
+            # both front doors stop accepting; their in-flight requests share the grace
+            http_stopped = self.http.stop(grace) if self.http is not None else asyncio.sleep(0)
+            grpc_stopped = (
+                self._server.stop(grace) if self._server is not None else asyncio.sleep(0)
+            )
+            await asyncio.gather(http_stopped, grpc_stopped)
         finally:
             if self.watcher is not None:
                 await self.watcher.stop()
             await self.pool.close()
         log.info("router stopped")
+
+    def http_health(self) -> str | None:
+        """None while the router can serve; else why not (HTTP GET /health answers 503)."""
+        if self._stopping:
+            return "the router is shutting down"
+        if self.pool.num_healthy == 0:
+            return "no healthy worker to route to"
+        return None
 
     async def wait_for_termination(self) -> None:
         if self._server is not None:

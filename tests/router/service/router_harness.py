@@ -98,8 +98,10 @@ async def sim_worker(
     port: int = 0,
     epoch: int | None = None,
     load_interval_s: float = 0.2,
+    pace_speedup: float = 0.0,
 ) -> AsyncIterator[SimWorker]:
-    """A real worker (Engine + sim executor) served in this process."""
+    """A real worker (Engine + sim executor) served in this process; with ``pace_speedup``
+    > 0 it runs the modelled Llama-3-8B step times (1 = real time) instead of zero cost."""
     from worker.engine.engine import Engine, EngineConfig
     from worker.engine.sim_executor import SimCostModel, SimExecutor, SimExecutorConfig
     from worker.engine.tokenizer import ByteTokenizer
@@ -116,12 +118,13 @@ async def sim_worker(
         ticks[0] += 1e-3
         return ticks[0]
 
-    engine = Engine(engine_config, SimExecutor(SimCostModel.zero(), sim), clock=clock)
+    cost = SimCostModel() if pace_speedup > 0 else SimCostModel.zero()
+    engine = Engine(engine_config, SimExecutor(cost, sim), clock=clock)
     config = WorkerServerConfig(
         engine=engine_config,
         executor_kind="sim",
         port=port,
-        runner=RunnerConfig(load_interval_s=load_interval_s),
+        runner=RunnerConfig(load_interval_s=load_interval_s, pace_speedup=pace_speedup),
         shutdown_grace_s=0.5,
     )
     server = WorkerServer(engine, ByteTokenizer(), config, epoch=epoch)
