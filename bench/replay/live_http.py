@@ -92,13 +92,13 @@ class HttpFleet(LiveFleet):
     async def _start(self) -> None:
         c = self.config
         if self.spec.kind == URL:
-            await _wait_http_ok(self.front_url + "/health", c.startup_timeout_s, None)
+            await wait_http_ok(self.front_url + "/health", c.startup_timeout_s, None)
             await self._probe()
             return
         await self._start_workers(self.worker_args(), lambda i: ["--http-port", "0"])
         self.worker_urls = [await self._http_address(w) for w in self.workers]
         for url, proc in zip(self.worker_urls, self.workers, strict=True):
-            await _wait_http_ok(url + "/health", c.startup_timeout_s, proc)
+            await wait_http_ok(url + "/health", c.startup_timeout_s, proc)
         port = free_port()
         self.front_url = f"http://127.0.0.1:{port}"
         if self.spec.kind == KVROUTE:
@@ -110,7 +110,7 @@ class HttpFleet(LiveFleet):
             self.router = self.front = await self._spawn("router", args)
             async with grpc.aio.insecure_channel(self.router.address) as channel:
                 await _wait_ready(pb_grpc.RouterStub(channel), c.num_workers, c.startup_timeout_s)
-            await _wait_http_ok(self.front_url + "/health", c.startup_timeout_s, self.front)
+            await wait_http_ok(self.front_url + "/health", c.startup_timeout_s, self.front)
         else:
             argv = peer_command(
                 self.spec,
@@ -120,7 +120,7 @@ class HttpFleet(LiveFleet):
                 peers_dir=self.options.peers_dir,
             )
             self.front = await self._start_process(self.spec.kind, argv, pipe_stdout=False)
-            await _wait_http_ok(self.front_url + "/health", c.startup_timeout_s, self.front)
+            await wait_http_ok(self.front_url + "/health", c.startup_timeout_s, self.front)
         await self._probe()
 
     async def _probe(self) -> None:
@@ -129,8 +129,8 @@ class HttpFleet(LiveFleet):
         c = self.config
         if self.model is None:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10.0)) as s:
-                self.model = await _front_model(s, self.front_url)
-        await _wait_probe(self.front_url, self.model, c.startup_timeout_s, self.front)
+                self.model = await front_model(s, self.front_url)
+        await wait_probe(self.front_url, self.model, c.startup_timeout_s, self.front)
 
     async def _http_address(self, proc: _Proc) -> str:
         """The URL of a worker's ``http listening on HOST:PORT`` line (after the gRPC one)."""
@@ -152,7 +152,7 @@ class HttpFleet(LiveFleet):
         return "http://" + text.removeprefix("http listening on ").strip()
 
 
-async def _wait_http_ok(url: str, timeout_s: float, proc: _Proc | None) -> None:
+async def wait_http_ok(url: str, timeout_s: float, proc: _Proc | None) -> None:
     """Poll ``GET url`` (bounded) until it answers 200; fail early when ``proc`` exits."""
     deadline = time.monotonic() + timeout_s
     last = "no answer"
@@ -175,7 +175,7 @@ async def _wait_http_ok(url: str, timeout_s: float, proc: _Proc | None) -> None:
     raise LiveReplayError(f"{url} not ready after {timeout_s}s: {last}{tail}")
 
 
-async def _wait_probe(
+async def wait_probe(
     front_url: str, model: str | None, timeout_s: float, proc: _Proc | None
 ) -> None:
     """Until a one-token completion goes through (a peer registers its workers lazily)."""
@@ -204,7 +204,7 @@ async def _wait_probe(
     raise LiveReplayError(f"{front_url} served no probe completion in {timeout_s}s: {last}{tail}")
 
 
-async def _front_model(session: aiohttp.ClientSession, front_url: str) -> str | None:
+async def front_model(session: aiohttp.ClientSession, front_url: str) -> str | None:
     """The first model id the front lists (None when it lists none)."""
     try:
         async with session.get(front_url + "/v1/models") as resp:
