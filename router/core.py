@@ -48,6 +48,7 @@ from router.core_types import (  # the API's value types live there; re-exported
     RouteRequest,
     RouterStats,
     WorkerScore,
+    WorkerStats,
 )
 from router.errors import (  # re-exported for the shells
     BlockSizeMismatchError,
@@ -76,6 +77,7 @@ __all__ = [
     "RouterStats",
     "UnknownWorkerError",
     "WorkerScore",
+    "WorkerStats",
     "WorkerView",
 ]
 
@@ -92,6 +94,7 @@ class _Inflight:
 class _Worker:
     view: WorkerView
     stream: StreamSequencer
+    last_message_at: float | None = None  # router clock at its stream's last message
 
 
 class RouterCore:
@@ -246,6 +249,7 @@ class RouterCore:
         worker = self._get(worker_id)
         self._check_block_size(worker_id, msg.block_size)
         step = worker.stream.receive(msg)
+        worker.last_message_at = self._clock()
         view = worker.view
         index = self._index
         slot = view.slot
@@ -329,6 +333,13 @@ class RouterCore:
         view = candidates[i]
         depth = matched.get(view.slot, 0)
         matched_tokens = min(depth * query.block_size, query.prompt_tokens)
+        # the best match among the candidates (metrics: cache forgone for load); the
+        # matches are at hand, so this walks no index, and candidates only when some
+        # matched worker may not have been one
+        best = max(matched.values()) if matched else 0
+        if best > depth and len(candidates) != len(self._workers):
+            best = max(matched.get(v.slot, 0) for v in candidates)
+        best_tokens = max(min(best * query.block_size, query.prompt_tokens), matched_tokens)
         if req.request_id in self._inflight:
             self.on_finished(req.request_id)
         flight = self._account(req.request_id, view, query.prompt_tokens - matched_tokens)
@@ -348,6 +359,7 @@ class RouterCore:
             matched_tokens,
             float(cost),
             self._policy.name,
+            best_tokens,
         )
 
     def _no_worker(self, req: RouteRequest) -> NoWorkerAvailable:
@@ -466,7 +478,36 @@ class RouterCore:
             num_routed=self._num_routed,
             apply_errors=dict(index.errors),
             sync_counters=dict(counters),
+            num_evicted_blocks=index.num_evicted,
+            index_bytes=index.approx_bytes(),
         )
+
+    def worker_stats(self) -> list[WorkerStats]:
+        """Each registered worker's routing state, in registration order (metrics)."""
+        index = self._index
+        now = self._clock()
+        result = []
+        for worker in self._workers.values():
+            v = worker.view
+            stream = worker.stream
+            result.append(
+                WorkerStats(
+                    worker_id=v.worker_id,
+                    address=v.address,
+                    healthy=v.healthy,
+                    num_active_requests=v.num_active,
+                    inflight_prefill_tokens=v.inflight_prefill_tokens,
+                    num_indexed_blocks=index.num_worker_blocks(v.slot),
+                    epoch=stream.epoch,
+                    last_seq=stream.last_seq,
+                    seconds_since_message=(
+                        None if worker.last_message_at is None else now - worker.last_message_at
+                    ),
+                    sync_counters=dict(stream.counters),
+                    load=v.load,
+                )
+            )
+        return result
 
     def worker_blocks(self, worker_id: str) -> set[int]:
         """The block hashes the index believes ``worker_id`` holds (confirmed by events)."""

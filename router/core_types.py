@@ -25,6 +25,7 @@ __all__ = [
     "RouterConfig",
     "RouterStats",
     "WorkerScore",
+    "WorkerStats",
 ]
 
 
@@ -105,6 +106,9 @@ class RouteDecision:
     matched_tokens: int
     cost: float  # the policy's cost for the chosen worker (0.0 without a cost model)
     policy: str
+    # the longest match on any worker route() could have picked (>= matched_tokens); the
+    # difference is cache the policy left on the table for load reasons (metrics)
+    best_matched_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,3 +165,29 @@ class RouterStats:
     num_routed: int
     apply_errors: dict[str, int]
     sync_counters: dict[str, int]
+    num_evicted_blocks: int = 0  # confirmed blocks dropped by the index's size cap
+    index_bytes: int = 0  # estimate of the index's memory (PrefixIndex.approx_bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStats:
+    """One worker as the router core sees it (metrics, ``kvroute status``).
+
+    ``seconds_since_message``: how long ago (router clock) its event stream last delivered
+    a message (None before the first); the worker sends a load report at a steady interval,
+    so this stays near that interval while the stream is live (the event lag).
+    ``sync_counters``: its stream's sequencing outcomes (router.sync: applied, duplicate,
+    out_of_order, new_epoch, ...).
+    """
+
+    worker_id: str
+    address: str
+    healthy: bool
+    num_active_requests: int
+    inflight_prefill_tokens: int
+    num_indexed_blocks: int
+    epoch: int
+    last_seq: int
+    seconds_since_message: float | None
+    sync_counters: dict[str, int]
+    load: LoadReport | None

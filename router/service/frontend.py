@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -51,11 +52,13 @@ from kvroute_proto.frontdoor import (
     CallInfo,
     DeadlineExceeded,
     Overloaded,
+    ServiceError,
     Unavailable,
     error_for_grpc_code,
 )
 from router.core import Explanation, RouteDecision, RouterCore, RouteRequest
 from router.errors import InvalidRouteRequestError, NoWorkerAvailable
+from router.service.observe import NO_OBSERVER, RequestObserver
 from router.service.pool import WorkerPool
 from router.service.resilience import EjectionConfig, OutlierEjector
 from router.service.tenancy import TenancyConfig, TenancyError, resolve_partition
@@ -120,6 +123,8 @@ class _InFlight:
     worker_id: str
     cache_salt: str  # Abort only from the same tenant
     released: bool = False
+    started: float = 0.0  # perf_counter at arrival (the observer's latencies)
+    finished: bool = False  # the worker's Finished was relayed
 
 
 class Frontend:
@@ -133,8 +138,10 @@ class Frontend:
         *,
         clock: Callable[[], float],
         tokenizer: TextTokenizer | None = None,
+        observer: RequestObserver = NO_OBSERVER,
     ) -> None:
         self._core = core
+        self.observer = observer  # metrics: watches the request path, never steers it
         self._pool = pool
         self.config = config
         self._clock = clock
@@ -158,18 +165,23 @@ class Frontend:
         self, request: pb.GenerateRequest, call: CallInfo
     ) -> AsyncGenerator[pb.GenerateResponse, None]:
         """Route ``request`` and relay the chosen worker's stream (raises ServiceError)."""
-        if self.num_inflight >= self.config.max_inflight:
-            raise Overloaded(
-                f"router has {self.num_inflight} requests in flight, "
-                f"the limit is max_inflight={self.config.max_inflight}",
-                retry_after_s=1.0,
-            )
-        prepared = self.prepare(request, call)
-        rid = prepared.forward.request_id
-        if rid in self._inflight:
-            raise BadRequest(f"request_id {rid!r} is already in flight", param="request_id")
+        started = time.perf_counter()
+        try:
+            if self.num_inflight >= self.config.max_inflight:
+                raise Overloaded(
+                    f"router has {self.num_inflight} requests in flight, "
+                    f"the limit is max_inflight={self.config.max_inflight}",
+                    retry_after_s=1.0,
+                )
+            prepared = self.prepare(request, call)
+            rid = prepared.forward.request_id
+            if rid in self._inflight:
+                raise BadRequest(f"request_id {rid!r} is already in flight", param="request_id")
+        except ServiceError as exc:
+            self.observer.on_end("", self._core.policy_name, exc.grpc_code)
+            raise
         deadline = self._clock() + self._timeout_s(call)
-        entry = _InFlight("", prepared.forward.partition.cache_salt)
+        entry = _InFlight("", prepared.forward.partition.cache_salt, started=started)
         self._inflight[rid] = entry
         # Continue the caller's W3C trace, and pass ours on to the worker. The span is not
         # made "current": a context attached across the yields of this generator could not
@@ -177,6 +189,7 @@ class Frontend:
         parent = propagate.extract(dict(call.metadata))
         span = tracer.start_span("kvroute.router.Generate", context=parent)
         span.set_attribute("kvroute.request_id", rid)
+        outcome = "OK"
         try:
             async for msg in self._relay(prepared, entry, deadline, span):
                 if msg.HasField("finished"):
@@ -184,9 +197,21 @@ class Frontend:
                     # the moment the client's call completes
                     self._release(rid, entry)
                 yield msg
+        except ServiceError as exc:
+            outcome = exc.grpc_code
+            raise
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away
+            outcome = "CANCELLED"
+            raise
+        except Exception:
+            outcome = "INTERNAL"
+            raise
         finally:
             self._release(rid, entry)
             span.end()
+            if entry.finished:
+                outcome = "OK"
+            self.observer.on_end(entry.worker_id, self._core.policy_name, outcome)
 
     def _release(self, rid: str, entry: _InFlight) -> None:
         if not entry.released:
@@ -212,7 +237,9 @@ class Frontend:
                 raise DeadlineExceeded(
                     f"deadline exceeded before attempt {attempt}; failures: {'; '.join(failures)}"
                 )
+            t0 = time.perf_counter()
             decision = self._route(prepared.route, excluded, failures)
+            self.observer.on_route(decision, time.perf_counter() - t0)
             worker_id = decision.worker_id
             span.set_attributes(
                 {
@@ -243,13 +270,17 @@ class Frontend:
                     if not relayed:
                         self._core.on_first_token(rid)
                         relayed = True
+                        elapsed = time.perf_counter() - entry.started
+                        self.observer.on_first_message(worker_id, elapsed)
                     if msg.HasField("finished"):
                         msg.finished.attempts = attempt
                         if not msg.finished.worker_id:
                             msg.finished.worker_id = worker_id
                         self.ejector.record_success(worker_id)
                         self._core.on_finished(rid, msg.finished.usage.completion_tokens)
-                        reported = True
+                        reported = entry.finished = True
+                        elapsed = time.perf_counter() - entry.started
+                        self.observer.on_finished(decision, msg.finished, elapsed)
                     yield msg
                 if reported:
                     self.ejector.record_success(worker_id)
@@ -290,6 +321,7 @@ class Frontend:
             excluded.add(worker_id)
             if attempt < self.config.max_attempts:
                 self.num_retries += 1
+                self.observer.on_retry(worker_id, code_name)
                 log.info("request %s: retrying after %s", rid, failures[-1])
         raise Unavailable(
             f"request failed on {len(failures)} worker(s) "

@@ -27,8 +27,15 @@ from kvroute_proto.events import KvEvent, LoadReport, Snapshot
 from worker.cache.allocator import SlotAllocator
 from worker.cache.base import CacheConfig, PrefixCache
 from worker.engine.engine_config import EngineConfig
+from worker.engine.request import Req
 from worker.engine.scheduler import Scheduler
-from worker.engine.stats import EngineStats, ModelLimits
+from worker.engine.stats import (
+    QUEUE_WAIT_BUCKETS_S,
+    EngineStats,
+    HistogramCounter,
+    HistogramStats,
+    ModelLimits,
+)
 from worker.engine.types import EngineRequest, Executor, RequestOutput
 
 __all__ = ["Engine", "EngineConfig", "EngineStats"]
@@ -78,6 +85,10 @@ class Engine:
             config, self.cache, self.allocator, limits, random.Random(config.seed)
         )
         self._last_step_cost_s = 0.0
+        self._clock = clock
+        # request id -> clock at add_request, until its first prefill step (queue wait)
+        self._arrived: dict[str, float] = {}
+        self._queue_wait = HistogramCounter(QUEUE_WAIT_BUCKETS_S)
 
     # -- model limits (from the executor)
 
@@ -105,10 +116,12 @@ class Engine:
         """Validate and enqueue. Raises InvalidRequestError (field + limit),
         DuplicateRequestError (id in flight) or QueueFullError (max_waiting_requests)."""
         self.scheduler.add(req)
+        self._arrived[req.request_id] = self._clock()
 
     def abort(self, request_id: str) -> bool:
         """Drop a request at any stage, freeing every slot and lock it held. Returns False
         for an unknown (or already finished) id. No further output is produced for it."""
+        self._arrived.pop(request_id, None)
         return self.scheduler.abort(request_id)
 
     def step(self) -> list[RequestOutput]:
@@ -119,12 +132,26 @@ class Engine:
         freed and the batch's requests are left mid-step: discard the engine (the worker
         service treats it as fatal); ``abort`` does not repair it."""
         batch = self.scheduler.schedule()
+        if self._arrived and batch.prefill_reqs:
+            self._record_queue_wait(batch.prefill_reqs)
         if batch.is_empty:
             self._last_step_cost_s = 0.0
             return []
         tokens = self.executor.forward(batch.prefill, batch.decode)
         self._last_step_cost_s = self.executor.step_cost_s(batch.prefill, batch.decode)
         return self.scheduler.process(batch, tokens)
+
+    def _record_queue_wait(self, admitted: list[Req]) -> None:
+        now = self._clock()
+        arrived = self._arrived
+        for r in admitted:
+            t = arrived.pop(r.request_id, None)
+            if t is not None:  # its first prefill step (later chunks were popped already)
+                self._queue_wait.observe(now - t)
+
+    def queue_wait_stats(self) -> HistogramStats:
+        """Seconds from add_request to the first step that prefills the request."""
+        return self._queue_wait.stats()
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()

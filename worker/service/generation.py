@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 
@@ -28,6 +29,7 @@ from worker.errors import InvalidRequestError, QueueFullError
 from worker.service import convert
 from worker.service.convert import RequestLimits, WorkerInfo
 from worker.service.engine_runner import EngineRunner, EngineStoppedError, RequestStream
+from worker.service.observe import NO_OBSERVER, GenerationObserver
 
 log = logging.getLogger("kvroute.worker.service")
 tracer = trace.get_tracer("kvroute.worker")
@@ -56,6 +58,7 @@ class WorkerGeneration:
         self._none_generating = asyncio.Event()
         self._none_generating.set()
         self.draining = False
+        self.observer: GenerationObserver = NO_OBSERVER  # metrics: watches, never steers
 
     @property
     def model_name(self) -> str:
@@ -105,10 +108,14 @@ class WorkerGeneration:
         # default, so spans cost little.
         parent = propagate.extract(dict(call.metadata))
         with tracer.start_as_current_span("kvroute.worker.Generate", context=parent) as span:
+            started = time.perf_counter()
             stream = await self._admit(request, span)
             rid = stream.request_id
             detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None
             finished = False
+            observer = self.observer
+            last_sent: float | None = None  # when the last tokens left (TTFT, inter-token)
+            outcome = "error"
             try:
                 while not finished:  # every stream ends with a finish_reason or an error
                     try:
@@ -120,18 +127,31 @@ class WorkerGeneration:
                     if detok is not None:
                         text = detok.push(out.new_token_ids)
                         text += detok.flush() if finished else ""
+                    if out.new_token_ids:
+                        now = time.perf_counter()
+                        if last_sent is None:
+                            observer.on_first_token(now - started)
+                        else:
+                            observer.on_tokens(len(out.new_token_ids), now - last_sent)
+                        last_sent = now
                     if out.new_token_ids or text:
                         yield convert.chunk_to_pb(rid, out.new_token_ids, text)
                     if out.finish_reason is not None:
+                        outcome = out.finish_reason.value
                         _record_finish(span, out)
                         log.debug("request %s finished: %s", rid, out.finish_reason.value)
                         yield convert.finished_to_pb(
                             rid, out.finish_reason, out.usage, self.info.worker_id
                         )
+            except (asyncio.CancelledError, GeneratorExit):
+                if not finished:
+                    outcome = "cancelled"
+                raise
             finally:
                 if not finished:  # cancelled, deadline passed, or the client went away
                     log.info("request %s stopped before finishing; aborting it", rid)
                     self.runner.release(stream)
+                observer.on_end(outcome, time.perf_counter() - started)
 
     async def _admit(self, request: pb.GenerateRequest, span: Span) -> RequestStream:
         """Decode and submit a request, or raise the matching ServiceError."""

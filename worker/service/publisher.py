@@ -51,6 +51,11 @@ class EventPublisher:
         self.config = config
         self._last_seq = 0
         self._buffer: deque[EventBatch] = deque(maxlen=config.replay_buffer_size)
+        # counters (metrics): batches published; resumes answered from the buffer; resumes
+        # of this epoch the buffer no longer covered (the subscriber gets a snapshot)
+        self.num_published = 0
+        self.num_replays = 0
+        self.num_replay_misses = 0
 
     @property
     def epoch(self) -> int:
@@ -82,6 +87,7 @@ class EventPublisher:
             load=load,
         )
         self._buffer.append(batch)
+        self.num_published += 1
         return batch
 
     def resume(self, epoch: int, after_seq: int) -> list[EventBatch] | None:
@@ -98,7 +104,9 @@ class EventPublisher:
             return []
         oldest = self.oldest_buffered_seq
         if oldest is None or after_seq < oldest - 1:
+            self.num_replay_misses += 1
             return None
+        self.num_replays += 1
         # Buffered seqs are consecutive, so the missing ones are a suffix of the buffer.
         start = after_seq - oldest + 1
         return [self._buffer[i] for i in range(start, len(self._buffer))]
