@@ -69,13 +69,15 @@ class WorkerHttpRoutes:
     # ---- info ----------------------------------------------------------------------------
 
     def _model_info(self) -> dict[str, Any]:
+        # Only a local directory as model_path/tokenizer_path: sglang-router loads the
+        # tokenizer from model_path and tries the HuggingFace hub for anything else.
         info: dict[str, Any] = {
-            "model_path": self.model_path or self.generation.model_name,
             "served_model_name": self.generation.model_name,
             "is_generation": True,
         }
         if self.model_path and Path(self.model_path).is_dir():
-            info["tokenizer_path"] = str(Path(self.model_path).resolve())
+            local = str(Path(self.model_path).resolve())
+            info["model_path"] = info["tokenizer_path"] = local
         return info
 
     async def model_info(self, request: web.Request) -> web.Response:
@@ -188,7 +190,7 @@ class WorkerHttpRoutes:
         async with hf.closing(messages_it) as messages:
             if not api.stream:
                 async for msg in messages:
-                    if out.push(msg):
+                    if out.push(msg) is not None:  # a chunk (its text may be held back)
                         ids.extend(msg.chunk.token_ids)
                 if out.finished is None:
                     raise Internal("the stream ended without a Finished message")

@@ -342,7 +342,8 @@ async def test_model_and_server_info_and_flush_cache() -> None:
     async with running_worker(HTTP) as w, aiohttp.ClientSession() as s:
         async with s.get(w.http_url + "/model_info") as r:
             info = await r.json()
-            assert info["model_path"] == MODEL and "tokenizer_path" not in info
+            assert info["served_model_name"] == MODEL
+            assert "model_path" not in info and "tokenizer_path" not in info
         async with s.get(w.http_url + "/server_info") as r:
             server = await r.json()
             assert server["worker_id"] == "w-test" and server["max_total_num_tokens"] == 4096
