@@ -35,6 +35,7 @@ from kvroute_proto.runtime import run_event_loop
 from router.cli import POLICIES
 from router.client import GenerateOptions, RouterClient
 from router.core import RouterConfig
+from router.service.metrics import RouterMetricsEndpoint
 from router.service.server import RouterServer, RouterServerConfig
 from router.service.worker_conn import ConnectionConfig
 
@@ -57,10 +58,20 @@ class FleetConfig:
     startup_timeout_s: float = 120.0
     stop_timeout_s: float = 10.0
     http_port: int | None = None  # the router's OpenAI-compatible HTTP port; None: off
+    # /metrics: the router on metrics_port, worker i on metrics_port + 1 + i (0: every one
+    # picks a free port); None: no metrics endpoints
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         if self.http_port is not None and not 0 <= self.http_port < 65536:
             raise ValueError(f"--http-port must be in 0..65535, got {self.http_port}")
+        if self.metrics_port is not None and not (
+            self.metrics_port == 0 or 0 < self.metrics_port + self.num_workers < 65536
+        ):
+            raise ValueError(
+                f"--metrics-port {self.metrics_port} leaves no port for each of the "
+                f"{self.num_workers} workers (they take the next ports)"
+            )
         if not 1 <= self.num_workers <= 64:
             raise ValueError(f"--workers must be in 1..64, got {self.num_workers}")
         if not 0 <= self.port < 65536:
@@ -91,8 +102,18 @@ def _torch_threads(config: FleetConfig) -> list[str]:
     return ["--torch-threads", str(max(1, (os.cpu_count() or 1) // max(1, config.num_workers)))]
 
 
-def worker_command(config: FleetConfig, worker_id: str) -> list[str]:
+def worker_metrics_port(config: FleetConfig, index: int) -> int | None:
+    """The /metrics port of worker ``index`` (None: no endpoint; 0: a free one)."""
+    if config.metrics_port is None:
+        return None
+    return 0 if config.metrics_port == 0 else config.metrics_port + 1 + index
+
+
+def worker_command(
+    config: FleetConfig, worker_id: str, metrics_port: int | None = None
+) -> list[str]:
     """The argv of one worker subprocess."""
+    metrics = [] if metrics_port is None else ["--metrics-port", str(metrics_port)]
     return [
         sys.executable,
         "-m",
@@ -109,6 +130,7 @@ def worker_command(config: FleetConfig, worker_id: str) -> list[str]:
         "--log-level",
         config.worker_log_level,
         *_torch_threads(config),
+        *metrics,
         *config.worker_args,
     ]
 
@@ -120,10 +142,12 @@ async def _pump_stdout(wp: WorkerProcess) -> None:
         print(f"[{wp.worker_id}] {line.decode(errors='replace').rstrip()}", flush=True)
 
 
-async def start_worker(config: FleetConfig, worker_id: str) -> WorkerProcess:
+async def start_worker(
+    config: FleetConfig, worker_id: str, metrics_port: int | None = None
+) -> WorkerProcess:
     """Start one worker and wait for its ``listening on`` line."""
     proc = await asyncio.create_subprocess_exec(
-        *worker_command(config, worker_id),
+        *worker_command(config, worker_id, metrics_port),
         stdout=asyncio.subprocess.PIPE,
         stdin=asyncio.subprocess.DEVNULL,
         start_new_session=True,  # Ctrl-C reaches us only; we stop workers in order
@@ -179,12 +203,17 @@ class Fleet:
         self.config = config
         self.workers: list[WorkerProcess] = []
         self.router: RouterServer | None = None
+        self.metrics: RouterMetricsEndpoint | None = None  # the router's /metrics
 
     async def start(self) -> str:
         """Start workers (concurrently) and the router; returns the router address."""
         ids = [f"worker-{i}" for i in range(self.config.num_workers)]
         results = await asyncio.gather(
-            *(start_worker(self.config, wid) for wid in ids), return_exceptions=True
+            *(
+                start_worker(self.config, wid, worker_metrics_port(self.config, i))
+                for i, wid in enumerate(ids)
+            ),
+            return_exceptions=True,
         )
         self.workers = [r for r in results if isinstance(r, WorkerProcess)]
         errors = [r for r in results if isinstance(r, BaseException)]
@@ -205,6 +234,16 @@ class Fleet:
             )
         )
         await self.router.start()
+        if self.config.metrics_port is not None:
+            self.metrics = RouterMetricsEndpoint(
+                self.router, self.config.host, self.config.metrics_port
+            )
+            try:
+                self.metrics.start()
+            except BaseException:
+                self.metrics = None
+                await self.stop()
+                raise
         return self.router.address
 
     async def wait_ready(self, timeout_s: float) -> None:
@@ -216,6 +255,9 @@ class Fleet:
     async def stop(self) -> None:
         """Drain in order: the router refuses new requests and lets those in flight finish
         (up to ``stop_timeout_s``, the time a worker gets too), then every worker stops."""
+        if self.metrics is not None:
+            self.metrics.stop()
+            self.metrics = None
         if self.router is not None:
             await self.router.stop(grace_s=self.config.stop_timeout_s)
             self.router = None
@@ -259,6 +301,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="the router's OpenAI-compatible HTTP port (0 picks one; default: no HTTP)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="P",
+        help="Prometheus /metrics: the router on P, worker i on P+1+i (0: free ports; "
+        "default: none). Names: docs/METRICS.md",
     )
     p.add_argument("--host", default="127.0.0.1", help="address everything binds to")
     p.add_argument(
@@ -320,6 +370,8 @@ async def _up(config: FleetConfig, demo: bool, exit_after_demo: bool) -> int:
         for w in fleet.workers:
             print(f"worker {w.worker_id} listening on {w.address} (pid {w.proc.pid})", flush=True)
         print(f"router listening on {address} (policy {config.policy})", flush=True)
+        if fleet.metrics is not None:
+            print(f"router metrics on {fleet.metrics.url}", flush=True)
         if fleet.router is not None and fleet.router.http is not None:
             print(f"router http listening on http://{fleet.router.http.address}", flush=True)
         if demo:
@@ -358,6 +410,7 @@ def main(argv: list[str]) -> int:
             num_workers=args.workers,
             port=args.port,
             http_port=args.http_port,
+            metrics_port=args.metrics_port,
             host=args.host,
             executor=args.executor,
             policy=args.policy,
