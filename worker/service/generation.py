@@ -16,7 +16,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 
 from opentelemetry import propagate, trace
 from opentelemetry.trace import Span
@@ -85,7 +85,7 @@ class WorkerGeneration:
 
     async def generate(
         self, request: pb.GenerateRequest, call: CallInfo
-    ) -> AsyncIterator[pb.GenerateResponse]:
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
         """The request's chunks, then its Finished; raises ServiceError to refuse."""
         if self.draining:
             raise Unavailable(SHUTTING_DOWN)
