@@ -122,6 +122,13 @@ class PrefixCache(abc.ABC):
     @abc.abstractmethod
     def root(self) -> Any: ...
 
+    def parent_node(self, node: Any) -> Any | None:
+        """The node directly above ``node``: None for the root and for a node that left the
+        tree (evicted or reset). Read-only -- no recency stamp, no split -- so a scheduler can
+        walk a matched node up to the root (dfs-weight) without touching the cache. A cache
+        without a tree has only its root."""
+        return None
+
     def pretty_print(self) -> str:
         """The cache's contents as text, for debugging."""
         return type(self).__name__

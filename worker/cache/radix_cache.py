@@ -95,6 +95,11 @@ class RadixCache(PrefixCache):
         """Tokens on locked paths."""
         return self._protected
 
+    def parent_node(self, node: Any) -> TreeNode | None:
+        """The node directly above ``node`` (None for the root or a node no longer in the
+        tree); read-only."""
+        return node.parent  # type: ignore[no-any-return]
+
     @property
     def total_size(self) -> int:
         return self._evictable + self._protected

@@ -48,7 +48,7 @@ class Req:
         "cache_req",
         "cached_prompt_tokens",
         "est_match",
-        "est_node_key",
+        "est_node",
         "match_version",
         "max_new_tokens",
         "num_computed",
@@ -108,7 +108,7 @@ class Req:
         self.requeued = False
         # LPM estimate of the cached prefix, valid while match_version is current.
         self.est_match = 0
-        self.est_node_key = 0
+        self.est_node: object = root  # the deepest matched node of that estimate
         self.match_version = -1
         self._hashes: np.ndarray | None = None
         self._hashes_len = -1

@@ -5,7 +5,7 @@ Pure: imports neither asyncio, grpc, torch nor a clock; randomness comes from an
 
 A policy only orders candidates; admission (memory, budgets, in-batch dedup) is the
 scheduler's. Cache-aware policies (``lpm``, ``dfs-weight``) read each request's prefix-match
-estimate (``Req.est_match`` / ``Req.est_node_key``), which the scheduler keeps fresh
+estimate (``Req.est_match`` / ``Req.est_node``), which the scheduler keeps fresh
 incrementally -- they never switch themselves off under load.
 
 =============  ===========================================================================
@@ -13,7 +13,7 @@ fcfs           arrival order (a retracted request keeps its place: it is older)
 lof            longest remaining output first, then arrival
 random         a seeded shuffle
 lpm            longest cached prefix first, then arrival
-dfs-weight     requests sharing a matched tree node are kept together, heaviest group first
+dfs-weight     DFS over the radix tree, heaviest subtree (most waiting requests) first
 =============  ===========================================================================
 """
 
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import abc
 import random
-from collections import Counter
 from collections.abc import Callable
+from typing import Any, Protocol
 
 from worker.engine.request import Req
 
@@ -75,47 +75,123 @@ class LongestPrefixMatchPolicy(SchedulePolicy):
         return sorted(waiting, key=lambda r: (-r.est_match, r.seq))
 
 
+class TreeView(Protocol):
+    """What a tree-walking policy may see of the cache: its root and each node's parent
+    (read-only; ``PrefixCache`` provides both)."""
+
+    @property
+    def root(self) -> Any: ...
+
+    def parent_node(self, node: Any) -> Any | None: ...
+
+
 class DfsWeightPolicy(SchedulePolicy):
-    """SGLang's dfs-weight keeps requests that hit the same subtree adjacent so they share
-    the cached path while it is hot. We group by the deepest matched node (the tree's own
-    internals stay private to the cache) and order groups by size, then by their oldest
-    request; a simplification of a full DFS over subtree weights."""
+    """SGLang's dfs-weight: requests under one subtree of the radix tree are admitted
+    together, so the path they share is computed once and stays hot.
+
+    A subtree's weight is the number of waiting requests whose matched node lies in it.
+    Walking from the root, heavier children go first (ties: the subtree holding the oldest
+    request first); a node's own requests (those whose match ends exactly there, oldest
+    first) follow its children -- deeper matches before shallower ones, as in SGLang::
+
+        root ─┬─ S ─┬─ U1   {a}          weights: S=3 (a, b, c), T=2 (x1, x2)
+              │     ├─ U2   {b}          order:   a, b, c, x1, x2
+              │     └ (own) {c}
+              └─ T          {x1, x2}
+
+    Only the paths from the waiting requests' matched nodes up to the root are walked
+    (``TreeView.parent_node``), never the whole tree. A request whose matched node has left
+    the tree since it was matched counts at the root until its estimate is refreshed.
+    """
 
     name = "dfs-weight"
     uses_prefix_match = True
 
+    def __init__(self, tree: TreeView) -> None:
+        self._tree = tree
+
     def order(self, waiting: list[Req], in_arrival_order: bool) -> list[Req]:
-        weight = Counter(r.est_node_key for r in waiting)
-        first_seq: dict[int, int] = {}
+        root = self._tree.root
+        parent_of = self._tree.parent_node
+        own: dict[Any, list[Req]] = {}
         for r in waiting:
-            k = r.est_node_key
-            if k not in first_seq or r.seq < first_seq[k]:
-                first_seq[k] = r.seq
-        return sorted(
-            waiting,
-            key=lambda r: (-weight[r.est_node_key], first_seq[r.est_node_key], r.seq),
-        )
+            own.setdefault(r.est_node, []).append(r)
+        # Link each matched node's path into a sparse tree of the nodes that matter.
+        kids: dict[Any, list[Any]] = {root: []}
+        orphans: list[Req] = []
+        for node in list(own):
+            path: list[Any] = []
+            cur: Any = node
+            while cur not in kids:
+                path.append(cur)
+                cur = parent_of(cur)
+                if cur is None:
+                    break
+            if cur is None:  # left the tree since it was matched
+                orphans.extend(own.pop(node))
+                continue
+            for child in reversed(path):  # top-down, so every parent is linked first
+                kids[cur].append(child)
+                kids[child] = []
+                cur = child
+        if orphans:
+            own.setdefault(root, []).extend(orphans)
+        # Post-order sums: subtree weight and the oldest request under it.
+        weight: dict[Any, int] = {}
+        oldest: dict[Any, int] = {}
+        stack: list[tuple[Any, bool]] = [(root, False)]
+        while stack:
+            node, done = stack.pop()
+            if not done:
+                stack.append((node, True))
+                stack.extend((c, False) for c in kids[node])
+                continue
+            mine = own.get(node, ())
+            w = len(mine)
+            first = min((r.seq for r in mine), default=_NO_SEQ)
+            for c in kids[node]:
+                w += weight[c]
+                first = min(first, oldest[c])
+            weight[node] = w
+            oldest[node] = first
+        # Pre-order walk, heaviest child first; a node's own requests after its children.
+        out: list[Req] = []
+        walk: list[tuple[Any, bool]] = [(root, False)]
+        while walk:
+            node, emit = walk.pop()
+            if emit:
+                out.extend(sorted(own.get(node, ()), key=_by_seq))
+                continue
+            walk.append((node, True))
+            ranked = sorted(kids[node], key=lambda c: (-weight[c], oldest[c]))
+            walk.extend((c, False) for c in reversed(ranked))
+        assert len(out) == len(waiting)
+        return out
+
+
+_NO_SEQ = 1 << 62
 
 
 def _by_seq(r: Req) -> int:
     return r.seq
 
 
-POLICIES: dict[str, Callable[[random.Random], SchedulePolicy]] = {
-    "fcfs": lambda rng: FcfsPolicy(),
-    "lof": lambda rng: LongestOutputFirstPolicy(),
-    "random": RandomPolicy,
-    "lpm": lambda rng: LongestPrefixMatchPolicy(),
-    "dfs-weight": lambda rng: DfsWeightPolicy(),
+POLICIES: dict[str, Callable[[random.Random, TreeView], SchedulePolicy]] = {
+    "fcfs": lambda rng, tree: FcfsPolicy(),
+    "lof": lambda rng, tree: LongestOutputFirstPolicy(),
+    "random": lambda rng, tree: RandomPolicy(rng),
+    "lpm": lambda rng, tree: LongestPrefixMatchPolicy(),
+    "dfs-weight": lambda rng, tree: DfsWeightPolicy(tree),
 }
 
 
-def make_policy(name: str, rng: random.Random) -> SchedulePolicy:
-    """The policy registered as ``name``; ValueError listing the valid names otherwise."""
+def make_policy(name: str, rng: random.Random, tree: TreeView) -> SchedulePolicy:
+    """The policy registered as ``name`` (``tree``: the cache, for policies that walk it);
+    ValueError listing the valid names otherwise."""
     try:
         factory = POLICIES[name]
     except KeyError:
         raise ValueError(
             f"schedule_policy must be one of {sorted(POLICIES)}, got {name!r}"
         ) from None
-    return factory(rng)
+    return factory(rng, tree)

@@ -79,7 +79,7 @@ class Scheduler:
         self.cache = cache
         self.allocator = allocator
         self.limits = limits
-        self.policy = make_policy(config.schedule_policy, rng)
+        self.policy = make_policy(config.schedule_policy, rng, cache)
         self.counters = Counters()
         self._root = cache.root
         self._reqs: dict[str, Req] = {}
@@ -302,7 +302,7 @@ class Scheduler:
             match = cache.match_prefix(r.token_buf[: ctx_len - 1], r.partition)
             m = match.num_matched
             r.est_match = m
-            r.est_node_key = match.last_node.node_id
+            r.est_node = match.last_node
             r.match_version = changes.version
             extend = ctx_len - m
             if inflight and extend >= min_dedup and inflight.shares(r, m, min_dedup):
@@ -359,7 +359,7 @@ class Scheduler:
             budget -= 1
             match = cache.match_prefix(r.token_buf[: r.num_tokens - 1], r.partition)
             r.est_match = match.num_matched
-            r.est_node_key = match.last_node.node_id
+            r.est_node = match.last_node
             r.match_version = version
         used = self.config.lpm_rematch_budget - budget
         self.counters.num_lpm_rematches += used

@@ -100,9 +100,10 @@ def test_dfs_weight_keeps_requests_on_one_cached_path_together() -> None:
     engine.add_request(request("b", [*p2, 3, 4], max_new_tokens=1))
     engine.add_request(request("c", [*p2, 5, 6], max_new_tokens=1))
     run(engine)
-    # b and c hit the same cached node (weight 2): admitted together, before x and a.
+    # b and c lie under the same cached node (weight 2): admitted together, before a
+    # (weight 1); x matched nothing, so it is the root's own and comes after every subtree.
     prefills = [item[1] for step in ex.steps for item in step if item[0] == "p"]
-    assert prefills == ["b", "c", "x", "a"]
+    assert prefills == ["b", "c", "a", "x"]
 
 
 def test_random_policy_is_seeded() -> None:
@@ -440,19 +441,20 @@ def test_a_lone_decoding_request_short_of_slots_is_retracted_not_fatal() -> None
     assert_baseline(engine)
 
 
-def test_dfs_weight_keys_on_stable_node_ids() -> None:
-    """Waiting requests are grouped by the matched node's id, which the cache never reuses
-    (``id()`` of a freed node can come back for a new one)."""
+def test_dfs_weight_estimate_holds_the_matched_node_and_survives_a_reset() -> None:
+    """The estimate keeps the matched node itself; after a reset detaches it, ordering still
+    works (the request counts at the root) and the refreshed estimate names a live node."""
     engine, _ = make_engine(num_kv_slots=4000, schedule_policy="dfs-weight")
     engine.add_request(request("w", [11] * 100, max_new_tokens=1))
     run(engine)
     engine.add_request(request("a", [11] * 100 + [1], max_new_tokens=1))
-    engine.scheduler._refresh_estimates(list(engine.scheduler._waiting.values()))
+    sched = engine.scheduler
+    sched._refresh_estimates(list(sched._waiting.values()))
     node = engine.cache.match_prefix(np.asarray([11] * 100, dtype=np.int64)).last_node
-    assert engine.scheduler._reqs["a"].est_node_key == node.node_id != id(node)
-    seen = {node.node_id}
-    engine.cache.reset()  # frees every node; new ones get new ids
-    engine.add_request(request("b", [12] * 100, max_new_tokens=1))
-    run(engine)
-    fresh = engine.cache.match_prefix(np.asarray([12] * 100, dtype=np.int64)).last_node
-    assert fresh.node_id not in seen
+    assert sched._reqs["a"].est_node is node
+    engine.cache.reset()  # detaches every unlocked node
+    assert engine.cache.parent_node(node) is None
+    waiting = list(sched._waiting.values())
+    assert [r.request_id for r in sched.policy.order(waiting, True)] == ["a"]
+    results = run(engine)
+    assert results["a"].usage.cached_prompt_tokens == 0
