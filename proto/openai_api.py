@@ -139,8 +139,22 @@ def parse_chat(
     _refuse_unsupported(body, "chat")
     messages = parse_messages(body.get("messages"))
     request = pb.GenerateRequest(request_id=request_id)
-    request.prompt_text = render_chat(messages, tokenizer)
+    prompt = chat_prompt(messages, tokenizer)
+    if isinstance(prompt, str):
+        request.prompt_text = prompt
+    else:
+        request.prompt_token_ids.ids.extend(prompt)
     return _finish_parse("chat", body, request, tokenizer)
+
+
+def chat_prompt(messages: Sequence[Mapping[str, str]], tokenizer: object | None) -> str | list[int]:
+    """What a conversation is served as: the token ids when the tokenizer renders and
+    encodes chats itself (``encode_chat``: special tokens exactly as the template puts
+    them, no second BOS), else the rendered text (:func:`render_chat`)."""
+    encode_chat = getattr(tokenizer, "encode_chat", None)
+    if callable(encode_chat):
+        return [int(t) for t in encode_chat([dict(m) for m in messages])]
+    return render_chat(messages, tokenizer)
 
 
 def parse_messages(value: object) -> list[dict[str, str]]:

@@ -265,3 +265,12 @@ def test_errors_and_sse_framing() -> None:
     assert oa.SSE_DONE == b"data: [DONE]\n\n"
     models = oa.models_list("m", 3)
     assert models["data"] == [{"id": "m", "object": "model", "created": 3, "owned_by": "kvroute"}]
+
+
+def test_chat_is_sent_as_token_ids_when_the_tokenizer_encodes_chats() -> None:
+    class Encoding(CharTokenizer):
+        def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+            return [1, *self.encode(messages[-1]["content"])]
+
+    api = chat({"messages": [{"role": "user", "content": "hi"}]}, tokenizer=Encoding())
+    assert list(api.request.prompt_token_ids.ids) == [1, ord("h"), ord("i")]
