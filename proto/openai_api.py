@@ -331,10 +331,14 @@ def _stop_strings(value: object, tokenizer: ChatTokenizer | None) -> dict[int, s
             "stop: this server has no tokenizer to map stop strings to tokens; use stop_token_ids",
             param="stop",
         )
+    assert tokenizer is not None
+    # what encode adds to any text (a BOS): not part of the stop string
+    added = tokenizer.encode("") if stops else []
     out: dict[int, str] = {}
     for text in stops:
-        assert tokenizer is not None
         ids = tokenizer.encode(text) if text else []
+        if added and ids[: len(added)] == added:
+            ids = ids[len(added) :]
         if len(ids) != 1:
             raise BadRequest(
                 f"stop: only stop strings that are exactly one token are supported; "

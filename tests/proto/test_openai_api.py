@@ -274,3 +274,13 @@ def test_chat_is_sent_as_token_ids_when_the_tokenizer_encodes_chats() -> None:
 
     api = chat({"messages": [{"role": "user", "content": "hi"}]}, tokenizer=Encoding())
     assert list(api.request.prompt_token_ids.ids) == [1, ord("h"), ord("i")]
+
+
+def test_a_stop_string_is_one_token_after_what_encode_always_adds() -> None:
+    class WithBos(CharTokenizer):
+        def encode(self, text: str) -> list[int]:
+            return [1, *super().encode(text)]
+
+    assert completion({"prompt": "x", "stop": "!"}, tokenizer=WithBos()).stop_texts == {33: "!"}
+    with pytest.raises(BadRequest, match="'!!' is 2 tokens"):
+        completion({"prompt": "x", "stop": "!!"}, tokenizer=WithBos())
