@@ -4,7 +4,7 @@ For each front a fresh fleet is started (unless the front is a URL, which alread
 its own workers)::
 
     python -m kvroute_cli worker --executor sim --port 0 --http-port 0 ...     (N of them)
-    python -m kvroute_cli router --port 0 --http-port P --worker GRPC_i ...    (--front kvroute)
+    python -m kvroute_cli router --port 0 --http-port 0 --worker GRPC_i ...    (--front kvroute)
     .peers/sglang/bin/python -m sglang_router.launch_router --worker-urls HTTP_i ...
     .peers/vllm/bin/python -m vllm_router.launch_router --worker-urls HTTP_i ...
 
@@ -99,19 +99,20 @@ class HttpFleet(LiveFleet):
         self.worker_urls = [await self._http_address(w) for w in self.workers]
         for url, proc in zip(self.worker_urls, self.workers, strict=True):
             await wait_http_ok(url + "/health", c.startup_timeout_s, proc)
-        port = free_port()
-        self.front_url = f"http://127.0.0.1:{port}"
         if self.spec.kind == KVROUTE:
             assert self.spec.policy is not None
-            args = ["router", "--port", "0", "--http-port", str(port)]
+            args = ["router", "--port", "0", "--http-port", "0"]
             args += self.router_args(self.spec.policy)
             for w in self.workers:
                 args += ["--worker", w.address]
             self.router = self.front = await self._spawn("router", args)
+            self.front_url = await self._http_address(self.router)
             async with grpc.aio.insecure_channel(self.router.address) as channel:
                 await _wait_ready(pb_grpc.RouterStub(channel), c.num_workers, c.startup_timeout_s)
             await wait_http_ok(self.front_url + "/health", c.startup_timeout_s, self.front)
         else:
+            port = free_port()  # the peers take no port 0
+            self.front_url = f"http://127.0.0.1:{port}"
             argv = peer_command(
                 self.spec,
                 port=port,
@@ -133,7 +134,8 @@ class HttpFleet(LiveFleet):
         await wait_probe(self.front_url, self.model, c.startup_timeout_s, self.front)
 
     async def _http_address(self, proc: _Proc) -> str:
-        """The URL of a worker's ``http listening on HOST:PORT`` line (after the gRPC one)."""
+        """The URL of a worker's or router's ``http listening on HOST:PORT`` line (printed
+        after the gRPC one)."""
         assert proc.process.stdout is not None
         timeout_s = self.config.startup_timeout_s
         try:
