@@ -1,0 +1,125 @@
+"""deploy/: the compose file, the Prometheus scrape config, Grafana provisioning and the
+Kubernetes manifests hang together (no Docker or cluster here: structure and schemas)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+COMPOSE = DEPLOY / "docker-compose.yml"
+
+
+def _compose() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def _flag(command: list[str], name: str) -> str | None:
+    return command[command.index(name) + 1] if name in command else None
+
+
+def test_compose_services_are_complete() -> None:
+    services = _compose()["services"]
+    assert {"redis", "jaeger", "prometheus", "grafana", "router-a", "worker-0"} <= set(services)
+    for name, svc in services.items():
+        assert isinstance(svc, dict), name
+        assert ("image" in svc) != ("build" in svc), f"{name}: exactly one of image/build"
+        if "build" in svc:
+            context = (DEPLOY / svc["build"]["context"]).resolve()
+            assert (context / svc["build"]["dockerfile"]).is_file(), name
+        for dep in svc.get("depends_on", []):
+            assert dep in services, f"{name} depends on unknown service {dep}"
+        for port in svc.get("ports", []):
+            host, _, container = str(port).partition(":")
+            assert host.isdigit() and container.isdigit(), f"{name}: port {port!r}"
+        for volume in svc.get("volumes", []):
+            source, target, *mode = volume.split(":")
+            assert source.startswith("./"), f"{name}: bind mounts are relative to deploy/"
+            assert (DEPLOY / source).exists(), f"{name}: {source} is not in deploy/"
+            assert target.startswith("/") and mode in ([], ["ro"]), volume
+        command = svc.get("command", [])
+        assert isinstance(command, list) and all(isinstance(a, str) for a in command), name
+
+
+def test_prometheus_scrapes_every_router_and_worker_on_its_metrics_port() -> None:
+    services = _compose()["services"]
+    scrape = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    targets = {
+        t for job in scrape["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]
+    }
+    expected = set()
+    for name, svc in services.items():
+        command = svc.get("command", [])
+        port = _flag(command, "--metrics-port")
+        if name.startswith(("router", "worker")):
+            assert port is not None, f"{name} serves no /metrics"
+            expected.add(f"{name}:{port}")
+    assert targets == expected
+
+
+def test_grafana_is_provisioned_with_the_datasource_the_dashboard_uses() -> None:
+    grafana = _compose()["services"]["grafana"]
+    mounts = dict(v.split(":")[:2] for v in grafana["volumes"])
+    assert mounts["./grafana/provisioning"] == "/etc/grafana/provisioning"
+    provisioning = DEPLOY / "grafana" / "provisioning"
+    datasources = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())
+    (ds,) = datasources["datasources"]
+    assert ds["type"] == "prometheus"
+    assert ds["url"] == "http://prometheus:9090"
+    providers = yaml.safe_load((provisioning / "dashboards" / "kvroute.yml").read_text())
+    (provider,) = providers["providers"]
+    dashboard_dir = provider["options"]["path"]
+    assert mounts["./grafana/kvroute.json"].startswith(dashboard_dir + "/")
+    dashboard = json.loads((DEPLOY / "grafana" / "kvroute.json").read_text())
+    uids = {t["datasource"]["uid"] for p in dashboard["panels"] for t in p.get("targets", [])}
+    assert uids == {ds["uid"]}
+
+
+MANIFESTS = sorted((DEPLOY / "k8s").rglob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: str(p.relative_to(DEPLOY)))
+def test_kubernetes_manifests_are_valid(path: Path) -> None:
+    docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
+    assert docs
+    for doc in docs:
+        kubernetes_validate.validate(doc, "1.30", strict=True)
+
+
+def test_the_tenant_salt_secret_is_optional_and_shipped_as_an_example() -> None:
+    refs = []
+    for path in MANIFESTS:
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc and doc["kind"] == "Deployment":
+                for c in doc["spec"]["template"]["spec"]["containers"]:
+                    for env in c.get("env", []):
+                        ref = env.get("valueFrom", {}).get("secretKeyRef")
+                        if ref:
+                            refs.append(ref)
+    assert refs, "the router reads its tenant salt secret from a Secret"
+    for ref in refs:
+        assert ref["optional"] is True, f"Secret {ref['name']} must be optional"
+    example = yaml.safe_load((DEPLOY / "k8s" / "examples" / "tenant-salt-secret.yaml").read_text())
+    assert example["kind"] == "Secret"
+    assert {r["name"] for r in refs} == {example["metadata"]["name"]}
+    assert set(example["stringData"]) == {r["key"] for r in refs}
+
+
+def test_k8s_pods_expose_the_metrics_port_they_serve() -> None:
+    for path in MANIFESTS:
+        for doc in yaml.safe_load_all(path.read_text()):
+            if not doc or doc["kind"] not in ("Deployment", "StatefulSet"):
+                continue
+            if doc["metadata"]["name"] == "kvroute-redis":
+                continue
+            template = doc["spec"]["template"]
+            (container,) = template["spec"]["containers"]
+            args = dict(a.split("=", 1) for a in container["args"])
+            port = int(args["--metrics-port"])
+            assert {"name": "metrics", "containerPort": port} in container["ports"]
+            annotations = template["metadata"]["annotations"]
+            assert annotations["prometheus.io/port"] == str(port)
