@@ -29,6 +29,7 @@ from worker.engine.types import EngineRequest, SamplingParams
 from worker.errors import InvalidRequestError
 
 _I64 = np.int64
+MAX_ROUTING_KEY_CHARS = 256
 
 
 class ReqStatus(enum.Enum):
@@ -60,6 +61,7 @@ class Req:
         "prompt_len",
         "request_id",
         "requeued",
+        "routing_key",
         "sampling",
         "seq",
         "slot_buf",
@@ -84,6 +86,7 @@ class Req:
         self.partition = req.partition
         self.partition_seed = req.partition.seed
         self.priority = int(req.priority)  # validated: an int or a numpy integer
+        self.routing_key = req.routing_key
         self.arrival_time = req.arrival_time
         self.seq = seq
         self.max_new_tokens = max_new_tokens
@@ -184,6 +187,13 @@ def validate_request(
         )
     if not _is_int(req.priority):
         raise InvalidRequestError("priority", f"must be an integer, got {req.priority!r}")
+    key = req.routing_key
+    if not isinstance(key, str) or len(key) > MAX_ROUTING_KEY_CHARS:
+        raise InvalidRequestError(
+            "routing_key",
+            f"must be a string of at most {MAX_ROUTING_KEY_CHARS} characters, got "
+            + (f"{len(key)} characters" if isinstance(key, str) else type(key).__name__),
+        )
     if not isinstance(req.partition, Partition):
         raise InvalidRequestError(
             "partition", f"must be a Partition, got {type(req.partition).__name__}"

@@ -14,6 +14,7 @@ lof            longest remaining output first, then arrival
 random         a seeded shuffle
 lpm            longest cached prefix first, then arrival
 dfs-weight     DFS over the radix tree, heaviest subtree (most waiting requests) first
+routing-key    keys frequent in the running batch first (EngineRequest.routing_key)
 =============  ===========================================================================
 """
 
@@ -21,7 +22,8 @@ from __future__ import annotations
 
 import abc
 import random
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from worker.engine.request import Req
@@ -32,17 +34,23 @@ class SchedulePolicy(abc.ABC):
 
     name: str = ""
     uses_prefix_match: bool = False
+    uses_running_batch: bool = False
 
     @abc.abstractmethod
-    def order(self, waiting: list[Req], in_arrival_order: bool) -> list[Req]:
+    def order(
+        self, waiting: list[Req], in_arrival_order: bool, running: Sequence[Req] = ()
+    ) -> list[Req]:
         """Admission order. ``waiting`` is in queue order, which equals arrival order when
-        ``in_arrival_order`` (no retracted request waiting)."""
+        ``in_arrival_order`` (no retracted request waiting). ``running``: the requests in the
+        running batch (the scheduler passes them to policies with ``uses_running_batch``)."""
 
 
 class FcfsPolicy(SchedulePolicy):
     name = "fcfs"
 
-    def order(self, waiting: list[Req], in_arrival_order: bool) -> list[Req]:
+    def order(
+        self, waiting: list[Req], in_arrival_order: bool, running: Sequence[Req] = ()
+    ) -> list[Req]:
         if in_arrival_order:
             return waiting
         return sorted(waiting, key=_by_seq)
@@ -51,7 +59,9 @@ class FcfsPolicy(SchedulePolicy):
 class LongestOutputFirstPolicy(SchedulePolicy):
     name = "lof"
 
-    def order(self, waiting: list[Req], in_arrival_order: bool) -> list[Req]:
+    def order(
+        self, waiting: list[Req], in_arrival_order: bool, running: Sequence[Req] = ()
+    ) -> list[Req]:
         return sorted(waiting, key=lambda r: (len(r.output_ids) - r.max_new_tokens, r.seq))
 
 
@@ -61,7 +71,9 @@ class RandomPolicy(SchedulePolicy):
     def __init__(self, rng: random.Random) -> None:
         self._rng = rng
 
-    def order(self, waiting: list[Req], in_arrival_order: bool) -> list[Req]:
+    def order(
+        self, waiting: list[Req], in_arrival_order: bool, running: Sequence[Req] = ()
+    ) -> list[Req]:
         shuffled = list(waiting)
         self._rng.shuffle(shuffled)
         return shuffled
@@ -71,8 +83,34 @@ class LongestPrefixMatchPolicy(SchedulePolicy):
     name = "lpm"
     uses_prefix_match = True
 
-    def order(self, waiting: list[Req], in_arrival_order: bool) -> list[Req]:
+    def order(
+        self, waiting: list[Req], in_arrival_order: bool, running: Sequence[Req] = ()
+    ) -> list[Req]:
         return sorted(waiting, key=lambda r: (-r.est_match, r.seq))
+
+
+class RoutingKeyPolicy(SchedulePolicy):
+    """SGLang's routing-key: a waiting request whose routing key is frequent in the running
+    batch goes first (most frequent key first, one key's requests together, then arrival);
+    requests with no key, or a key nobody running has, follow in arrival order. Requests of
+    one conversation or tenant then run in the same batches, while their shared prefix is
+    hot."""
+
+    name = "routing-key"
+    uses_running_batch = True
+
+    def order(
+        self, waiting: list[Req], in_arrival_order: bool, running: Sequence[Req] = ()
+    ) -> list[Req]:
+        counts = Counter(r.routing_key for r in running if r.routing_key)
+        if not counts:
+            return waiting if in_arrival_order else sorted(waiting, key=_by_seq)
+
+        def key(r: Req) -> tuple[int, int, str, int]:
+            n = counts.get(r.routing_key, 0) if r.routing_key else 0
+            return (0, -n, r.routing_key, r.seq) if n else (1, 0, "", r.seq)
+
+        return sorted(waiting, key=key)
 
 
 class TreeView(Protocol):
@@ -110,7 +148,9 @@ class DfsWeightPolicy(SchedulePolicy):
     def __init__(self, tree: TreeView) -> None:
         self._tree = tree
 
-    def order(self, waiting: list[Req], in_arrival_order: bool) -> list[Req]:
+    def order(
+        self, waiting: list[Req], in_arrival_order: bool, running: Sequence[Req] = ()
+    ) -> list[Req]:
         root = self._tree.root
         parent_of = self._tree.parent_node
         own: dict[Any, list[Req]] = {}
@@ -182,6 +222,7 @@ POLICIES: dict[str, Callable[[random.Random, TreeView], SchedulePolicy]] = {
     "random": lambda rng, tree: RandomPolicy(rng),
     "lpm": lambda rng, tree: LongestPrefixMatchPolicy(),
     "dfs-weight": lambda rng, tree: DfsWeightPolicy(tree),
+    "routing-key": lambda rng, tree: RoutingKeyPolicy(),
 }
 
 

@@ -275,7 +275,12 @@ class Scheduler:
         policy = self.policy
         if policy.uses_prefix_match:
             self._refresh_estimates(waiting)
-        ordered = policy.order(waiting, self._num_requeued == 0)
+        running: list[Req] = []
+        if policy.uses_running_batch:
+            running = [*self._decoding.values(), *batch.prefill_reqs]
+            if stalled:
+                running.append(self._chunked)  # type: ignore[arg-type]
+        ordered = policy.order(waiting, self._num_requeued == 0, running)
 
         ratio = cfg.new_token_reserve_ratio
         reserved = 0

@@ -37,6 +37,7 @@ class EngineRequest:
     partition: Partition = DEFAULT_PARTITION
     priority: int = 0
     arrival_time: float = 0.0
+    routing_key: str = ""  # conversation / tenant key for the routing-key policy; "" = none
 
 
 class FinishReason(enum.Enum):

@@ -114,6 +114,7 @@ def request_from_pb(
         sampling=sampling_from_pb(msg.sampling, limits),
         partition=codec.partition_from_pb(msg.partition),
         priority=msg.priority,
+        routing_key=msg.routing_key,
     )
 
 

@@ -139,3 +139,70 @@ def test_make_policy_gives_dfs_weight_the_tree() -> None:
     assert isinstance(policy, DfsWeightPolicy)
     with pytest.raises(ValueError, match="dfs-weight"):
         make_policy("nope", random.Random(0), cache)
+
+
+def _keyed(rid: str, seq: int, key: str) -> Req:
+    er = EngineRequest(rid, np.asarray([1, 2, 3], dtype=np.int64), routing_key=key)
+    return Req(er, seq, 4, None)
+
+
+def test_routing_key_orders_by_frequency_in_the_running_batch() -> None:
+    running = [_keyed(f"r{i}", i, k) for i, k in enumerate(["k1", "k2", "k1", "k1", "", "k2"])]
+    waiting = [
+        _keyed("none", 10, ""),
+        _keyed("k3", 11, "k3"),
+        _keyed("k2a", 12, "k2"),
+        _keyed("k1a", 13, "k1"),
+        _keyed("k2b", 14, "k2"),
+        _keyed("k1b", 15, "k1"),
+    ]
+    order = make_policy("routing-key", random.Random(0), _tree()).order(waiting, True, running)
+    # k1 (3 running) then k2 (2), one key's requests together; the rest in arrival order.
+    assert _ids(order) == ["k1a", "k1b", "k2a", "k2b", "none", "k3"]
+
+
+def test_routing_key_without_keys_running_is_arrival_order() -> None:
+    waiting = [_keyed("b", 5, "k1"), _keyed("a", 2, "k2")]
+    policy = make_policy("routing-key", random.Random(0), _tree())
+    assert _ids(policy.order(waiting, True, [_keyed("r", 0, "")])) == ["b", "a"]
+    assert _ids(policy.order(waiting, False, [])) == ["a", "b"]  # a retracted one is older
+
+
+def test_engine_admits_the_running_batchs_key_first() -> None:
+    engine, ex = make_engine(
+        num_kv_slots=4000, schedule_policy="routing-key", max_running_requests=2
+    )
+
+    def keyed(rid: str, prompt: list[int], key: str, n: int) -> EngineRequest:
+        return EngineRequest(
+            rid,
+            np.asarray(prompt, dtype=np.int64),
+            SamplingParams(max_new_tokens=n),
+            routing_key=key,
+        )
+
+    engine.add_request(keyed("conv-1", [1] * 10, "tenant-a", 20))
+    engine.step()  # tenant-a decodes from now on
+    engine.add_request(keyed("other", [2] * 10, "tenant-b", 1))
+    engine.add_request(keyed("none", [3] * 10, "", 1))
+    engine.add_request(keyed("conv-2", [4] * 10, "tenant-a", 1))
+    run(engine)
+    prefills = [item[1] for step in ex.steps for item in step if item[0] == "p"]
+    assert prefills == ["conv-1", "conv-2", "other", "none"]
+
+
+def test_routing_key_is_validated_and_decoded_from_the_wire() -> None:
+    from kvroute_proto import kvroute_pb2 as pb
+    from worker.errors import InvalidRequestError
+    from worker.service.convert import RequestLimits, request_from_pb
+
+    msg = pb.GenerateRequest(
+        request_id="r", prompt_token_ids=pb.TokenIds(ids=[1, 2]), routing_key="tenant-7"
+    )
+    er = request_from_pb(msg, tokenizer=None, limits=RequestLimits(), new_request_id=str)
+    assert er.routing_key == "tenant-7"
+    engine, _ = make_engine()
+    bad = EngineRequest("x", np.asarray([1, 2], dtype=np.int64), routing_key="k" * 257)
+    with pytest.raises(InvalidRequestError, match=r"routing_key.*256"):
+        engine.add_request(bad)
+    assert engine.scheduler.num_waiting == 0
