@@ -1,9 +1,10 @@
 """Load a local Hugging Face Llama-format checkpoint (``--model DIR``), and write one.
 
 A model directory holds ``config.json``, one or more ``*.safetensors`` files and,
-optionally, ``tokenizer.json`` (read with the ``tokenizers`` package when installed;
-otherwise, or when absent, the byte tokenizer is used if the model's vocab covers it) and
-``generation_config.json`` (its ``eos_token_id`` ids join config.json's).
+optionally, ``tokenizer.json`` and ``tokenizer_config.json`` (read by the shared
+:mod:`kvroute_proto.tokenizer`, as the router reads them; without tokenizer.json the byte
+tokenizer is used if the model's vocab covers it) and ``generation_config.json`` (its
+``eos_token_id`` ids join config.json's).
 Nothing is fetched from the network. Every failure is a ``ModelLoadError`` that names the
 file and, where there is one, the key.
 """
@@ -18,8 +19,15 @@ from typing import Any
 
 import torch
 
+from kvroute_proto.tokenizer import (
+    ByteTokenizer,
+    Tokenizer,
+    TokenizerLoadError,
+    eos_ids_from_value,
+    load_tokenizer_or_bytes,
+    model_eos_token_ids,
+)
 from worker.engine.model import LlamaConfig, LlamaForCausalLM, RopeScaling
-from worker.engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from worker.errors import ModelLoadError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -54,12 +62,10 @@ def _optional(raw: dict[str, Any], key: str, path: Path, kind: type, default: An
 
 def _eos_ids(value: Any, path: Path) -> tuple[int, ...]:
     """The ``eos_token_id`` value (None, an id or a list of ids) as unique ids, in order."""
-    ids = value if isinstance(value, list) else [] if value is None else [value]
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ids):
-        raise ModelLoadError(
-            f"{path}: key 'eos_token_id' must be an id >= 0 or a list of them, got {value!r}"
-        )
-    return tuple(dict.fromkeys(ids))
+    try:
+        return eos_ids_from_value(value, str(path))
+    except TokenizerLoadError as exc:
+        raise ModelLoadError(str(exc)) from exc
 
 
 def _rope_scaling(raw: dict[str, Any], path: Path) -> RopeScaling | None:
@@ -175,19 +181,6 @@ def _load_weights(model_dir: Path, device: torch.device, dtype: torch.dtype):
     return tensors, origin
 
 
-def _generation_eos_ids(model_dir: Path) -> tuple[int, ...]:
-    """eos_token_id from generation_config.json: the ids HF ``generate`` stops on. An instruct
-    checkpoint may list its end-of-turn id (Llama 3's ``<|eot_id|>``) only there."""
-    path = model_dir / "generation_config.json"
-    if not path.is_file():
-        return ()
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ModelLoadError(f"{path}: not valid JSON: {exc}") from exc
-    return _eos_ids(raw.get("eos_token_id") if isinstance(raw, dict) else None, path)
-
-
 def load_model(
     model_dir: str | Path, *, device: str = "cpu", dtype: torch.dtype | None = None
 ) -> LoadedModel:
@@ -197,7 +190,10 @@ def load_model(
     raw = read_config(model_dir)
     cfg = parse_config(raw, model_dir / "config.json", _pick_dtype(raw, dev, dtype))
     # config.json's ids first (the first stays eos_token_id), then generation_config.json's.
-    eos_ids = tuple(dict.fromkeys(cfg.eos_token_ids + _generation_eos_ids(model_dir)))
+    try:
+        eos_ids = tuple(dict.fromkeys(cfg.eos_token_ids + model_eos_token_ids(model_dir)))
+    except TokenizerLoadError as exc:
+        raise ModelLoadError(str(exc)) from exc
     if eos_ids != cfg.eos_token_ids:
         cfg = dataclasses.replace(cfg, eos_token_ids=eos_ids)
     tensors, origin = _load_weights(model_dir, dev, cfg.dtype)
@@ -230,25 +226,19 @@ def load_model(
 
 
 def load_tokenizer(model_dir: Path, cfg: LlamaConfig) -> Tokenizer:
-    """tokenizer.json through ``tokenizers`` if present and installed, else bytes."""
-    path = model_dir / "tokenizer.json"
-    if path.is_file():
-        try:
-            import tokenizers  # noqa: F401  (optional dependency)
-        except ImportError:
-            pass
-        else:
-            try:
-                return HFTokenizer.from_file(path, eos_token_id=cfg.eos_token_id)
-            except Exception as exc:  # the tokenizers package raises its own types
-                raise ModelLoadError(f"{path}: cannot load tokenizer: {exc}") from exc
-    byte_tok = ByteTokenizer()
-    if byte_tok.vocab_size > cfg.vocab_size:
+    """The model directory's tokenizer as the router loads it
+    (:func:`kvroute_proto.tokenizer.load_tokenizer_or_bytes`: tokenizer.json and
+    tokenizer_config.json, else bytes if the model's vocab covers them)."""
+    try:
+        tok = load_tokenizer_or_bytes(model_dir)
+    except TokenizerLoadError as exc:
+        raise ModelLoadError(str(exc)) from exc
+    if isinstance(tok, ByteTokenizer) and tok.vocab_size > cfg.vocab_size:
         raise ModelLoadError(
-            f"{path}: no usable tokenizer.json, and the byte tokenizer needs vocab_size >= "
-            f"{byte_tok.vocab_size} (config has {cfg.vocab_size})"
+            f"{model_dir / 'tokenizer.json'}: no tokenizer.json, and the byte tokenizer needs "
+            f"vocab_size >= {tok.vocab_size} (config has {cfg.vocab_size})"
         )
-    return byte_tok
+    return tok
 
 
 def hf_config_dict(cfg: LlamaConfig) -> dict[str, Any]:
