@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.replay.front import REPO_ROOT
+from bench.replay.sim import DEFAULT_KV_CAPACITY_TOKENS
 from bench.replay.trace import TraceRecord, read_trace, write_trace
 
 DEFAULT_AIPERF = REPO_ROOT / ".peers" / "aiperf" / "bin" / "aiperf"
@@ -205,7 +206,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--speedup", type=float, default=10.0, help="trace time and sim executor compressed by"
     )
-    p.add_argument("--kv-capacity-tokens", type=int, default=65_536, help="KV tokens per worker")
+    p.add_argument(
+        "--kv-capacity-tokens",
+        type=int,
+        default=DEFAULT_KV_CAPACITY_TOKENS,
+        help="KV tokens per worker (kvroute replay's default)",
+    )
     p.add_argument("--seed", type=int, default=0, help="aiperf's --random-seed")
     p.add_argument("--aiperf", type=Path, default=DEFAULT_AIPERF, help="the aiperf executable")
     p.add_argument("--out", type=Path, default=Path("out/aiperf"), help="artifacts directory")
