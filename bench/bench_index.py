@@ -28,9 +28,14 @@ workers, plus 1M other blocks in 128-block chains held by one worker each):
 * ``bytes_per_entry``: traced memory (tracemalloc) of the index per indexed (block, worker)
   pair at 1M blocks, keys included; ``bytes_per_block`` is the same per block.
 
+``--route-metrics`` times each route together with what the router's metrics add to it
+(``router.service.metrics.RouterMetrics.on_route``: the decision's counters and the latency
+histogram, plus the two clock reads around route); ``--route-only`` skips the comparable
+section and the memory trace (the A/B runs in BENCHMARKS.md).
+
 Usage::
 
-    python -m bench.bench_index [--quick] [--json OUT]
+    python -m bench.bench_index [--quick] [--route-only] [--route-metrics] [--json OUT]
 """
 
 from __future__ import annotations
@@ -48,12 +53,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+from prometheus_client import CollectorRegistry
 
 from kvroute_proto.codec import decode_stream_message, encode_stream_message
 from kvroute_proto.events import DEFAULT_PARTITION, BlockRemoved, BlockStored, EventBatch
 from kvroute_proto.hashing import block_hashes
 from router.core import RouterConfig, RouterCore, RouteRequest
 from router.index import PrefixIndex
+from router.service.metrics import RouterMetrics
 
 VOCAB = 32_000
 
@@ -203,7 +210,9 @@ def _fill(index: PrefixIndex, cfg: ScaleConfig, system_hashes: list[list[int]]) 
         c += 1
 
 
-def bench_scale(cfg: ScaleConfig) -> dict[str, float]:
+def bench_scale(
+    cfg: ScaleConfig, metrics: RouterMetrics | None = None, memory: bool = True
+) -> dict[str, float]:
     rng = np.random.default_rng(cfg.seed)
     bs = cfg.block_size
     systems = [
@@ -215,23 +224,8 @@ def bench_scale(cfg: ScaleConfig) -> dict[str, float]:
     system_hashes = [block_hashes(s, bs, seed).tolist() for s in systems]
     results: dict[str, float] = {}
 
-    # memory: a fresh index, traced from empty (its key ints are created while tracing)
-    gc.collect()
-    tracemalloc.start()
-    try:
-        base = tracemalloc.get_traced_memory()[0]
-        index = PrefixIndex()
-        _fill(index, cfg, system_hashes)
-        gc.collect()
-        used = tracemalloc.get_traced_memory()[0] - base
-    finally:
-        tracemalloc.stop()
-    results["bytes_per_entry"] = used / index.num_entries
-    results["bytes_per_block"] = used / index.size()
-    results["scale_blocks"] = index.size()
-    results["scale_entries"] = index.num_entries
-    del index
-    gc.collect()
+    if memory:
+        results.update(_bench_memory(cfg, system_hashes))
 
     now = [0.0]
     core = RouterCore(
@@ -262,7 +256,12 @@ def bench_scale(cfg: ScaleConfig) -> dict[str, float]:
             req = RouteRequest(f"r{i}", prompt)
             c0 = time.thread_time_ns()
             t0 = time.perf_counter_ns()
-            d = core.route(req)
+            if metrics is None:
+                d = core.route(req)
+            else:  # what Frontend adds around route() when the router serves /metrics
+                r0 = time.perf_counter()
+                d = core.route(req)
+                metrics.on_route(d, time.perf_counter() - r0)
             latencies[i] = time.perf_counter_ns() - t0
             cpu[i] = time.thread_time_ns() - c0
             core.on_first_token(req.request_id)
@@ -282,6 +281,29 @@ def bench_scale(cfg: ScaleConfig) -> dict[str, float]:
     results["route_mean_matched_tokens"] = matched / cfg.num_routes
     assert matched == cfg.num_routes * cfg.system_tokens, "every prompt matches its system prompt"
     results["route_index_blocks"] = core.index.size()
+    return results
+
+
+def _bench_memory(cfg: ScaleConfig, system_hashes: list[list[int]]) -> dict[str, float]:
+    """Traced memory of a fresh index filled from empty (its key ints created while tracing)."""
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        index = PrefixIndex()
+        _fill(index, cfg, system_hashes)
+        gc.collect()
+        used = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    results = {
+        "bytes_per_entry": used / index.num_entries,
+        "bytes_per_block": used / index.size(),
+        "scale_blocks": index.size(),
+        "scale_entries": index.num_entries,
+    }
+    del index
+    gc.collect()
     return results
 
 
@@ -318,16 +340,28 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", metavar="OUT", help="write the results as JSON to OUT")
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
+    parser.add_argument(
+        "--route-only",
+        action="store_true",
+        help="only the route section (no comparable section, no memory trace)",
+    )
+    parser.add_argument(
+        "--route-metrics",
+        action="store_true",
+        help="time each route with the router's metrics hook (RouterMetrics.on_route)",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         comparable = ComparableConfig(num_seqs=64, repeats=1)
         scale = ScaleConfig(num_blocks=20_000, num_system_prompts=4, num_routes=60)
     else:
         comparable, scale = ComparableConfig(), ScaleConfig()
-    results = bench_comparable(comparable)
-    results.update(bench_scale(scale))
+    results = {} if args.route_only else bench_comparable(comparable)
+    metrics = RouterMetrics(CollectorRegistry()) if args.route_metrics else None
+    results.update(bench_scale(scale, metrics, memory=not args.route_only))
     meta = {
         "quick": args.quick,
+        "route_metrics": args.route_metrics,
         "loadavg_1m": os.getloadavg()[0],
         "cpus": os.cpu_count(),
         "python": platform.python_version(),

@@ -37,3 +37,13 @@ def test_help_exits_cleanly(capsys: pytest.CaptureFixture[str]) -> None:
         bench_index.main(["--help"])
     assert exc.value.code == 0
     assert "--quick" in capsys.readouterr().out
+
+
+def test_route_only_with_the_metrics_hook(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    assert bench_index.main(["--quick", "--route-only", "--route-metrics", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert results["route_p50_us"] > 0
+    assert "find_full_q_s" not in results
+    assert "bytes_per_entry" not in results
+    assert results["meta"]["route_metrics"] is True
