@@ -225,7 +225,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "epoch", "block_size", "page_size", "kv_capacity_tokens", "max_context_tokens", "vocab_size", "executor", "load")
+    __slots__ = ("worker_id", "epoch", "block_size", "page_size", "kv_capacity_tokens", "max_context_tokens", "vocab_size", "executor", "load", "model_name", "tokenizer_fingerprint")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -235,6 +235,8 @@ class WorkerInfo(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EXECUTOR_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: int
     block_size: int
@@ -244,10 +246,12 @@ class WorkerInfo(_message.Message):
     vocab_size: int
     executor: str
     load: LoadReport
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., block_size: _Optional[int] = ..., page_size: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ..., executor: _Optional[str] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ...) -> None: ...
+    model_name: str
+    tokenizer_fingerprint: str
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., block_size: _Optional[int] = ..., page_size: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ..., executor: _Optional[str] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ..., model_name: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ...) -> None: ...
 
 class WorkerScore(_message.Message):
-    __slots__ = ("worker_id", "address", "healthy", "matched_tokens", "inflight_prefill_tokens", "cost", "load", "recent_prefill_tokens")
+    __slots__ = ("worker_id", "address", "healthy", "matched_tokens", "inflight_prefill_tokens", "cost", "load", "recent_prefill_tokens", "event_matched_tokens", "predicted_matched_tokens")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
@@ -256,6 +260,8 @@ class WorkerScore(_message.Message):
     COST_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     RECENT_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EVENT_MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     healthy: bool
@@ -264,7 +270,9 @@ class WorkerScore(_message.Message):
     cost: float
     load: LoadReport
     recent_prefill_tokens: float
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., matched_tokens: _Optional[int] = ..., inflight_prefill_tokens: _Optional[int] = ..., cost: _Optional[float] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ..., recent_prefill_tokens: _Optional[float] = ...) -> None: ...
+    event_matched_tokens: int
+    predicted_matched_tokens: int
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., matched_tokens: _Optional[int] = ..., inflight_prefill_tokens: _Optional[int] = ..., cost: _Optional[float] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ..., recent_prefill_tokens: _Optional[float] = ..., event_matched_tokens: _Optional[int] = ..., predicted_matched_tokens: _Optional[int] = ...) -> None: ...
 
 class ExplainRequest(_message.Message):
     __slots__ = ("request",)

@@ -381,6 +381,7 @@ class RouterCore:
         hashes = query.block_hashes
         self._index.expire(now)  # as route() does: a lapsed prediction matches nothing
         matched = self._index.find_matches(hashes, touch=False) if hashes else {}
+        confirmed, predicted = self._index.find_matches_by_source(hashes) if hashes else ({}, {})
         candidates = self._candidates(req)
         costs: list[float] | None = None
         chosen: str | None = None
@@ -391,6 +392,7 @@ class RouterCore:
             chosen = candidates[i].worker_id
             costs = policy.costs(query, candidates, matched)
         cost_of = dict(zip((v.worker_id for v in candidates), costs or (), strict=False))
+        block_size, prompt_tokens = query.block_size, query.prompt_tokens
         lines = []
         for worker in self._workers.values():
             v = worker.view
@@ -405,6 +407,8 @@ class RouterCore:
                     cost_of.get(v.worker_id),
                     v.load,
                     v.recent_prefill * unscale,
+                    min(confirmed.get(v.slot, 0) * block_size, prompt_tokens),
+                    min(predicted.get(v.slot, 0) * block_size, prompt_tokens),
                 )
             )
         return Explanation(self._policy.name, query.prompt_tokens, chosen, tuple(lines))

@@ -124,6 +124,10 @@ class WorkerScore:
     cost: float | None  # None: unhealthy/excluded, or a policy without a cost (round_robin)
     load: LoadReport | None
     recent_prefill_tokens: float = 0.0  # decayed sum of prefill tokens routed there
+    # matched_tokens by source: confirmed by the worker's KV events, and predicted from the
+    # requests the router sent there lately (matched_tokens is at least the larger of both)
+    event_matched_tokens: int = 0
+    predicted_matched_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

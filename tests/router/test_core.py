@@ -464,6 +464,26 @@ def test_explain_ignores_lapsed_predictions_like_route() -> None:
     assert core.route(RouteRequest("r2", tokens(64))).matched_tokens == 0
 
 
+def test_explain_reports_event_and_predicted_matches_apart() -> None:
+    core, clock = make_core(2, predicted_ttl_s=2.0)
+    first = core.route(RouteRequest("r1", tokens(64)))
+    core.on_finished("r1")
+    other = "w1" if first.worker_id == "w0" else "w0"
+    give(core, other, stored(tokens(48)))  # 3 blocks confirmed by events
+    by_id = {w.worker_id: w for w in core.explain(RouteRequest("r2", tokens(64))).workers}
+    pred, conf = by_id[first.worker_id], by_id[other]
+    assert (pred.event_matched_tokens, pred.predicted_matched_tokens) == (0, 64)
+    assert (conf.event_matched_tokens, conf.predicted_matched_tokens) == (48, 0)
+    assert (pred.matched_tokens, conf.matched_tokens) == (64, 48)
+    clock.now += 2.0  # the prediction lapses; the events stay
+    by_id = {w.worker_id: w for w in core.explain(RouteRequest("r2", tokens(64))).workers}
+    assert by_id[first.worker_id].predicted_matched_tokens == 0
+    assert by_id[other].event_matched_tokens == 48
+    # a shorter prompt matches its own whole blocks only
+    short = {w.worker_id: w for w in core.explain(RouteRequest("r3", tokens(40))).workers}
+    assert short[other].event_matched_tokens == 32
+
+
 def test_explain_costs_for_cache_aware() -> None:
     core, _ = make_core(2)
     give(core, "w1", stored(tokens(64)))

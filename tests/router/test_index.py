@@ -172,6 +172,23 @@ def test_match_is_the_longer_of_confirmed_and_predicted() -> None:
     assert index.find_matches(A) == {2: 10, 0: 2}
 
 
+def test_matches_by_source_keep_events_and_predictions_apart() -> None:
+    index = PrefixIndex()  # stride 4
+    index.apply(2, stored(A, 0, 6))
+    index.predict(2, A, deadline=10.0)  # probes 3 and 7
+    index.predict(1, A[:4], deadline=10.0)  # probe 3
+    index.apply(0, stored(A, 0, 2))
+    assert index.find_matches_by_source(A) == ({2: 6, 0: 2}, {2: 8, 1: 4})
+    assert index.find_matches(A) == {2: 8, 1: 4, 0: 2}
+    index.expire(10.0)  # the predictions lapse, the events stay
+    assert index.find_matches_by_source(A) == ({2: 6, 0: 2}, {})
+    # a prediction that only continues a confirmed prefix is not a predicted match alone
+    index.predict(0, A, deadline=20.0, start=4)  # enters probe 7 only
+    assert index.find_matches_by_source(A) == ({2: 6, 0: 2}, {})
+    assert index.find_matches(A)[0] == 2  # probe 3 is neither confirmed nor predicted for 0
+    assert PrefixIndex().find_matches_by_source(A) == ({}, {})
+
+
 def test_events_do_not_touch_predictions() -> None:
     index = PrefixIndex()
     index.predict(0, A, deadline=5.0)

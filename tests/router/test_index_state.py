@@ -137,6 +137,7 @@ class IndexMachine(RuleBasedStateMachine):
         query = hashes_of(tokens)
         probes = query[STRIDE - 1 :: STRIDE]
         expected = {}
+        confirmed, predicted = {}, {}  # each source alone (find_matches_by_source)
         for w in range(4):
             depth = 0
             while depth < len(query) and query[depth] in self.held[w]:
@@ -146,6 +147,14 @@ class IndexMachine(RuleBasedStateMachine):
                 k += 1
             if max(depth, k * STRIDE):
                 expected[w] = max(depth, k * STRIDE)
+            alone = 0
+            while alone < len(probes) and probes[alone] in self.pred[w]:
+                alone += 1
+            if depth:
+                confirmed[w] = depth
+            if alone:
+                predicted[w] = alone * STRIDE
+        assert self.index.find_matches_by_source(query) == (confirmed, predicted)
         assert self.index.find_matches(query) == expected
 
     @precondition(lambda self: any(self.held.values()))

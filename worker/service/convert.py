@@ -52,6 +52,8 @@ class WorkerInfo:
     vocab_size: int
     executor: str
     load: LoadReport
+    model_name: str = ""  # the model directory's name, or "kvroute-tiny"
+    tokenizer_fingerprint: str = ""  # kvroute_proto.tokenizer; routers check it matches theirs
 
 
 _FINISH_REASONS = {
@@ -170,6 +172,8 @@ def worker_info_to_pb(info: WorkerInfo) -> pb.WorkerInfo:
         vocab_size=info.vocab_size,
         executor=info.executor,
         load=codec.load_to_pb(info.load),
+        model_name=info.model_name,
+        tokenizer_fingerprint=info.tokenizer_fingerprint,
     )
 
 

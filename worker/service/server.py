@@ -97,6 +97,8 @@ class WorkerServer:
             vocab_size=engine.vocab_size,
             executor=config.executor_kind,
             load=LoadReport(),  # GetLoad reads it fresh on the engine thread
+            model_name=config.model_name,
+            tokenizer_fingerprint=getattr(tokenizer, "fingerprint", ""),
         )
         self.generation = WorkerGeneration(
             self.runner, tokenizer, config.limits, self.info, model_name=config.model_name

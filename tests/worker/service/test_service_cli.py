@@ -12,6 +12,7 @@ import pytest
 
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
+from kvroute_proto.tokenizer import ByteTokenizer
 from worker import cli
 
 
@@ -69,6 +70,8 @@ async def test_worker_process_serves_and_stops_on_sigterm() -> None:
             info = await stub.GetLoad(pb.GetLoadRequest())
             assert (info.worker_id, info.block_size, info.kv_capacity_tokens) == ("cli-w", 8, 1024)
             assert info.executor == "sim" and info.epoch != 0
+            assert info.model_name == "kvroute-tiny"
+            assert info.tokenizer_fingerprint == ByteTokenizer().fingerprint
             req = pb.GenerateRequest(
                 prompt_text="hello", sampling=pb.SamplingParams(max_new_tokens=3)
             )

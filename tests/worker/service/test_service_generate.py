@@ -166,6 +166,9 @@ async def test_get_load_reports_identity_geometry_and_load() -> None:
         )
         assert info.load.num_total_kv_tokens == 2048
         assert info.load.num_running == 0
+        # the default model's name, and the byte tokenizer's fingerprint (the router checks it)
+        assert info.model_name == "kvroute-tiny"
+        assert info.tokenizer_fingerprint == ByteTokenizer().fingerprint
 
 
 async def test_each_generate_records_a_span_that_continues_the_callers_trace(
