@@ -9,14 +9,57 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
+class AdaptiveReserve:
+    """SGLang's adaptive new-token reserve ratio (its defaults: SGLANG_INIT_NEW_TOKEN_RATIO,
+    SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR, SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS,
+    SGLANG_RETRACT_DECODE_STEPS).
+
+    The ratio starts at ``init_ratio`` (and returns there whenever the engine goes idle),
+    falls by ``(init - min) / decay_steps`` per decode step without a retraction down to
+    ``min = init_ratio * min_ratio_factor``, and after a retraction jumps to what the
+    surviving batch needs: ``(tokens generated + retract_decode_steps * requests) / max_new
+    tokens``, summed over the requests still decoding (at most 1)."""
+
+    init_ratio: float = 0.7
+    min_ratio_factor: float = 0.14
+    decay_steps: int = 600
+    retract_decode_steps: int = 20
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.init_ratio <= 1.0:
+            raise ValueError(f"AdaptiveReserve.init_ratio must be in (0, 1], got {self.init_ratio}")
+        if not 0.0 <= self.min_ratio_factor <= 1.0:
+            raise ValueError(
+                f"AdaptiveReserve.min_ratio_factor must be in [0, 1], got {self.min_ratio_factor}"
+            )
+        for name in ("decay_steps", "retract_decode_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"AdaptiveReserve.{name} must be an int >= 1, got {value!r}")
+
+    @property
+    def min_ratio(self) -> float:
+        return self.init_ratio * self.min_ratio_factor
+
+    @property
+    def decay(self) -> float:
+        """Ratio lost per decode step without a retraction."""
+        return (self.init_ratio - self.min_ratio) / self.decay_steps
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Settings of one engine. The first twelve fields are the stable interface callers build
     (docs/ARCHITECTURE.md, "Engine settings"); the rest are additions with defaults.
 
     * ``new_token_reserve_ratio``: admission keeps ``ratio * min(remaining new tokens, 4096)``
       free KV tokens per running request for its future decode tokens, so a fresh admission
-      does not force a retraction on the next step (SGLang's new_token_ratio, fixed).
-      0 admits greedily and leaves overflow to retraction.
+      does not force a retraction on the next step (SGLang's new_token_ratio, held fixed).
+      0 admits greedily and leaves overflow to retraction. Used while ``adaptive_reserve``
+      is None.
+    * ``adaptive_reserve``: make the ratio adaptive as SGLang's is (see AdaptiveReserve):
+      high after a retraction, decaying while nothing is retracted. None: the fixed
+      ``new_token_reserve_ratio``.
     * ``in_batch_dedup_min_tokens``: hold a waiting request whose not-yet-cached prefix shares
       at least this many tokens with a request being prefilled (0 turns the dedup off).
     * ``lpm_rematch_budget``: most waiting requests whose prefix match LPM refreshes per step;
@@ -41,6 +84,7 @@ class EngineConfig:
     in_batch_dedup_min_tokens: int = 32
     lpm_rematch_budget: int = 512
     clamp_max_new_tokens: bool = False
+    adaptive_reserve: AdaptiveReserve | None = None
 
     def __post_init__(self) -> None:
         positive = (
@@ -59,6 +103,13 @@ class EngineConfig:
         for name in ("in_batch_dedup_min_tokens", "lpm_rematch_budget"):
             if getattr(self, name) < 0:
                 raise ValueError(f"EngineConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.adaptive_reserve is not None and not isinstance(
+            self.adaptive_reserve, AdaptiveReserve
+        ):
+            raise ValueError(
+                "EngineConfig.adaptive_reserve must be an AdaptiveReserve or None, "
+                f"got {self.adaptive_reserve!r}"
+            )
         if not 0.0 <= self.new_token_reserve_ratio <= 1.0:
             raise ValueError(
                 f"EngineConfig.new_token_reserve_ratio must be in [0, 1], "

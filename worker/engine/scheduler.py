@@ -93,6 +93,11 @@ class Scheduler:
         self._rematch_cursor = 0
         self._warned_stale = False
         self._dedup = config.enable_cache and config.in_batch_dedup_min_tokens > 0
+        self._adaptive = config.adaptive_reserve
+        # The new-token reserve ratio admission uses now (fixed unless adaptive_reserve).
+        self.new_token_ratio = (
+            config.new_token_reserve_ratio if self._adaptive is None else self._adaptive.init_ratio
+        )
 
     # ------------------------------------------------------------------ requests in / out
 
@@ -108,6 +113,8 @@ class Scheduler:
                 f"waiting queue is full: max_waiting_requests={self.config.max_waiting_requests}"
             )
         eos = frozenset() if er.sampling.ignore_eos else lim.eos_token_ids
+        if self._adaptive is not None and not self._reqs:
+            self.new_token_ratio = self._adaptive.init_ratio  # was idle: start cautious again
         req = Req(er, self._next_seq, max_new, self._root, eos)
         self._next_seq += 1
         self._reqs[er.request_id] = req
@@ -173,10 +180,14 @@ class Scheduler:
         return self.allocator.num_free >= n
 
     def _schedule_decode(self, batch: ScheduledBatch) -> None:
+        retracted = False
         while not self._make_free(len(self._decoding)):
             # Retract until the rest fits; the last one too when something else pins the
             # pool (locked prefixes): it waits in the queue instead of killing the loop.
             self._retract(self._pick_victim())
+            retracted = True
+        if self._adaptive is not None:
+            self._adapt_reserve(retracted)
         decoding = list(self._decoding.values())
         if not decoding:
             return
@@ -198,6 +209,24 @@ class Scheduler:
                 )
             )
         batch.decode_reqs = decoding
+
+    def _adapt_reserve(self, retracted: bool) -> None:
+        """SGLang's rule: after a retraction, reserve what the surviving batch is expected
+        to need; otherwise decay towards the floor (AdaptiveReserve)."""
+        a = self._adaptive
+        assert a is not None
+        if not retracted:
+            self.new_token_ratio = max(self.new_token_ratio - a.decay, a.min_ratio)
+            return
+        survivors = self._decoding.values()
+        max_new = sum(r.max_new_tokens for r in survivors)
+        if max_new == 0:  # nothing survived: something else pins the pool
+            self.new_token_ratio = max(self.new_token_ratio, a.init_ratio)
+            return
+        generated = sum(len(r.output_ids) for r in survivors)
+        needed = (generated + a.retract_decode_steps * len(self._decoding)) / max_new
+        self.new_token_ratio = min(1.0, needed)
+        logger.debug("retraction: new-token reserve ratio now %.3f", self.new_token_ratio)
 
     def _pick_victim(self) -> Req:
         """Lowest priority, then fewest generated tokens, then newest (called while at
@@ -282,7 +311,7 @@ class Scheduler:
                 running.append(self._chunked)  # type: ignore[arg-type]
         ordered = policy.order(waiting, self._num_requeued == 0, running)
 
-        ratio = cfg.new_token_reserve_ratio
+        ratio = self.new_token_ratio
         reserved = 0
         if ratio:
             reserved = sum(reserve_tokens(r, ratio) for r in self._decoding.values())
