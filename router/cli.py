@@ -14,12 +14,15 @@ import logging
 import os
 import signal
 import sys
+from pathlib import Path
+from typing import Any
 
 from kvroute_proto.cli_help import HelpFormatter
 from kvroute_proto.http_front import HttpFrontConfig
 from kvroute_proto.registry import DEFAULT_PREFIX, DEFAULT_TTL_S
 from kvroute_proto.runtime import run_event_loop
 from kvroute_proto.telemetry import configure_tracing
+from kvroute_proto.tokenizer import ChatTokenizer, TokenizerLoadError, load_tokenizer_or_bytes
 from router.core import RouterConfig
 from router.core_types import DEFAULT_RECENT_DECODE_RATIO, DEFAULT_RECENT_WINDOW_S
 from router.policy import DEFAULT_BACKLOG_TOKENS, CostWeights, policy_names
@@ -65,6 +68,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--served-model-name",
         default=None,
         help=f"the model name the HTTP API serves (default {DEFAULT_MODEL_NAME})",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        metavar="DIR",
+        help="the fleet's HF model directory (the workers' --model): the router tokenizes text "
+        "prompts and renders chat templates with its tokenizer.json / tokenizer_config.json, "
+        "and leaves out workers whose tokenizer differs (default: the byte tokenizer of the "
+        "tiny default model and the sim executor)",
     )
     p.add_argument(
         "--worker",
@@ -188,9 +200,17 @@ def _default_weights() -> str:
     return f"{w.prefill:g},{w.queued_prefill:g},{w.decode:g},{w.recent_prefill:g}"
 
 
-def config_from_args(args: argparse.Namespace) -> RouterServerConfig:
-    """The server config the command-line options describe (ValueError on bad values)."""
+def config_from_args(
+    args: argparse.Namespace, *, tokenizer_fingerprint: str | None = None
+) -> RouterServerConfig:
+    """The server config the command-line options describe (ValueError on bad values).
+    ``tokenizer_fingerprint``: the router's tokenizer's; workers reporting another are left
+    out of routing."""
     secret = args.tenant_salt_secret.encode() if args.tenant_salt_secret else None
+    # the HTTP API's model name: the flag, else the model directory's name
+    served: dict[str, Any] = {}
+    if args.served_model_name or args.model:
+        served["model_name"] = args.served_model_name or Path(args.model).resolve().name
     return RouterServerConfig(
         host=args.host,
         port=args.port,
@@ -211,10 +231,12 @@ def config_from_args(args: argparse.Namespace) -> RouterServerConfig:
             max_deadline_s=args.max_deadline_s,
             tenancy=TenancyConfig(args.tenant_header.lower(), secret, args.trust_client_salt),
             ejection=EjectionConfig(args.eject_after, args.eject_cooldown_s),
-            **({"model_name": args.served_model_name} if args.served_model_name else {}),
+            **served,
         ),
         connection=ConnectionConfig(
-            keepalive_time_s=args.keepalive_s, purge_after_s=args.purge_after_s
+            keepalive_time_s=args.keepalive_s,
+            purge_after_s=args.purge_after_s,
+            tokenizer_fingerprint=tokenizer_fingerprint,
         ),
         seed=args.seed,
         http=None
@@ -223,10 +245,15 @@ def config_from_args(args: argparse.Namespace) -> RouterServerConfig:
     )
 
 
-async def serve(config: RouterServerConfig, metrics_port: int | None = None) -> None:
+async def serve(
+    config: RouterServerConfig,
+    metrics_port: int | None = None,
+    *,
+    tokenizer: ChatTokenizer | None = None,
+) -> None:
     """Run one router until SIGINT/SIGTERM (with a /metrics endpoint when ``metrics_port``
-    is not None)."""
-    server = RouterServer(config)
+    is not None); ``tokenizer`` encodes text prompts (None: forwarded as text)."""
+    server = RouterServer(config, tokenizer=tokenizer)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -269,13 +296,20 @@ def main(argv: list[str]) -> int:
         print("kvroute router: give at least one --worker or --redis-url", file=sys.stderr)
         return 2
     try:
-        config = config_from_args(args)
-    except ValueError as exc:
+        # The fleet's tokenizer: text prompts become the token ids the workers cache.
+        tokenizer = load_tokenizer_or_bytes(args.model)
+        config = config_from_args(args, tokenizer_fingerprint=tokenizer.fingerprint)
+    except (TokenizerLoadError, ValueError) as exc:
         print(f"kvroute router: {exc}", file=sys.stderr)
         return 2
+    logging.getLogger(__name__).info(
+        "tokenizer: %s (fingerprint %s)",
+        args.model or "byte tokenizer (no --model)",
+        tokenizer.fingerprint,
+    )
     shutdown_tracing = configure_tracing("kvroute-router", console=args.trace_console)
     try:
-        run_event_loop(serve(config, args.metrics_port))
+        run_event_loop(serve(config, args.metrics_port, tokenizer=tokenizer))
     finally:
         shutdown_tracing()
     return 0

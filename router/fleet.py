@@ -26,15 +26,18 @@ import os
 import signal
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
 from kvroute_proto.cli_help import HelpFormatter
 from kvroute_proto.http_front import HttpFrontConfig
 from kvroute_proto.runtime import run_event_loop
+from kvroute_proto.tokenizer import load_tokenizer_or_bytes
 from router.cli import POLICIES
 from router.client import GenerateOptions, RouterClient
 from router.core import RouterConfig
+from router.service.frontend import FrontendConfig
 from router.service.metrics import RouterMetricsEndpoint
 from router.service.server import RouterServer, RouterServerConfig
 from router.service.worker_conn import ConnectionConfig
@@ -61,8 +64,11 @@ class FleetConfig:
     # /metrics: the router on metrics_port, worker i on metrics_port + 1 + i (0: every one
     # picks a free port); None: no metrics endpoints
     metrics_port: int | None = None
+    model: str | None = None  # an HF model directory for every worker and the router
 
     def __post_init__(self) -> None:
+        if self.model is not None and self.executor != "torch":
+            raise ValueError("--model needs --executor torch (the sim executor has no model)")
         if self.http_port is not None and not 0 <= self.http_port < 65536:
             raise ValueError(f"--http-port must be in 0..65535, got {self.http_port}")
         if self.metrics_port is not None and not (
@@ -131,6 +137,7 @@ def worker_command(
         config.worker_log_level,
         *_torch_threads(config),
         *metrics,
+        *([] if config.model is None else ["--model", config.model]),
         *config.worker_args,
     ]
 
@@ -207,6 +214,9 @@ class Fleet:
 
     async def start(self) -> str:
         """Start workers (concurrently) and the router; returns the router address."""
+        # the workers' tokenizer (loaded first: a bad model dir fails before any process
+        # starts); the router encodes text prompts with it and checks theirs against it
+        tokenizer = load_tokenizer_or_bytes(self.config.model)
         ids = [f"worker-{i}" for i in range(self.config.num_workers)]
         results = await asyncio.gather(
             *(
@@ -220,18 +230,25 @@ class Fleet:
         if errors:
             await self.stop()
             raise errors[0]
+        service = FrontendConfig()
+        if self.config.model is not None:
+            service = FrontendConfig(model_name=Path(self.config.model).resolve().name)
         self.router = RouterServer(
             RouterServerConfig(
                 host=self.config.host,
                 port=self.config.port,
                 workers=tuple(w.address for w in self.workers),
                 core=RouterConfig(policy=self.config.policy),
-                connection=ConnectionConfig(purge_after_s=5.0),
+                service=service,
+                connection=ConnectionConfig(
+                    purge_after_s=5.0, tokenizer_fingerprint=tokenizer.fingerprint
+                ),
                 seed=0,
                 http=None
                 if self.config.http_port is None
                 else HttpFrontConfig(host=self.config.host, port=self.config.http_port),
-            )
+            ),
+            tokenizer=tokenizer,
         )
         await self.router.start()
         if self.config.metrics_port is not None:
@@ -318,6 +335,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch: the tiny random Llama on the CPU (or CUDA); sim: cost model, no math",
     )
     p.add_argument("--policy", choices=POLICIES, default="cache_aware", help="routing policy")
+    p.add_argument(
+        "--model",
+        default=None,
+        metavar="DIR",
+        help="an HF Llama model directory served by every worker (needs --executor torch); the "
+        "router tokenizes with its tokenizer (default: the tiny random model, byte tokenizer)",
+    )
     p.add_argument(
         "--worker-arg",
         action="append",
@@ -414,12 +438,14 @@ def main(argv: list[str]) -> int:
             host=args.host,
             executor=args.executor,
             policy=args.policy,
+            model=args.model,
             worker_args=tuple(args.worker_arg),
             worker_log_level=args.log_level,
             startup_timeout_s=args.startup_timeout_s,
             stop_timeout_s=args.stop_timeout_s,
         )
-    except ValueError as exc:
+        load_tokenizer_or_bytes(args.model)  # a bad model dir: one line here, not a traceback
+    except ValueError as exc:  # TokenizerLoadError included
         print(f"kvroute up: {exc}", file=sys.stderr)
         return 2
     result: list[int] = []

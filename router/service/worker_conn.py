@@ -54,6 +54,9 @@ class ConnectionConfig:
     purge_after_s: float = 10.0
     backoff: BackoffConfig = field(default_factory=BackoffConfig)
     subscriber_id: str = "kvroute-router"
+    # the router's tokenizer fingerprint (kvroute_proto.tokenizer); a worker reporting
+    # another one in GetLoad is left out of routing. None: no check (in-process tests).
+    tokenizer_fingerprint: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("keepalive_time_s", "keepalive_timeout_s", "rpc_timeout_s"):
@@ -129,6 +132,7 @@ class WorkerConnection:
         self.num_resubscribes = 0
         self.num_purges = 0
         self.last_error = ""
+        self._tokenizer_refusal: tuple[str, str] | None = None  # logged (worker, fingerprint)
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -227,6 +231,11 @@ class WorkerConnection:
         if not info.worker_id:
             log.error("worker at %s reports an empty worker_id; not routing to it", self.address)
             return False
+        if not self._same_tokenizer(info):
+            if self.worker_id is not None:  # restarted with another model: let go of it
+                self._hooks.release(self, self.worker_id)
+                self.worker_id = None
+            return False
         if self.worker_id is not None and self.worker_id != info.worker_id:
             log.warning(
                 "worker at %s changed identity %s -> %s",
@@ -242,6 +251,28 @@ class WorkerConnection:
             self.worker_id = info.worker_id
         self.info = info
         return True
+
+    def _same_tokenizer(self, info: pb.WorkerInfo) -> bool:
+        """Whether the worker tokenizes as the router does: token ids the router computes
+        from text, and the block hashes of its index, mean nothing to a worker whose
+        tokenizer differs. A mismatch is logged once per worker and fingerprint."""
+        expected = self.config.tokenizer_fingerprint
+        if expected is None or info.tokenizer_fingerprint == expected:
+            self._tokenizer_refusal = None
+            return True
+        seen = (info.worker_id, info.tokenizer_fingerprint)
+        if self._tokenizer_refusal != seen:
+            self._tokenizer_refusal = seen
+            log.warning(
+                "not routing to worker %s at %s (model %r): its tokenizer fingerprint %s "
+                "differs from the router's %s; serve the same --model on router and workers",
+                info.worker_id,
+                self.address,
+                info.model_name,
+                info.tokenizer_fingerprint or "(none reported)",
+                expected,
+            )
+        return False
 
     def _set_health(self, healthy: bool) -> None:
         if healthy == self.healthy:

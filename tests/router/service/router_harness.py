@@ -99,6 +99,7 @@ async def sim_worker(
     epoch: int | None = None,
     load_interval_s: float = 0.2,
     pace_speedup: float = 0.0,
+    tokenizer: object | None = None,
 ) -> AsyncIterator[SimWorker]:
     """A real worker (Engine + sim executor) served in this process; with ``pace_speedup``
     > 0 it runs the modelled Llama-3-8B step times (1 = real time) instead of zero cost."""
@@ -127,7 +128,8 @@ async def sim_worker(
         runner=RunnerConfig(load_interval_s=load_interval_s, pace_speedup=pace_speedup),
         shutdown_grace_s=0.5,
     )
-    server = WorkerServer(engine, ByteTokenizer(), config, epoch=epoch)
+    tok = ByteTokenizer() if tokenizer is None else tokenizer  # its fingerprint is reported
+    server = WorkerServer(engine, tok, config, epoch=epoch)  # type: ignore[arg-type]
     bound = await server.start()
     try:
         yield SimWorker(server, f"127.0.0.1:{bound}", worker_id)
