@@ -81,6 +81,8 @@ class WorkerScoreView:
     num_running: int
     num_waiting: int
     recent_prefill_tokens: float = 0.0
+    event_matched_tokens: int = 0  # confirmed by the worker's KV events
+    predicted_matched_tokens: int = 0  # from the router's recent routing alone
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,6 +210,8 @@ class RouterClient:
                     num_running=w.load.num_running,
                     num_waiting=w.load.num_waiting,
                     recent_prefill_tokens=w.recent_prefill_tokens,
+                    event_matched_tokens=w.event_matched_tokens,
+                    predicted_matched_tokens=w.predicted_matched_tokens,
                 )
                 for w in resp.workers
             ),
@@ -409,18 +413,21 @@ def main(argv: list[str]) -> int:
 
 
 def format_explain(result: ExplainResult) -> str:
-    """A human-readable table of an Explain answer."""
+    """A human-readable table of an Explain answer. ``matched`` is what the policy used;
+    ``events`` the part the worker's KV events confirm, ``predicted`` the part the router
+    predicts from what it sent there lately (short-lived)."""
     lines = [
         f"policy={result.policy} prompt_tokens={result.prompt_tokens} "
         f"chosen={result.chosen_worker_id or '(none)'}",
-        f"  {'worker':<16} {'address':<22} {'ok':<3} {'matched':>8} {'inflight':>9} "
-        f"{'run':>4} {'wait':>5} {'recent':>9} {'cost':>12}",
+        f"  {'worker':<16} {'address':<22} {'ok':<3} {'matched':>8} {'events':>7} "
+        f"{'predicted':>9} {'inflight':>9} {'run':>4} {'wait':>5} {'recent':>9} {'cost':>12}",
     ]
     for w in result.workers:
         mark = "*" if w.worker_id == result.chosen_worker_id else " "
         lines.append(
             f"{mark} {w.worker_id:<16} {w.address:<22} {'yes' if w.healthy else 'no':<3} "
-            f"{w.matched_tokens:>8} {w.inflight_prefill_tokens:>9} {w.num_running:>4} "
+            f"{w.matched_tokens:>8} {w.event_matched_tokens:>7} "
+            f"{w.predicted_matched_tokens:>9} {w.inflight_prefill_tokens:>9} {w.num_running:>4} "
             f"{w.num_waiting:>5} {w.recent_prefill_tokens:>9.0f} {w.cost:>12.4g}"
         )
     return "\n".join(lines)

@@ -1,0 +1,55 @@
+"""Router values -> protobuf messages (the service shells' one place for it).
+
+The core's :class:`~router.core_types.Explanation` knows neither protobuf nor the pool; the
+gRPC servicer (and anything else answering Explain) turns it into an ``ExplainResponse``
+here, filling the address from the pool and the health from ejections.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Container
+
+from kvroute_proto import codec
+from kvroute_proto import kvroute_pb2 as pb
+from router.core_types import Explanation, WorkerScore
+
+
+def worker_score_to_pb(
+    score: WorkerScore, *, address: str = "", ejected: bool = False
+) -> pb.WorkerScore:
+    """One worker's Explain line: ``address`` when the core has none, unhealthy while
+    ``ejected``; the cost is NaN where the policy has none for that worker."""
+    msg = pb.WorkerScore(
+        worker_id=score.worker_id,
+        address=score.address or address,
+        healthy=score.healthy and not ejected,
+        matched_tokens=score.matched_tokens,
+        event_matched_tokens=score.event_matched_tokens,
+        predicted_matched_tokens=score.predicted_matched_tokens,
+        inflight_prefill_tokens=score.inflight_prefill_tokens,
+        cost=math.nan if score.cost is None else score.cost,
+        recent_prefill_tokens=score.recent_prefill_tokens,
+    )
+    if score.load is not None:
+        msg.load.CopyFrom(codec.load_to_pb(score.load))
+    return msg
+
+
+def explanation_to_pb(
+    expl: Explanation,
+    *,
+    address_of: Callable[[str], str] = lambda _worker_id: "",
+    ejected: Container[str] = (),
+) -> pb.ExplainResponse:
+    """The ExplainResponse for ``expl`` (``address_of``: worker id -> address, the pool's;
+    ``ejected``: worker ids ejected for failures)."""
+    return pb.ExplainResponse(
+        policy=expl.policy,
+        prompt_tokens=expl.prompt_tokens,
+        chosen_worker_id=expl.chosen_worker_id or "",
+        workers=[
+            worker_score_to_pb(w, address=address_of(w.worker_id), ejected=w.worker_id in ejected)
+            for w in expl.workers
+        ],
+    )
