@@ -23,6 +23,7 @@ from kvroute_proto.registry import DEFAULT_PREFIX, DEFAULT_TTL_S
 from kvroute_proto.runtime import run_event_loop
 from kvroute_proto.telemetry import configure_tracing
 from kvroute_proto.tokenizer import ChatTokenizer, TokenizerLoadError, load_tokenizer_or_bytes
+from router.admission import AdmissionConfig
 from router.core import RouterConfig
 from router.core_types import DEFAULT_RECENT_DECODE_RATIO, DEFAULT_RECENT_WINDOW_S
 from router.policy import DEFAULT_BACKLOG_TOKENS, CostWeights, policy_names
@@ -144,6 +145,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests in flight before RESOURCE_EXHAUSTED",
     )
     p.add_argument(
+        "--admission",
+        choices=("on", "off"),
+        default="on",
+        help="deadline-aware admission: a request with a deadline that no worker can meet "
+        "(by each worker's pace, learnt from the streams) is refused at once with "
+        "RESOURCE_EXHAUSTED instead of joining a batch that would make everyone late",
+    )
+    p.add_argument(
+        "--admission-window",
+        type=int,
+        default=AdmissionConfig().initial_window,
+        help="requests with a deadline in flight per worker before its pace is known "
+        "(slow start; then twice the largest concurrency measured)",
+    )
+    p.add_argument(
         "--max-deadline-s",
         type=float,
         default=600.0,
@@ -229,6 +245,9 @@ def config_from_args(
         service=FrontendConfig(
             max_inflight=args.max_inflight,
             max_deadline_s=args.max_deadline_s,
+            admission=AdmissionConfig(
+                enabled=args.admission == "on", initial_window=args.admission_window
+            ),
             tenancy=TenancyConfig(args.tenant_header.lower(), secret, args.trust_client_salt),
             ejection=EjectionConfig(args.eject_after, args.eject_cooldown_s),
             **served,

@@ -56,8 +56,10 @@ from kvroute_proto.frontdoor import (
     Unavailable,
     error_for_grpc_code,
 )
+from router.admission import Admission, AdmissionConfig
 from router.core import Explanation, RouteDecision, RouterCore, RouteRequest
 from router.errors import InvalidRouteRequestError, NoWorkerAvailable
+from router.service import spans
 from router.service.observe import NO_OBSERVER, RequestObserver
 from router.service.pool import WorkerPool
 from router.service.resilience import EjectionConfig, OutlierEjector
@@ -100,6 +102,7 @@ class FrontendConfig:
     tenancy: TenancyConfig = field(default_factory=TenancyConfig)
     ejection: EjectionConfig = field(default_factory=EjectionConfig)
     model_name: str = DEFAULT_MODEL_NAME  # what the HTTP front serves (GET /v1/models)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
 
     def __post_init__(self) -> None:
         if self.max_inflight < 1:
@@ -125,6 +128,7 @@ class _InFlight:
     released: bool = False
     started: float = 0.0  # perf_counter at arrival (the observer's latencies)
     finished: bool = False  # the worker's Finished was relayed
+    guard_deadline: bool = False  # the caller set a deadline: admission guards it
 
 
 class Frontend:
@@ -147,6 +151,7 @@ class Frontend:
         self._clock = clock
         self.tokenizer = tokenizer
         self.ejector = OutlierEjector(config.ejection, clock)
+        self.admission = Admission(config.admission)
         self._inflight: dict[str, _InFlight] = {}
         self.num_retries = 0
 
@@ -182,6 +187,8 @@ class Frontend:
             raise
         deadline = self._clock() + self._timeout_s(call)
         entry = _InFlight("", prepared.forward.partition.cache_salt, started=started)
+        # only a caller's own deadline is guarded by admission: one without is willing to wait
+        entry.guard_deadline = call.timeout_s is not None and math.isfinite(call.timeout_s)
         self._inflight[rid] = entry
         # Continue the caller's W3C trace, and pass ours on to the worker. The span is not
         # made "current": a context attached across the yields of this generator could not
@@ -189,6 +196,8 @@ class Frontend:
         parent = propagate.extract(dict(call.metadata))
         span = tracer.start_span("kvroute.router.Generate", context=parent)
         span.set_attribute("kvroute.request_id", rid)
+        if span.is_recording():
+            spans.record_request(span, prepared.forward, self.model_name)
         outcome = "OK"
         try:
             async for msg in self._relay(prepared, entry, deadline, span):
@@ -237,9 +246,17 @@ class Frontend:
                 raise DeadlineExceeded(
                     f"deadline exceeded before attempt {attempt}; failures: {'; '.join(failures)}"
                 )
+            costs = None  # the route span's top costs, before the decision (tracing only)
+            if span.is_recording():
+                ejected = self.ejector.ejected()
+                costs = spans.top_costs(self._core, prepared.route, frozenset(excluded) | ejected)
             t0 = time.perf_counter()
-            decision = self._route(prepared.route, excluded, failures)
-            self.observer.on_route(decision, time.perf_counter() - t0)
+            time_left = remaining if entry.guard_deadline else None
+            decision = self._route(prepared, excluded, failures, time_left)
+            elapsed = time.perf_counter() - t0
+            self.observer.on_route(decision, elapsed)
+            if costs is not None:
+                spans.record_route(span, decision, elapsed, attempt, costs)
             worker_id = decision.worker_id
             span.set_attributes(
                 {
@@ -263,6 +280,8 @@ class Frontend:
                 excluded.add(worker_id)
                 failures.append(f"{worker_id}: disconnected")
                 continue
+            admission = self.admission  # learns each worker's pace from what is relayed
+            admission.on_dispatch(rid, worker_id, self._clock())
             relayed = False
             reported = False
             try:
@@ -281,6 +300,10 @@ class Frontend:
                         reported = entry.finished = True
                         elapsed = time.perf_counter() - entry.started
                         self.observer.on_finished(decision, msg.finished, elapsed)
+                        if span.is_recording():
+                            spans.record_finish(span, msg.finished)
+                    else:
+                        admission.on_tokens(rid, len(msg.chunk.token_ids), self._clock())
                     yield msg
                 if reported:
                     self.ejector.record_success(worker_id)
@@ -302,6 +325,7 @@ class Frontend:
                 code_name, details = "UNAVAILABLE", "the connection to the worker was closed"
             finally:
                 call.cancel()
+                admission.on_done(rid)
                 if not reported:
                     self._core.on_finished(rid)
             if self.ejector.record_failure(worker_id):
@@ -328,16 +352,35 @@ class Frontend:
             f"(max_attempts={self.config.max_attempts}): {'; '.join(failures)}"
         )
 
-    def _route(self, route: RouteRequest, excluded: set[str], failures: list[str]) -> RouteDecision:
-        req = RouteRequest(
-            route.request_id,
-            route.token_ids,
-            route.partition,
-            exclude=frozenset(excluded) | self.ejector.ejected(),
-        )
+    def _route(
+        self,
+        prepared: Prepared,
+        excluded: set[str],
+        failures: list[str],
+        time_left_s: float | None,
+    ) -> RouteDecision:
+        """Route, leaving out failed, ejected and (for a caller's deadline of
+        ``time_left_s``) too busy workers."""
+        route = prepared.route
+        exclude = frozenset(excluded) | self.ejector.ejected()
+        late: frozenset[str] = frozenset()
+        if time_left_s is not None:
+            late = self.admission.excluded(
+                [w for w in self._core.workers() if w not in exclude],
+                prepared.forward.sampling.max_new_tokens,
+                time_left_s,
+            )
+        req = RouteRequest(route.request_id, route.token_ids, route.partition, exclude | late)
         try:
             return self._core.route(req)
         except NoWorkerAvailable as exc:
+            if late:  # healthy workers exist, but none can finish this in time
+                self.admission.on_refused()
+                raise Overloaded(
+                    f"no worker can finish request {route.request_id!r} within its deadline "
+                    f"({time_left_s:.1f} s left): {len(late)} worker(s) are too busy; {exc}",
+                    retry_after_s=1.0,
+                ) from None
             detail = f"; earlier failures: {'; '.join(failures)}" if failures else ""
             raise Unavailable(f"{exc}{detail}", retry_after_s=1.0) from None
         except InvalidRouteRequestError as exc:

@@ -217,7 +217,7 @@ class RouterMetrics:
         self.ttft.labels(worker_id).observe(seconds)
 
     def on_finished(
-        self, decision: RouteDecision, finished: pb.GenerateResponse.Finished, seconds: float
+        self, decision: RouteDecision, finished: pb.Finished, seconds: float
     ) -> None:
         worker = decision.worker_id
         usage = finished.usage

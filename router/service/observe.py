@@ -30,7 +30,7 @@ class RequestObserver(Protocol):
         """The worker's first message was relayed ``seconds`` after the request arrived."""
 
     def on_finished(
-        self, decision: RouteDecision, finished: pb.GenerateResponse.Finished, seconds: float
+        self, decision: RouteDecision, finished: pb.Finished, seconds: float
     ) -> None:
         """The worker finished the request (its usage: realised cached tokens)."""
 
@@ -52,7 +52,7 @@ class NullObserver:
         pass
 
     def on_finished(
-        self, decision: RouteDecision, finished: pb.GenerateResponse.Finished, seconds: float
+        self, decision: RouteDecision, finished: pb.Finished, seconds: float
     ) -> None:
         pass
 

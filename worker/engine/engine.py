@@ -20,6 +20,7 @@ Typical loop::
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable
 
@@ -89,6 +90,7 @@ class Engine:
         # request id -> clock at add_request, until its first prefill step (queue wait)
         self._arrived: dict[str, float] = {}
         self._queue_wait = HistogramCounter(QUEUE_WAIT_BUCKETS_S)
+        self._waited: dict[str, float] = {}  # queue wait, until the request's first output
 
     # -- model limits (from the executor)
 
@@ -122,6 +124,7 @@ class Engine:
         """Drop a request at any stage, freeing every slot and lock it held. Returns False
         for an unknown (or already finished) id. No further output is produced for it."""
         self._arrived.pop(request_id, None)
+        self._waited.pop(request_id, None)
         return self.scheduler.abort(request_id)
 
     def step(self) -> list[RequestOutput]:
@@ -139,7 +142,10 @@ class Engine:
             return []
         tokens = self.executor.forward(batch.prefill, batch.decode)
         self._last_step_cost_s = self.executor.step_cost_s(batch.prefill, batch.decode)
-        return self.scheduler.process(batch, tokens)
+        outputs = self.scheduler.process(batch, tokens)
+        if self._waited:
+            self._attach_queue_wait(outputs)
+        return outputs
 
     def _record_queue_wait(self, admitted: list[Req]) -> None:
         now = self._clock()
@@ -148,6 +154,14 @@ class Engine:
             t = arrived.pop(r.request_id, None)
             if t is not None:  # its first prefill step (later chunks were popped already)
                 self._queue_wait.observe(now - t)
+                self._waited[r.request_id] = now - t
+
+    def _attach_queue_wait(self, outputs: list[RequestOutput]) -> None:
+        waited = self._waited
+        for i, out in enumerate(outputs):
+            wait = waited.pop(out.request_id, None)
+            if wait is not None:
+                outputs[i] = dataclasses.replace(out, queue_wait_s=wait)
 
     def queue_wait_stats(self) -> HistogramStats:
         """Seconds from add_request to the first step that prefills the request."""

@@ -62,6 +62,8 @@ class RequestOutput:
     new_token_ids: tuple[int, ...]
     finish_reason: FinishReason | None = None
     usage: Usage | None = None  # set with finish_reason
+    # on a request's first output: seconds from add_request to its first prefill step
+    queue_wait_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,7 @@ from kvroute_proto.frontdoor import BadRequest, CallInfo, Overloaded, Unavailabl
 from worker.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from worker.engine.types import RequestOutput
 from worker.errors import InvalidRequestError, QueueFullError
-from worker.service import convert
+from worker.service import convert, spans
 from worker.service.convert import RequestLimits, WorkerInfo
 from worker.service.engine_runner import EngineRunner, EngineStoppedError, RequestStream
 from worker.service.observe import NO_OBSERVER, GenerationObserver
@@ -109,6 +109,8 @@ class WorkerGeneration:
         parent = propagate.extract(dict(call.metadata))
         with tracer.start_as_current_span("kvroute.worker.Generate", context=parent) as span:
             started = time.perf_counter()
+            tracing = span.is_recording()
+            phases = spans.Phases(time.time_ns()) if tracing else None
             stream = await self._admit(request, span)
             rid = stream.request_id
             detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None
@@ -123,6 +125,11 @@ class WorkerGeneration:
                     except EngineStoppedError as exc:
                         raise Unavailable(str(exc)) from None
                     finished = out.finish_reason is not None
+                    if phases is not None:
+                        if out.queue_wait_s is not None:
+                            phases.queue_wait_s = out.queue_wait_s
+                        if out.new_token_ids and phases.first_token_ns is None:
+                            phases.first_token_ns = time.time_ns()
                     text = ""
                     if detok is not None:
                         text = detok.push(out.new_token_ids)
@@ -139,6 +146,8 @@ class WorkerGeneration:
                     if out.finish_reason is not None:
                         outcome = out.finish_reason.value
                         _record_finish(span, out)
+                        if phases is not None:
+                            spans.record_phases(span, phases, out, time.time_ns())
                         log.debug("request %s finished: %s", rid, out.finish_reason.value)
                         yield convert.finished_to_pb(
                             rid, out.finish_reason, out.usage, self.info.worker_id
@@ -164,6 +173,8 @@ class WorkerGeneration:
             )
             span.set_attribute("kvroute.request_id", req.request_id)
             span.set_attribute("kvroute.prompt_tokens", len(req.prompt_token_ids))
+            if span.is_recording():
+                spans.record_request(span, req, self._model_name)
             stream = await self.runner.submit(req)
         except InvalidRequestError as exc:
             log.info("request %s rejected: %s", request.request_id or "-", exc)

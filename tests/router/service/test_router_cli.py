@@ -88,6 +88,7 @@ def test_router_defaults():
         ("--backlog-tokens", "nan", "backlog_tokens must be >= 0, got nan"),
         ("--recent-decode-ratio", "-1", "recent_decode_ratio must be >= 0, got -1.0"),
         ("--registry-grace-s", "-1", "(--registry-grace-s) must be >= 0, got -1.0"),
+        ("--admission-window", "0", "(--admission-window) must be >= 1, got 0"),
         ("--redis-poll-s", "0", "(--redis-poll-s) must be > 0, got 0.0"),
     ],
 )

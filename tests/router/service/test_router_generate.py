@@ -17,6 +17,7 @@ from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
 from kvroute_proto.events import BlockStored, EventBatch, Partition
 from kvroute_proto.hashing import block_hash_list
+from router.admission import AdmissionConfig
 from router.client import GenerateOptions, build_request
 from router.service.frontend import FrontendConfig
 from router.service.resilience import EjectionConfig
@@ -556,3 +557,46 @@ async def test_text_prompt_that_encodes_past_the_limit_is_refused():
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "encodes to 5 tokens; the limit is 4" in err.value.details()
             assert a.received == []
+
+
+@pytest.mark.parametrize("fleet", [{"admission": AdmissionConfig(initial_window=1)}], indirect=True)
+async def test_a_deadline_no_worker_can_meet_is_refused_at_once(fleet):
+    """Every worker's admission window is full: a request with a deadline is refused with
+    RESOURCE_EXHAUSTED before it reaches a worker; one without a deadline still goes (its
+    caller is willing to wait); ending the held calls frees the windows."""
+    router, a, b = fleet
+    a.behaviour = b.behaviour = "hang"
+    stub = pb_grpc.RouterStub(router.client._channel)
+
+    async def until(check, what: str) -> None:
+        for _ in range(1000):  # bounded: state other tasks change, nothing to await
+            if check():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(what)
+
+    async def received(n: int) -> None:
+        await until(lambda: len(a.received) + len(b.received) >= n, f"never {n} requests")
+
+    def call(rid: str, timeout: float | None):
+        opts = GenerateOptions(request_id=rid)
+        return stub.Generate(build_request(PROMPT, opts), timeout=timeout)
+
+    held = [call("h0", 30)]
+    await received(1)
+    held.append(call("h1", 30))
+    await received(2)
+    assert (len(a.received), len(b.received)) == (1, 1)  # one each: the windows are full
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await call("late", 30).read()
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "within its deadline" in err.value.details()
+    assert len(a.received) + len(b.received) == 2
+    assert router.server.frontend.admission.stats.num_refused == 1
+    patient = call("patient", None)
+    await received(3)
+    for c in (*held, patient):
+        c.cancel()
+    await until(lambda: router.server.frontend.num_inflight == 0, "calls never released")
+    admission = router.server.frontend.admission
+    assert admission.num_inflight("w0") == admission.num_inflight("w1") == 0
