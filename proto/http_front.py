@@ -215,11 +215,22 @@ async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except ServiceError as exc:
-        return error_response(exc, request.headers.get(REQUEST_ID_HEADER))
+        return error_response(exc, _valid_request_id(request))
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         return _http_error(exc, request)
+
+
+def _valid_request_id(request: web.Request) -> str | None:
+    """The client's X-Request-Id to echo on an error, when it is a valid one."""
+    given = request.headers.get(REQUEST_ID_HEADER)
+    if given is None:
+        return None
+    try:
+        return oa.check_request_id(given)
+    except ServiceError:
+        return None
 
 
 def _http_error(exc: web.HTTPException, request: web.Request) -> web.Response:

@@ -90,8 +90,9 @@ async def test_a_refusal_before_the_first_message_is_an_http_error_even_when_str
     )
     async with serving(backend) as (s, url):
         body = {"prompt": "p", "stream": True}
-        async with s.post(url + "/v1/completions", json=body) as r:
+        async with s.post(url + "/v1/completions", json=body, headers={"X-Request-Id": "q1"}) as r:
             assert r.status == 429 and r.headers["Retry-After"] == "2"
+            assert r.headers["X-Request-Id"] == "q1"
             assert (await r.json())["error"]["message"] == "router has 9 in flight, the limit is 8"
 
 
