@@ -65,7 +65,7 @@ class HttpFrontConfig:
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
-            raise ValueError(f"HTTP port must be in 0..65535, got {self.port}")
+            raise ValueError(f"HTTP port (--http-port) must be in 0..65535, got {self.port}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
 
