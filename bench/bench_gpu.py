@@ -1,0 +1,507 @@
+"""The worker's model path at the GPU's limit: step times against their roofline.
+
+On a CUDA machine this builds a Llama-3-8B-shaped model (random bf16 weights, nothing to
+download) with the project's ``LlamaForCausalLM`` + ``TorchExecutor`` and measures:
+
+* ``prefill_cold``: one cold prefill of 2,048 and of 8,064 tokens (tokens/s);
+* ``prefill_cached``: 64 new tokens after 8,000 cached (the step a cache hit leaves);
+* ``decode``: one decode step at batch 1 / 8 / 32 / 128, every request at 2,048 tokens of
+  context, and the tokens/s of the full batch;
+* the roofline of each: max(bytes moved / HBM bandwidth, FLOPs / peak FLOP/s) -- weights
+  streamed once per step plus the KV read, and 2 FLOPs per parameter per token plus
+  attention -- with the GPU's specs looked up by name (``--hbm-gbps`` / ``--peak-tflops``
+  override);
+* ``parity``: greedy output through the ``Engine`` with the prefix cached equals the cold
+  run (same prompt, same tokens);
+* ``peak_memory_bytes``.
+
+``--smoke`` runs the same code on the project's tiny model with small sizes on the CPU (or
+``--device``): seconds, for tests and for a machine without a GPU. The numbers it prints are
+of no interest; that every figure is produced is.
+
+Decode contexts are not prefilled: their KV slots are filled with random values (the step's
+cost does not depend on them), so the script stays well under three minutes.
+
+Usage::
+
+    python -m bench.bench_gpu --json OUT            # CUDA, Llama-3-8B shape
+    python -m bench.bench_gpu --smoke --json OUT    # anywhere, tiny model
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import platform
+import resource
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from typing import TextIO
+
+import numpy as np
+import torch
+
+from worker.engine.engine import Engine, EngineConfig
+from worker.engine.model import LlamaConfig, LlamaForCausalLM, build_tiny_model
+from worker.engine.torch_executor import TorchExecutor
+from worker.engine.types import EngineRequest, ForwardItem, SamplingParams
+
+# Llama-3-8B (config.json of meta-llama/Meta-Llama-3-8B), bf16.
+LLAMA3_8B = LlamaConfig(
+    vocab_size=128_256,
+    hidden_size=4096,
+    intermediate_size=14_336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    rope_theta=500_000.0,
+    eos_token_ids=(128_001,),
+    dtype=torch.bfloat16,
+)
+
+# (HBM bytes/s, dense bf16 FLOP/s) by a substring of torch.cuda.get_device_name().
+GPU_SPECS: dict[str, tuple[float, float]] = {
+    "H200": (4.8e12, 989e12),
+    "H100": (3.35e12, 989e12),  # SXM
+    "A100": (2.039e12, 312e12),  # 80 GB SXM
+    "L40S": (0.864e12, 362e12),
+}
+
+# Issue 14's targets, in seconds per step (None: no target).
+TARGETS_S: dict[str, float] = {
+    "decode_b1": 0.005,
+    "decode_b32": 0.008,
+    "decode_b128": 0.015,
+    "prefill_cold_8064": 8064 / 30_000,
+    "prefill_cached_64_after_8000": 0.008,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Sizes:
+    """Token counts of one run."""
+
+    cold: tuple[int, ...] = (2048, 8064)
+    cached_prefix: int = 8000
+    cached_new: int = 64
+    decode_context: int = 2048
+    decode_batches: tuple[int, ...] = (1, 8, 32, 128)
+    parity_prefix: int = 8000
+    parity_new_tokens: int = 16
+    repeats: int = 5
+
+
+SMOKE_SIZES = Sizes(
+    cold=(64, 256),
+    cached_prefix=192,
+    cached_new=16,
+    decode_context=128,
+    decode_batches=(1, 4),
+    parity_prefix=192,
+    parity_new_tokens=4,
+    repeats=2,
+)
+
+
+@dataclass(slots=True)
+class Measurement:
+    """One step: measured median time, its roofline and what the roofline is made of."""
+
+    name: str
+    tokens: int  # new tokens the step runs
+    median_s: float
+    min_s: float
+    flops: float
+    bytes: float
+    roofline_s: float | None  # None when the device's specs are unknown
+    tokens_per_s: float = 0.0
+    target_s: float | None = None
+    meets_target: bool | None = None
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Specs:
+    hbm_bytes_s: float | None
+    peak_flops: float | None
+    source: str
+
+
+def device_specs(device: torch.device, hbm_gbps: float | None, peak_tflops: float | None) -> Specs:
+    """The device's bandwidth and peak (flags win; else looked up by CUDA device name)."""
+    bw = hbm_gbps * 1e9 if hbm_gbps else None
+    peak = peak_tflops * 1e12 if peak_tflops else None
+    source = "flags" if bw and peak else "unknown"
+    if device.type == "cuda" and not (bw and peak):
+        name = torch.cuda.get_device_name(device)
+        for key, (table_bw, table_peak) in GPU_SPECS.items():
+            if key in name:
+                bw = bw or table_bw
+                peak = peak or table_peak
+                source = f"table:{key}"
+                break
+    return Specs(bw, peak, source)
+
+
+# ---- model ------------------------------------------------------------------------------
+
+
+def build_model(config: LlamaConfig, device: torch.device, seed: int) -> LlamaForCausalLM:
+    """Random weights made on the device itself (an 8B model is never materialised on the
+    host): fan-in scaled normals as ``model.init_random``, norms near 1."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(config.dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if name.endswith("layernorm.weight") or name == "model.norm.weight":
+                param.normal_(1.0, 0.1, generator=gen)
+            elif name.endswith("bias"):
+                param.zero_()
+            elif name == "model.embed_tokens.weight":
+                param.normal_(0.0, 1.0, generator=gen)
+            else:
+                param.normal_(0.0, param.shape[-1] ** -0.5, generator=gen)
+    return model.eval()
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """What the roofline needs of the model."""
+
+    streamed_weight_bytes: int  # every parameter a step reads (the embedding table is not)
+    matmul_params: int  # parameters in the layers' matmuls (2 FLOPs each per token)
+    lm_head_params: int  # 2 FLOPs each per sampled row only
+    kv_bytes_per_token: int
+    attn_dim: int  # layers * heads * head_dim
+
+    @classmethod
+    def of(cls, model: LlamaForCausalLM) -> Shape:
+        cfg = model.config
+        embed = model.model.embed_tokens.weight
+        total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        total_params = sum(p.numel() for p in model.parameters())
+        tied = cfg.tie_word_embeddings
+        streamed = total_bytes - (0 if tied else embed.numel() * embed.element_size())
+        head = model.lm_head.weight.numel()
+        matmul = total_params - (0 if tied else embed.numel()) - head
+        kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
+        kv *= embed.element_size()
+        attn = cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim
+        return cls(streamed, matmul, head, kv, attn)
+
+    def step(self, new_tokens: list[int], contexts: list[int]) -> tuple[float, float]:
+        """(FLOPs, bytes) of one step: per request, ``new`` tokens attending to ``context``
+        tokens in all (causal inside the new ones); the LM head runs once per request (the
+        executor computes logits only at each item's last token)."""
+        both = list(zip(new_tokens, contexts, strict=True))
+        flops = 2.0 * self.matmul_params * sum(new_tokens) + 2.0 * self.lm_head_params * len(both)
+        # QK^T and PV: 2 * 2 * d per (query, key) pair; causal pairs of the new tokens.
+        pairs = sum(n * (c - n) + n * (n + 1) / 2 for n, c in both)
+        flops += 4.0 * self.attn_dim * pairs
+        kv_read = sum(c - n for n, c in both)
+        nbytes = self.streamed_weight_bytes + self.kv_bytes_per_token * (kv_read + sum(new_tokens))
+        return flops, float(nbytes)
+
+
+# ---- timing -----------------------------------------------------------------------------
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_forward(
+    executor: TorchExecutor, prefill: list[ForwardItem], decode: list[ForwardItem], repeats: int
+) -> list[float]:
+    """Wall times of ``repeats`` identical forward passes after one warm-up."""
+    device = executor.device
+    executor.forward(prefill, decode)
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        executor.forward(prefill, decode)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _measure(
+    name: str,
+    times: list[float],
+    shape: Shape,
+    specs: Specs,
+    new_tokens: list[int],
+    contexts: list[int],
+    rate_tokens: int,
+    with_targets: bool,
+) -> Measurement:
+    flops, nbytes = shape.step(new_tokens, contexts)
+    roof = None
+    if specs.hbm_bytes_s and specs.peak_flops:
+        roof = max(nbytes / specs.hbm_bytes_s, flops / specs.peak_flops)
+    median = statistics.median(times)
+    target = TARGETS_S.get(name) if with_targets else None
+    return Measurement(
+        name=name,
+        tokens=sum(new_tokens),
+        median_s=median,
+        min_s=min(times),
+        flops=flops,
+        bytes=nbytes,
+        roofline_s=roof,
+        tokens_per_s=rate_tokens / median if median > 0 else 0.0,
+        target_s=target,
+        meets_target=None if target is None else median <= target,
+    )
+
+
+GREEDY = SamplingParams(max_new_tokens=1)
+
+
+def _item(rid: str, tokens: np.ndarray, start: int, slots: np.ndarray) -> ForwardItem:
+    return ForwardItem(rid, tokens[start:], start, slots[: len(tokens)], GREEDY, True, 0)
+
+
+def run_steps(
+    executor: TorchExecutor, shape: Shape, specs: Specs, sizes: Sizes, seed: int, targets: bool
+) -> list[Measurement]:
+    """Cold prefill, cached prefill and decode steps on the executor's pool (``targets``:
+    attach issue 14's targets, which are for the full-size model only)."""
+    rng = np.random.default_rng(seed)
+    vocab = executor.vocab_size
+    out: list[Measurement] = []
+    all_slots = np.arange(executor.num_kv_slots, dtype=np.int64)
+    for n in sizes.cold:
+        tokens = rng.integers(0, vocab, n, dtype=np.int64)
+        times = time_forward(executor, [_item("cold", tokens, 0, all_slots)], [], sizes.repeats)
+        out.append(_measure(f"prefill_cold_{n}", times, shape, specs, [n], [n], n, targets))
+    n_ctx = sizes.cached_prefix + sizes.cached_new
+    tokens = rng.integers(0, vocab, n_ctx, dtype=np.int64)
+    executor.forward([_item("prefix", tokens[: sizes.cached_prefix], 0, all_slots)], [])
+    item = _item("cached", tokens, sizes.cached_prefix, all_slots)
+    times = time_forward(executor, [item], [], sizes.repeats)
+    name = f"prefill_cached_{sizes.cached_new}_after_{sizes.cached_prefix}"
+    new = [sizes.cached_new]
+    out.append(_measure(name, times, shape, specs, new, [n_ctx], sizes.cached_new, targets))
+    ctx = sizes.decode_context
+    _fill_pool_random(executor, max(sizes.decode_batches) * ctx, seed)
+    for b in sizes.decode_batches:
+        items = []
+        for i in range(b):
+            slots = all_slots[i * ctx : (i + 1) * ctx]
+            last = rng.integers(0, vocab, ctx, dtype=np.int64)
+            items.append(ForwardItem(f"d{i}", last[ctx - 1 :], ctx - 1, slots, GREEDY, True, 0))
+        times = time_forward(executor, [], items, sizes.repeats)
+        ones, ctxs = [1] * b, [ctx] * b
+        out.append(_measure(f"decode_b{b}", times, shape, specs, ones, ctxs, b, targets))
+    return out
+
+
+def _fill_pool_random(executor: TorchExecutor, num_slots: int, seed: int) -> None:
+    """Random K/V in the first ``num_slots`` slots of every layer (decode contexts)."""
+    pool = executor.kv_pool
+    gen = torch.Generator(device=pool.device).manual_seed(seed)
+    with torch.inference_mode():
+        for layer in range(pool.config.num_layers):
+            for t in (pool.k[layer], pool.v[layer]):
+                t[:num_slots].normal_(0.0, 1.0, generator=gen)
+
+
+# ---- parity -----------------------------------------------------------------------------
+
+
+def greedy_parity(executor: TorchExecutor, sizes: Sizes, seed: int) -> dict:
+    """Greedy tokens of one prompt through the Engine, cold and then with its prefix cached
+    (a second request with the same prompt): equal when the cached path is exact enough."""
+    rng = np.random.default_rng(seed + 1)
+    prompt = rng.integers(0, executor.vocab_size, sizes.parity_prefix + 8, dtype=np.int64)
+    config = EngineConfig(
+        num_kv_slots=executor.num_kv_slots,
+        max_prefill_tokens_per_step=len(prompt),
+        chunk_size=len(prompt),
+        schedule_policy="fcfs",
+    )
+    engine = Engine(config, executor, itertools.count(1).__next__)  # type: ignore[arg-type]
+    sampling = SamplingParams(max_new_tokens=sizes.parity_new_tokens, ignore_eos=True)
+    runs: dict[str, list[int]] = {}
+    cached: dict[str, int] = {}
+    for rid in ("cold", "cached"):
+        engine.add_request(EngineRequest(rid, prompt, sampling))
+        tokens: list[int] = []
+        for _ in range(10 * sizes.parity_new_tokens + 10):
+            if not engine.has_work():
+                break
+            for o in engine.step():
+                tokens.extend(o.new_token_ids)
+                if o.usage is not None:
+                    cached[rid] = o.usage.cached_prompt_tokens
+        runs[rid] = tokens
+    mismatch = next(
+        (i for i, (a, b) in enumerate(zip(runs["cold"], runs["cached"], strict=True)) if a != b),
+        None,
+    )
+    return {
+        "equal": runs["cold"] == runs["cached"],
+        "first_mismatch": mismatch,
+        "prompt_tokens": len(prompt),
+        "cached_prompt_tokens": cached.get("cached", 0),
+        "new_tokens": sizes.parity_new_tokens,
+    }
+
+
+# ---- main -------------------------------------------------------------------------------
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux: KiB
+
+
+def run(
+    *,
+    smoke: bool,
+    device: torch.device,
+    seed: int = 0,
+    hbm_gbps: float | None = None,
+    peak_tflops: float | None = None,
+) -> dict:
+    sizes = SMOKE_SIZES if smoke else Sizes()
+    start = time.perf_counter()
+    if smoke:
+        model = build_tiny_model(seed, device=str(device))
+    else:
+        model = build_model(LLAMA3_8B, device, seed)
+    _sync(device)
+    build_s = time.perf_counter() - start
+    num_slots = max(
+        max(sizes.decode_batches) * sizes.decode_context,
+        sizes.cached_prefix + sizes.cached_new,
+        max(sizes.cold),
+        2 * (sizes.parity_prefix + 8 + sizes.parity_new_tokens),
+    )
+    executor = TorchExecutor.create(model, num_slots, seed=seed)
+    shape = Shape.of(model)
+    specs = device_specs(device, hbm_gbps, peak_tflops)
+    steps = run_steps(executor, shape, specs, sizes, seed, targets=not smoke)
+    parity = greedy_parity(executor, sizes, seed)
+    by_name = {m.name: m for m in steps}
+    full = by_name[f"decode_b{max(sizes.decode_batches)}"]
+    return {
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "mode": "smoke" if smoke else "llama3-8b-shape",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "host": platform.node(),
+        "torch": torch.__version__,
+        "dtype": str(next(model.parameters()).dtype),
+        "num_params": sum(p.numel() for p in model.parameters()),
+        "num_kv_slots": num_slots,
+        "specs": asdict(specs),
+        "build_s": round(build_s, 3),
+        "steps": [asdict(m) for m in steps],
+        "decode_full_batch_tokens_s": full.tokens_per_s,
+        "parity": parity,
+        "peak_memory_bytes": peak_memory_bytes(device),
+        "total_s": round(time.perf_counter() - start, 3),
+    }
+
+
+def print_report(result: dict, stream: TextIO | None = None) -> None:
+    """The figures as a table (stdout by default)."""
+    stream = stream or sys.stdout
+    print(
+        f"{result['mode']} on {result['device']} (torch {result['torch']}, {result['dtype']}), "
+        f"roofline specs: {result['specs']['source']}",
+        file=stream,
+    )
+    print(
+        f"{'step':<32} {'median ms':>10} {'roofline ms':>12} {'x roof':>7} {'tok/s':>10} "
+        f"{'target ms':>10}",
+        file=stream,
+    )
+    for m in result["steps"]:
+        roof = m["roofline_s"]
+        ratio = f"{m['median_s'] / roof:7.1f}" if roof else "      -"
+        roof_ms = f"{roof * 1e3:12.2f}" if roof else "           -"
+        target = f"{m['target_s'] * 1e3:10.1f}" if m["target_s"] else "         -"
+        print(
+            f"{m['name']:<32} {m['median_s'] * 1e3:10.2f} {roof_ms} {ratio} "
+            f"{m['tokens_per_s']:10.0f} {target}",
+            file=stream,
+        )
+    p = result["parity"]
+    verdict = "equal" if p["equal"] else f"DIFFERS at token {p['first_mismatch']}"
+    print(
+        f"decode tokens/s at full batch: {result['decode_full_batch_tokens_s']:.0f}; greedy "
+        f"parity cached vs cold: {verdict}"
+        f" ({p['cached_prompt_tokens']} of {p['prompt_tokens']} prompt tokens cached); peak "
+        f"memory {result['peak_memory_bytes'] / 2**30:.2f} GiB; total {result['total_s']:.1f} s",
+        file=stream,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.bench_gpu",
+        description="Step times of the worker's model path (cold and cached prefill, decode "
+        "at several batch sizes) against their roofline, greedy parity cached vs cold, peak "
+        "memory. Default: a Llama-3-8B-shaped model with random bf16 weights on CUDA.",
+    )
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the tiny model at small sizes (seconds; runs on the CPU): checks the script",
+    )
+    p.add_argument(
+        "--device", default=None, help="torch device (default: cuda, or cpu with --smoke)"
+    )
+    p.add_argument("--json", metavar="OUT", help="write every figure as JSON")
+    p.add_argument("--seed", type=int, default=0, help="weights and token seed (default 0)")
+    p.add_argument(
+        "--hbm-gbps", type=float, default=None, help="HBM bandwidth in GB/s (default: by GPU name)"
+    )
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="dense bf16 peak in TFLOP/s (default: by GPU name)",
+    )
+    args = p.parse_args(argv)
+    device = torch.device(args.device or ("cpu" if args.smoke else "cuda"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error("CUDA is not available: run on a GPU machine, or use --smoke for the CPU check")
+    for name in ("hbm_gbps", "peak_tflops"):
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            p.error(f"--{name.replace('_', '-')} must be > 0, got {value}")
+    result = run(
+        smoke=args.smoke,
+        device=device,
+        seed=args.seed,
+        hbm_gbps=args.hbm_gbps,
+        peak_tflops=args.peak_tflops,
+    )
+    print_report(result)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
