@@ -102,10 +102,27 @@ BATCH_OUTCOMES = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class _WorkerSeries:
+    """One worker's children of RouterMetrics' per-worker families."""
+
+    decisions: Counter
+    decision_prompt: Counter
+    decision_matched: Counter
+    prompt_tokens: Counter
+    cached_tokens: Counter
+    predicted_tokens: Counter
+    completion_tokens: Counter
+    ttft: Histogram
+    e2e: Histogram
+
+
 class RouterMetrics:
     """The request path's observer (observe.RequestObserver), as Prometheus instruments."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
+        # worker id -> its labelled children (workers come and go rarely; a few dozen)
+        self._series: dict[str, _WorkerSeries] = {}
         self.requests = Counter(
             "kvroute_router_requests",
             "Generate requests by the last worker tried, policy and outcome (gRPC code name)",
@@ -202,11 +219,11 @@ class RouterMetrics:
     # ---- observe.RequestObserver ---------------------------------------------------------
 
     def on_route(self, decision: RouteDecision, seconds: float) -> None:
-        worker = decision.worker_id
         self.route_seconds.observe(seconds)
-        self.decisions.labels(worker).inc()
-        self.decision_prompt.labels(worker).inc(decision.prompt_tokens)
-        self.decision_matched.labels(worker).inc(decision.matched_tokens)
+        w = self._worker(decision.worker_id)
+        w.decisions.inc()
+        w.decision_prompt.inc(decision.prompt_tokens)
+        w.decision_matched.inc(decision.matched_tokens)
         self.decision_best.inc(decision.best_matched_tokens)
         forgone = decision.best_matched_tokens - decision.matched_tokens
         if forgone > 0:
@@ -214,18 +231,34 @@ class RouterMetrics:
             self.forgone_decisions.inc()
 
     def on_first_message(self, worker_id: str, seconds: float) -> None:
-        self.ttft.labels(worker_id).observe(seconds)
+        self._worker(worker_id).ttft.observe(seconds)
 
-    def on_finished(
-        self, decision: RouteDecision, finished: pb.Finished, seconds: float
-    ) -> None:
-        worker = decision.worker_id
+    def on_finished(self, decision: RouteDecision, finished: pb.Finished, seconds: float) -> None:
+        w = self._worker(decision.worker_id)
         usage = finished.usage
-        self.prompt_tokens.labels(worker).inc(usage.prompt_tokens)
-        self.cached_tokens.labels(worker).inc(usage.cached_prompt_tokens)
-        self.predicted_tokens.labels(worker).inc(decision.matched_tokens)
-        self.completion_tokens.labels(worker).inc(usage.completion_tokens)
-        self.e2e.labels(worker).observe(seconds)
+        w.prompt_tokens.inc(usage.prompt_tokens)
+        w.cached_tokens.inc(usage.cached_prompt_tokens)
+        w.predicted_tokens.inc(decision.matched_tokens)
+        w.completion_tokens.inc(usage.completion_tokens)
+        w.e2e.observe(seconds)
+
+    def _worker(self, worker_id: str) -> _WorkerSeries:
+        """The worker's labelled children, made once (``labels()`` costs a lock and a
+        tuple per call; this is a dict lookup on the request path)."""
+        series = self._series.get(worker_id)
+        if series is None:
+            series = self._series[worker_id] = _WorkerSeries(
+                self.decisions.labels(worker_id),
+                self.decision_prompt.labels(worker_id),
+                self.decision_matched.labels(worker_id),
+                self.prompt_tokens.labels(worker_id),
+                self.cached_tokens.labels(worker_id),
+                self.predicted_tokens.labels(worker_id),
+                self.completion_tokens.labels(worker_id),
+                self.ttft.labels(worker_id),
+                self.e2e.labels(worker_id),
+            )
+        return series
 
     def on_retry(self, worker_id: str, code: str) -> None:
         self.retries.labels(worker_id, code).inc()
