@@ -107,6 +107,8 @@ async def test_one_trace_across_router_and_worker(monkeypatch) -> None:
     assert route["kvroute.matched_tokens"] > 0  # the first request's blocks
     assert route["kvroute.best_matched_tokens"] == route["kvroute.matched_tokens"]
     assert route["kvroute.route.top_costs"][0].startswith("w0=")
+    by_source = (route["kvroute.event_matched_tokens"], route["kvroute.predicted_matched_tokens"])
+    assert 0 < max(by_source) <= route["kvroute.matched_tokens"]
     prefill = _attrs(by_name["kvroute.worker.prefill"])
     assert prefill["kvroute.cached_prompt_tokens"] == result.cached_prompt_tokens > 0
     assert (
