@@ -19,7 +19,7 @@ import uuid
 from collections.abc import AsyncGenerator
 
 from opentelemetry import propagate, trace
-from opentelemetry.trace import Span
+from opentelemetry.trace import Span, Status, StatusCode
 
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto.frontdoor import BadRequest, CallInfo, Overloaded, Unavailable
@@ -105,9 +105,12 @@ class WorkerGeneration:
     ) -> AsyncGenerator[pb.GenerateResponse, None]:
         # Continue the caller's trace when it sent a W3C traceparent (the router does, when
         # it is instrumented); otherwise this is a root span. No exporter is configured by
-        # default, so spans cost little.
+        # default, so spans cost little. The span is not made "current": a context attached
+        # across the yields of this generator is detached in another context when the call is
+        # cancelled mid-yield, which OpenTelemetry logs as "Failed to detach context".
         parent = propagate.extract(dict(call.metadata))
-        with tracer.start_as_current_span("kvroute.worker.Generate", context=parent) as span:
+        span = tracer.start_span("kvroute.worker.Generate", context=parent)
+        try:
             started = time.perf_counter()
             tracing = span.is_recording()
             phases = spans.Phases(time.time_ns()) if tracing else None
@@ -161,6 +164,12 @@ class WorkerGeneration:
                     log.info("request %s stopped before finishing; aborting it", rid)
                     self.runner.release(stream)
                 observer.on_end(outcome, time.perf_counter() - started)
+        except Exception as exc:  # what start_as_current_span would record
+            span.record_exception(exc)
+            span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+            raise
+        finally:
+            span.end()
 
     async def _admit(self, request: pb.GenerateRequest, span: Span) -> RequestStream:
         """Decode and submit a request, or raise the matching ServiceError."""
