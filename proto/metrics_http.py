@@ -17,6 +17,7 @@ Usage (a service shell)::
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import concurrent.futures
 import logging
@@ -26,12 +27,29 @@ from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, start_http_server
 
-__all__ = ["SNAPSHOT_TIMEOUT_S", "MetricsHttpServer", "await_on_loop", "call_on_loop"]
+__all__ = [
+    "SNAPSHOT_TIMEOUT_S",
+    "MetricsHttpServer",
+    "await_on_loop",
+    "call_on_loop",
+    "metrics_port",
+]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 SNAPSHOT_TIMEOUT_S = 2.0  # a scrape waits this long for the owning thread's snapshot
+
+
+def metrics_port(value: str) -> int:
+    """argparse type of ``--metrics-port``: a port in 0..65535 (0: a free one)."""
+    try:
+        port = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a port number, got {value!r}") from None
+    if not 0 <= port < 65536:
+        raise argparse.ArgumentTypeError(f"must be in 0..65535 (0: a free port), got {port}")
+    return port
 
 
 def call_on_loop(
@@ -105,8 +123,13 @@ class MetricsHttpServer:
         return f"{self.host}:{self.port}"
 
     def start(self) -> int:
-        """Bind and serve ``/metrics`` on a daemon thread; returns the bound port."""
-        server, thread = start_http_server(self.requested_port, self.host, self.registry)
+        """Bind and serve ``/metrics`` on a daemon thread; returns the bound port (OSError
+        naming the address when it cannot bind)."""
+        try:
+            server, thread = start_http_server(self.requested_port, self.host, self.registry)
+        except OSError as exc:
+            address = f"{self.host}:{self.requested_port}"
+            raise OSError(f"could not serve metrics on {address}: {exc.strerror or exc}") from None
         self._server, self._thread = server, thread
         self.port = int(server.server_port)
         log.info("metrics on http://%s/metrics", self.address)

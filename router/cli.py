@@ -19,6 +19,7 @@ from typing import Any
 
 from kvroute_proto.cli_help import HelpFormatter
 from kvroute_proto.http_front import HttpFrontConfig
+from kvroute_proto.metrics_http import metrics_port
 from kvroute_proto.registry import DEFAULT_PREFIX, DEFAULT_TTL_S
 from kvroute_proto.runtime import run_event_loop
 from kvroute_proto.telemetry import configure_tracing
@@ -197,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="seed for tie-breaks (reproducible runs)")
     p.add_argument(
         "--metrics-port",
-        type=int,
+        type=metrics_port,
         default=None,
         help="serve Prometheus metrics on http://HOST:PORT/metrics (HOST from --host; 0 picks "
         "a free port; default: no metrics endpoint). Names: docs/METRICS.md",
@@ -329,6 +330,9 @@ def main(argv: list[str]) -> int:
     shutdown_tracing = configure_tracing("kvroute-router", console=args.trace_console)
     try:
         run_event_loop(serve(config, args.metrics_port, tokenizer=tokenizer))
+    except OSError as exc:  # a port that cannot be bound
+        print(f"kvroute router: {exc}", file=sys.stderr)
+        return 1
     finally:
         shutdown_tracing()
     return 0

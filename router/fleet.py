@@ -32,6 +32,7 @@ import grpc
 
 from kvroute_proto.cli_help import HelpFormatter
 from kvroute_proto.http_front import HttpFrontConfig
+from kvroute_proto.metrics_http import metrics_port
 from kvroute_proto.runtime import run_event_loop
 from kvroute_proto.tokenizer import load_tokenizer_or_bytes
 from router.cli import POLICIES
@@ -321,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--metrics-port",
-        type=int,
+        type=metrics_port,
         default=None,
         metavar="P",
         help="Prometheus /metrics: the router on P, worker i on P+1+i (0: free ports; "

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from kvroute_proto.cli_help import HelpFormatter
 from kvroute_proto.http_front import HttpFrontConfig
+from kvroute_proto.metrics_http import metrics_port
 from kvroute_proto.registry import (
     DEFAULT_PREFIX,
     DEFAULT_TTL_S,
@@ -219,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     reg.add_argument(
         "--metrics-port",
-        type=int,
+        type=metrics_port,
         default=None,
         help="serve Prometheus metrics on http://HOST:PORT/metrics (HOST from --host; 0 picks "
         "a free port; default: no metrics endpoint). Names: docs/METRICS.md",
