@@ -1,4 +1,5 @@
-"""Fixed vs adaptive new-token reserve ratio in the simulated fleet replay.
+"""Engine settings compared in the simulated fleet replay: fixed vs adaptive new-token
+reserve ratio, and the radix cache's split recency.
 
 Replays one trace through the sim fleet (real router and caches, modelled step time, as
 ``kvroute replay --mode sim``) once per reserve setting and reports, per setting, the
@@ -7,7 +8,9 @@ engines' retractions (summed over workers), output throughput, hit rate and TTFT
 
 Settings: ``fixed:R`` (EngineConfig.new_token_reserve_ratio = R, adaptive off) and
 ``adaptive`` (EngineConfig.adaptive_reserve = SGLang's defaults: 0.7 decaying to 0.098 over
-600 decode steps, raised after each retraction).
+600 decode steps, raised after each retraction); ``split:keep`` / ``split:stamp``
+(EngineConfig.split_recency: whether the unused half of a split edge counts as accessed;
+compare the hit rates).
 
 Usage::
 
@@ -26,6 +29,7 @@ from dataclasses import asdict, dataclass, replace
 
 from bench.replay.sim import FleetSim, SimConfig
 from bench.replay.trace import TokenExpander, read_trace
+from worker.cache.base import SPLIT_RECENCY
 from worker.engine.engine import EngineConfig
 from worker.engine.engine_config import AdaptiveReserve
 
@@ -46,10 +50,13 @@ class ReserveRow:
 
 
 def engine_config_for(setting: str, base: EngineConfig) -> EngineConfig:
-    """``fixed:R`` or ``adaptive`` -> the engine config (ValueError naming the setting)."""
+    """``fixed:R``, ``adaptive`` or ``split:keep|stamp`` -> the engine config (ValueError
+    naming the setting)."""
     if setting == "adaptive":
         return replace(base, adaptive_reserve=AdaptiveReserve())
     kind, _, value = setting.partition(":")
+    if kind == "split" and value in SPLIT_RECENCY:
+        return replace(base, split_recency=value)
     if kind == "fixed" and value:
         try:
             ratio = float(value)
@@ -57,7 +64,10 @@ def engine_config_for(setting: str, base: EngineConfig) -> EngineConfig:
             ratio = -1.0
         if 0.0 <= ratio <= 1.0:
             return replace(base, new_token_reserve_ratio=ratio, adaptive_reserve=None)
-    raise ValueError(f"--setting must be 'adaptive' or 'fixed:R' with R in [0, 1], got {setting!r}")
+    raise ValueError(
+        "--setting must be 'adaptive', 'fixed:R' with R in [0, 1], or 'split:keep' / "
+        f"'split:stamp', got {setting!r}"
+    )
 
 
 def run_setting(
@@ -109,7 +119,10 @@ def main(argv: list[str] | None = None) -> int:
         "--setting",
         action="append",
         default=None,
-        help="'fixed:R' or 'adaptive' (repeatable; default: " + ", ".join(DEFAULT_SETTINGS) + ")",
+        help="'fixed:R', 'adaptive', or 'split:keep' / 'split:stamp' (the radix cache's "
+        "split recency, reserve at its default) (repeatable; default: "
+        + ", ".join(DEFAULT_SETTINGS)
+        + ")",
     )
     p.add_argument("--seed", type=int, default=0, help="token expansion seed (default 0)")
     p.add_argument("--json", metavar="OUT", help="write the rows as JSON")

@@ -34,9 +34,20 @@ def test_settings_replay_the_whole_trace(tmp_path: Path) -> None:
     assert rows["adaptive"]["retractions"] < rows["fixed:0.0"]["retractions"]
 
 
-@pytest.mark.parametrize("bad", ["fixed", "fixed:2", "fixed:x", "lru"])
+@pytest.mark.parametrize("bad", ["fixed", "fixed:2", "fixed:x", "lru", "split:lru"])
 def test_bad_setting_is_a_usage_error(bad: str, tmp_path: Path) -> None:
     trace = _trace(tmp_path / "t.jsonl")
     with pytest.raises(SystemExit) as exc:
         bench_reserve.main(["--trace", str(trace), "--trace-block-size", "64", "--setting", bad])
     assert exc.value.code == 2
+
+
+def test_settings_map_to_engine_config() -> None:
+    from worker.engine.engine import EngineConfig
+
+    base = EngineConfig()
+    assert bench_reserve.engine_config_for("split:stamp", base).split_recency == "stamp"
+    assert bench_reserve.engine_config_for("split:keep", base).split_recency == "keep"
+    fixed = bench_reserve.engine_config_for("fixed:0.5", base)
+    assert (fixed.new_token_reserve_ratio, fixed.adaptive_reserve) == (0.5, None)
+    assert bench_reserve.engine_config_for("adaptive", base).adaptive_reserve is not None

@@ -33,6 +33,12 @@ class CacheConfig:
     page_size: int = 1
     eviction_policy: str = "lru"  # a name from the eviction strategy registry
     block_size: int | None = None  # event block size; None = event outbox off
+    # When an access splits an edge: "keep" = the unused lower half keeps its own access
+    # time (true LRU); "stamp" = SGLang's rule, both halves get this access's time.
+    split_recency: str = "keep"
+
+
+SPLIT_RECENCY = ("keep", "stamp")
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,9 +10,20 @@ point where two cached sequences stopped agreeing. Inserting [1,2,4,5] next to [
 
 Children are keyed by (partition id, first page of the edge), so partitions never share a
 node. Granularity is ``page_size``: keys are page-aligned and edges split on page boundaries.
-Each match/insert reads the clock once and stamps every node on its path (recency); as in
-SGLang, ``hit_count`` counts the inserts of finished requests through a node, and a node's
-``priority`` is the highest priority of those inserts.
+Each match/insert reads the clock once and stamps every node on its matched path (recency);
+as in SGLang, ``hit_count`` counts the inserts of finished requests through a node, and a
+node's ``priority`` is the highest priority of those inserts.
+
+Split recency (``CacheConfig.split_recency``). When a match or insert ends inside an edge,
+the edge is split and only its upper part was used::
+
+    before:  A(t=3) ── [1,2,3,4]                     access [1,2,9] at t=7
+    "keep":  A ── [1,2](t=7) ── [3,4](t=3)           the unused half keeps its own time
+    "stamp": A ── [1,2](t=7) ── [3,4](t=7)           SGLang: stamped before the split
+
+"keep" (the default) is a true LRU: ``[3,4]`` was not used, so it stays as old as it was.
+"stamp" is what SGLang's RadixCache does (it sets the child's access time before calling
+_split_node), which makes the unused lower half look recently used.
 
 Sizes: every cached token is either *protected* (its node's lock_ref > 0) or *evictable*.
 Only unlocked leaves are eviction candidates; they live in a persistent heap keyed by the
@@ -35,7 +46,7 @@ import numpy as np
 from kvroute_proto.events import DEFAULT_PARTITION, KvEvent, Partition, Snapshot
 from worker.cache import block_events, debug
 from worker.cache.allocator import SlotAllocator
-from worker.cache.base import CacheConfig, CacheReq, MatchResult, PrefixCache
+from worker.cache.base import SPLIT_RECENCY, CacheConfig, CacheReq, MatchResult, PrefixCache
 from worker.cache.eviction import get_strategy
 from worker.cache.eviction_heap import EvictionHeap
 from worker.cache.keys import as_slots, as_tokens, check_priority
@@ -62,7 +73,12 @@ class RadixCache(PrefixCache):
             not isinstance(config.block_size, int) or config.block_size < 1
         ):
             raise ValueError(f"block_size must be None or an int >= 1, got {config.block_size!r}")
+        if config.split_recency not in SPLIT_RECENCY:
+            raise ValueError(
+                f"split_recency must be one of {SPLIT_RECENCY}, got {config.split_recency!r}"
+            )
         self.config = config
+        self._stamp_split = config.split_recency == "stamp"
         self.page_size = config.page_size
         self.block_size = config.block_size
         self.allocator = allocator
@@ -157,11 +173,19 @@ class RadixCache(PrefixCache):
                 children = child.children
                 continue
             # The match ends inside this edge: split it; the new parent is the last node.
+            if self._stamp_split:
+                self._stamp(child, now)
             node = self._split(child, self._common_len(key, pos8 >> 3, ekb))
             node.last_access = now
             pieces.append(node.value)
             break
         return node, pieces
+
+    def _stamp(self, node: TreeNode, now: float) -> None:
+        """split_recency="stamp": the edge about to split counts as accessed (both halves)."""
+        node.last_access = now
+        if not node.children:
+            self._candidates.touched(node)
 
     def _common_len(self, key: np.ndarray, pos: int, ekb: bytes) -> int:
         """Page-aligned length of the common prefix of key[pos:] and an edge (numpy compare)."""
@@ -251,6 +275,8 @@ class RadixCache(PrefixCache):
             ekb = child.kb
             split = not kb.startswith(ekb, pos8)
             if split:
+                if self._stamp_split:
+                    self._stamp(child, now)
                 child = self._split(child, self._common_len(key, pos8 >> 3, ekb))
             child.last_access = now
             child.hit_count += hit

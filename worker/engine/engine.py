@@ -50,6 +50,7 @@ def build_cache(
         page_size=config.page_size,
         eviction_policy=config.eviction_policy,
         block_size=config.block_size,
+        split_recency=config.split_recency,
     )
     if config.enable_cache:
         from worker.cache.radix_cache import RadixCache

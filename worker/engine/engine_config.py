@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from worker.cache.base import SPLIT_RECENCY
+
 
 @dataclass(frozen=True, slots=True)
 class AdaptiveReserve:
@@ -64,6 +66,8 @@ class EngineConfig:
       at least this many tokens with a request being prefilled (0 turns the dedup off).
     * ``lpm_rematch_budget``: most waiting requests whose prefix match LPM refreshes per step;
       the rest keep a stale estimate (counted in ``EngineStats.num_lpm_stale_estimates``).
+    * ``split_recency``: "keep" or "stamp" -- whether the unused lower half of an edge that
+      an access splits counts as accessed (CacheConfig.split_recency; "stamp" is SGLang's).
     * ``clamp_max_new_tokens``: accept prompt + max_new_tokens > max_context_tokens and stop
       such a request with ``FinishReason.MAX_CONTEXT`` instead of rejecting it.
     """
@@ -85,6 +89,7 @@ class EngineConfig:
     lpm_rematch_budget: int = 512
     clamp_max_new_tokens: bool = False
     adaptive_reserve: AdaptiveReserve | None = None
+    split_recency: str = "keep"
 
     def __post_init__(self) -> None:
         positive = (
@@ -103,6 +108,11 @@ class EngineConfig:
         for name in ("in_batch_dedup_min_tokens", "lpm_rematch_budget"):
             if getattr(self, name) < 0:
                 raise ValueError(f"EngineConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.split_recency not in SPLIT_RECENCY:
+            raise ValueError(
+                f"EngineConfig.split_recency must be one of {SPLIT_RECENCY}, "
+                f"got {self.split_recency!r}"
+            )
         if self.adaptive_reserve is not None and not isinstance(
             self.adaptive_reserve, AdaptiveReserve
         ):
