@@ -251,7 +251,7 @@ class WorkerInfo(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., block_size: _Optional[int] = ..., page_size: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ..., executor: _Optional[str] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ..., model_name: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ...) -> None: ...
 
 class WorkerScore(_message.Message):
-    __slots__ = ("worker_id", "address", "healthy", "matched_tokens", "inflight_prefill_tokens", "cost", "load", "recent_prefill_tokens", "event_matched_tokens", "predicted_matched_tokens")
+    __slots__ = ("worker_id", "address", "healthy", "matched_tokens", "inflight_prefill_tokens", "cost", "load", "recent_prefill_tokens", "event_matched_tokens", "predicted_matched_tokens", "not_candidate_reason")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
@@ -262,6 +262,7 @@ class WorkerScore(_message.Message):
     RECENT_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EVENT_MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NOT_CANDIDATE_REASON_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     healthy: bool
@@ -272,7 +273,8 @@ class WorkerScore(_message.Message):
     recent_prefill_tokens: float
     event_matched_tokens: int
     predicted_matched_tokens: int
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., matched_tokens: _Optional[int] = ..., inflight_prefill_tokens: _Optional[int] = ..., cost: _Optional[float] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ..., recent_prefill_tokens: _Optional[float] = ..., event_matched_tokens: _Optional[int] = ..., predicted_matched_tokens: _Optional[int] = ...) -> None: ...
+    not_candidate_reason: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., matched_tokens: _Optional[int] = ..., inflight_prefill_tokens: _Optional[int] = ..., cost: _Optional[float] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ..., recent_prefill_tokens: _Optional[float] = ..., event_matched_tokens: _Optional[int] = ..., predicted_matched_tokens: _Optional[int] = ..., not_candidate_reason: _Optional[str] = ...) -> None: ...
 
 class ExplainRequest(_message.Message):
     __slots__ = ("request",)

@@ -77,12 +77,13 @@ class WorkerScoreView:
     healthy: bool
     matched_tokens: int
     inflight_prefill_tokens: int
-    cost: float
+    cost: float | None  # None: the policy has no cost, or the worker is no candidate
     num_running: int
     num_waiting: int
     recent_prefill_tokens: float = 0.0
     event_matched_tokens: int = 0  # confirmed by the worker's KV events
     predicted_matched_tokens: int = 0  # from the router's recent routing alone
+    not_candidate_reason: str = ""  # empty for a candidate
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,12 +207,13 @@ class RouterClient:
                     healthy=w.healthy,
                     matched_tokens=w.matched_tokens,
                     inflight_prefill_tokens=w.inflight_prefill_tokens,
-                    cost=w.cost,
+                    cost=w.cost if w.HasField("cost") else None,
                     num_running=w.load.num_running,
                     num_waiting=w.load.num_waiting,
                     recent_prefill_tokens=w.recent_prefill_tokens,
                     event_matched_tokens=w.event_matched_tokens,
                     predicted_matched_tokens=w.predicted_matched_tokens,
+                    not_candidate_reason=w.not_candidate_reason,
                 )
                 for w in resp.workers
             ),
@@ -415,20 +417,24 @@ def main(argv: list[str]) -> int:
 def format_explain(result: ExplainResult) -> str:
     """A human-readable table of an Explain answer. ``matched`` is what the policy used;
     ``events`` the part the worker's KV events confirm, ``predicted`` the part the router
-    predicts from what it sent there lately (short-lived)."""
+    predicts from what it sent there lately (short-lived). ``cost`` is ``-`` under a policy
+    without costs and for a worker that is no candidate; ``why-not`` says why it is not."""
     lines = [
         f"policy={result.policy} prompt_tokens={result.prompt_tokens} "
         f"chosen={result.chosen_worker_id or '(none)'}",
         f"  {'worker':<16} {'address':<22} {'ok':<3} {'matched':>8} {'events':>7} "
-        f"{'predicted':>9} {'inflight':>9} {'run':>4} {'wait':>5} {'recent':>9} {'cost':>12}",
+        f"{'predicted':>9} {'inflight':>9} {'run':>4} {'wait':>5} {'recent':>9} {'cost':>12}"
+        "  why-not",
     ]
     for w in result.workers:
         mark = "*" if w.worker_id == result.chosen_worker_id else " "
+        cost = "-" if w.cost is None else f"{w.cost:.4g}"
         lines.append(
             f"{mark} {w.worker_id:<16} {w.address:<22} {'yes' if w.healthy else 'no':<3} "
             f"{w.matched_tokens:>8} {w.event_matched_tokens:>7} "
             f"{w.predicted_matched_tokens:>9} {w.inflight_prefill_tokens:>9} {w.num_running:>4} "
-            f"{w.num_waiting:>5} {w.recent_prefill_tokens:>9.0f} {w.cost:>12.4g}"
+            f"{w.num_waiting:>5} {w.recent_prefill_tokens:>9.0f} {cost:>12}  "
+            f"{w.not_candidate_reason}"
         )
     return "\n".join(lines)
 

@@ -81,6 +81,10 @@ __all__ = [
     "WorkerView",
 ]
 
+# Explain's reasons for a worker that is not a candidate (WorkerScore.not_candidate_reason)
+UNHEALTHY = "unhealthy"
+EXCLUDED = "excluded by the request"
+
 
 @dataclass(slots=True)
 class _Inflight:
@@ -396,6 +400,11 @@ class RouterCore:
         lines = []
         for worker in self._workers.values():
             v = worker.view
+            reason = ""
+            if not v.healthy:
+                reason = UNHEALTHY
+            elif req.exclude and v.worker_id in req.exclude:
+                reason = EXCLUDED
             lines.append(
                 WorkerScore(
                     v.worker_id,
@@ -409,6 +418,7 @@ class RouterCore:
                     v.recent_prefill * unscale,
                     min(confirmed.get(v.slot, 0) * block_size, prompt_tokens),
                     min(predicted.get(v.slot, 0) * block_size, prompt_tokens),
+                    reason,
                 )
             )
         return Explanation(self._policy.name, query.prompt_tokens, chosen, tuple(lines))

@@ -128,6 +128,9 @@ class WorkerScore:
     # requests the router sent there lately (matched_tokens is at least the larger of both)
     event_matched_tokens: int = 0
     predicted_matched_tokens: int = 0
+    # empty for a candidate; else why route() would not pick it ("unhealthy", "excluded by
+    # the request"); the shell adds what only it knows (the last error, an ejection)
+    not_candidate_reason: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,14 +12,22 @@ from collections.abc import Callable, Container
 
 from kvroute_proto import codec
 from kvroute_proto import kvroute_pb2 as pb
+from router.core import UNHEALTHY
 from router.core_types import Explanation, WorkerScore
 
 
 def worker_score_to_pb(
-    score: WorkerScore, *, address: str = "", ejected: bool = False
+    score: WorkerScore, *, address: str = "", ejected: bool = False, last_error: str = ""
 ) -> pb.WorkerScore:
     """One worker's Explain line: ``address`` when the core has none, unhealthy while
-    ``ejected``; the cost is NaN where the policy has none for that worker."""
+    ``ejected``. The cost is left unset (not NaN) where the policy has none for that worker;
+    ``not_candidate_reason`` says why a worker is not a candidate, with the connection's
+    ``last_error`` for an unhealthy one."""
+    reason = score.not_candidate_reason
+    if reason == UNHEALTHY and last_error:
+        reason = f"{UNHEALTHY}: {last_error}"
+    elif ejected and not reason:
+        reason = "ejected after consecutive failures (cooling down)"
     msg = pb.WorkerScore(
         worker_id=score.worker_id,
         address=score.address or address,
@@ -28,9 +36,11 @@ def worker_score_to_pb(
         event_matched_tokens=score.event_matched_tokens,
         predicted_matched_tokens=score.predicted_matched_tokens,
         inflight_prefill_tokens=score.inflight_prefill_tokens,
-        cost=math.nan if score.cost is None else score.cost,
         recent_prefill_tokens=score.recent_prefill_tokens,
+        not_candidate_reason=reason,
     )
+    if score.cost is not None and math.isfinite(score.cost):
+        msg.cost = score.cost
     if score.load is not None:
         msg.load.CopyFrom(codec.load_to_pb(score.load))
     return msg
@@ -41,15 +51,22 @@ def explanation_to_pb(
     *,
     address_of: Callable[[str], str] = lambda _worker_id: "",
     ejected: Container[str] = (),
+    last_error_of: Callable[[str], str] = lambda _worker_id: "",
 ) -> pb.ExplainResponse:
     """The ExplainResponse for ``expl`` (``address_of``: worker id -> address, the pool's;
-    ``ejected``: worker ids ejected for failures)."""
+    ``ejected``: worker ids ejected for failures; ``last_error_of``: worker id -> its
+    connection's last error)."""
     return pb.ExplainResponse(
         policy=expl.policy,
         prompt_tokens=expl.prompt_tokens,
         chosen_worker_id=expl.chosen_worker_id or "",
         workers=[
-            worker_score_to_pb(w, address=address_of(w.worker_id), ejected=w.worker_id in ejected)
+            worker_score_to_pb(
+                w,
+                address=address_of(w.worker_id),
+                ejected=w.worker_id in ejected,
+                last_error=last_error_of(w.worker_id) if not w.healthy else "",
+            )
             for w in expl.workers
         ],
     )

@@ -12,16 +12,15 @@ it, which cancels the worker call (the worker aborts the request and frees its K
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import AsyncIterator
 from typing import NoReturn
 
 import grpc
 
-from kvroute_proto import codec
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
 from kvroute_proto.frontdoor import CallInfo, ServiceError
+from router.service import convert
 from router.service.frontend import Frontend
 from router.service.pool import WorkerPool
 
@@ -76,22 +75,13 @@ class RouterServicer(pb_grpc.RouterServicer):
             expl = self.frontend.explain(request.request, call_info(context))
         except ServiceError as exc:
             await abort_with(context, exc)
-        ejected = self.frontend.ejector.ejected()
-        resp = pb.ExplainResponse(
-            policy=expl.policy,
-            prompt_tokens=expl.prompt_tokens,
-            chosen_worker_id=expl.chosen_worker_id or "",
+        return convert.explanation_to_pb(
+            expl,
+            address_of=self._pool.address_of,
+            ejected=self.frontend.ejector.ejected(),
+            last_error_of=self._last_error_of,
         )
-        for w in expl.workers:
-            score = resp.workers.add(
-                worker_id=w.worker_id,
-                address=w.address or self._pool.address_of(w.worker_id),
-                healthy=w.healthy and w.worker_id not in ejected,
-                matched_tokens=w.matched_tokens,
-                inflight_prefill_tokens=w.inflight_prefill_tokens,
-                cost=math.nan if w.cost is None else w.cost,
-                recent_prefill_tokens=w.recent_prefill_tokens,
-            )
-            if w.load is not None:
-                score.load.CopyFrom(codec.load_to_pb(w.load))
-        return resp
+
+    def _last_error_of(self, worker_id: str) -> str:
+        conn = self._pool.by_worker_id(worker_id)
+        return conn.last_error if conn is not None else ""

@@ -448,6 +448,14 @@ def test_explain_reports_every_worker_and_changes_nothing() -> None:
         ("w1", True, 64, None),
         ("w2", False, 0, None),
     ]
+    assert [w.not_candidate_reason for w in e.workers] == ["", "", "unhealthy"]
+    excluded = core.explain(RouteRequest("r", tokens(70), exclude=frozenset({"w0"})))
+    assert [w.not_candidate_reason for w in excluded.workers] == [
+        "excluded by the request",
+        "",
+        "unhealthy",
+    ]
+    assert excluded.chosen_worker_id == "w1"
     assert core.explain(RouteRequest("r", tokens(70))).chosen_worker_id == "w0"
     assert core.stats() == before
     assert core.route(RouteRequest("r", tokens(70))).worker_id == "w0"

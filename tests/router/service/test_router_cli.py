@@ -149,7 +149,7 @@ def test_format_explain_marks_the_pick():
     )
     lines = client.format_explain(result).splitlines()
     assert lines[0] == "policy=cache_aware prompt_tokens=8 chosen=w1"
-    assert lines[1].split()[-2:] == ["recent", "cost"]
+    assert lines[1].split()[-3:] == ["recent", "cost", "why-not"]
     assert lines[2].startswith("  w0") and lines[3].startswith("* w1")
     assert lines[2].split()[-2:] == ["1234", "8"]
 

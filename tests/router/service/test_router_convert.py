@@ -44,7 +44,7 @@ def test_worker_score_carries_both_sources():
     assert not msg.HasField("load")
 
 
-def test_explanation_fills_address_ejection_nan_cost_and_load():
+def test_explanation_fills_address_ejection_no_cost_and_load():
     expl = Explanation(
         "cache_aware",
         100,
@@ -57,7 +57,9 @@ def test_explanation_fills_address_ejection_nan_cost_and_load():
     resp = explanation_to_pb(expl, address_of=lambda wid: f"pool-{wid}", ejected={"w0"})
     assert (resp.policy, resp.prompt_tokens, resp.chosen_worker_id) == ("cache_aware", 100, "w1")
     w0, w1 = resp.workers
-    assert (w0.address, w0.healthy) == ("pool-w0", False) and math.isnan(w0.cost)
+    assert (w0.address, w0.healthy) == ("pool-w0", False) and not w0.HasField("cost")
+    assert w0.not_candidate_reason.startswith("ejected") and w1.not_candidate_reason == ""
+    assert w1.HasField("cost") and w1.cost == 1.5
     assert (w1.address, w1.healthy, w1.load.num_running) == ("own:1", True, 3)
     assert explanation_to_pb(Explanation("random", 0, None, ())).chosen_worker_id == ""
 
@@ -69,3 +71,17 @@ def test_explain_table_prints_events_and_predicted_columns():
     assert "events" in header and "predicted" in header
     cols = row.split()
     assert cols[cols.index("yes") + 1 : cols.index("yes") + 4] == ["96", "64", "32"]
+
+
+def test_unhealthy_worker_says_why_with_the_connection_error_and_no_nan():
+    expl = Explanation(
+        "cache_aware",
+        10,
+        None,
+        (_score(worker_id="w0", healthy=False, cost=None, not_candidate_reason="unhealthy"),),
+    )
+    resp = explanation_to_pb(expl, last_error_of=lambda wid: f"{wid}: connect failed (UNAVAILABLE)")
+    (w0,) = resp.workers
+    assert w0.not_candidate_reason == "unhealthy: w0: connect failed (UNAVAILABLE)"
+    assert not w0.HasField("cost") and not w0.healthy
+    assert not worker_score_to_pb(_score(cost=math.nan)).HasField("cost")

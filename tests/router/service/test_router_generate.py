@@ -11,14 +11,14 @@ import grpc
 import numpy as np
 import pytest
 from router_fake_worker import FakeWorker, running_fake
-from router_harness import WAIT_S, router_config, running_router
+from router_harness import FAST_CONN, WAIT_S, router_config, running_router
 
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
 from kvroute_proto.events import BlockStored, EventBatch, Partition
 from kvroute_proto.hashing import block_hash_list
 from router.admission import AdmissionConfig
-from router.client import GenerateOptions, build_request
+from router.client import GenerateOptions, build_request, format_explain
 from router.service.frontend import FrontendConfig
 from router.service.resilience import EjectionConfig
 from router.service.server import RegistryConfig, RouterServer
@@ -322,7 +322,8 @@ async def test_explain_lists_every_worker_and_the_pick(fleet):
     assert expl.policy == "cache_aware" and expl.prompt_tokens == 16
     assert sorted(w.worker_id for w in expl.workers) == ["w0", "w1"]
     assert expl.chosen_worker_id in ("w0", "w1")
-    assert all(w.healthy and not math.isnan(w.cost) for w in expl.workers)
+    assert all(w.healthy and w.cost is not None and math.isfinite(w.cost) for w in expl.workers)
+    assert all(w.not_candidate_reason == "" for w in expl.workers)
     addresses = {w.address for w in expl.workers}
     assert addresses == set(router.server.config.workers)
 
@@ -355,7 +356,7 @@ async def test_abort_from_another_tenant_does_not_find_the_request():
         call.cancel()
 
 
-async def test_explain_of_a_policy_without_cost_reports_nan():
+async def test_explain_of_a_policy_without_cost_reports_no_cost():
     a = FakeWorker("w0")
     async with running_fake(a) as ra:
         config = router_config([ra.address])
@@ -366,7 +367,8 @@ async def test_explain_of_a_policy_without_cost_reports_nan():
             await router.wait_synced(1)
             expl = await router.client.explain(PROMPT)
     assert expl.policy == "round_robin" and expl.chosen_worker_id == "w0"
-    assert [math.isnan(w.cost) for w in expl.workers] == [True]
+    assert [(w.cost, w.not_candidate_reason) for w in expl.workers] == [(None, "")]
+    assert "nan" not in format_explain(expl)
 
 
 async def test_redis_outage_keeps_routing_to_static_workers():
@@ -600,3 +602,23 @@ async def test_a_deadline_no_worker_can_meet_is_refused_at_once(fleet):
     await until(lambda: router.server.frontend.num_inflight == 0, "calls never released")
     admission = router.server.frontend.admission
     assert admission.num_inflight("w0") == admission.num_inflight("w1") == 0
+
+
+async def test_explain_says_why_a_dead_static_worker_is_no_candidate():
+    a, b = FakeWorker("w0"), FakeWorker("w1")
+    async with running_fake(a) as ra, running_fake(b) as rb:
+        addresses = [ra.address, rb.address]
+        keep = dataclasses.replace(FAST_CONN, purge_after_s=60.0)  # still listed
+        config = router_config(addresses, connection=keep)
+        async with running_router(addresses, config) as router:
+            await router.wait_synced(2)
+            await rb.server.stop(0)
+            await router.wait_healthy(1)
+            expl = await router.client.explain(PROMPT)
+    by_id = {w.worker_id: w for w in expl.workers}
+    assert expl.chosen_worker_id == "w0" and by_id["w0"].not_candidate_reason == ""
+    assert by_id["w0"].cost is not None and math.isfinite(by_id["w0"].cost)
+    dead = by_id["w1"]  # a static worker stays listed: no cost, and why (its last error)
+    assert not dead.healthy and dead.cost is None
+    assert dead.not_candidate_reason.startswith("unhealthy: UNAVAILABLE"), dead
+    assert "nan" not in format_explain(expl)
