@@ -37,6 +37,7 @@ from kvroute_proto.events import EventBatch, LoadReport, Snapshot
 from worker.engine.types import EngineRequest, FinishReason, RequestOutput, Usage
 from worker.errors import DuplicateRequestError, WorkerError
 from worker.service import convert
+from worker.service.faults import EventFaults, faults_from_env
 from worker.service.publisher import EventPublisher
 
 if TYPE_CHECKING:
@@ -189,6 +190,8 @@ class EngineRunner:
         self._failure: BaseException | None = None
         self._stopping = False
         self._pool_closed = False
+        # test-only (tests/faults): drop / duplicate / reorder live batches; None when off
+        self.event_faults: EventFaults[pb.KvStreamMessage] | None = faults_from_env()
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -381,6 +384,11 @@ class EngineRunner:
 
     def _fan_out(self, batch: EventBatch, targets: tuple[Subscription, ...]) -> None:
         msg = convert.stream_message_to_pb(batch)  # encoded once for every subscriber
+        if self.event_faults is not None:
+            for faulty in self.event_faults.apply(msg):
+                for sub in targets:
+                    sub.push(faulty)
+            return
         for sub in targets:
             sub.push(msg)
 
