@@ -28,6 +28,15 @@ workers, plus 1M other blocks in 128-block chains held by one worker each):
 * ``bytes_per_entry``: traced memory (tracemalloc) of the index per indexed (block, worker)
   pair at 1M blocks, keys included; ``bytes_per_block`` is the same per block.
 
+Text prompts -- the same index, with system prompts that are the token ids of texts, and a
+byte-level BPE of 32,000 ids trained on English-like text first (``bench.bpe``, ~5 s):
+
+* ``route_text_p50_us`` / ``route_text_p99_us``: tokenizing an 8,192-token text prompt (a
+  system text + a new part of the same distribution) with that BPE
+  (``kvroute_proto.tokenizer.HFTokenizer``, as ``kvroute router --model``), then
+  ``RouterCore.route`` of its ids; ``route_text_cpu_*`` the same in thread CPU time,
+  ``route_text_tokenize_p50_us`` the tokenizing alone. ``--no-text`` skips the section.
+
 ``--route-metrics`` times each route together with what the router's metrics add to it
 (``router.service.metrics.RouterMetrics.on_route``: the decision's counters and the latency
 histogram, plus the two clock reads around route); ``--route-only`` skips the comparable
@@ -35,7 +44,8 @@ section and the memory trace (the A/B runs in BENCHMARKS.md).
 
 Usage::
 
-    python -m bench.bench_index [--quick] [--route-only] [--route-metrics] [--json OUT]
+    python -m bench.bench_index [--quick] [--route-only] [--no-text] [--route-metrics]
+        [--json OUT]
 """
 
 from __future__ import annotations
@@ -55,9 +65,11 @@ from dataclasses import dataclass
 import numpy as np
 from prometheus_client import CollectorRegistry
 
+from bench.bpe import english_like_text, train_bpe
 from kvroute_proto.codec import decode_stream_message, encode_stream_message
 from kvroute_proto.events import DEFAULT_PARTITION, BlockRemoved, BlockStored, EventBatch
 from kvroute_proto.hashing import block_hashes
+from kvroute_proto.tokenizer import HFTokenizer
 from router.core import RouterConfig, RouterCore, RouteRequest
 from router.index import PrefixIndex
 from router.service.metrics import RouterMetrics
@@ -284,6 +296,117 @@ def bench_scale(
     return results
 
 
+@dataclass(frozen=True, slots=True)
+class TextConfig:
+    """The text route section: a byte-level BPE trained here (bench.bpe) on seeded
+    English-like text, prompts of the same distribution (another seed)."""
+
+    vocab_size: int = 32_000
+    train_words: int = 600_000
+    rare_words: int = 60_000  # made-up words: a 32k vocabulary needs a long tail to learn
+    num_routes: int = 1000
+    seed: int = 7
+
+
+def _text_prompts(
+    tok: HFTokenizer, words: list[str], num: int, target_tokens: int, start: int
+) -> tuple[list[str], int]:
+    """``num`` texts of about ``target_tokens`` tokens, consecutive word windows of
+    ``words`` from ``start`` (wrapping); and the word index after the last."""
+    sample = " ".join(words[:4000])
+    per_word = len(tok.encode(sample)) / 4000
+    n = max(1, round(target_tokens / per_word))
+    texts = []
+    for _ in range(num):
+        if start + n > len(words):
+            start = 0
+        texts.append(" ".join(words[start : start + n]))
+        start += n
+    return texts, start
+
+
+def bench_route_text(
+    cfg: ScaleConfig, text: TextConfig, metrics: RouterMetrics | None = None
+) -> dict[str, float]:
+    """``route_text_*``: what the router's front end does for a text prompt of
+    ``cfg.prompt_tokens`` tokens -- tokenize it with a real BPE (kvroute_proto.tokenizer,
+    as ``kvroute router --model`` does), then hash, match and score it (``RouterCore.route``)
+    -- on the 64-worker, 1M-block index of the token-id section, whose system prompts are
+    now the token ids of system-prompt texts."""
+    tok = HFTokenizer(
+        train_bpe(
+            text.vocab_size,
+            seed=0,
+            num_words=text.train_words,
+            num_rare=text.rare_words,
+        )
+    )
+    words = english_like_text(
+        text.num_routes * cfg.prompt_tokens // 2 + 50_000, text.seed, num_rare=text.rare_words
+    ).split(" ")
+    systems, pos = _text_prompts(tok, words, cfg.num_system_prompts, cfg.system_tokens, 0)
+    # each system text ends a sentence and each new part starts a word: the prompt's ids
+    # begin with the system text's ids (a pre-tokeniser boundary)
+    new_parts, _ = _text_prompts(
+        tok, words, text.num_routes, cfg.prompt_tokens - cfg.system_tokens, pos
+    )
+    bs = cfg.block_size
+    seed = DEFAULT_PARTITION.seed
+    system_hashes = [
+        block_hashes(np.asarray(tok.encode(s), dtype=np.uint32), bs, seed).tolist() for s in systems
+    ]
+    now = [0.0]
+    core = RouterCore(
+        RouterConfig(block_size=bs, max_indexed_blocks=2 * cfg.num_blocks, predicted_ttl_s=5.0),
+        clock=lambda: now[0],
+        rng=random.Random(cfg.seed),
+    )
+    for w in range(cfg.num_workers):
+        core.add_worker(f"w{w}", f"10.0.{w // 256}.{w % 256}:50051", block_size=bs)
+    _fill(core.index, cfg, system_hashes)
+    prompts = [f"{systems[i % len(systems)]} {new_parts[i]}" for i in range(text.num_routes)]
+    total = np.empty(text.num_routes)
+    tokenize = np.empty(text.num_routes)
+    cpu = np.empty(text.num_routes)
+    num_tokens = matched = 0
+    gc.collect()
+    gc.freeze()
+    try:
+        for i, prompt in enumerate(prompts):
+            c0 = time.thread_time_ns()
+            t0 = time.perf_counter_ns()
+            ids = np.asarray(tok.encode(prompt), dtype=np.uint32)
+            t1 = time.perf_counter_ns()
+            req = RouteRequest(f"r{i}", ids)
+            if metrics is None:
+                d = core.route(req)
+            else:
+                r0 = time.perf_counter()
+                d = core.route(req)
+                metrics.on_route(d, time.perf_counter() - r0)
+            total[i] = time.perf_counter_ns() - t0
+            cpu[i] = time.thread_time_ns() - c0
+            tokenize[i] = t1 - t0
+            core.on_first_token(req.request_id)
+            core.on_finished(req.request_id)
+            num_tokens += len(ids)
+            matched += d.matched_tokens
+            now[0] += 0.01
+    finally:
+        gc.unfreeze()
+    skip = min(100, text.num_routes // 10)
+    us = 1 / 1000
+    return {
+        "route_text_p50_us": float(np.percentile(total[skip:], 50)) * us,
+        "route_text_p99_us": float(np.percentile(total[skip:], 99)) * us,
+        "route_text_cpu_p50_us": float(np.percentile(cpu[skip:], 50)) * us,
+        "route_text_cpu_p99_us": float(np.percentile(cpu[skip:], 99)) * us,
+        "route_text_tokenize_p50_us": float(np.percentile(tokenize[skip:], 50)) * us,
+        "route_text_mean_prompt_tokens": num_tokens / text.num_routes,
+        "route_text_mean_matched_tokens": matched / text.num_routes,
+    }
+
+
 def _bench_memory(cfg: ScaleConfig, system_hashes: list[list[int]]) -> dict[str, float]:
     """Traced memory of a fresh index filled from empty (its key ints created while tracing)."""
     gc.collect()
@@ -315,6 +438,8 @@ GOALS = {
     "hash_seq_s": (">=", 80e3),
     "route_p50_us": ("<=", 100),
     "route_p99_us": ("<=", 300),
+    "route_text_p50_us": ("<=", 1000),
+    "route_text_p99_us": ("<=", 2000),
     "bytes_per_entry": ("<=", 150),
 }
 
@@ -346,6 +471,11 @@ def main(argv: list[str] | None = None) -> int:
         help="only the route section (no comparable section, no memory trace)",
     )
     parser.add_argument(
+        "--no-text",
+        action="store_true",
+        help="skip the text route section (it trains a 32k BPE first, a few seconds)",
+    )
+    parser.add_argument(
         "--route-metrics",
         action="store_true",
         help="time each route with the router's metrics hook (RouterMetrics.on_route)",
@@ -354,11 +484,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         comparable = ComparableConfig(num_seqs=64, repeats=1)
         scale = ScaleConfig(num_blocks=20_000, num_system_prompts=4, num_routes=60)
+        text = TextConfig(vocab_size=1000, train_words=20_000, rare_words=2000, num_routes=30)
     else:
-        comparable, scale = ComparableConfig(), ScaleConfig()
+        comparable, scale, text = ComparableConfig(), ScaleConfig(), TextConfig()
     results = {} if args.route_only else bench_comparable(comparable)
     metrics = RouterMetrics(CollectorRegistry()) if args.route_metrics else None
     results.update(bench_scale(scale, metrics, memory=not args.route_only))
+    if not args.no_text:
+        results.update(bench_route_text(scale, text, metrics))
     meta = {
         "quick": args.quick,
         "route_metrics": args.route_metrics,

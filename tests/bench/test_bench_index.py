@@ -19,6 +19,8 @@ KEYS = {
     "route_p50_us",
     "route_p99_us",
     "bytes_per_entry",
+    "route_text_p50_us",
+    "route_text_p99_us",
 }
 
 
@@ -30,6 +32,10 @@ def test_quick_run_writes_every_key(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert all(results[k] > 0 for k in KEYS)
     assert results["meta"]["quick"] is True
     assert "route_p50_us" in capsys.readouterr().out
+    # the text prompts are tokenized with a real BPE: fewer tokens than bytes, and the
+    # system-prompt text's ids are matched in the index
+    assert results["route_text_mean_prompt_tokens"] > 0
+    assert results["route_text_mean_matched_tokens"] > 0
 
 
 def test_help_exits_cleanly(capsys: pytest.CaptureFixture[str]) -> None:
@@ -47,3 +53,12 @@ def test_route_only_with_the_metrics_hook(tmp_path: Path) -> None:
     assert "find_full_q_s" not in results
     assert "bytes_per_entry" not in results
     assert results["meta"]["route_metrics"] is True
+    assert results["route_text_p50_us"] > 0
+
+
+def test_no_text_skips_the_text_section(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    assert bench_index.main(["--quick", "--route-only", "--no-text", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert "route_p50_us" in results
+    assert "route_text_p50_us" not in results
