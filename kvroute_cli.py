@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "router": ("router.cli", "main", "run the cache-aware router (gRPC)"),
     "generate": ("router.client", "main", "send one prompt to a router and print the output"),
     "explain": ("router.client", "explain_main", "show each worker's match, load and cost"),
+    "keys": ("router.service.auth", "keys_main", "hash an API key for kvroute router --api-keys"),
     "status": ("router.status", "main", "live view of a router's fleet (health, load, cache)"),
     "replay": ("bench.replay.cli", "main", "replay a trace against routing policies"),
     "workload": ("bench.workload", "main", "generate a synthetic workload trace"),

@@ -117,15 +117,23 @@ class CallInfo:
     """What a front door knows about the call, protocol-neutral.
 
     ``metadata``: lower-case header/metadata pairs (tenancy, W3C trace context, auth);
-    ``timeout_s``: the client's remaining time, None when it set none.
+    ``timeout_s``: the client's remaining time, None when it set none;
+    ``tenant_id``: the tenant the shell's authentication established (an API key's), None
+    when the call was not authenticated (kvroute_proto.auth).
     """
 
     metadata: tuple[tuple[str, str], ...] = ()
     timeout_s: float | None = None
+    tenant_id: str | None = None
 
     @classmethod
-    def from_mapping(cls, headers: Mapping[str, str], timeout_s: float | None = None) -> CallInfo:
-        return cls(tuple((k.lower(), v) for k, v in headers.items()), timeout_s)
+    def from_mapping(
+        cls,
+        headers: Mapping[str, str],
+        timeout_s: float | None = None,
+        tenant_id: str | None = None,
+    ) -> CallInfo:
+        return cls(tuple((k.lower(), v) for k, v in headers.items()), timeout_s, tenant_id)
 
 
 class GenerationBackend(Protocol):

@@ -25,11 +25,28 @@ crafted collisions (e.g. Thue-Morse sequences of 2**11 blocks). A collision can 
 *misroute* a request: the router would believe a worker holds a prefix it does not. Workers
 never trust a hash: their radix tree compares the real token ids, so a worker's output can
 never be corrupted by a collision -- at worst it prefills tokens the router hoped were cached.
+Keying the multiplier or the token mix would not help: the Thue-Morse difference vanishes
+mod 2**64 for *every* odd multiplier and every token mix.
+
+Keyed mode (``--hash-key`` / ``KVROUTE_HASH_KEY`` on router and workers,
+:func:`set_hash_key`): with a deployment secret K the chain step is a keyed cryptographic
+hash instead of the affine recurrence::
+
+    S_0 = seed;   S_(i+1) = BLAKE2b-64(key=K, S_i as 8 bytes LE || block i's ids as u32 LE)
+    hash of block i = fmix64(S_(i+1))
+
+Nobody without K can compute a block's hash, let alone craft two prompts whose hashes
+collide, so nobody outside can steer routing with colliding prompts. The chained property
+and every caller stay as they are (a block's hash still determines the state after it:
+``unfmix64``); only the cost grows, one BLAKE2b call per block (BENCHMARKS.md: hashing with
+and without a key). The key is process-wide, set once at start-up before any hashing; a
+router refuses workers whose :func:`hash_key_fingerprint` differs from its own.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 from collections.abc import Sequence
 from typing import NewType, cast
 
@@ -55,6 +72,50 @@ _F1_INV = pow(_F1, -1, 1 << 64)
 _F2_INV = pow(_F2, -1, 1 << 64)
 
 _U64 = np.uint64
+
+_HASH_KEY: bytes | None = None  # the deployment's block-hashing key (None: unkeyed)
+
+
+def set_hash_key(key: bytes | str | None) -> None:
+    """Key (or, with None, unkey) every block hash this process computes from now on.
+    Set once at start-up: hashes made under another key never match."""
+    global _HASH_KEY
+    if isinstance(key, str):
+        key = key.encode()
+    if key is not None and not 1 <= len(key) <= 64:
+        raise ValueError(f"the hash key must be 1..64 bytes, got {len(key)}")
+    _HASH_KEY = key
+
+
+def hash_key_fingerprint() -> str:
+    """The fingerprint of the process's current key (see :func:`key_fingerprint`)."""
+    return key_fingerprint(_HASH_KEY)
+
+
+def key_fingerprint(key: bytes | str | None) -> str:
+    """A public name of a block-hashing key ("" when None): equal keys, equal
+    fingerprints; the key cannot be recovered from it."""
+    if isinstance(key, str):
+        key = key.encode()
+    if not key:
+        return ""
+    digest = hashlib.blake2b(b"kvroute/hash-key-fingerprint", key=key, digest_size=8)
+    return f"hk1:{digest.hexdigest()}"
+
+
+def _keyed_states(tokens: np.ndarray, block_size: int, seed: int, key: bytes) -> np.ndarray:
+    """S_1 .. S_m of the keyed chain (uint64), for ``tokens`` of m full blocks."""
+    data = memoryview(tokens.astype("<u4", copy=False).tobytes())
+    step = 4 * block_size
+    state = (seed & _MASK).to_bytes(8, "little")
+    blake2b = hashlib.blake2b
+    out = []
+    for start in range(0, len(data), step):
+        h = blake2b(state, key=key, digest_size=8)
+        h.update(data[start : start + step])
+        state = h.digest()
+        out.append(state)
+    return np.frombuffer(b"".join(out), dtype="<u8").astype(_U64)
 
 
 class _Powers:
@@ -210,6 +271,8 @@ def block_hashes(
     if num_blocks == 0:
         return np.empty(0, dtype=_U64)
     n = num_blocks * block_size
+    if _HASH_KEY is not None:
+        return _fmix64_array(_keyed_states(tokens[:n], block_size, seed, _HASH_KEY))
     _POWERS.ensure(n)
     # Array arithmetic wraps mod 2**64 without warnings (only numpy scalar ops warn): no
     # np.errstate needed, and entering one costs as much as a 2,000-element multiply.
@@ -240,5 +303,12 @@ def chain_block_hash(parent_hash: int | None, block_tokens: Sequence[int], seed:
     for t in block_tokens:
         if not 0 <= int(t) <= MAX_TOKEN_ID:
             raise ValueError(f"token id {t} is outside [0, {MAX_TOKEN_ID}]")
-        state = (state * _A + _mix_token(int(t))) & _MASK
+        if _HASH_KEY is None:
+            state = (state * _A + _mix_token(int(t))) & _MASK
+    if _HASH_KEY is not None:
+        data = state.to_bytes(8, "little") + b"".join(
+            int(t).to_bytes(4, "little") for t in block_tokens
+        )
+        digest = hashlib.blake2b(data, key=_HASH_KEY, digest_size=8).digest()
+        state = int.from_bytes(digest, "little")
     return fmix64(state)

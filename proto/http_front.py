@@ -39,7 +39,9 @@ from aiohttp import web
 
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import openai_api as oa
+from kvroute_proto.auth import AUTHENTICATED_TENANT
 from kvroute_proto.frontdoor import CallInfo, GenerationBackend, Internal, ServiceError
+from kvroute_proto.tls import ServerTls
 
 log = logging.getLogger("kvroute.http")
 
@@ -62,6 +64,7 @@ class HttpFrontConfig:
     port: int = 0  # 0 = let the OS pick; start() returns the bound port
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     shutdown_timeout_s: float = 1.0  # handlers still running at stop get this long
+    tls: ServerTls | None = None  # HTTPS (and client certificates with a client CA)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -106,7 +109,8 @@ def request_id_of(request: web.Request) -> str:
 
 
 def call_info(request: web.Request) -> CallInfo:
-    return CallInfo.from_mapping(request.headers)
+    # the tenant the auth middleware established for this request (kvroute_proto.auth)
+    return CallInfo.from_mapping(request.headers, tenant_id=AUTHENTICATED_TENANT.get())
 
 
 def backend_of(request: web.Request) -> GenerationBackend:
@@ -264,10 +268,12 @@ def build_app(
     *,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     extra_routes: Iterable[web.AbstractRouteDef] = (),
+    middlewares: Iterable[Any] = (),
 ) -> web.Application:
     """The aiohttp application: the OpenAI routes, plus ``extra_routes`` (the worker's
-    SGLang/vLLM compat routes), all behind the error middleware."""
-    app = web.Application(client_max_size=max_body_bytes, middlewares=[openai_errors])
+    SGLang/vLLM compat routes), all behind the error middleware (``middlewares``, e.g.
+    authentication, run inside it, so their refusals are OpenAI error JSON too)."""
+    app = web.Application(client_max_size=max_body_bytes, middlewares=[openai_errors, *middlewares])
     app[BACKEND_KEY] = backend
     app[HEALTH_KEY] = health_check
     app[STARTED_KEY] = int(time.time())
@@ -305,7 +311,14 @@ class HttpFront:
             access_log=None,
         )
         await runner.setup()
-        site = web.TCPSite(runner, self.config.host, self.config.port, reuse_port=False)
+        tls = self.config.tls
+        site = web.TCPSite(
+            runner,
+            self.config.host,
+            self.config.port,
+            reuse_port=False,
+            ssl_context=None if tls is None else tls.ssl_context(),
+        )
         try:
             await site.start()
         except OSError:
@@ -315,7 +328,8 @@ class HttpFront:
         assert server is not None
         self.port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
         self._runner = runner
-        log.info("HTTP (OpenAI API) listening on http://%s", self.address)
+        scheme = "http" if self.config.tls is None else "https"
+        log.info("HTTP (OpenAI API) listening on %s://%s", scheme, self.address)
         return self.port
 
     async def stop(self, grace_s: float | None = None) -> None:

@@ -225,7 +225,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "epoch", "block_size", "page_size", "kv_capacity_tokens", "max_context_tokens", "vocab_size", "executor", "load", "model_name", "tokenizer_fingerprint")
+    __slots__ = ("worker_id", "epoch", "block_size", "page_size", "kv_capacity_tokens", "max_context_tokens", "vocab_size", "executor", "load", "model_name", "tokenizer_fingerprint", "hash_key_fingerprint")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -237,6 +237,7 @@ class WorkerInfo(_message.Message):
     LOAD_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    HASH_KEY_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: int
     block_size: int
@@ -248,7 +249,8 @@ class WorkerInfo(_message.Message):
     load: LoadReport
     model_name: str
     tokenizer_fingerprint: str
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., block_size: _Optional[int] = ..., page_size: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ..., executor: _Optional[str] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ..., model_name: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ...) -> None: ...
+    hash_key_fingerprint: str
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., block_size: _Optional[int] = ..., page_size: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ..., executor: _Optional[str] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ..., model_name: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., hash_key_fingerprint: _Optional[str] = ...) -> None: ...
 
 class WorkerScore(_message.Message):
     __slots__ = ("worker_id", "address", "healthy", "matched_tokens", "inflight_prefill_tokens", "cost", "load", "recent_prefill_tokens", "event_matched_tokens", "predicted_matched_tokens", "not_candidate_reason")

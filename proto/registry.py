@@ -30,8 +30,9 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -106,6 +107,7 @@ class RedisRegistration:
         prefix: str = DEFAULT_PREFIX,
         ttl_s: float = DEFAULT_TTL_S,
         heartbeat_s: float | None = None,
+        client_options: Mapping[str, Any] | None = None,
     ) -> None:
         heartbeat_s = ttl_s / 3 if heartbeat_s is None else heartbeat_s
         _check_timing(ttl_s, heartbeat_s, "heartbeat_s")
@@ -114,7 +116,10 @@ class RedisRegistration:
         self._ttl_ms = max(1, int(ttl_s * 1000))
         self._heartbeat_s = heartbeat_s
         self._redis = aioredis.Redis.from_url(
-            redis_url, socket_timeout=heartbeat_s, socket_connect_timeout=heartbeat_s
+            redis_url,
+            socket_timeout=heartbeat_s,
+            socket_connect_timeout=heartbeat_s,
+            **(client_options or {}),  # TLS and ACL user (kvroute_proto.tls.RedisAuth)
         )
         self._task: asyncio.Task[None] | None = None
         self._down = False
@@ -174,6 +179,7 @@ class RedisMembershipWatcher:
         poll_s: float = DEFAULT_TTL_S / 3,
         absent_grace_s: float = DEFAULT_TTL_S,
         clock: Callable[[], float] = time.monotonic,
+        client_options: Mapping[str, Any] | None = None,
     ) -> None:
         if poll_s <= 0:
             raise ValueError(f"poll_s must be > 0, got {poll_s}")
@@ -186,7 +192,10 @@ class RedisMembershipWatcher:
         self._absent_since: dict[str, float] = {}  # reported, but missing from the registry
         self._on_members = on_members
         self._redis = aioredis.Redis.from_url(
-            redis_url, socket_timeout=max(poll_s, 1.0), socket_connect_timeout=max(poll_s, 1.0)
+            redis_url,
+            socket_timeout=max(poll_s, 1.0),
+            socket_connect_timeout=max(poll_s, 1.0),
+            **(client_options or {}),  # TLS and ACL user (kvroute_proto.tls.RedisAuth)
         )
         self._task: asyncio.Task[None] | None = None
         self.redis_down = False

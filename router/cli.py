@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvroute_proto.cli_help import HelpFormatter
+from kvroute_proto.hashing import set_hash_key
 from kvroute_proto.http_front import HttpFrontConfig
 from kvroute_proto.metrics_http import metrics_port
 from kvroute_proto.registry import DEFAULT_PREFIX, DEFAULT_TTL_S
@@ -28,6 +29,7 @@ from router.admission import AdmissionConfig
 from router.core import RouterConfig
 from router.core_types import DEFAULT_RECENT_DECODE_RATIO, DEFAULT_RECENT_WINDOW_S
 from router.policy import DEFAULT_BACKLOG_TOKENS, CostWeights, policy_names
+from router.security_flags import add_router_security_args, apply_router_security
 from router.service.frontend import DEFAULT_MODEL_NAME, FrontendConfig
 from router.service.resilience import EjectionConfig
 from router.service.server import (
@@ -209,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("DEBUG", "INFO", "WARNING", "ERROR"),
         help="log level (logs go to stderr)",
     )
+    add_router_security_args(p)  # TLS, API keys, tenant limits, Redis TLS, --hash-key
     return p
 
 
@@ -228,7 +231,7 @@ def config_from_args(
     served: dict[str, Any] = {}
     if args.served_model_name or args.model:
         served["model_name"] = args.served_model_name or Path(args.model).resolve().name
-    return RouterServerConfig(
+    config = RouterServerConfig(
         host=args.host,
         port=args.port,
         workers=tuple(args.worker),
@@ -263,6 +266,7 @@ def config_from_args(
         if args.http_port is None
         else HttpFrontConfig(host=args.http_host, port=args.http_port),
     )
+    return apply_router_security(args, config)
 
 
 async def serve(
@@ -327,6 +331,7 @@ def main(argv: list[str]) -> int:
         args.model or "byte tokenizer (no --model)",
         tokenizer.fingerprint,
     )
+    set_hash_key(args.hash_key or None)  # the block-hash chain's key (before any hashing)
     shutdown_tracing = configure_tracing("kvroute-router", console=args.trace_console)
     try:
         run_event_loop(serve(config, args.metrics_port, tokenizer=tokenizer))

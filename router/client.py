@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import os
 import sys
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -23,9 +24,13 @@ import grpc
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
 from kvroute_proto.cli_help import HelpFormatter
+from kvroute_proto.security_cli import add_client_tls_args, client_tls_from_args
+from kvroute_proto.tls import ClientTls
+from kvroute_proto.tls import channel as make_channel
 
 Prompt = str | Sequence[int]
 
+API_KEY_ENV = "KVROUTE_API_KEY"
 _FINISH_NAMES = {
     pb.FINISH_REASON_UNSPECIFIED: "unspecified",
     pb.FINISH_REASON_LENGTH: "length",
@@ -127,11 +132,15 @@ class RouterClient:
         tenant: str | None = None,
         tenant_header: str = "x-tenant-id",
         timeout_s: float | None = 60.0,
+        tls: ClientTls | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.address = address
         self._timeout_s = timeout_s
-        self._metadata = ((tenant_header, tenant),) if tenant else ()
-        self._channel = grpc.aio.insecure_channel(address)
+        self._metadata: tuple[tuple[str, str], ...] = ((tenant_header, tenant),) if tenant else ()
+        if api_key:  # the router's --api-keys: the key names the tenant
+            self._metadata += (("authorization", f"Bearer {api_key}"),)
+        self._channel = make_channel(address, tls)  # TLS when given (kvroute_proto.tls)
         self._stub = pb_grpc.RouterStub(self._channel)
 
     async def __aenter__(self) -> RouterClient:
@@ -251,6 +260,12 @@ def _common_parser(prog: str, description: str) -> argparse.ArgumentParser:
         default=60.0,
         help="deadline in seconds",
     )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"API key sent as 'authorization: Bearer KEY' (default: ${API_KEY_ENV})",
+    )
+    add_client_tls_args(parser, "tls", "the router")
     parser.add_argument("prompt", metavar="PROMPT", help="the prompt")
     return parser
 
@@ -307,8 +322,17 @@ def _parse_prompt(args: argparse.Namespace) -> Prompt:
 
 
 def _client(args: argparse.Namespace) -> RouterClient:
+    try:
+        tls = client_tls_from_args(args, "tls")
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
     return RouterClient(
-        args.router, tenant=args.tenant, tenant_header=args.tenant_header, timeout_s=args.timeout
+        args.router,
+        tenant=args.tenant,
+        tenant_header=args.tenant_header,
+        timeout_s=args.timeout,
+        tls=tls,
+        api_key=args.api_key,
     )
 
 

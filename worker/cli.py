@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from kvroute_proto.cli_help import HelpFormatter
+from kvroute_proto.hashing import set_hash_key
 from kvroute_proto.http_front import HttpFrontConfig
 from kvroute_proto.metrics_http import metrics_port
 from kvroute_proto.registry import (
@@ -27,6 +28,7 @@ from kvroute_proto.registry import (
     WorkerRecord,
 )
 from kvroute_proto.runtime import run_event_loop
+from kvroute_proto.security_cli import redis_auth_from_args
 from kvroute_proto.telemetry import configure_tracing
 from worker.cache.eviction import strategy_names
 from worker.engine.engine_config import EngineConfig
@@ -34,6 +36,7 @@ from worker.engine.schedule_policy import POLICIES as SCHEDULE_POLICIES
 from worker.errors import ModelLoadError
 from worker.service.convert import RequestLimits
 from worker.service.engine_runner import RunnerConfig
+from worker.service.security_flags import add_worker_security_args, apply_worker_security
 from worker.service.server import DEFAULT_MODEL_NAME, WorkerServer, WorkerServerConfig
 
 log = logging.getLogger("kvroute.worker")
@@ -225,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve Prometheus metrics on http://HOST:PORT/metrics (HOST from --host; 0 picks "
         "a free port; default: no metrics endpoint). Names: docs/METRICS.md",
     )
+    add_worker_security_args(p)  # TLS, --router-token, Redis TLS, --hash-key
     return p
 
 
@@ -264,7 +268,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerServerConfig:
     model_name = args.served_model_name or (
         Path(args.model).resolve().name if args.model else DEFAULT_MODEL_NAME
     )
-    return WorkerServerConfig(
+    config = WorkerServerConfig(
         http=http,
         model_name=model_name,
         model_path=args.model,
@@ -281,6 +285,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerServerConfig:
         limits=RequestLimits(default_max_new_tokens=args.default_max_new_tokens),
         shutdown_grace_s=args.grace_s,
     )
+    return apply_worker_security(args, config)
 
 
 def build_server(args: argparse.Namespace) -> WorkerServer:
@@ -289,6 +294,7 @@ def build_server(args: argparse.Namespace) -> WorkerServer:
     from worker.engine.factory import build_executor
 
     config = config_from_args(args)
+    set_hash_key(args.hash_key or None)  # the block-hash chain's key (before any hashing)
     if args.executor == "torch" and args.torch_threads > 0:
         import torch
 
@@ -324,7 +330,11 @@ def _registration(server: WorkerServer, args: argparse.Namespace) -> RedisRegist
         kv_capacity_tokens=engine.num_kv_slots,
     )
     return RedisRegistration(
-        args.redis_url, record, prefix=args.redis_prefix, ttl_s=args.registry_ttl_s
+        args.redis_url,
+        record,
+        prefix=args.redis_prefix,
+        ttl_s=args.registry_ttl_s,
+        client_options=redis_auth_from_args(args).client_kwargs(),  # rediss://, ACL user
     )
 
 

@@ -62,8 +62,9 @@ from router.errors import InvalidRouteRequestError, NoWorkerAvailable
 from router.service import spans
 from router.service.observe import NO_OBSERVER, RequestObserver
 from router.service.pool import WorkerPool
+from router.service.quota import Lease, QuotaConfig, TenantQuotas
 from router.service.resilience import EjectionConfig, OutlierEjector
-from router.service.tenancy import TenancyConfig, TenancyError, resolve_partition
+from router.service.tenancy import TenancyConfig, TenancyError, resolve_partition, tenant_of
 from router.service.validation import RequestError, RequestLimits, check_request, routing_tokens
 
 log = logging.getLogger(__name__)
@@ -103,6 +104,7 @@ class FrontendConfig:
     ejection: EjectionConfig = field(default_factory=EjectionConfig)
     model_name: str = DEFAULT_MODEL_NAME  # what the HTTP front serves (GET /v1/models)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    quotas: QuotaConfig = field(default_factory=QuotaConfig)  # per-tenant limits (quota.py)
 
     def __post_init__(self) -> None:
         if self.max_inflight < 1:
@@ -152,6 +154,7 @@ class Frontend:
         self.tokenizer = tokenizer
         self.ejector = OutlierEjector(config.ejection, clock)
         self.admission = Admission(config.admission)
+        self.quotas = TenantQuotas(config.quotas, clock)
         self._inflight: dict[str, _InFlight] = {}
         self.num_retries = 0
 
@@ -182,6 +185,7 @@ class Frontend:
             rid = prepared.forward.request_id
             if rid in self._inflight:
                 raise BadRequest(f"request_id {rid!r} is already in flight", param="request_id")
+            lease = self._acquire_quota(prepared, call)
         except ServiceError as exc:
             self.observer.on_end("", self._core.policy_name, exc.grpc_code)
             raise
@@ -217,10 +221,17 @@ class Frontend:
             raise
         finally:
             self._release(rid, entry)
+            lease.release()
             span.end()
             if entry.finished:
                 outcome = "OK"
             self.observer.on_end(entry.worker_id, self._core.policy_name, outcome)
+
+    def _acquire_quota(self, prepared: Prepared, call: CallInfo) -> Lease:
+        """The tenant's in-flight and token-rate limits (quota.py; Overloaded when over)."""
+        tenant = tenant_of(self.config.tenancy, call.metadata, call.tenant_id)
+        tokens = len(prepared.route.token_ids) + prepared.forward.sampling.max_new_tokens
+        return self.quotas.acquire(tenant, tokens)
 
     def _release(self, rid: str, entry: _InFlight) -> None:
         if not entry.released:
@@ -394,7 +405,9 @@ class Frontend:
         if entry is None or not entry.worker_id:
             return False
         try:
-            salt = resolve_partition(self.config.tenancy, call.metadata, Partition()).cache_salt
+            salt = resolve_partition(
+                self.config.tenancy, call.metadata, Partition(), call.tenant_id
+            ).cache_salt
         except TenancyError as exc:
             raise BadRequest(str(exc)) from None
         if salt != entry.cache_salt and not self.config.tenancy.trust_client_salt:
@@ -435,7 +448,10 @@ class Frontend:
         try:
             check_request(request, self.config.limits)
             partition = resolve_partition(
-                self.config.tenancy, call.metadata, codec.partition_from_pb(request.partition)
+                self.config.tenancy,
+                call.metadata,
+                codec.partition_from_pb(request.partition),
+                call.tenant_id,
             )
         except (RequestError, TenancyError) as exc:
             raise BadRequest(str(exc)) from None

@@ -28,6 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
+from kvroute_proto.auth import AuthInterceptor, auth_middleware
 from kvroute_proto.grpc_services import HEALTH_SERVICE_NAME, HealthServicer, enable_reflection
 from kvroute_proto.http_front import HttpFront, HttpFrontConfig, build_app
 from kvroute_proto.registry import (
@@ -36,7 +37,9 @@ from kvroute_proto.registry import (
     RedisMembershipWatcher,
     WorkerRecord,
 )
+from kvroute_proto.tls import RedisAuth, ServerTls, add_port
 from router.core import RouterConfig, RouterCore
+from router.service.auth import ApiKeys
 from router.service.frontend import Frontend, FrontendConfig, TextTokenizer
 from router.service.pool import WorkerPool
 from router.service.servicer import RouterServicer
@@ -45,6 +48,7 @@ from router.service.worker_conn import ConnectionConfig
 log = logging.getLogger(__name__)
 
 ROUTER_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Router"].full_name  # kvroute.v1.Router
+HTTP_OPEN_PATHS = ("/health", "/v1/models")  # open without an API key (probes, discovery)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +59,7 @@ class RegistryConfig:
     prefix: str = DEFAULT_PREFIX
     poll_s: float = 2.0
     absent_grace_s: float = DEFAULT_TTL_S  # a worker missing from the registry is kept this long
+    auth: RedisAuth = field(default_factory=RedisAuth)  # rediss:// TLS and an ACL user
 
     def __post_init__(self) -> None:
         if not self.poll_s > 0:  # NaN too
@@ -80,6 +85,8 @@ class RouterServerConfig:
     grace_s: float = 5.0
     seed: int | None = None  # tie-breaks and jitter; None = from the OS
     http: HttpFrontConfig | None = None  # the OpenAI-compatible HTTP front; None: off
+    tls: ServerTls | None = None  # the gRPC port's TLS (mTLS with a client CA); None: plaintext
+    api_keys: ApiKeys | None = None  # bearer keys -> tenants (router/service/auth.py); None: open
 
     def __post_init__(self) -> None:
         for address in self.workers:
@@ -145,11 +152,16 @@ class RouterServer:
 
     async def start(self) -> int:
         """Connect to workers, start membership watching, bind and serve; returns the port."""
-        server = grpc.aio.server(options=server_options(self.config.connection))
+        keys = self.config.api_keys
+        # security at the edge: the interceptor authenticates, the Frontend gets the tenant
+        interceptors = [AuthInterceptor(keys.authenticate)] if keys is not None else []
+        server = grpc.aio.server(
+            options=server_options(self.config.connection), interceptors=interceptors
+        )
         pb_grpc.add_RouterServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         enable_reflection((ROUTER_SERVICE_NAME, HEALTH_SERVICE_NAME), server)  # v1 and v1alpha
-        port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        port = add_port(server, f"{self.config.host}:{self.config.port}", self.config.tls)
         if port == 0:
             raise OSError(f"could not bind {self.config.host}:{self.config.port}")
         grpc_started = False
@@ -163,6 +175,7 @@ class RouterServer:
                     prefix=self.config.registry.prefix,
                     poll_s=self.config.registry.poll_s,
                     absent_grace_s=self.config.registry.absent_grace_s,
+                    client_options=self.config.registry.auth.client_kwargs(),
                 )
                 await self.watcher.start()
             await server.start()
@@ -173,6 +186,9 @@ class RouterServer:
                         self.frontend,
                         self.http_health,
                         max_body_bytes=self.config.http.max_body_bytes,
+                        middlewares=[]
+                        if keys is None
+                        else [auth_middleware(keys.authenticate, HTTP_OPEN_PATHS)],
                     ),
                     self.config.http,
                 )

@@ -19,6 +19,7 @@ import grpc
 
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
+from kvroute_proto.auth import AUTHENTICATED_TENANT
 from kvroute_proto.frontdoor import CallInfo, ServiceError
 from router.service import convert
 from router.service.frontend import Frontend
@@ -31,11 +32,15 @@ def call_info(context: grpc.aio.ServicerContext) -> CallInfo:
         (k.lower(), v.decode("utf-8", "replace") if isinstance(v, bytes) else v)
         for k, v in (context.invocation_metadata() or ())
     )
-    return CallInfo(metadata, context.time_remaining())
+    # the tenant the auth interceptor established for this call (kvroute_proto.auth)
+    return CallInfo(metadata, context.time_remaining(), AUTHENTICATED_TENANT.get())
 
 
 async def abort_with(context: grpc.aio.ServicerContext, exc: ServiceError) -> NoReturn:
-    """End the call with the status the error carries (raises, as context.abort does)."""
+    """End the call with the status the error carries (raises, as context.abort does);
+    a retry hint goes out as trailing metadata ``retry-after-s``."""
+    if exc.retry_after_s is not None:
+        context.set_trailing_metadata((("retry-after-s", f"{exc.retry_after_s:.3f}"),))
     await context.abort(grpc.StatusCode[exc.grpc_code], exc.message)
     raise AssertionError("unreachable: context.abort raises")
 

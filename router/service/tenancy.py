@@ -22,6 +22,12 @@ request body would let any caller name any tenant's partition, so by default:
   the trusted tier): a non-empty body salt wins, an empty one falls back to the derived salt.
 * ``extra_key`` (e.g. a LoRA adapter name) is not a security boundary; it passes through.
 
+With API keys (``--api-keys``, router/service/auth.py) the tenant is the one the caller's key
+maps to, established at the edge (``CallInfo.tenant_id``); the tenant header is then
+*ignored* unless ``--trust-tenant-header`` says the key holders are trusted gateways that
+name their own users' tenants (``trust_tenant_header``). Without API keys the header is
+trusted as described above (the quick start keeps working).
+
 Pure and synchronous: no asyncio, no grpc (metadata arrives as a sequence of key/value pairs).
 """
 
@@ -50,11 +56,16 @@ class TenancyConfig:
     ``tenant_header``: metadata key holding the tenant id (lowercase; "" disables tenancy).
     ``salt_secret``: HMAC key for unguessable salts (None: the salt is ``tenant:<id>``).
     ``trust_client_salt``: honour a non-empty ``partition.cache_salt`` from the request body.
+    ``trust_tenant_header``: for an authenticated caller (an API key), still honour the
+    tenant header (``--trust-tenant-header``: key holders are gateways naming their users);
+    a non-empty header then wins over the key's tenant. Unauthenticated calls (no
+    ``--api-keys``) always use the header, as before.
     """
 
     tenant_header: str = "x-tenant-id"
     salt_secret: bytes | None = None
     trust_client_salt: bool = False
+    trust_tenant_header: bool = False
 
     def __post_init__(self) -> None:
         if self.tenant_header != self.tenant_header.lower():
@@ -84,6 +95,22 @@ def tenant_id_from_metadata(
     return ""
 
 
+def tenant_of(
+    config: TenancyConfig,
+    metadata: Iterable[tuple[str, str | bytes]] | None,
+    authenticated: str | None = None,
+) -> str:
+    """The request's tenant. Unauthenticated (``authenticated`` None): the header's, as
+    without API keys. Authenticated: the key's, unless the header is trusted and set."""
+    if authenticated is None:
+        return tenant_id_from_metadata(config, metadata)
+    if config.trust_tenant_header:
+        header = tenant_id_from_metadata(config, metadata)
+        if header:
+            return header
+    return authenticated
+
+
 def salt_for_tenant(config: TenancyConfig, tenant_id: str) -> str:
     """The cache_salt of a tenant; the anonymous tenant "" keeps the default salt ""."""
     if not tenant_id:
@@ -98,8 +125,10 @@ def resolve_partition(
     config: TenancyConfig,
     metadata: Iterable[tuple[str, str | bytes]] | None,
     body: Partition,
+    tenant_id: str | None = None,
 ) -> Partition:
-    """The partition a request really runs in: server-derived salt, the body's extra_key."""
+    """The partition a request really runs in: server-derived salt, the body's extra_key.
+    ``tenant_id``: the authenticated tenant (an API key's), None when unauthenticated."""
     if len(body.extra_key.encode()) > MAX_EXTRA_KEY_BYTES:
         raise TenancyError(
             f"partition.extra_key must be at most {MAX_EXTRA_KEY_BYTES} bytes, "
@@ -112,5 +141,5 @@ def resolve_partition(
                 f"got {len(body.cache_salt.encode())}"
             )
         return Partition(body.cache_salt, body.extra_key)
-    salt = salt_for_tenant(config, tenant_id_from_metadata(config, metadata))
+    salt = salt_for_tenant(config, tenant_of(config, metadata, tenant_id))
     return Partition(salt, body.extra_key)

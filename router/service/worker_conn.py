@@ -36,7 +36,10 @@ import grpc
 from kvroute_proto import codec
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
+from kvroute_proto.auth import bearer_interceptors
 from kvroute_proto.errors import ContractError
+from kvroute_proto.tls import ClientTls
+from kvroute_proto.tls import channel as make_channel
 from router.core import Resubscribe, RouterCore
 from router.errors import RouterError
 from router.service.resilience import Backoff, BackoffConfig
@@ -57,6 +60,12 @@ class ConnectionConfig:
     # the router's tokenizer fingerprint (kvroute_proto.tokenizer); a worker reporting
     # another one in GetLoad is left out of routing. None: no check (in-process tests).
     tokenizer_fingerprint: str | None = None
+    # security (kvroute_proto.tls / auth): TLS to the workers (a client certificate for
+    # mTLS), the token workers require (--router-token there), and the fingerprint of the
+    # block-hashing key; a worker reporting another fingerprint is left out of routing
+    tls: ClientTls | None = None
+    token: str | None = None
+    hash_key_fingerprint: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("keepalive_time_s", "keepalive_timeout_s", "rpc_timeout_s"):
@@ -116,7 +125,12 @@ class WorkerConnection:
         self._hooks = hooks
         self._clock = clock
         self._backoff = Backoff(config.backoff, rng)
-        self.channel = grpc.aio.insecure_channel(address, options=config.channel_options())
+        self.channel = make_channel(
+            address,
+            config.tls,
+            options=config.channel_options(),
+            interceptors=bearer_interceptors(config.token) if config.token else None,
+        )
         self.stub = pb_grpc.WorkerStub(self.channel)
         self.worker_id: str | None = None
         self.info: pb.WorkerInfo | None = None
@@ -133,6 +147,7 @@ class WorkerConnection:
         self.num_purges = 0
         self.last_error = ""
         self._tokenizer_refusal: tuple[str, str] | None = None  # logged (worker, fingerprint)
+        self._hash_key_refusal: tuple[str, str] | None = None  # logged (worker, fingerprint)
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -231,7 +246,7 @@ class WorkerConnection:
         if not info.worker_id:
             log.error("worker at %s reports an empty worker_id; not routing to it", self.address)
             return False
-        if not self._same_tokenizer(info):
+        if not self._same_tokenizer(info) or not self._same_hash_key(info):
             if self.worker_id is not None:  # restarted with another model: let go of it
                 self._hooks.release(self, self.worker_id)
                 self.worker_id = None
@@ -251,6 +266,26 @@ class WorkerConnection:
             self.worker_id = info.worker_id
         self.info = info
         return True
+
+    def _same_hash_key(self, info: pb.WorkerInfo) -> bool:
+        """Whether the worker hashes blocks with the router's key (--hash-key): under
+        another key none of its KV events would match a prompt. Logged once per worker."""
+        expected = self.config.hash_key_fingerprint
+        if expected is None or info.hash_key_fingerprint == expected:
+            return True
+        seen = (info.worker_id, info.hash_key_fingerprint)
+        if self._hash_key_refusal != seen:
+            self._hash_key_refusal = seen
+            log.warning(
+                "not routing to worker %s at %s: its block-hashing key fingerprint %s differs "
+                "from the router's %s; give router and workers the same --hash-key",
+                info.worker_id,
+                self.address,
+                info.hash_key_fingerprint or "(unkeyed)",
+                expected or "(unkeyed)",
+            )
+        self.last_error = "block-hashing key differs from the router's (--hash-key)"
+        return False
 
     def _same_tokenizer(self, info: pb.WorkerInfo) -> bool:
         """Whether the worker tokenizes as the router does: token ids the router computes

@@ -54,6 +54,7 @@ class WorkerInfo:
     load: LoadReport
     model_name: str = ""  # the model directory's name, or "kvroute-tiny"
     tokenizer_fingerprint: str = ""  # kvroute_proto.tokenizer; routers check it matches theirs
+    hash_key_fingerprint: str = ""  # kvroute_proto.hashing; routers check it matches theirs
 
 
 _FINISH_REASONS = {
@@ -174,6 +175,7 @@ def worker_info_to_pb(info: WorkerInfo) -> pb.WorkerInfo:
         load=codec.load_to_pb(info.load),
         model_name=info.model_name,
         tokenizer_fingerprint=info.tokenizer_fingerprint,
+        hash_key_fingerprint=info.hash_key_fingerprint,
     )
 
 

@@ -16,7 +16,7 @@ only when that is a local directory: a router given a hub id would try to downlo
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -273,9 +273,15 @@ def build_worker_app(
     model_path: str | None,
     executor: str,
     max_body_bytes: int = hf.DEFAULT_MAX_BODY_BYTES,
+    middlewares: Iterable[Any] = (),
 ) -> web.Application:
-    """The worker's HTTP app: the OpenAI routes and the SGLang/vLLM compat routes."""
+    """The worker's HTTP app: the OpenAI routes and the SGLang/vLLM compat routes
+    (``middlewares``: e.g. the router-token check, kvroute_proto.auth)."""
     routes = WorkerHttpRoutes(generation, runner, model_path=model_path, executor=executor)
     return hf.build_app(
-        generation, health_check, max_body_bytes=max_body_bytes, extra_routes=routes.routes()
+        generation,
+        health_check,
+        max_body_bytes=max_body_bytes,
+        extra_routes=routes.routes(),
+        middlewares=middlewares,
     )

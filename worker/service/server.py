@@ -25,9 +25,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
+from kvroute_proto.auth import AuthInterceptor, auth_middleware, token_authenticator
 from kvroute_proto.events import LoadReport
 from kvroute_proto.grpc_services import HEALTH_SERVICE_NAME, HealthServicer, enable_reflection
+from kvroute_proto.hashing import hash_key_fingerprint
 from kvroute_proto.http_front import HttpFront, HttpFrontConfig
+from kvroute_proto.tls import ServerTls, add_port
 from worker.engine.engine_config import EngineConfig
 from worker.engine.tokenizer import Tokenizer
 from worker.service.convert import RequestLimits, WorkerInfo
@@ -44,6 +47,8 @@ log = logging.getLogger("kvroute.worker.server")
 _STATUS_TAIL_S = 0.5
 DEFAULT_MODEL_NAME = "kvroute-tiny"  # the served name of the tiny default model (and sim)
 WORKER_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Worker"].full_name  # kvroute.v1.Worker
+# open on the HTTP front even with --http-require-token (probes, discovery)
+HTTP_OPEN_PATHS = ("/health", "/v1/models", "/model_info", "/server_info")
 
 
 def new_epoch() -> int:
@@ -66,6 +71,15 @@ class WorkerServerConfig:
     http: HttpFrontConfig | None = None  # the HTTP (OpenAI, SGLang/vLLM compat) front; None: off
     model_name: str = DEFAULT_MODEL_NAME  # the served model name (HTTP "model")
     model_path: str | None = None  # the model directory, reported by GET /model_info
+    tls: ServerTls | None = None  # gRPC TLS; with a client CA only routers with a cert get in
+    router_token: str | None = None  # Worker-service calls must bear it (None: open)
+    # the HTTP generation routes require the router token too (off: peer routers such as
+    # sglang-router cannot send it); /health, /v1/models, /model_info, /server_info stay open
+    http_require_token: bool = False
+
+    def __post_init__(self) -> None:
+        if self.http_require_token and not self.router_token:
+            raise ValueError("--http-require-token needs --router-token")
 
 
 class WorkerServer:
@@ -99,6 +113,7 @@ class WorkerServer:
             load=LoadReport(),  # GetLoad reads it fresh on the engine thread
             model_name=config.model_name,
             tokenizer_fingerprint=getattr(tokenizer, "fingerprint", ""),
+            hash_key_fingerprint=hash_key_fingerprint(),
         )
         self.generation = WorkerGeneration(
             self.runner, tokenizer, config.limits, self.info, model_name=config.model_name
@@ -144,8 +159,15 @@ class WorkerServer:
             model_path=self.config.model_path,
             executor=self.config.executor_kind,
             max_body_bytes=config.max_body_bytes,
+            middlewares=[auth_middleware(self._authenticate(), HTTP_OPEN_PATHS)]
+            if self.config.http_require_token
+            else [],
         )
         return HttpFront(app, config)
+
+    def _authenticate(self):  # type: ignore[no-untyped-def]
+        assert self.config.router_token
+        return token_authenticator(self.config.router_token, who="router")
 
     async def start(self) -> int:
         """Bind, start serving and return the bound port."""
@@ -158,14 +180,18 @@ class WorkerServer:
                 ("grpc.keepalive_permit_without_calls", 1),
                 ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000),
                 ("grpc.http2.max_ping_strikes", 0),
-            ]
+            ],
+            # only routers: the Worker service needs the router token (health stays open)
+            interceptors=[AuthInterceptor(self._authenticate())]
+            if self.config.router_token
+            else [],
         )
         pb_grpc.add_WorkerServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         enable_reflection((WORKER_SERVICE_NAME, HEALTH_SERVICE_NAME), server)  # v1 and v1alpha
         address = f"{self.config.host}:{self.config.port}"
         try:
-            port = server.add_insecure_port(address)
+            port = add_port(server, address, self.config.tls)
         except RuntimeError as exc:  # grpc's "Failed to bind" (in use, bad host, no rights)
             raise OSError(f"could not bind {address}: {exc}") from None
         self.runner.start()
