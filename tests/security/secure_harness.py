@@ -12,10 +12,11 @@ WAIT_S = 10.0
 
 @contextlib.asynccontextmanager
 async def secure_worker(
-    worker_id: str, *, block_size: int = 4, **overrides: Any
+    worker_id: str, *, block_size: int = 4, paced: bool = False, **overrides: Any
 ) -> AsyncIterator[Any]:
-    """A real worker (Engine + zero-cost sim executor) with WorkerServerConfig ``overrides``
-    (tls=, router_token=, http=, http_require_token=); yields the WorkerServer."""
+    """A real worker (Engine + sim executor) with WorkerServerConfig ``overrides`` (tls=,
+    router_token=, http=, http_require_token=); yields the WorkerServer. ``paced``: the
+    modelled Llama-3-8B step times in real time (requests stay in flight), else zero cost."""
     from worker.engine.engine import Engine, EngineConfig
     from worker.engine.sim_executor import SimCostModel, SimExecutor, SimExecutorConfig
     from worker.engine.tokenizer import ByteTokenizer
@@ -32,11 +33,12 @@ async def secure_worker(
         ticks[0] += 1e-3
         return ticks[0]
 
-    engine = Engine(engine_config, SimExecutor(SimCostModel.zero(), sim), clock=clock)
+    cost = SimCostModel() if paced else SimCostModel.zero()
+    engine = Engine(engine_config, SimExecutor(cost, sim), clock=clock)
     config = WorkerServerConfig(
         engine=engine_config,
         executor_kind="sim",
-        runner=RunnerConfig(load_interval_s=0.2),
+        runner=RunnerConfig(load_interval_s=0.2, pace_speedup=1.0 if paced else 0.0),
         shutdown_grace_s=0.5,
         **overrides,
     )

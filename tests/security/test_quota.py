@@ -1,0 +1,226 @@
+"""Per-tenant limits: in-flight requests and tokens per second, RESOURCE_EXHAUSTED / HTTP 429
+with a retry hint, and one tenant flooding never starving another."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import sys
+from pathlib import Path
+
+import aiohttp
+import grpc
+import pytest
+from secure_harness import WAIT_S, secure_worker
+
+from kvroute_proto.frontdoor import Overloaded
+from kvroute_proto.http_front import HttpFrontConfig
+from router import cli as router_cli
+from router.client import GenerateOptions, RouterClient
+from router.service.quota import QuotaConfig, TenantLimit, TenantQuotas, parse_overrides
+from router.service.server import RouterServer
+
+HERE = Path(__file__).resolve().parent
+
+
+def _router_config(workers, **overrides):
+    sys.path.insert(0, str(HERE.parent / "router" / "service"))
+    from router_harness import router_config
+
+    return router_config(workers, **overrides)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# ---- the quota state, exactly -----------------------------------------------------------
+
+
+def test_inflight_cap_is_per_tenant_and_released():
+    q = TenantQuotas(QuotaConfig(TenantLimit(max_inflight=2)), Clock())
+    a1, a2 = q.acquire("a", 10), q.acquire("a", 10)
+    with pytest.raises(Overloaded, match=r"tenant 'a' has 2 requests in flight; its limit is 2"):
+        q.acquire("a", 10)
+    b = q.acquire("b", 10)  # another tenant is untouched
+    assert q.inflight("a") == 2 and q.inflight("b") == 1 and q.num_refused == {"a": 1}
+    a1.release()
+    a1.release()  # idempotent
+    assert q.inflight("a") == 1
+    q.acquire("a", 10)
+    a2.release()
+    b.release()
+    assert q.inflight("b") == 0
+
+
+def test_token_bucket_refuses_with_the_wait_until_it_refills():
+    clock = Clock()
+    q = TenantQuotas(QuotaConfig(TenantLimit(tokens_per_s=100, burst_tokens=200)), clock)
+    q.acquire("a", 150).release()
+    with pytest.raises(Overloaded) as info:
+        q.acquire("a", 100)  # 50 left: 50 more tokens take 0.5 s
+    assert info.value.retry_after_s == pytest.approx(0.5)
+    assert "100 tokens/s with a burst of 200" in info.value.message
+    q.acquire("b", 200).release()  # b has its own bucket
+    clock.now = 0.5
+    q.acquire("a", 100).release()
+    # a request larger than the burst is charged the burst: it passes once the bucket is full
+    clock.now = 10.0
+    q.acquire("a", 10_000).release()
+    with pytest.raises(Overloaded):
+        q.acquire("a", 1)
+
+
+def test_overrides_and_defaults():
+    cfg = QuotaConfig(
+        TenantLimit(max_inflight=1),
+        parse_overrides(["# c", "vip 5 - ", "slow - 10 20  # comment"], "f"),
+    )
+    assert cfg.limit_of("vip") == TenantLimit(5, None, None)
+    assert cfg.limit_of("slow") == TenantLimit(None, 10.0, 20.0)
+    assert cfg.limit_of("other") == TenantLimit(1)
+    q = TenantQuotas(cfg, Clock())
+    for _ in range(5):
+        q.acquire("vip", 1)
+    with pytest.raises(Overloaded):
+        q.acquire("vip", 1)
+    assert not QuotaConfig().enabled
+    with pytest.raises(ValueError, match="f line 1: expected"):
+        parse_overrides(["a 1"], "f")
+    with pytest.raises(ValueError, match="f line 1: max_inflight 'x' is not an integer"):
+        parse_overrides(["a x 1"], "f")
+    with pytest.raises(ValueError, match="f line 1: tenant max_inflight must be >= 1"):
+        parse_overrides(["a 0 1"], "f")
+    with pytest.raises(ValueError, match="tokens_per_s must be a finite number > 0"):
+        TenantLimit(tokens_per_s=float("nan"))
+
+
+def test_router_flags_build_the_quota_config(tmp_path):
+    f = tmp_path / "limits"
+    f.write_text("vip 100 - \n")
+    args = router_cli.build_parser().parse_args(
+        [
+            "--worker", "127.0.0.1:7001",
+            "--tenant-max-inflight", "4",
+            "--tenant-tokens-per-s", "1000",
+            "--tenant-burst-tokens", "5000",
+            "--tenant-limits", str(f),
+        ]
+    )  # fmt: skip
+    quotas = router_cli.config_from_args(args).service.quotas
+    assert quotas.default == TenantLimit(4, 1000.0, 5000.0)
+    assert quotas.limit_of("vip") == TenantLimit(100)
+
+
+# ---- through a real router ------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def _router(worker_address: str, quotas: QuotaConfig, http: bool = False):
+    base = _router_config([])
+    service = dataclasses.replace(base.service, quotas=quotas, max_inflight=1000)
+    router = RouterServer(
+        _router_config([worker_address], service=service, http=HttpFrontConfig() if http else None)
+    )
+    await router.start()
+    try:
+        await router.pool.wait_for(lambda: router.pool.num_healthy == 1, WAIT_S)
+        yield router
+    finally:
+        await router.stop(grace_s=0.1)
+
+
+async def _hold(client: RouterClient, prompt: str) -> tuple[asyncio.Task, asyncio.Event]:
+    """Start a long request and wait for its first message (admitted and in flight)."""
+    started = asyncio.Event()
+
+    async def run() -> None:
+        async for _ in client.stream(prompt, GenerateOptions(max_new_tokens=900)):
+            started.set()
+
+    task = asyncio.create_task(run())
+    await asyncio.wait_for(started.wait(), WAIT_S)
+    return task, started
+
+
+async def test_a_flooding_tenant_cannot_starve_another():
+    quotas = QuotaConfig(TenantLimit(max_inflight=2))
+    async with (
+        secure_worker("w-q", paced=True) as worker,
+        _router(worker.address, quotas, http=True) as router,
+    ):
+        a = RouterClient(router.address, tenant="tenant-a", timeout_s=WAIT_S)
+        b = RouterClient(router.address, tenant="tenant-b", timeout_s=WAIT_S)
+        opts = GenerateOptions(max_new_tokens=4)
+        held = []
+        try:
+            held = [await _hold(a, f"tenant a long request {i}") for i in range(2)]
+            assert router.frontend.quotas.inflight("tenant-a") == 2
+
+            async def tenant_a_floods() -> list:
+                """20 more requests of A's at once: every one refused, with a retry hint."""
+                calls = [a.generate(f"flood {i}", opts) for i in range(20)]
+                return await asyncio.gather(*calls, return_exceptions=True)
+
+            async def tenant_b() -> list:
+                """Meanwhile B, within its own limit of 2 in flight: 3 rounds of 2."""
+                out = []
+                for round_ in range(3):
+                    pair = [b.generate(f"tenant b {round_}/{i}", opts) for i in range(2)]
+                    out += await asyncio.gather(*pair)
+                return out
+
+            refused, served = await asyncio.gather(tenant_a_floods(), tenant_b())
+            assert len(served) == 6 and all(len(r.token_ids) == 4 for r in served)
+            for r in refused:
+                assert isinstance(r, grpc.aio.AioRpcError)
+                assert r.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "tenant 'tenant-a' has 2 requests in flight" in (r.details() or "")
+                trailers = dict(r.trailing_metadata() or ())
+                assert float(trailers["retry-after-s"]) == pytest.approx(1.0)
+            assert router.frontend.quotas.num_refused == {"tenant-a": 20}
+            # HTTP: 429, OpenAI's rate_limit_error, Retry-After
+            assert router.http is not None
+            url = f"http://127.0.0.1:{router.http.port}/v1/completions"
+            body = {"model": "kvroute-tiny", "prompt": "hi", "max_tokens": 2}
+            async with aiohttp.ClientSession() as s:
+                async with s.post(url, json=body, headers={"x-tenant-id": "tenant-a"}) as resp:
+                    assert resp.status == 429
+                    assert resp.headers["Retry-After"] == "1"
+                    assert (await resp.json())["error"]["type"] == "rate_limit_error"
+                async with s.post(url, json=body, headers={"x-tenant-id": "tenant-b"}) as resp:
+                    assert resp.status == 200
+        finally:
+            for task, _ in held:
+                task.cancel()
+            for task, _ in held:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            await a.close()
+            await b.close()
+        # the held requests' leases are released when they end
+        await router.pool.wait_for(lambda: router.frontend.num_inflight == 0, WAIT_S)
+        assert router.frontend.quotas.inflight("tenant-a") == 0
+
+
+async def test_token_rate_refuses_the_tenant_over_it_only():
+    quotas = QuotaConfig(TenantLimit(tokens_per_s=1.0, burst_tokens=60))
+    async with secure_worker("w-rate") as worker, _router(worker.address, quotas) as router:
+        async with RouterClient(router.address, tenant="a", timeout_s=WAIT_S) as a:
+            opts = GenerateOptions(max_new_tokens=10)
+            await a.generate("x" * 40, opts)  # 50 of 60 tokens
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await a.generate("x" * 40, opts)
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "needs 50 tokens (prompt + max_new_tokens), 10 are available" in (
+                info.value.details() or ""
+            )
+            hint = float(dict(info.value.trailing_metadata() or ())["retry-after-s"])
+            assert 39.0 < hint <= 40.0
+        async with RouterClient(router.address, tenant="b", timeout_s=WAIT_S) as b:
+            assert len((await b.generate("x" * 40, opts)).token_ids) == 10
