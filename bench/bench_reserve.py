@@ -7,7 +7,7 @@ engines' retractions (summed over workers), output throughput, hit rate and TTFT
 ``--kv-capacity-tokens`` makes decode outgrow the pool, which is where the reserve matters.
 
 Settings: ``fixed:R`` (EngineConfig.new_token_reserve_ratio = R, adaptive off) and
-``adaptive`` (EngineConfig.adaptive_reserve = SGLang's defaults: 0.7 decaying to 0.098 over
+``adaptive`` (new_token_reserve_ratio None, the default: SGLang's rule, 0.7 decaying to 0.098 over
 600 decode steps, raised after each retraction); ``split:keep`` / ``split:stamp``
 (EngineConfig.split_recency: whether the unused half of a split edge counts as accessed;
 compare the hit rates).
@@ -53,7 +53,7 @@ def engine_config_for(setting: str, base: EngineConfig) -> EngineConfig:
     """``fixed:R``, ``adaptive`` or ``split:keep|stamp`` -> the engine config (ValueError
     naming the setting)."""
     if setting == "adaptive":
-        return replace(base, adaptive_reserve=AdaptiveReserve())
+        return replace(base, new_token_reserve_ratio=None, adaptive_reserve=AdaptiveReserve())
     kind, _, value = setting.partition(":")
     if kind == "split" and value in SPLIT_RECENCY:
         return replace(base, split_recency=value)
@@ -63,7 +63,7 @@ def engine_config_for(setting: str, base: EngineConfig) -> EngineConfig:
         except ValueError:
             ratio = -1.0
         if 0.0 <= ratio <= 1.0:
-            return replace(base, new_token_reserve_ratio=ratio, adaptive_reserve=None)
+            return replace(base, new_token_reserve_ratio=ratio)
     raise ValueError(
         "--setting must be 'adaptive', 'fixed:R' with R in [0, 1], or 'split:keep' / "
         f"'split:stamp', got {setting!r}"

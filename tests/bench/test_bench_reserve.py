@@ -49,5 +49,5 @@ def test_settings_map_to_engine_config() -> None:
     assert bench_reserve.engine_config_for("split:stamp", base).split_recency == "stamp"
     assert bench_reserve.engine_config_for("split:keep", base).split_recency == "keep"
     fixed = bench_reserve.engine_config_for("fixed:0.5", base)
-    assert (fixed.new_token_reserve_ratio, fixed.adaptive_reserve) == (0.5, None)
-    assert bench_reserve.engine_config_for("adaptive", base).adaptive_reserve is not None
+    assert fixed.new_token_reserve_ratio == 0.5
+    assert bench_reserve.engine_config_for("adaptive", base).new_token_reserve_ratio is None

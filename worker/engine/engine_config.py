@@ -56,12 +56,12 @@ class EngineConfig:
 
     * ``new_token_reserve_ratio``: admission keeps ``ratio * min(remaining new tokens, 4096)``
       free KV tokens per running request for its future decode tokens, so a fresh admission
-      does not force a retraction on the next step (SGLang's new_token_ratio, held fixed).
-      0 admits greedily and leaves overflow to retraction. Used while ``adaptive_reserve``
-      is None.
-    * ``adaptive_reserve``: make the ratio adaptive as SGLang's is (see AdaptiveReserve):
-      high after a retraction, decaying while nothing is retracted. None: the fixed
-      ``new_token_reserve_ratio``.
+      does not force a retraction on the next step (SGLang's new_token_ratio). None (the
+      default): the ratio adapts as SGLang's does, by the rule and constants of
+      ``adaptive_reserve`` -- high after a retraction, decaying while nothing is retracted.
+      A number in [0, 1] holds the ratio fixed there (the behaviour before the adaptive
+      rule; 0 admits greedily and leaves overflow to retraction).
+    * ``adaptive_reserve``: the adaptive rule's constants (SGLang's by default).
     * ``in_batch_dedup_min_tokens``: hold a waiting request whose not-yet-cached prefix shares
       at least this many tokens with a request being prefilled (0 turns the dedup off).
     * ``lpm_rematch_budget``: most waiting requests whose prefix match LPM refreshes per step;
@@ -84,11 +84,11 @@ class EngineConfig:
     chunk_size: int = 2048
     enable_cache: bool = True
     seed: int = 0
-    new_token_reserve_ratio: float = 0.25
+    new_token_reserve_ratio: float | None = None
     in_batch_dedup_min_tokens: int = 32
     lpm_rematch_budget: int = 512
     clamp_max_new_tokens: bool = False
-    adaptive_reserve: AdaptiveReserve | None = None
+    adaptive_reserve: AdaptiveReserve = AdaptiveReserve()
     split_recency: str = "keep"
 
     def __post_init__(self) -> None:
@@ -113,15 +113,14 @@ class EngineConfig:
                 f"EngineConfig.split_recency must be one of {SPLIT_RECENCY}, "
                 f"got {self.split_recency!r}"
             )
-        if self.adaptive_reserve is not None and not isinstance(
-            self.adaptive_reserve, AdaptiveReserve
-        ):
+        if not isinstance(self.adaptive_reserve, AdaptiveReserve):
             raise ValueError(
-                "EngineConfig.adaptive_reserve must be an AdaptiveReserve or None, "
+                "EngineConfig.adaptive_reserve must be an AdaptiveReserve, "
                 f"got {self.adaptive_reserve!r}"
             )
-        if not 0.0 <= self.new_token_reserve_ratio <= 1.0:
+        ratio = self.new_token_reserve_ratio
+        if ratio is not None and not 0.0 <= ratio <= 1.0:
             raise ValueError(
-                f"EngineConfig.new_token_reserve_ratio must be in [0, 1], "
-                f"got {self.new_token_reserve_ratio}"
+                "EngineConfig.new_token_reserve_ratio must be None (adaptive) or in [0, 1], "
+                f"got {ratio}"
             )

@@ -93,11 +93,10 @@ class Scheduler:
         self._rematch_cursor = 0
         self._warned_stale = False
         self._dedup = config.enable_cache and config.in_batch_dedup_min_tokens > 0
-        self._adaptive = config.adaptive_reserve
-        # The new-token reserve ratio admission uses now (fixed unless adaptive_reserve).
-        self.new_token_ratio = (
-            config.new_token_reserve_ratio if self._adaptive is None else self._adaptive.init_ratio
-        )
+        fixed = config.new_token_reserve_ratio
+        self._adaptive = config.adaptive_reserve if fixed is None else None
+        # The new-token reserve ratio admission uses now (adaptive unless a fixed one is set).
+        self.new_token_ratio = config.adaptive_reserve.init_ratio if fixed is None else fixed
 
     # ------------------------------------------------------------------ requests in / out
 

@@ -35,11 +35,11 @@ _PARTITIONS = [Partition(), Partition(cache_salt="tenant-b")]
 class EngineMachine(RuleBasedStateMachine):
     @initialize(
         page_size=st.sampled_from([1, 4]),
-        policy=st.sampled_from(["fcfs", "lpm", "lof", "random", "dfs-weight"]),
-        reserve=st.sampled_from([0.0, 0.25]),
+        policy=st.sampled_from(["fcfs", "lpm", "lof", "random", "dfs-weight", "routing-key"]),
+        reserve=st.sampled_from([0.0, 0.25, None]),  # None: adaptive
         num_kv_slots=st.sampled_from([72, 160]),
     )
-    def setup(self, page_size: int, policy: str, reserve: float, num_kv_slots: int) -> None:
+    def setup(self, page_size: int, policy: str, reserve: float | None, num_kv_slots: int) -> None:
         self.engine, _ = make_engine(
             num_kv_slots=num_kv_slots,
             page_size=page_size,
@@ -80,6 +80,7 @@ class EngineMachine(RuleBasedStateMachine):
                 SamplingParams(max_new_tokens=max_new),
                 _PARTITIONS[part],
                 priority=priority,
+                routing_key=f"k{base}",  # for routing-key; ignored by the other policies
             )
         )
         self.in_flight.append(rid)

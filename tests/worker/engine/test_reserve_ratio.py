@@ -1,6 +1,7 @@
-"""The new-token reserve ratio: fixed (EngineConfig.new_token_reserve_ratio) or adaptive as
-SGLang's (EngineConfig.adaptive_reserve): exact decay, the jump after a retraction, the reset
-when the engine goes idle, and the retraction it prevents."""
+"""The new-token reserve ratio: adaptive as SGLang's (the default; constants in
+EngineConfig.adaptive_reserve) or fixed (EngineConfig.new_token_reserve_ratio = R): exact
+decay, the jump after a retraction, the reset when the engine goes idle, and the retraction
+it prevents."""
 
 from __future__ import annotations
 
@@ -96,3 +97,13 @@ def test_adaptive_reserve_is_validated() -> None:
         AdaptiveReserve(decay_steps=0)
     with pytest.raises(ValueError, match="adaptive_reserve"):
         EngineConfig(adaptive_reserve=0.7)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"new_token_reserve_ratio must be None \(adaptive\)"):
+        EngineConfig(new_token_reserve_ratio=1.5)
+
+
+def test_adaptive_is_the_default_and_a_fixed_ratio_turns_it_off() -> None:
+    assert EngineConfig().new_token_reserve_ratio is None
+    engine, _ = make_engine()
+    assert engine.scheduler.new_token_ratio == 0.7
+    engine, _ = make_engine(new_token_reserve_ratio=0.3, adaptive_reserve=AdaptiveReserve(0.9))
+    assert engine.scheduler.new_token_ratio == 0.3
