@@ -74,17 +74,19 @@ _F2_INV = pow(_F2, -1, 1 << 64)
 _U64 = np.uint64
 
 _HASH_KEY: bytes | None = None  # the deployment's block-hashing key (None: unkeyed)
+_KEYED_BASE: hashlib.blake2b | None = None  # BLAKE2b keyed once; copied per block (cheaper)
 
 
 def set_hash_key(key: bytes | str | None) -> None:
     """Key (or, with None, unkey) every block hash this process computes from now on.
     Set once at start-up: hashes made under another key never match."""
-    global _HASH_KEY
+    global _HASH_KEY, _KEYED_BASE
     if isinstance(key, str):
         key = key.encode()
     if key is not None and not 1 <= len(key) <= 64:
         raise ValueError(f"the hash key must be 1..64 bytes, got {len(key)}")
     _HASH_KEY = key
+    _KEYED_BASE = None if key is None else hashlib.blake2b(key=key, digest_size=8)
 
 
 def hash_key_fingerprint() -> str:
@@ -103,15 +105,18 @@ def key_fingerprint(key: bytes | str | None) -> str:
     return f"hk1:{digest.hexdigest()}"
 
 
-def _keyed_states(tokens: np.ndarray, block_size: int, seed: int, key: bytes) -> np.ndarray:
+def _keyed_states(
+    tokens: np.ndarray, block_size: int, seed: int, base: hashlib.blake2b
+) -> np.ndarray:
     """S_1 .. S_m of the keyed chain (uint64), for ``tokens`` of m full blocks."""
     data = memoryview(tokens.astype("<u4", copy=False).tobytes())
     step = 4 * block_size
     state = (seed & _MASK).to_bytes(8, "little")
-    blake2b = hashlib.blake2b
+    fresh = base.copy  # the keyed initial state, without re-keying per block
     out = []
     for start in range(0, len(data), step):
-        h = blake2b(state, key=key, digest_size=8)
+        h = fresh()
+        h.update(state)
         h.update(data[start : start + step])
         state = h.digest()
         out.append(state)
@@ -271,8 +276,8 @@ def block_hashes(
     if num_blocks == 0:
         return np.empty(0, dtype=_U64)
     n = num_blocks * block_size
-    if _HASH_KEY is not None:
-        return _fmix64_array(_keyed_states(tokens[:n], block_size, seed, _HASH_KEY))
+    if _KEYED_BASE is not None:
+        return _fmix64_array(_keyed_states(tokens[:n], block_size, seed, _KEYED_BASE))
     _POWERS.ensure(n)
     # Array arithmetic wraps mod 2**64 without warnings (only numpy scalar ops warn): no
     # np.errstate needed, and entering one costs as much as a 2,000-element multiply.

@@ -284,7 +284,6 @@ class WorkerConnection:
                 info.hash_key_fingerprint or "(unkeyed)",
                 expected or "(unkeyed)",
             )
-        self.last_error = "block-hashing key differs from the router's (--hash-key)"
         return False
 
     def _same_tokenizer(self, info: pb.WorkerInfo) -> bool:
