@@ -414,6 +414,7 @@ def run(
         "specs": asdict(specs),
         "build_s": round(build_s, 3),
         "steps": [asdict(m) for m in steps],
+        "decode_context": sizes.decode_context,
         "decode_full_batch_tokens_s": full.tokens_per_s,
         "parity": parity,
         "peak_memory_bytes": peak_memory_bytes(device),

@@ -145,6 +145,14 @@ def build_parser() -> argparse.ArgumentParser:
         "RouterConfig.prefix_hash_blocks)",
     )
     p.add_argument(
+        "--cost-profile",
+        default="h100",
+        metavar="NAME|FILE.json",
+        help="sim mode: the simulated executor's step costs: h100 (a well-tuned engine, "
+        "derived; default), kvroute-h200 (our torch executor as issue 14 measured it), or a "
+        "bench/bench_gpu.py --json result (fitted)",
+    )
+    p.add_argument(
         "--no-reference",
         "--no-bounds",
         dest="no_bounds",
@@ -248,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     setup.update(_router_overrides(args))
     if args.prefix_hash_blocks is not None:
         setup["prefix_hash_blocks"] = args.prefix_hash_blocks
+    if args.mode == "sim":
+        setup["cost_profile"] = args.cost_profile
     progress = None if args.quiet else sys.stderr
     if args.mode == "sim":
         report = _run_sim(args, records, policies, setup, progress)
@@ -331,8 +341,11 @@ def _sim_config(args: argparse.Namespace):  # -> SimConfig
         if args.prefix_hash_blocks < 1:
             raise ValueError(f"--prefix-hash-blocks must be >= 1, got {args.prefix_hash_blocks}")
         router = replace(router, prefix_hash_blocks=args.prefix_hash_blocks)
+    from worker.engine.sim_executor import cost_profile
+
     return SimConfig(
         router=router,
+        cost_model=cost_profile(args.cost_profile),
         num_workers=args.workers,
         kv_capacity_tokens=args.kv_capacity_tokens,
         event_delay_s=args.event_delay_s,

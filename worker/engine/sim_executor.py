@@ -5,9 +5,11 @@ Pure: imports neither asyncio, grpc, torch nor a clock. It never reads time: the
 *modelled* (:attr:`SimCostModel`), and a replay simulator advances its virtual clock by
 ``Engine.last_step_cost_s`` after each ``step()``.
 
-Cost model (Llama-3-8B, bf16, one H100 SXM; derived, not measured)::
+Cost model, default profile ``h100`` (Llama-3-8B, bf16, one H100 SXM, a well-tuned engine;
+derived, not measured)::
 
     prefill(c tokens at positions p .. p+c)  = c * prefill_s_per_token
+                                             + p * prefill_s_per_context_token
                                              + (c*p + c*c/2) * prefill_s_per_attn_pair
     decode(batch of b, contexts n_1 .. n_b)  = decode_base_s
                                              + b * decode_s_per_seq
@@ -23,6 +25,11 @@ Cost model (Llama-3-8B, bf16, one H100 SXM; derived, not measured)::
   plus launch overhead. ``decode_s_per_context_token`` = 128 KiB of KV per token / 2.5 TB/s
   ~= 52 ns, rounded to 60 ns. ``decode_s_per_seq`` = 0.1 ms (sampling and per-row work).
   A batch of 32 at 2k context: 8 + 3.2 + 3.9 ~= 15 ms; 64 at 4k: ~30 ms ("tens of ms").
+* ``prefill_s_per_context_token`` = 0: a tuned engine attends to cached KV in place.
+
+Other profiles (:data:`COST_PROFILES`, ``kvroute replay --cost-profile``): ``kvroute-h200``,
+our own torch executor as issue 14 measured it on one H200 (launch- and gather-bound), and
+any ``bench/bench_gpu.py --json`` output, fitted by :meth:`SimCostModel.from_bench_gpu`.
 
 Tokens: ``token(request, k)`` for the k-th generated token is a 64-bit hash of the request's
 ``sampling.seed`` (or, without one, its ``request_id``) and ``k``, folded into
@@ -32,7 +39,9 @@ the same whether the request ran straight through or was retracted and recompute
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
 
 import xxhash
 
@@ -49,16 +58,77 @@ class SimCostModel:
     decode_s_per_seq: float = 1e-4
     decode_s_per_context_token: float = 6e-8
     step_overhead_s: float = 0.0
+    prefill_s_per_context_token: float = 0.0  # reading each cached token's KV (a gather)
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not value >= 0.0:  # also rejects NaN
+                raise ValueError(f"SimCostModel.{f.name} must be >= 0, got {value}")
 
     @classmethod
     def zero(cls) -> SimCostModel:
         """Every cost 0: pure scheduling throughput (the scheduling benchmark)."""
-        return cls(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+        return cls(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+
+    @classmethod
+    def from_bench_gpu(cls, result: dict) -> SimCostModel:
+        """Fit the model to a ``bench/bench_gpu.py --json`` result (full or smoke mode).
+
+        Every step pays a fixed floor (``step_overhead_s``): the batch-1 decode step minus
+        one request's share. Decode: the per-request cost is the slope between batch 1 and
+        the largest batch, spread over the context (``decode_s_per_context_token``). Prefill:
+        the two cold prefills give ``prefill_s_per_token`` and ``prefill_s_per_attn_pair``,
+        the cached step what is left for reading the cached KV. A coefficient the data
+        would make negative is 0."""
+        steps = {m["name"]: float(m["median_s"]) for m in result["steps"]}
+        decodes = sorted(
+            (int(name.removeprefix("decode_b")), t)
+            for name, t in steps.items()
+            if name.startswith("decode_b")
+        )
+        colds = sorted(
+            (int(name.removeprefix("prefill_cold_")), t)
+            for name, t in steps.items()
+            if name.startswith("prefill_cold_")
+        )
+        cached = [n for n in steps if n.startswith("prefill_cached_")]
+        if len(decodes) < 2 or len(colds) < 2 or len(cached) != 1:
+            raise ValueError(
+                "bench_gpu result: need decode_b* at two batch sizes, prefill_cold_* at two "
+                f"lengths and one prefill_cached_*; got steps {sorted(steps)}"
+            )
+        ctx = int(result["decode_context"])
+        (b1, t1), (bn, tn) = decodes[0], decodes[-1]
+        per_req = max((tn - t1) / (bn - b1), 0.0)
+        floor = max(t1 - b1 * per_req, 0.0)
+        (l1, c1), (l2, c2) = colds[0], colds[-1]
+        # c_i - floor = l_i * tok + l_i^2 / 2 * attn  (2x2 linear system)
+        y1, y2 = c1 - floor, c2 - floor
+        det = l1 * l2 * l2 / 2 - l2 * l1 * l1 / 2
+        attn = max((l1 * y2 - l2 * y1) / det, 0.0)
+        tok = max((y1 - l1 * l1 / 2 * attn) / l1, 0.0)
+        new_s, _, prefix_s = cached[0].removeprefix("prefill_cached_").partition("_after_")
+        new, prefix = int(new_s), int(prefix_s)
+        rest = steps[cached[0]] - floor - new * tok - (new * prefix + new * new / 2) * attn
+        return cls(
+            prefill_s_per_token=tok,
+            prefill_s_per_attn_pair=attn,
+            decode_base_s=0.0,
+            decode_s_per_seq=0.0,
+            decode_s_per_context_token=per_req / ctx,
+            step_overhead_s=floor,
+            prefill_s_per_context_token=max(rest / prefix, 0.0),
+        )
 
     def prefill_cost_s(self, num_tokens: int, start_pos: int) -> float:
         """Modelled time of prefilling ``num_tokens`` tokens after ``start_pos`` cached ones."""
         pairs = num_tokens * start_pos + num_tokens * num_tokens / 2
-        return num_tokens * self.prefill_s_per_token + pairs * self.prefill_s_per_attn_pair
+        return (
+            num_tokens * self.prefill_s_per_token
+            + start_pos * self.prefill_s_per_context_token
+            + pairs * self.prefill_s_per_attn_pair
+        )
 
     def decode_cost_s(self, batch_size: int, num_context_tokens: int) -> float:
         """Modelled time of one decode step over ``batch_size`` sequences whose contexts sum
@@ -70,6 +140,50 @@ class SimCostModel:
             + batch_size * self.decode_s_per_seq
             + num_context_tokens * self.decode_s_per_context_token
         )
+
+
+# Issue 14's measurements of our torch executor on one H200 (Llama-3-8B shape, bf16):
+# decode at 2k context 65 ms (batch 1) / 81 ms (batch 128); cold prefill of 8,064 tokens
+# 1.80 s; 64 new tokens after 8,000 cached 152 ms. No 2k cold point was measured, so the
+# attention coefficient is the h100 profile's; the rest is fitted as from_bench_gpu does.
+_KVROUTE_H200_FLOOR = 0.065 - (0.081 - 0.065) / 127
+_KVROUTE_H200_TOK = (1.80 - _KVROUTE_H200_FLOOR - 8064 * 8064 / 2 * 1.31e-9) / 8064
+
+COST_PROFILES: dict[str, SimCostModel] = {
+    "h100": SimCostModel(),
+    "kvroute-h200": SimCostModel(
+        prefill_s_per_token=_KVROUTE_H200_TOK,
+        prefill_s_per_attn_pair=1.31e-9,
+        decode_base_s=0.0,
+        decode_s_per_seq=0.0,
+        decode_s_per_context_token=(0.081 - 0.065) / 127 / 2048,
+        step_overhead_s=_KVROUTE_H200_FLOOR,
+        prefill_s_per_context_token=(
+            0.152
+            - _KVROUTE_H200_FLOOR
+            - 64 * _KVROUTE_H200_TOK
+            - (64 * 8000 + 64 * 64 / 2) * 1.31e-9
+        )
+        / 8000,
+    ),
+}
+
+
+def cost_profile(name_or_path: str) -> SimCostModel:
+    """A profile of :data:`COST_PROFILES` by name, or a ``bench_gpu --json`` file fitted by
+    :meth:`SimCostModel.from_bench_gpu`. ValueError names the choices."""
+    if name_or_path in COST_PROFILES:
+        return COST_PROFILES[name_or_path]
+    if name_or_path.endswith(".json"):
+        try:
+            result = json.loads(Path(name_or_path).read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"cost profile {name_or_path!r}: {exc}") from None
+        return SimCostModel.from_bench_gpu(result)
+    raise ValueError(
+        f"cost profile must be one of {sorted(COST_PROFILES)} or a bench_gpu --json file, "
+        f"got {name_or_path!r}"
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,7 +6,12 @@ import numpy as np
 import pytest
 
 from worker.engine.engine import Engine, EngineConfig
-from worker.engine.sim_executor import SimCostModel, SimExecutor, SimExecutorConfig
+from worker.engine.sim_executor import (
+    SimCostModel,
+    SimExecutor,
+    SimExecutorConfig,
+    cost_profile,
+)
 from worker.engine.types import EngineRequest, ForwardItem, SamplingParams
 
 _EMPTY = np.empty(0, dtype=np.int64)
@@ -87,3 +92,46 @@ def test_engine_reports_modelled_step_cost_for_a_virtual_clock() -> None:
     assert len(costs) == 4
     assert engine.step() == [] and engine.last_step_cost_s == 0.0
     assert now[0] == pytest.approx(sum(costs))
+
+
+def _bench_result(model: SimCostModel, ctx: int = 2048) -> dict:
+    """What bench_gpu would report for an engine that costs exactly ``model``."""
+    steps = []
+    for n in (2048, 8064):
+        steps.append((f"prefill_cold_{n}", model.step_overhead_s + model.prefill_cost_s(n, 0)))
+    cached = model.step_overhead_s + model.prefill_cost_s(64, 8000)
+    steps.append(("prefill_cached_64_after_8000", cached))
+    for b in (1, 8, 128):
+        steps.append((f"decode_b{b}", model.step_overhead_s + model.decode_cost_s(b, b * ctx)))
+    return {"decode_context": ctx, "steps": [{"name": n, "median_s": t} for n, t in steps]}
+
+
+def test_from_bench_gpu_recovers_the_coefficients() -> None:
+    truth = SimCostModel(
+        prefill_s_per_token=2e-4,
+        prefill_s_per_attn_pair=3e-9,
+        decode_base_s=0.0,
+        decode_s_per_seq=0.0,
+        decode_s_per_context_token=5e-8,
+        step_overhead_s=0.04,
+        prefill_s_per_context_token=7e-6,
+    )
+    fitted = SimCostModel.from_bench_gpu(_bench_result(truth))
+    for name in SimCostModel.__dataclass_fields__:
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6, abs=1e-15)
+
+
+def test_from_bench_gpu_needs_the_steps() -> None:
+    with pytest.raises(ValueError, match="need decode_b"):
+        SimCostModel.from_bench_gpu({"decode_context": 2048, "steps": []})
+
+
+def test_cost_model_rejects_negative_coefficients() -> None:
+    with pytest.raises(ValueError, match="step_overhead_s must be >= 0"):
+        SimCostModel(step_overhead_s=-1.0)
+
+
+def test_cost_profile_by_name() -> None:
+    assert cost_profile("h100") == SimCostModel()
+    with pytest.raises(ValueError, match="kvroute-h200"):
+        cost_profile("nope")
