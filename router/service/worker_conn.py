@@ -79,6 +79,9 @@ class ConnectionConfig:
         return [
             ("grpc.keepalive_time_ms", int(self.keepalive_time_s * 1000)),
             ("grpc.keepalive_timeout_ms", int(self.keepalive_timeout_s * 1000)),
+            # without it grpc-core (1.85) waits for a ping ack far longer than the keepalive
+            # timeout: a stalled worker (SIGSTOP, a partition) was never detected (issue 12)
+            ("grpc.http2.ping_timeout_ms", int(self.keepalive_timeout_s * 1000)),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.max_pings_without_data", 0),
             ("grpc.initial_reconnect_backoff_ms", int(self.backoff.initial_s * 1000)),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 
 import pytest
@@ -122,5 +123,48 @@ async def test_worker_restart_new_epoch_converges() -> None:
             recovery="restart -> routable again + index equal to its snapshot after quiet",
             recover_s=round(total_s, 2),
             details={"routable_s": round(back_s, 2), "converge_after_load_s": round(converge_s, 2)},
+        )
+    )
+
+
+async def test_stalled_worker_is_left_out_then_readmitted() -> None:
+    with procs() as p:
+        workers = [start_worker(p, f"w{i}") for i in range(2)]
+        slow = workers[0]
+        async with no_stray_tasks():
+            router = await start_router(router_config([w.address for w in workers]))
+            try:
+                await wait_synced(router, 2)
+                slow.proc.popen.send_signal(signal.SIGSTOP)  # stalls: answers nothing
+                try:
+                    out_s = await wait_until(
+                        lambda: router.pool.num_healthy == 1, "stalled worker left out", 15
+                    )
+                    during = await drive(router.address, num_requests=30, concurrency=6)
+                finally:
+                    slow.proc.popen.send_signal(signal.SIGCONT)
+                back_s = await wait_until(
+                    lambda: router.pool.num_healthy == 2, "worker readmitted", 15
+                )
+                after = await drive(router.address, num_requests=30, concurrency=6, first_id=50)
+                await assert_no_leak(workers, router)
+                converge_s = await converge(router, workers)
+            finally:
+                await router.stop(0)
+    assert during.codes() == {"OK": 30}, during.codes()
+    assert after.codes() == {"OK": 30}
+    # keepalive 1 s + ping timeout 1 s (FAST_CONN), with a margin for a loaded machine
+    assert out_s < 6.0, out_s
+    record(
+        Row(
+            test="worker_stall",
+            fault="slow (stalled) worker: SIGSTOP, so it answers nothing; SIGCONT later",
+            client_sees=f"while stalled: {codes_text(during)} (sent to the other worker); "
+            f"after: {codes_text(after)}",
+            index_after="kept its entries while out; index == snapshots after",
+            recovery=f"left out {out_s:.2f} s after the stall (keepalive 1 s + ping timeout "
+            "1 s); readmitted after SIGCONT in",
+            recover_s=round(back_s, 2),
+            details={"left_out_s": round(out_s, 2), "converge_s": round(converge_s, 2)},
         )
     )
