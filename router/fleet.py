@@ -25,12 +25,13 @@ import logging
 import os
 import signal
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
 from kvroute_proto.cli_help import HelpFormatter
+from kvroute_proto.hashing import set_hash_key
 from kvroute_proto.http_front import HttpFrontConfig
 from kvroute_proto.metrics_http import metrics_port
 from kvroute_proto.runtime import run_event_loop
@@ -38,6 +39,7 @@ from kvroute_proto.tokenizer import load_tokenizer_or_bytes
 from router.cli import POLICIES
 from router.client import GenerateOptions, RouterClient
 from router.core import RouterConfig
+from router.security_flags import FleetSecurity, add_fleet_security_args, fleet_security_from_args
 from router.service.frontend import FrontendConfig
 from router.service.metrics import RouterMetricsEndpoint
 from router.service.server import RouterServer, RouterServerConfig
@@ -66,6 +68,7 @@ class FleetConfig:
     # picks a free port); None: no metrics endpoints
     metrics_port: int | None = None
     model: str | None = None  # an HF model directory for every worker and the router
+    security: FleetSecurity = field(default_factory=FleetSecurity)  # TLS, keys, limits
 
     def __post_init__(self) -> None:
         if self.model is not None and self.executor != "torch":
@@ -160,6 +163,7 @@ async def start_worker(
         stdin=asyncio.subprocess.DEVNULL,
         start_new_session=True,  # Ctrl-C reaches us only; we stop workers in order
         preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+        env=config.security.worker_env(),  # --hash-key and the router token, not in argv
     )
     wp = WorkerProcess(worker_id, proc)
     assert proc.stdout is not None
@@ -234,20 +238,23 @@ class Fleet:
         service = FrontendConfig()
         if self.config.model is not None:
             service = FrontendConfig(model_name=Path(self.config.model).resolve().name)
+        set_hash_key(self.config.security.hash_key)  # the in-process router's block hashes
         self.router = RouterServer(
-            RouterServerConfig(
-                host=self.config.host,
-                port=self.config.port,
-                workers=tuple(w.address for w in self.workers),
-                core=RouterConfig(policy=self.config.policy),
-                service=service,
-                connection=ConnectionConfig(
-                    purge_after_s=5.0, tokenizer_fingerprint=tokenizer.fingerprint
-                ),
-                seed=0,
-                http=None
-                if self.config.http_port is None
-                else HttpFrontConfig(host=self.config.host, port=self.config.http_port),
+            self.config.security.apply(  # TLS, API keys, tenant limits, the workers' token
+                RouterServerConfig(
+                    host=self.config.host,
+                    port=self.config.port,
+                    workers=tuple(w.address for w in self.workers),
+                    core=RouterConfig(policy=self.config.policy),
+                    service=service,
+                    connection=ConnectionConfig(
+                        purge_after_s=5.0, tokenizer_fingerprint=tokenizer.fingerprint
+                    ),
+                    seed=0,
+                    http=None
+                    if self.config.http_port is None
+                    else HttpFrontConfig(host=self.config.host, port=self.config.http_port),
+                )
             ),
             tokenizer=tokenizer,
         )
@@ -350,6 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ARG",
         help="extra argument for every worker, e.g. --worker-arg=--kv-slots=8192 (repeatable)",
     )
+    add_fleet_security_args(p)  # TLS on the router's ports, API keys, limits, --hash-key
     p.add_argument("--demo", action="store_true", help="send demo requests after start")
     p.add_argument("--exit", action="store_true", help="with --demo: stop after the demo")
     p.add_argument(
@@ -444,6 +452,7 @@ def main(argv: list[str]) -> int:
             worker_log_level=args.log_level,
             startup_timeout_s=args.startup_timeout_s,
             stop_timeout_s=args.stop_timeout_s,
+            security=fleet_security_from_args(args),
         )
         load_tokenizer_or_bytes(args.model)  # a bad model dir: one line here, not a traceback
     except ValueError as exc:  # TokenizerLoadError included

@@ -11,9 +11,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import secrets
 
 from kvroute_proto.hashing import key_fingerprint
 from kvroute_proto.security_cli import (
+    HASH_KEY_ENV,
+    ROUTER_TOKEN_ENV,
     WORKER_TOKEN_ENV,
     add_client_tls_args,
     add_hash_key_arg,
@@ -23,6 +26,7 @@ from kvroute_proto.security_cli import (
     redis_auth_from_args,
     server_tls_from_args,
 )
+from kvroute_proto.tls import ServerTls
 from router.service.auth import API_KEYS_ENV, ApiKeys
 from router.service.quota import QuotaConfig, TenantLimit, parse_overrides
 from router.service.server import RouterServerConfig
@@ -128,4 +132,94 @@ def apply_router_security(
         connection=connection,
         registry=registry,
         http=http,
+    )
+
+
+# ---- kvroute up ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FleetSecurity:
+    """``kvroute up``'s security: TLS on the router's public ports, API keys, tenant limits,
+    the block-hashing key (router and workers), and -- with API keys -- a random token of
+    this run that the workers require from the router (so they serve only it)."""
+
+    tls: ServerTls | None = None
+    api_keys: ApiKeys | None = None
+    trust_tenant_header: bool = False
+    quotas: QuotaConfig = dataclasses.field(default_factory=QuotaConfig)
+    hash_key: str | None = None
+    worker_token: str | None = None
+
+    def worker_env(self) -> dict[str, str]:
+        """Environment for each worker subprocess (secrets stay out of the argv)."""
+        env = dict(os.environ)
+        if self.hash_key:
+            env[HASH_KEY_ENV] = self.hash_key
+        if self.worker_token:
+            env[ROUTER_TOKEN_ENV] = self.worker_token
+        return env
+
+    def apply(self, config: RouterServerConfig) -> RouterServerConfig:
+        """The in-process router's config with these settings."""
+        tenancy = dataclasses.replace(
+            config.service.tenancy, trust_tenant_header=self.trust_tenant_header
+        )
+        service = dataclasses.replace(config.service, tenancy=tenancy, quotas=self.quotas)
+        connection = dataclasses.replace(
+            config.connection,
+            token=self.worker_token,
+            hash_key_fingerprint=key_fingerprint(self.hash_key),
+        )
+        http = config.http
+        if http is not None:
+            http = dataclasses.replace(http, tls=self.tls)
+        return dataclasses.replace(
+            config,
+            tls=self.tls,
+            api_keys=self.api_keys,
+            service=service,
+            connection=connection,
+            http=http,
+        )
+
+
+def add_fleet_security_args(p: argparse.ArgumentParser) -> None:
+    add_server_tls_args(p, "the router's gRPC and HTTP APIs")
+    g = p.add_argument_group("authentication and tenant limits")
+    g.add_argument(
+        "--api-keys",
+        default=None,
+        metavar="FILE",
+        help="the router requires an API key (tenant_id:sha256hex lines, `kvroute keys hash`; "
+        f"also ${API_KEYS_ENV}); the workers then accept only this router (a random token)",
+    )
+    g.add_argument("--trust-tenant-header", action="store_true", help="see kvroute router --help")
+    g.add_argument(
+        "--tenant-max-inflight", type=int, default=None, help="requests in flight per tenant"
+    )
+    g.add_argument(
+        "--tenant-tokens-per-s",
+        type=float,
+        default=None,
+        help="tokens (prompt + max_new_tokens) per second per tenant",
+    )
+    add_hash_key_arg(p)
+
+
+def fleet_security_from_args(args: argparse.Namespace) -> FleetSecurity:
+    keys = ApiKeys.load(args.api_keys, os.environ.get(API_KEYS_ENV))
+    tls = server_tls_from_args(args)
+    if getattr(args, "demo", False) and (keys is not None or tls is not None):
+        raise ValueError(
+            "--demo sends plaintext requests without an API key: drop --demo, or "
+            "--tls-cert / --api-keys"
+        )
+    return FleetSecurity(
+        tls=tls,
+        api_keys=keys,
+        trust_tenant_header=args.trust_tenant_header,
+        quotas=QuotaConfig(TenantLimit(args.tenant_max_inflight, args.tenant_tokens_per_s)),
+        hash_key=args.hash_key or None,
+        worker_token=secrets.token_urlsafe(32) if keys is not None else None,
     )
