@@ -36,7 +36,7 @@ def plot_report(report: ReplayReport, path: str | Path, title: str | None = None
     colors = ["tab:green" if p.policy == "cache_aware" else "tab:blue" for p in report.policies]
 
     fig, (ax_hit, ax_ttft, ax_imb) = plt.subplots(
-        1, 3, figsize=(max(12.0, 1.9 * len(names) + 6), 4.6)
+        3, 1, figsize=(max(8.0, 0.8 * len(names) + 3), 12.0)
     )
     x = range(len(names))
     ax_hit.bar(x, hits, color=colors)
