@@ -143,9 +143,11 @@ def auth_middleware(authenticate: Authenticator, open_paths: Iterable[str]) -> A
 
     @web.middleware
     async def middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+        tenant = None  # set for every request: a keep-alive connection's task is reused
         if request.path not in open_set:
             pairs = tuple((k.lower(), v) for k, v in request.headers.items())
-            AUTHENTICATED_TENANT.set(authenticate(pairs))
+            tenant = authenticate(pairs)
+        AUTHENTICATED_TENANT.set(tenant)
         return await handler(request)
 
     return middleware

@@ -11,11 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import shutil
-import socket
 import ssl
-import subprocess
-import time
 from pathlib import Path
 
 import aiohttp
@@ -177,55 +173,6 @@ async def test_http_front_mutual_tls(pki: Pki):
 
 
 # ---- Redis ------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def tls_redis(pki: Pki, tmp_path: Path):
-    """A redis-server of this test's own: TLS only (client certificates required), ACL
-    user alice/pw, the default user off."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed")
-    port = _free_port()
-    proc = subprocess.Popen(
-        [
-            binary,
-            "--port", "0",
-            "--tls-port", str(port),
-            "--bind", "127.0.0.1",
-            "--tls-cert-file", pki.server.cert,
-            "--tls-key-file", pki.server.key,
-            "--tls-ca-cert-file", pki.ca,
-            "--tls-auth-clients", "yes",
-            "--save", "",
-            "--appendonly", "no",
-            "--dir", str(tmp_path),
-            "--user", "alice", "on", ">pw", "~*", "&*", "+@all",
-            "--user", "default", "off",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + WAIT_S
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError("redis-server did not start") from None
-                time.sleep(0.05)
-        yield port
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 async def _beat(url: str, auth: RedisAuth) -> bool:
