@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "explain": ("router.client", "explain_main", "show each worker's match, load and cost"),
     "keys": ("router.service.auth", "keys_main", "hash an API key for kvroute router --api-keys"),
     "status": ("router.status", "main", "live view of a router's fleet (health, load, cache)"),
+    "loadtest": ("router.loadtest", "main", "closed-loop load: throughput, latency, errors"),
     "replay": ("bench.replay.cli", "main", "replay a trace against routing policies"),
     "workload": ("bench.workload", "main", "generate a synthetic workload trace"),
 }
