@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import grpc
+import numpy as np
 from opentelemetry import propagate, trace
 
 from kvroute_proto import codec
@@ -65,6 +66,7 @@ from router.service.pool import WorkerPool
 from router.service.quota import Lease, QuotaConfig, TenantQuotas
 from router.service.resilience import EjectionConfig, OutlierEjector
 from router.service.tenancy import TenancyConfig, TenancyError, resolve_partition, tenant_of
+from router.service.token_cache import with_chunk_cache
 from router.service.validation import RequestError, RequestLimits, check_request, routing_tokens
 
 log = logging.getLogger(__name__)
@@ -151,7 +153,9 @@ class Frontend:
         self._pool = pool
         self.config = config
         self._clock = clock
-        self.tokenizer = tokenizer
+        # text prompts repeat their long parts: tokenize each chunk once (exact; tokenizers
+        # it cannot be exact for are used as they are)
+        self.tokenizer = with_chunk_cache(tokenizer) if tokenizer is not None else None
         self.ejector = OutlierEjector(config.ejection, clock)
         self.admission = Admission(config.admission)
         self.quotas = TenantQuotas(config.quotas, clock)
@@ -470,8 +474,11 @@ class Frontend:
                     f"prompt_text encodes to {len(ids)} tokens; the limit is {limit}",
                     param="prompt_text",
                 )
-            forward.prompt_token_ids.ids[:] = ids  # clears prompt_text (one oneof)
-        route = RouteRequest(forward.request_id, routing_tokens(forward), partition)
+            forward.prompt_token_ids.ids.extend(ids)  # clears prompt_text (one oneof)
+            tokens = np.asarray(ids, dtype=np.uint32)
+        else:
+            tokens = routing_tokens(forward)
+        route = RouteRequest(forward.request_id, tokens, partition)
         return Prepared(forward, route)
 
     def _timeout_s(self, call: CallInfo) -> float:

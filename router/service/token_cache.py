@@ -1,0 +1,219 @@
+"""Tokenize long prompts once: a chunk cache in front of the fleet's tokenizer.
+
+Tokenizing is nearly all of what a text prompt costs the router (an 8k-token prompt: a few
+milliseconds in HF ``tokenizers``, against ~0.2 ms to hash, match and score it), and the
+prompts a cache-aware router sees repeat their long parts: system prompts, few-shot blocks,
+documents, the earlier turns of a conversation. So the text is cut into chunks at fixed
+places, each chunk is tokenized on its own and remembered, and a prompt that shares a prefix
+with an earlier one pays only for its new chunks::
+
+    text   |<- ~chunk_chars ->|<- ~chunk_chars ->|<- ~chunk_chars ->|<- rest ->|
+    cuts                      ^ " word"          ^ " word"          ^ " word"
+    ids    [specials] + ids(chunk 0) + ids(chunk 1) + ids(chunk 2) + ids(rest)
+                        (cached)       (cached)       (new)          (new)
+
+A cut is placed at the first single space at or after each multiple of ``chunk_chars``
+that sits between a non-space character and an ASCII letter or digit. Byte-level BPE
+tokenizers (GPT-2's ByteLevel pre-tokenizer; Llama-3/Qwen-style Split regex + ByteLevel)
+always start a pre-token at such a space (" word" is one pre-token) and merge only inside
+pre-tokens, so the concatenated ids equal the ids of the whole text: the result is exact,
+not an approximation. That is checked when the cache is built -- the tokenizer's structure
+(pre-tokenizer kind, no normaliser beyond NFC, no added token containing whitespace, the
+special tokens a bare ``encode`` adds) and a self-test comparing chunked and whole encodings
+of varied text with very small chunks -- and any tokenizer that fails either is used
+unchanged (``CachedTokenizer.reason`` says why).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CHUNK_CHARS = 512
+DEFAULT_MAX_CHUNKS = 16_384  # ~20 MB of chunks and ids at 512 characters each
+
+_SELF_TEST_TEXTS = (
+    "The quick brown fox jumps over the lazy dog. It's 3.14159 -- isn't it? Yes: 42, 1999.",
+    "Café naïve über résumé: e-mail me at a@b.c! Numbers 1234567 and 12,345.67 ok",
+    "Line one.\nLine two,  two spaces.\n\n  indented\tTabbed text x1 y2 z3 end",
+    "mixedCase CamelCase snake_case kebab-case UPPER lower 1st 2nd 3rd 4th ... done",
+    "你好 世界 and emoji 🙂 ok, ünïcödé ŧęxt with ß and Ω, then plain words again here",
+)
+
+
+def _pre_tokenizer_kind(spec: Any) -> str | None:
+    """'byte_level' or 'split_byte_level' for the structures the cut rule is exact for."""
+    if not isinstance(spec, dict):
+        return None
+    kind = spec.get("type")
+    if kind == "ByteLevel" and spec.get("use_regex", True):
+        return "byte_level"
+    if kind == "Sequence":
+        parts = spec.get("pretokenizers") or []
+        if (
+            len(parts) == 2
+            and parts[0].get("type") == "Split"
+            and parts[0].get("behavior") == "Isolated"
+            and parts[1].get("type") == "ByteLevel"
+            and not parts[1].get("use_regex", True)
+        ):
+            return "split_byte_level"
+    return None
+
+
+def cut_points(text: str, chunk_chars: int) -> list[int]:
+    """Positions (of a space) where ``text`` is cut: the first single space at or after
+    each multiple of ``chunk_chars`` between a non-space and an ASCII letter or digit."""
+    cuts: list[int] = []
+    n = len(text)
+    pos = chunk_chars
+    while pos < n:
+        i = text.find(" ", pos)
+        while i != -1 and i + 1 < n:
+            nxt = text[i + 1]
+            if not text[i - 1].isspace() and nxt.isascii() and nxt.isalnum():
+                break
+            i = text.find(" ", i + 1)
+        else:
+            break
+        if i + 1 >= n:
+            break
+        cuts.append(i)
+        pos = i + chunk_chars
+    return cuts
+
+
+def chunk_cache_problem(tokenizer: Any) -> str | None:
+    """Why chunked encoding could differ from whole encoding for ``tokenizer`` (None: it
+    cannot): its structure, then a self-test of chunked against whole encodings."""
+    raw = getattr(tokenizer, "_tok", None)
+    if raw is None or not hasattr(raw, "to_str"):
+        return "not an HF tokenizers tokenizer"
+    spec = json.loads(raw.to_str())
+    pre = spec.get("pre_tokenizer")
+    if _pre_tokenizer_kind(pre) is None:
+        kind = pre.get("type") if isinstance(pre, dict) else pre
+        return f"pre-tokenizer {kind!r} is not byte-level"
+    normalizer = spec.get("normalizer")
+    if normalizer is not None and normalizer.get("type") != "NFC":
+        return f"normalizer {normalizer.get('type')!r} may change text across a cut"
+    for added in spec.get("added_tokens") or ():
+        if any(c.isspace() for c in added.get("content", "")):
+            return f"added token {added.get('content')!r} contains whitespace"
+    try:
+        _specials(tokenizer)
+    except ValueError as exc:
+        return str(exc)
+    for text in _SELF_TEST_TEXTS:
+        plain = list(tokenizer.encode(text, add_special_tokens=False))
+        for size in (16, 23, 40):
+            pieces = _split(text, cut_points(text, size))
+            chunked = [i for p in pieces for i in tokenizer.encode(p, add_special_tokens=False)]
+            if chunked != plain:
+                return f"chunked ids differ from the whole text's in the self-test ({text[:20]!r})"
+    return None
+
+
+def _specials(tokenizer: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The ids ``encode`` puts before and after a text's own (the same for every text)."""
+    found: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
+    for text in _SELF_TEST_TEXTS:
+        full = list(tokenizer.encode(text))
+        plain = list(tokenizer.encode(text, add_special_tokens=False))
+        n = len(plain)
+        k = next((i for i in range(len(full) - n + 1) if full[i : i + n] == plain), None)
+        if k is None:
+            raise ValueError("encode() adds special tokens inside the text")
+        found.add((tuple(full[:k]), tuple(full[k + n :])))
+    if len(found) != 1:
+        raise ValueError("encode() adds different special tokens to different texts")
+    return found.pop()
+
+
+def with_chunk_cache(
+    tokenizer: Any, *, chunk_chars: int = DEFAULT_CHUNK_CHARS, max_chunks: int = DEFAULT_MAX_CHUNKS
+) -> Any:
+    """``tokenizer`` behind a chunk cache when chunking is exact for it, else itself."""
+    problem = chunk_cache_problem(tokenizer)
+    if problem is not None:
+        log.info("tokenizer chunk cache off: %s", problem)
+        return tokenizer
+    log.info("tokenizer chunk cache on (%d-character chunks)", chunk_chars)
+    return CachedTokenizer(tokenizer, chunk_chars=chunk_chars, max_chunks=max_chunks)
+
+
+class CachedTokenizer:
+    """The fleet's tokenizer with a chunk cache on ``encode`` (exact: build it with
+    :func:`with_chunk_cache`, which checks the tokenizer first). Everything else is the
+    wrapped tokenizer's."""
+
+    def __init__(
+        self,
+        inner: Any,
+        *,
+        chunk_chars: int = DEFAULT_CHUNK_CHARS,
+        max_chunks: int = DEFAULT_MAX_CHUNKS,
+    ) -> None:
+        if chunk_chars < 16:
+            raise ValueError(f"chunk_chars must be >= 16, got {chunk_chars}")
+        if max_chunks < 1:
+            raise ValueError(f"max_chunks must be >= 1, got {max_chunks}")
+        self._inner = inner
+        self.chunk_chars = chunk_chars
+        self.max_chunks = max_chunks
+        self._chunks: dict[str, tuple[int, ...]] = {}
+        self._prefix, self._suffix = _specials(inner)
+        self.num_hits = 0
+        self.num_misses = 0
+
+    def __getattr__(self, name: str) -> Any:  # fingerprint, decode, eos ids, vocab size ...
+        return getattr(self._inner, name)
+
+    @property
+    def num_cached_chunks(self) -> int:
+        return len(self._chunks)
+
+    def encode(self, text: str, *, add_special_tokens: bool | None = None) -> list[int]:
+        """Token ids of ``text``, equal to the wrapped tokenizer's."""
+        inner = self._inner
+        if len(text) < 2 * self.chunk_chars:
+            return list(inner.encode(text, add_special_tokens=add_special_tokens))
+        specials = inner.add_special_tokens if add_special_tokens is None else add_special_tokens
+        ids: list[int] = list(self._prefix) if specials else []
+        chunks = self._chunks
+        for piece in _split(text, cut_points(text, self.chunk_chars)):
+            got = chunks.pop(piece, None)  # re-inserted below: the dict's order is LRU
+            if got is None:
+                self.num_misses += 1
+                got = tuple(inner.encode(piece, add_special_tokens=False))
+                if len(chunks) >= self.max_chunks:
+                    del chunks[next(iter(chunks))]
+            else:
+                self.num_hits += 1
+            chunks[piece] = got
+            ids.extend(got)
+        if specials:
+            ids.extend(self._suffix)
+        return ids
+
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """As the wrapped tokenizer's ``encode_chat`` (its rule for special tokens), through
+        the cache."""
+        text = self._inner.apply_chat_template(messages, add_generation_prompt)
+        return self.encode(text, add_special_tokens=self._inner.settings.chat_template is None)
+
+
+def _split(text: str, cuts: list[int]) -> list[str]:
+    pieces = []
+    start = 0
+    for c in cuts:
+        pieces.append(text[start:c])
+        start = c
+    pieces.append(text[start:])
+    return pieces

@@ -1,0 +1,121 @@
+"""The tokenizer chunk cache: exact (same ids as the whole text), bounded, and used only
+for tokenizers whose structure and self-test allow it."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bench.bpe import BOS, CHAT_TEMPLATE, EOS, english_like_text, train_bpe
+from kvroute_proto.tokenizer import ByteTokenizer, HFTokenizer, TokenizerSettings
+from router.service.token_cache import (
+    CachedTokenizer,
+    chunk_cache_problem,
+    cut_points,
+    with_chunk_cache,
+)
+
+_BPE = train_bpe(512, seed=0)
+
+
+def hf(add_bos: bool | None = True, chat: bool = True) -> HFTokenizer:
+    return HFTokenizer(
+        _BPE,
+        settings=TokenizerSettings(
+            bos_token=BOS,
+            eos_token=EOS,
+            add_bos_token=add_bos,
+            chat_template=CHAT_TEMPLATE if chat else None,
+        ),
+    )
+
+
+WORDS = st.sampled_from(
+    ["the", "cache", "Router", "x1", "42", "3.14", "café", "über", "e-mail", "it's", "🙂", "ß"]
+)
+SEPARATORS = st.sampled_from([" ", " ", " ", "  ", "\n", ", ", ". ", "\t", " - ", "!\n\n"])
+TEXTS = st.lists(st.tuples(WORDS, SEPARATORS), min_size=1, max_size=120).map(
+    lambda parts: "".join(w + s for w, s in parts)
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(TEXTS, st.sampled_from([16, 24, 40, 64]), st.sampled_from([None, True, False]))
+def test_chunked_ids_equal_the_whole_texts(text, chunk_chars, specials):
+    inner = hf()
+    cached = CachedTokenizer(inner, chunk_chars=chunk_chars)
+    expected = inner.encode(text, add_special_tokens=specials)
+    assert cached.encode(text, add_special_tokens=specials) == expected
+    assert cached.encode(text, add_special_tokens=specials) == expected  # from the cache
+
+
+def test_a_shared_prefix_is_tokenized_once():
+    inner = hf()
+    cached = CachedTokenizer(inner, chunk_chars=128)
+    system = english_like_text(600, seed=3)
+    first = cached.encode(system + " First question about refunds?")
+    misses = cached.num_misses
+    second = cached.encode(system + " Second question about shipping?")
+    assert first == inner.encode(system + " First question about refunds?")
+    assert second == inner.encode(system + " Second question about shipping?")
+    assert cached.num_hits >= misses - 1  # every chunk of the system text came from the cache
+    assert cached.num_misses - misses <= 2
+
+
+def test_the_cache_is_bounded():
+    cached = CachedTokenizer(hf(), chunk_chars=16, max_chunks=8)
+    for seed in range(5):
+        cached.encode(english_like_text(200, seed=seed))
+        assert cached.num_cached_chunks <= 8
+
+
+def test_chat_goes_through_the_cache_with_the_wrapped_rule_for_specials():
+    messages = [
+        {"role": "system", "content": english_like_text(300, seed=1)},
+        {"role": "user", "content": "How do I reset my password?"},
+    ]
+    for inner in (hf(chat=True), hf(chat=False)):
+        cached = CachedTokenizer(inner, chunk_chars=32)
+        assert cached.encode_chat(messages) == inner.encode_chat(messages)
+
+
+def test_everything_else_is_the_wrapped_tokenizers():
+    inner = hf()
+    cached = CachedTokenizer(inner)
+    assert cached.fingerprint == inner.fingerprint
+    assert cached.eos_token_ids == inner.eos_token_ids
+    assert cached.decode(inner.encode("hello world")) == inner.decode(inner.encode("hello world"))
+
+
+def test_cut_points_sit_before_a_word_and_at_least_a_chunk_apart():
+    text = english_like_text(2000, seed=5)
+    cuts = cut_points(text, 100)
+    assert cuts
+    for a, b in zip([0, *cuts], cuts, strict=False):
+        assert b - a >= 100 or a == 0
+    for c in cuts:
+        assert text[c] == " " and not text[c - 1].isspace()
+        assert text[c + 1].isascii() and text[c + 1].isalnum()
+    assert cut_points("short", 100) == []
+    assert cut_points("a" * 500, 100) == []  # no space: one piece
+
+
+def test_only_eligible_tokenizers_are_wrapped():
+    assert isinstance(with_chunk_cache(hf()), CachedTokenizer)
+    byte = ByteTokenizer()
+    assert with_chunk_cache(byte) is byte
+    assert chunk_cache_problem(byte) == "not an HF tokenizers tokenizer"
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    ws = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    ws.pre_tokenizer = pre_tokenizers.Metaspace()
+    other = HFTokenizer(ws)
+    assert with_chunk_cache(other) is other
+    assert "not byte-level" in (chunk_cache_problem(other) or "")
+
+
+@pytest.mark.parametrize(("field", "value"), [("chunk_chars", 8), ("max_chunks", 0)])
+def test_bad_sizes_are_refused(field, value):
+    with pytest.raises(ValueError, match=field):
+        CachedTokenizer(hf(), **{field: value})
