@@ -37,9 +37,11 @@ byte-level BPE of 32,000 ids trained on English-like text first (``bench.bpe``, 
   ``RouterCore.route`` of its ids; ``route_text_cpu_*`` the same in thread CPU time,
   ``route_text_tokenize_p50_us`` the tokenizing alone. ``--no-text`` skips the section.
 
-``--route-metrics`` times each route together with what the router's metrics add to it
-(``router.service.metrics.RouterMetrics.on_route``: the decision's counters and the latency
-histogram, plus the two clock reads around route); ``--route-only`` skips the comparable
+``--route-metrics`` runs every second route together with what the router's metrics add to
+it (``router.service.metrics.RouterMetrics.on_route``: the decision's counters and the
+latency histogram, plus the two clock reads around route) and reports those as
+``route_hooked_*`` beside ``route_*`` of the others: an A/B alternating request by request
+on the same index, clock and box; ``--route-only`` skips the comparable
 section and the memory trace (the A/B runs in BENCHMARKS.md).
 
 Usage::
@@ -268,7 +270,7 @@ def bench_scale(
             req = RouteRequest(f"r{i}", prompt)
             c0 = time.thread_time_ns()
             t0 = time.perf_counter_ns()
-            if metrics is None:
+            if metrics is None or i % 2 == 0:
                 d = core.route(req)
             else:  # what Frontend adds around route() when the router serves /metrics
                 r0 = time.perf_counter()
@@ -283,17 +285,29 @@ def bench_scale(
     finally:
         gc.unfreeze()
     skip = min(100, cfg.num_routes // 10)
-    warm = latencies[skip:]
-    results["route_p50_us"] = float(np.percentile(warm, 50)) / 1000
-    results["route_p99_us"] = float(np.percentile(warm, 99)) / 1000
-    # the same in thread CPU time: what the router itself spends, without preemption by
-    # other processes on a shared machine
-    results["route_cpu_p50_us"] = float(np.percentile(cpu[skip:], 50)) / 1000
-    results["route_cpu_p99_us"] = float(np.percentile(cpu[skip:], 99)) / 1000
+    warm = np.arange(cfg.num_routes) >= skip
+    if metrics is None:
+        results.update(_route_percentiles("route", latencies[warm], cpu[warm]))
+    else:  # alternate requests ran with the hook: the same index, clock and box state
+        on = warm & (np.arange(cfg.num_routes) % 2 == 1)
+        off = warm & ~on
+        results.update(_route_percentiles("route", latencies[off], cpu[off]))
+        results.update(_route_percentiles("route_hooked", latencies[on], cpu[on]))
     results["route_mean_matched_tokens"] = matched / cfg.num_routes
     assert matched == cfg.num_routes * cfg.system_tokens, "every prompt matches its system prompt"
     results["route_index_blocks"] = core.index.size()
     return results
+
+
+def _route_percentiles(prefix: str, wall_ns: np.ndarray, cpu_ns: np.ndarray) -> dict[str, float]:
+    """p50/p99 in µs of wall time and of thread CPU time (what the router itself spends,
+    without preemption by other processes on a shared machine)."""
+    return {
+        f"{prefix}_p50_us": float(np.percentile(wall_ns, 50)) / 1000,
+        f"{prefix}_p99_us": float(np.percentile(wall_ns, 99)) / 1000,
+        f"{prefix}_cpu_p50_us": float(np.percentile(cpu_ns, 50)) / 1000,
+        f"{prefix}_cpu_p99_us": float(np.percentile(cpu_ns, 99)) / 1000,
+    }
 
 
 @dataclass(frozen=True, slots=True)

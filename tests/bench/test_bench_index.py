@@ -50,6 +50,7 @@ def test_route_only_with_the_metrics_hook(tmp_path: Path) -> None:
     assert bench_index.main(["--quick", "--route-only", "--route-metrics", "--json", str(out)]) == 0
     results = json.loads(out.read_text())
     assert results["route_p50_us"] > 0
+    assert results["route_hooked_cpu_p50_us"] > 0  # every second route ran with the hook
     assert "find_full_q_s" not in results
     assert "bytes_per_entry" not in results
     assert results["meta"]["route_metrics"] is True
