@@ -26,12 +26,16 @@ from collections.abc import Callable, Coroutine
 from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import HistogramMetricFamily
+
+from kvroute_proto.histogram import HistogramStats
 
 __all__ = [
     "SNAPSHOT_TIMEOUT_S",
     "MetricsHttpServer",
     "await_on_loop",
     "call_on_loop",
+    "histogram_family",
     "metrics_port",
 ]
 
@@ -103,6 +107,20 @@ def await_on_loop(
     except concurrent.futures.TimeoutError:
         future.cancel()
         raise TimeoutError(f"no state snapshot within {timeout_s} s (engine busy)") from None
+
+
+def histogram_family(
+    name: str, doc: str, labels: list[str], values: list[str], h: HistogramStats
+) -> HistogramMetricFamily:
+    """A Prometheus histogram from plain bucket counts (cumulative, with +Inf)."""
+    family = HistogramMetricFamily(name, doc, labels=labels)
+    buckets = []
+    total = 0
+    for bound, n in zip((*h.bounds, float("inf")), h.counts, strict=True):
+        total += n
+        buckets.append((str(bound) if bound != float("inf") else "+Inf", total))
+    family.add_metric(values, buckets, h.total)
+    return family
 
 
 class MetricsHttpServer:

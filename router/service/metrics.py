@@ -28,12 +28,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto.events import LoadReport
-from kvroute_proto.metrics_http import MetricsHttpServer, call_on_loop
+from kvroute_proto.histogram import HistogramCounter, HistogramStats
+from kvroute_proto.metrics_http import MetricsHttpServer, call_on_loop, histogram_family
 from router.core import RouteDecision, RouterStats, WorkerStats
 from router.service.observe import NO_OBSERVER
 
@@ -44,6 +45,8 @@ __all__ = [
     "LATENCY_BUCKETS_S",
     "ROUTE_BUCKETS_S",
     "ConnectionStats",
+    "DecisionCollector",
+    "DecisionStats",
     "RouterMetrics",
     "RouterMetricsEndpoint",
     "RouterSnapshot",
@@ -102,13 +105,30 @@ BATCH_OUTCOMES = {
 }
 
 
+@dataclass(slots=True)
+class _Decisions:
+    """One worker's route decisions as plain ints (the event loop adds, a scrape copies)."""
+
+    num: int = 0
+    prompt_tokens: int = 0
+    matched_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class DecisionStats:
+    """The route decisions so far, as plain values (RouterMetrics.decision_stats)."""
+
+    per_worker: dict[str, tuple[int, int, int]]  # worker -> (decisions, prompt, matched)
+    best_matched_tokens: int
+    forgone_tokens: int
+    forgone_decisions: int
+    route_seconds: HistogramStats
+
+
 @dataclass(frozen=True, slots=True)
 class _WorkerSeries:
     """One worker's children of RouterMetrics' per-worker families."""
 
-    decisions: Counter
-    decision_prompt: Counter
-    decision_matched: Counter
     prompt_tokens: Counter
     cached_tokens: Counter
     predicted_tokens: Counter
@@ -123,51 +143,17 @@ class RouterMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         # worker id -> its labelled children (workers come and go rarely; a few dozen)
         self._series: dict[str, _WorkerSeries] = {}
+        # The route decision is the hot path: it counts into plain values, exported at
+        # scrape time (DecisionCollector), with no lock and no prometheus call per request.
+        self._decisions: dict[str, _Decisions] = {}
+        self._route_seconds = HistogramCounter(ROUTE_BUCKETS_S)
+        self._best_matched = 0
+        self._forgone = 0
+        self._forgone_decisions = 0
         self.requests = Counter(
             "kvroute_router_requests",
             "Generate requests by the last worker tried, policy and outcome (gRPC code name)",
             ("worker", "policy", "outcome"),
-            registry=registry,
-        )
-        self.route_seconds = Histogram(
-            "kvroute_router_route_decision_duration_seconds",
-            "Time RouterCore.route takes to pick a worker (index walk + cost + accounting)",
-            buckets=ROUTE_BUCKETS_S,
-            registry=registry,
-        )
-        self.decisions = Counter(
-            "kvroute_router_decisions",
-            "Route decisions (a retry makes a second one), by chosen worker",
-            ("worker",),
-            registry=registry,
-        )
-        self.decision_prompt = Counter(
-            "kvroute_router_decision_prompt_tokens",
-            "Prompt tokens of routed requests, at the decision",
-            ("worker",),
-            registry=registry,
-        )
-        self.decision_matched = Counter(
-            "kvroute_router_decision_matched_tokens",
-            "Tokens the router expected cached on the chosen worker, at the decision "
-            "(event-confirmed and predicted entries together)",
-            ("worker",),
-            registry=registry,
-        )
-        self.decision_best = Counter(
-            "kvroute_router_decision_best_matched_tokens",
-            "Longest match on any worker the decision could have picked",
-            registry=registry,
-        )
-        self.forgone = Counter(
-            "kvroute_router_forgone_cached_tokens",
-            "Cached tokens left on the table: best match anywhere minus the chosen worker's, "
-            "summed over decisions (the policy traded them for load balance)",
-            registry=registry,
-        )
-        self.forgone_decisions = Counter(
-            "kvroute_router_forgone_decisions",
-            "Decisions that picked a worker with a shorter match than the best one",
             registry=registry,
         )
         self.prompt_tokens = Counter(
@@ -219,16 +205,28 @@ class RouterMetrics:
     # ---- observe.RequestObserver ---------------------------------------------------------
 
     def on_route(self, decision: RouteDecision, seconds: float) -> None:
-        self.route_seconds.observe(seconds)
-        w = self._worker(decision.worker_id)
-        w.decisions.inc()
-        w.decision_prompt.inc(decision.prompt_tokens)
-        w.decision_matched.inc(decision.matched_tokens)
-        self.decision_best.inc(decision.best_matched_tokens)
+        self._route_seconds.observe(seconds)
+        d = self._decisions.get(decision.worker_id)
+        if d is None:
+            d = self._decisions[decision.worker_id] = _Decisions()
+        d.num += 1
+        d.prompt_tokens += decision.prompt_tokens
+        d.matched_tokens += decision.matched_tokens
+        self._best_matched += decision.best_matched_tokens
         forgone = decision.best_matched_tokens - decision.matched_tokens
         if forgone > 0:
-            self.forgone.inc(forgone)
-            self.forgone_decisions.inc()
+            self._forgone += forgone
+            self._forgone_decisions += 1
+
+    def decision_stats(self) -> DecisionStats:
+        """A copy of the decision counts (call on the event loop that routes)."""
+        return DecisionStats(
+            {w: (d.num, d.prompt_tokens, d.matched_tokens) for w, d in self._decisions.items()},
+            self._best_matched,
+            self._forgone,
+            self._forgone_decisions,
+            self._route_seconds.stats(),
+        )
 
     def on_first_message(self, worker_id: str, seconds: float) -> None:
         self._worker(worker_id).ttft.observe(seconds)
@@ -248,9 +246,6 @@ class RouterMetrics:
         series = self._series.get(worker_id)
         if series is None:
             series = self._series[worker_id] = _WorkerSeries(
-                self.decisions.labels(worker_id),
-                self.decision_prompt.labels(worker_id),
-                self.decision_matched.labels(worker_id),
                 self.prompt_tokens.labels(worker_id),
                 self.cached_tokens.labels(worker_id),
                 self.predicted_tokens.labels(worker_id),
@@ -533,6 +528,64 @@ class RouterStateCollector(Collector):
         yield from (inflight, info)
 
 
+class DecisionCollector(Collector):
+    """The route-decision counters and latency histogram, from RouterMetrics' plain values."""
+
+    def __init__(self, stats: Callable[[], DecisionStats]) -> None:
+        self._stats = stats
+
+    def describe(self) -> list[object]:
+        return []
+
+    def collect(self) -> Iterator[CounterMetricFamily | HistogramMetricFamily]:
+        s = self._stats()
+        labels = ("worker",)
+        num = _counter(
+            "kvroute_router_decisions",
+            "Route decisions (a retry makes a second one), by chosen worker",
+            labels,
+        )
+        prompt = _counter(
+            "kvroute_router_decision_prompt_tokens",
+            "Prompt tokens of routed requests, at the decision",
+            labels,
+        )
+        matched = _counter(
+            "kvroute_router_decision_matched_tokens",
+            "Tokens the router expected cached on the chosen worker, at the decision "
+            "(event-confirmed and predicted entries together)",
+            labels,
+        )
+        for worker, (n, p, m) in sorted(s.per_worker.items()):
+            num.add_metric([worker], n)
+            prompt.add_metric([worker], p)
+            matched.add_metric([worker], m)
+        best = _counter(
+            "kvroute_router_decision_best_matched_tokens",
+            "Longest match on any worker the decision could have picked",
+        )
+        best.add_metric([], s.best_matched_tokens)
+        forgone = _counter(
+            "kvroute_router_forgone_cached_tokens",
+            "Cached tokens left on the table: best match anywhere minus the chosen worker's, "
+            "summed over decisions (the policy traded them for load balance)",
+        )
+        forgone.add_metric([], s.forgone_tokens)
+        forgone_n = _counter(
+            "kvroute_router_forgone_decisions",
+            "Decisions that picked a worker with a shorter match than the best one",
+        )
+        forgone_n.add_metric([], s.forgone_decisions)
+        yield from (num, prompt, matched, best, forgone, forgone_n)
+        yield histogram_family(
+            "kvroute_router_route_decision_duration_seconds",
+            "Time the route decision takes (RouterCore.route: index walk, cost, accounting)",
+            [],
+            [],
+            s.route_seconds,
+        )
+
+
 class RouterMetricsEndpoint:
     """Metrics for one RouterServer: instruments its request path and serves ``/metrics``.
 
@@ -559,7 +612,11 @@ class RouterMetricsEndpoint:
         """Register the state collector, observe the request path, serve; returns the port."""
         loop = asyncio.get_running_loop()
         self.registry.register(RouterStateCollector.for_server(self.server, loop))
-        self.server.frontend.observer = self.metrics
+        metrics = self.metrics
+        self.registry.register(
+            DecisionCollector(lambda: call_on_loop(loop, metrics.decision_stats))
+        )
+        self.server.frontend.observer = metrics
         return self.http.start()
 
     def stop(self) -> None:

@@ -5,9 +5,19 @@ Pure: imports neither asyncio, grpc, torch nor a clock.
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from dataclasses import dataclass
 from numbers import Integral
+
+from kvroute_proto.histogram import HistogramCounter, HistogramStats
+
+__all__ = [
+    "QUEUE_WAIT_BUCKETS_S",
+    "Counters",
+    "EngineStats",
+    "HistogramCounter",
+    "HistogramStats",
+    "ModelLimits",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,36 +112,3 @@ class EngineStats:
 
 # Queue wait: from add_request to the first step that prefills the request (seconds).
 QUEUE_WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-
-
-@dataclass(frozen=True, slots=True)
-class HistogramStats:
-    """A histogram as plain values: ``counts[i]`` observations <= ``bounds[i]`` and above
-    ``bounds[i-1]``; ``counts[-1]`` those above the last bound (len(bounds) + 1 counts)."""
-
-    bounds: tuple[float, ...]
-    counts: tuple[int, ...]
-    total: float
-    num: int
-
-
-class HistogramCounter:
-    """Fixed-bucket counts of observations (mutable; ``stats()`` is the frozen view)."""
-
-    __slots__ = ("_counts", "_total", "bounds", "num")
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        if list(bounds) != sorted(set(bounds)):
-            raise ValueError(f"histogram bounds must be strictly increasing, got {bounds}")
-        self.bounds = bounds
-        self._counts = [0] * (len(bounds) + 1)
-        self._total = 0.0
-        self.num = 0
-
-    def observe(self, value: float) -> None:
-        self._counts[bisect_left(self.bounds, value)] += 1
-        self._total += value
-        self.num += 1
-
-    def stats(self) -> HistogramStats:
-        return HistogramStats(self.bounds, tuple(self._counts), self._total, self.num)

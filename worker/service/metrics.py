@@ -28,7 +28,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from kvroute_proto.metrics_http import MetricsHttpServer, await_on_loop
+from kvroute_proto.metrics_http import MetricsHttpServer, await_on_loop, histogram_family
 from worker.engine.stats import EngineStats, HistogramStats
 from worker.service.observe import NO_OBSERVER
 
@@ -205,20 +205,6 @@ def _gauge(name: str, doc: str, labels: tuple[str, ...] = ("worker",)) -> GaugeM
 
 def _counter(name: str, doc: str, labels: tuple[str, ...] = ("worker",)) -> CounterMetricFamily:
     return CounterMetricFamily(name, doc, labels=list(labels))
-
-
-def histogram_family(
-    name: str, doc: str, labels: list[str], values: list[str], h: HistogramStats
-) -> HistogramMetricFamily:
-    """A Prometheus histogram from plain bucket counts (cumulative, with +Inf)."""
-    family = HistogramMetricFamily(name, doc, labels=labels)
-    buckets = []
-    total = 0
-    for bound, n in zip((*h.bounds, float("inf")), h.counts, strict=True):
-        total += n
-        buckets.append((str(bound) if bound != float("inf") else "+Inf", total))
-    family.add_metric(values, buckets, h.total)
-    return family
 
 
 class WorkerStateCollector(Collector):
