@@ -189,6 +189,13 @@ def build_parser() -> argparse.ArgumentParser:
         "made by bench/peers/install_peers.sh)",
     )
     front.add_argument(
+        "--requests-dir",
+        default=None,
+        metavar="DIR",
+        help="write each front's per-request results (worker, cached tokens, TTFT, e2e) to "
+        "DIR/FRONT.jsonl",
+    )
+    front.add_argument(
         "--model",
         default=None,
         help="the requests' model name (default: the first id of the front's /v1/models)",
@@ -201,8 +208,8 @@ def _fronts(args: argparse.Namespace, policies: list[str]) -> list:  # -> list[F
     from bench.replay.front import expand_fronts, parse_front
 
     if not args.front:
-        if args.peers_dir is not None or args.model is not None:
-            raise ValueError("--peers-dir and --model only apply with --front")
+        if args.peers_dir is not None or args.model is not None or args.requests_dir:
+            raise ValueError("--peers-dir, --model and --requests-dir only apply with --front")
         return []
     if args.mode != "live":
         raise ValueError("--front needs --mode live")
@@ -311,6 +318,7 @@ def _run_fronts(args, records, fronts, config, report, progress) -> None:
     options = HttpOptions(
         peers_dir=Path(args.peers_dir) if args.peers_dir else DEFAULT_PEERS_DIR,
         model=args.model,
+        requests_dir=Path(args.requests_dir) if args.requests_dir else None,
     )
     report.setup["fronts"] = [f.label for f in fronts]
     report.setup["prompts"] = "text (1 ASCII character = 1 byte-tokenizer token)"

@@ -75,6 +75,7 @@ class HttpOptions:
 
     peers_dir: Path = DEFAULT_PEERS_DIR
     model: str | None = None  # the requests' "model"; None: the front's first /v1/models id
+    requests_dir: Path | None = None  # one JSONL of per-request results per front, or none
 
 
 class HttpFleet(LiveFleet):
@@ -370,6 +371,8 @@ async def replay_http_async(
             if progress is not None:
                 progress.update(num_done, trace_now(), force=True)
                 progress.close()
+    if options.requests_dir is not None:
+        write_requests(Path(options.requests_dir) / f"{_file_name(label)}.jsonl", results)
     if spec.starts_fleet:
         worker_ids = [f"worker-{i}" for i in range(config.num_workers)]
     else:
@@ -380,6 +383,31 @@ async def replay_http_async(
         "requests_without_worker_id": num_without_worker,
     }
     return summarize(label, results, worker_ids, extra=extra, wall_s=time.monotonic() - wall_start)
+
+
+def _file_name(label: str) -> str:
+    """A front's label as a file name: ``sglang-router:cache_aware`` ->
+    ``sglang-router_cache_aware``."""
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in label)
+
+
+def write_requests(path: Path, results: Sequence[RequestResult]) -> None:
+    """Per-request results as JSONL (trace seconds), for looking into why a front won."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for r in results:
+            row = {
+                "index": r.index,
+                "arrival_s": r.arrival_s,
+                "worker_id": r.worker_id,
+                "prompt_tokens": r.prompt_tokens,
+                "cached_tokens": r.cached_tokens,
+                "completion_tokens": r.completion_tokens,
+                "ttft_s": None if r.first_token_s is None else r.first_token_s - r.arrival_s,
+                "e2e_s": None if r.finish_s is None else r.finish_s - r.arrival_s,
+                "error": r.error,
+            }
+            f.write(json.dumps(row) + "\n")
 
 
 def run_http(

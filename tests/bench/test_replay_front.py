@@ -126,6 +126,7 @@ def trace(tmp_path):
         (["--mode", "live", "--front", "vllm-router:kv_aware"], "ZMQ"),
         (["--mode", "live", "--peers-dir", "/x"], "only apply with --front"),
         (["--mode", "live", "--model", "m"], "only apply with --front"),
+        (["--mode", "live", "--requests-dir", "d"], "only apply with --front"),
     ],
 )
 def test_cli_refuses_bad_fronts_before_any_work(trace, capsys, extra, message):

@@ -42,6 +42,8 @@ def test_live_replay_through_the_kvroute_http_front(tmp_path):
         "--no-reference",
         "--json",
         str(out),
+        "--requests-dir",
+        str(tmp_path / "requests"),
         "--quiet",
     ]
     assert main(argv) == 0
@@ -60,5 +62,10 @@ def test_live_replay_through_the_kvroute_http_front(tmp_path):
         # every request shares the system + few-shot prefix: later ones hit the cache
         assert row["hit_rate"] > 0.3
         assert 0 < row["ttft_p50_s"] <= row["e2e_p99_s"]
+    rows = (tmp_path / "requests" / "kvroute_round_robin.jsonl").read_text().splitlines()
+    per_request = [json.loads(line) for line in rows]
+    assert [r["index"] for r in per_request] == list(range(len(records)))
+    assert all(r["error"] is None and 0 < r["ttft_s"] <= r["e2e_s"] for r in per_request)
+    assert sum(r["cached_tokens"] for r in per_request) == data["policies"][1]["cached_tokens"]
     rr = data["policies"][1]["requests_per_worker"]
     assert abs(rr["worker-0"] - rr["worker-1"]) <= 1  # round-robin alternates
