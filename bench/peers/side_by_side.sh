@@ -8,12 +8,15 @@
 #
 # LIMIT_SA / LIMIT_MC: requests replayed (default 600 / 300); SPEEDUP (default 1: the 2-core
 # box does not keep up with the compressed trace beyond that; Python overhead is not
-# compressed).
+# compressed); PEERS_DIR: the peers' virtualenvs (default .peers); PYTHON (default python).
+# Per-request results (worker, cached tokens, TTFT, e2e) land in $OUT/requests-*/.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 out="${OUT:-out/side_by_side}"
 speedup="${SPEEDUP:-1}"
+python="${PYTHON:-python}"
+peers=(--peers-dir "${PEERS_DIR:-.peers}")
 mkdir -p "$out"
 
 fronts=(
@@ -26,8 +29,10 @@ fronts=(
   --front sglang-router:round_robin
 )
 
-kvroute workload support-agent -o "$out/sa.jsonl"
-kvroute replay --trace "$out/sa.jsonl" --trace-block-size 16 --mode live --workers 4 \
-  --limit "${LIMIT_SA:-600}" --speedup "$speedup" "${fronts[@]}" --json "$out/sa4.json"
-kvroute replay --trace bench/data/mooncake_sample.jsonl --mode live --workers 4 \
-  --limit "${LIMIT_MC:-300}" --speedup "$speedup" "${fronts[@]}" --json "$out/mc4.json"
+"$python" -m kvroute_cli workload support-agent -o "$out/sa.jsonl"
+"$python" -m kvroute_cli replay --trace "$out/sa.jsonl" --trace-block-size 16 --mode live \
+  --workers 4 --limit "${LIMIT_SA:-600}" --speedup "$speedup" "${fronts[@]}" "${peers[@]}" \
+  --requests-dir "$out/requests-sa4" --json "$out/sa4.json"
+"$python" -m kvroute_cli replay --trace bench/data/mooncake_sample.jsonl --mode live \
+  --workers 4 --limit "${LIMIT_MC:-300}" --speedup "$speedup" "${fronts[@]}" "${peers[@]}" \
+  --requests-dir "$out/requests-mc4" --json "$out/mc4.json"
