@@ -31,6 +31,7 @@ from kvroute_proto import kvroute_pb2_grpc as pb_grpc
 from kvroute_proto.auth import AuthInterceptor, auth_middleware
 from kvroute_proto.grpc_services import HEALTH_SERVICE_NAME, HealthServicer, enable_reflection
 from kvroute_proto.http_front import HttpFront, HttpFrontConfig, build_app
+from kvroute_proto.malformed import MalformedRequestInterceptor
 from kvroute_proto.registry import (
     DEFAULT_PREFIX,
     DEFAULT_TTL_S,
@@ -154,7 +155,9 @@ class RouterServer:
         """Connect to workers, start membership watching, bind and serve; returns the port."""
         keys = self.config.api_keys
         # security at the edge: the interceptor authenticates, the Frontend gets the tenant
-        interceptors = [AuthInterceptor(keys.authenticate)] if keys is not None else []
+        interceptors: list[grpc.aio.ServerInterceptor] = [MalformedRequestInterceptor()]
+        if keys is not None:
+            interceptors.append(AuthInterceptor(keys.authenticate))
         server = grpc.aio.server(
             options=server_options(self.config.connection), interceptors=interceptors
         )

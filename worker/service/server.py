@@ -30,6 +30,7 @@ from kvroute_proto.events import LoadReport
 from kvroute_proto.grpc_services import HEALTH_SERVICE_NAME, HealthServicer, enable_reflection
 from kvroute_proto.hashing import hash_key_fingerprint
 from kvroute_proto.http_front import HttpFront, HttpFrontConfig
+from kvroute_proto.malformed import MalformedRequestInterceptor
 from kvroute_proto.tls import ServerTls, add_port
 from worker.engine.engine_config import EngineConfig
 from worker.engine.tokenizer import Tokenizer
@@ -182,9 +183,9 @@ class WorkerServer:
                 ("grpc.http2.max_ping_strikes", 0),
             ],
             # only routers: the Worker service needs the router token (health stays open)
-            interceptors=[AuthInterceptor(self._authenticate())]
-            if self.config.router_token
-            else [],
+            # unparsable requests are INVALID_ARGUMENT (kvroute_proto.malformed), not UNKNOWN
+            interceptors=[MalformedRequestInterceptor()]
+            + ([AuthInterceptor(self._authenticate())] if self.config.router_token else []),
         )
         pb_grpc.add_WorkerServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
