@@ -579,7 +579,8 @@ class DecisionCollector(Collector):
         yield from (num, prompt, matched, best, forgone, forgone_n)
         yield histogram_family(
             "kvroute_router_route_decision_duration_seconds",
-            "Time the route decision takes (RouterCore.route: index walk, cost, accounting)",
+            "Time the route decision takes (the front end's admission filter and "
+            "RouterCore.route: index walk, cost, accounting)",
             [],
             [],
             s.route_seconds,
