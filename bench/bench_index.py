@@ -32,10 +32,13 @@ Text prompts -- the same index, with system prompts that are the token ids of te
 byte-level BPE of 32,000 ids trained on English-like text first (``bench.bpe``, ~5 s):
 
 * ``route_text_p50_us`` / ``route_text_p99_us``: tokenizing an 8,192-token text prompt (a
-  system text + a new part of the same distribution) with that BPE
-  (``kvroute_proto.tokenizer.HFTokenizer``, as ``kvroute router --model``), then
-  ``RouterCore.route`` of its ids; ``route_text_cpu_*`` the same in thread CPU time,
-  ``route_text_tokenize_p50_us`` the tokenizing alone. ``--no-text`` skips the section.
+  system text + a new part of the same distribution) with that BPE as the router's front
+  end does (``kvroute_proto.tokenizer.HFTokenizer`` behind the router's chunk cache,
+  router.service.token_cache), then ``RouterCore.route`` of its ids; ``route_text_cpu_*``
+  the same in thread CPU time, ``route_text_tokenize_p50_us`` the tokenizing alone, and
+  ``route_text_uncached_tokenize_p50_us`` the same prompts through the bare tokenizer.
+  The 64 system texts are shared by the prompts, the new parts are all different.
+  ``--no-text`` skips the section.
 
 ``--route-metrics`` runs every second route together with what the router's metrics add to
 it (``router.service.metrics.RouterMetrics.on_route``: the decision's counters and the
@@ -75,6 +78,7 @@ from kvroute_proto.tokenizer import HFTokenizer
 from router.core import RouterConfig, RouterCore, RouteRequest
 from router.index import PrefixIndex
 from router.service.metrics import RouterMetrics
+from router.service.token_cache import with_chunk_cache
 
 VOCAB = 32_000
 
@@ -355,6 +359,7 @@ def bench_route_text(
             num_rare=text.rare_words,
         )
     )
+    cached = with_chunk_cache(tok)  # what the router's front end tokenizes with
     words = english_like_text(
         text.num_routes * cfg.prompt_tokens // 2 + 50_000, text.seed, num_rare=text.rare_words
     ).split(" ")
@@ -389,7 +394,7 @@ def bench_route_text(
         for i, prompt in enumerate(prompts):
             c0 = time.thread_time_ns()
             t0 = time.perf_counter_ns()
-            ids = np.asarray(tok.encode(prompt), dtype=np.uint32)
+            ids = np.asarray(cached.encode(prompt), dtype=np.uint32)
             t1 = time.perf_counter_ns()
             req = RouteRequest(f"r{i}", ids)
             if metrics is None:
@@ -409,6 +414,11 @@ def bench_route_text(
     finally:
         gc.unfreeze()
     skip = min(100, text.num_routes // 10)
+    uncached = np.empty(len(prompts) - skip)
+    for i, prompt in enumerate(prompts[skip:]):
+        t0 = time.perf_counter_ns()
+        tok.encode(prompt)
+        uncached[i] = time.perf_counter_ns() - t0
     us = 1 / 1000
     return {
         "route_text_p50_us": float(np.percentile(total[skip:], 50)) * us,
@@ -416,6 +426,7 @@ def bench_route_text(
         "route_text_cpu_p50_us": float(np.percentile(cpu[skip:], 50)) * us,
         "route_text_cpu_p99_us": float(np.percentile(cpu[skip:], 99)) * us,
         "route_text_tokenize_p50_us": float(np.percentile(tokenize[skip:], 50)) * us,
+        "route_text_uncached_tokenize_p50_us": float(np.percentile(uncached, 50)) * us,
         "route_text_mean_prompt_tokens": num_tokens / text.num_routes,
         "route_text_mean_matched_tokens": matched / text.num_routes,
     }
