@@ -47,6 +47,10 @@ from router.service.resilience import Backoff, BackoffConfig
 log = logging.getLogger(__name__)
 
 
+# Largest event-stream message accepted from a worker (a Snapshot of ~40M blocks)
+MAX_SNAPSHOT_BYTES = 1 << 30
+
+
 @dataclass(frozen=True, slots=True)
 class ConnectionConfig:
     """Channel, keepalive, reconnect and purge settings of every worker connection."""
@@ -82,6 +86,9 @@ class ConnectionConfig:
             # without it grpc-core (1.85) waits for a ping ack far longer than the keepalive
             # timeout: a stalled worker (SIGSTOP, a partition) was never detected (issue 12)
             ("grpc.http2.ping_timeout_ms", int(self.keepalive_timeout_s * 1000)),
+            # a snapshot is one message of ~24 bytes per cached block: 4 MB (grpc's default)
+            # is 170k blocks, and past it the router could never sync with the worker
+            ("grpc.max_receive_message_length", MAX_SNAPSHOT_BYTES),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.max_pings_without_data", 0),
             ("grpc.initial_reconnect_backoff_ms", int(self.backoff.initial_s * 1000)),

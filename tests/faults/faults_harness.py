@@ -109,7 +109,8 @@ class FaultWorker:
 
     async def snapshot(self) -> Snapshot:
         """The worker's own view: the Snapshot it sends a new subscriber (epoch 0)."""
-        async with grpc.aio.insecure_channel(self.address) as ch:
+        options = [("grpc.max_receive_message_length", -1)]  # a big cache: a big snapshot
+        async with grpc.aio.insecure_channel(self.address, options=options) as ch:
             call = pb_grpc.WorkerStub(ch).SubscribeKvEvents(
                 pb.SubscribeRequest(epoch=0, subscriber_id="faults-test")
             )

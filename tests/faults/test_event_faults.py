@@ -4,6 +4,7 @@ must equal each worker's own snapshot."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
 
@@ -81,34 +82,51 @@ async def test_event_faults_converge(kind: str, spec: str, extra: tuple[str, ...
     )
 
 
-COLD_START_PROMPTS = 400
-COLD_START_TOKENS = 1000  # per prompt: 250 blocks of 4
+COLD_START_PROMPTS = 250  # per worker
+COLD_START_TOKENS = 8000  # per prompt: 2,000 blocks of 4, so 500,000 blocks per worker
 
 
 async def test_router_cold_start_with_many_blocks() -> None:
-    """Workers filled directly (no router), then a router starts: snapshots, time to sync."""
+    """Workers filled directly (no router) with 500k blocks each, then a router starts: it
+    must take both snapshots (24 bytes a block: 12 MB messages, past gRPC's 4 MB default)
+    and its index must equal them."""
+    import random
+
     import grpc
 
     from kvroute_proto import kvroute_pb2 as pb
     from kvroute_proto import kvroute_pb2_grpc as pb_grpc
 
-    kv = COLD_START_PROMPTS * (COLD_START_TOKENS + 8) + 4096
+    kv = COLD_START_PROMPTS * COLD_START_TOKENS + 8192
+    context = str(COLD_START_TOKENS + 64)
     with procs() as p:
         workers = [
-            start_worker(p, f"w{i}", "--sim-max-context-tokens", "2048", kv_slots=kv)
+            start_worker(
+                p,
+                f"w{i}",
+                "--sim-max-context-tokens",
+                context,
+                "--chunk-size",
+                context,
+                kv_slots=kv,
+            )
             for i in range(2)
         ]
-        for wi, w in enumerate(workers):
-            async with grpc.aio.insecure_channel(w.address) as ch:
+
+        async def fill(wi: int) -> None:
+            rng = random.Random(wi)
+            async with grpc.aio.insecure_channel(workers[wi].address) as ch:
                 stub = pb_grpc.WorkerStub(ch)
-                for i in range(COLD_START_PROMPTS):
-                    ids = [(i * 31 + j * 7 + wi) % 250 + 1 for j in range(COLD_START_TOKENS)]
+                for _ in range(COLD_START_PROMPTS):
+                    ids = [rng.randrange(1, 250) for _ in range(COLD_START_TOKENS)]
                     req = pb.GenerateRequest(
                         prompt_token_ids=pb.TokenIds(ids=ids),
                         sampling=pb.SamplingParams(max_new_tokens=1, ignore_eos=True),
                     )
-                    async for _ in stub.Generate(req, timeout=30):
+                    async for _ in stub.Generate(req, timeout=60):
                         pass
+
+        await asyncio.gather(fill(0), fill(1))
         held = {w.worker_id: len(snapshot_blocks(await w.snapshot())) for w in workers}
         async with no_stray_tasks():
             started = time.perf_counter()
@@ -122,14 +140,14 @@ async def test_router_cold_start_with_many_blocks() -> None:
             finally:
                 await router.stop(0)
     total = sum(held.values())
-    assert min(held.values()) >= COLD_START_PROMPTS * COLD_START_TOKENS // BLOCK_SIZE // 2
+    assert held == dict.fromkeys(held, COLD_START_PROMPTS * COLD_START_TOKENS // BLOCK_SIZE)
     assert load.codes() == {"OK": 20}
     record(
         Row(
             test="router_cold_start",
             fault=f"router cold start while 2 workers hold {total:,} blocks "
-            f"({COLD_START_PROMPTS} prompts of {COLD_START_TOKENS} tokens each, block size "
-            f"{BLOCK_SIZE}; the test budget's size, not 1M)",
+            f"({COLD_START_PROMPTS} random prompts of {COLD_START_TOKENS:,} tokens each per "
+            f"worker, block size {BLOCK_SIZE})",
             client_sees=f"after sync: {codes_text(load)}",
             index_after=f"index == each worker's snapshot ({total:,} blocks)",
             recovery="router start -> both snapshots applied",
