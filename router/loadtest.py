@@ -168,10 +168,11 @@ async def _http_one(session, url: str, ids: list[int], c: LoadConfig, headers) -
         "max_tokens": c.max_new_tokens,
         "ignore_eos": True,
         "stream": True,
+        "stream_options": {"include_usage": True},  # exact output token counts
     }
     start = time.perf_counter()
     ttft: float | None = None
-    chunks = 0
+    tokens = 0
     try:
         async with session.post(
             f"{url.rstrip('/')}/v1/completions",
@@ -188,19 +189,17 @@ async def _http_one(session, url: str, ids: list[int], c: LoadConfig, headers) -
                     continue
                 event = json.loads(line[5:])
                 if "error" in event:
-                    return Sample("stream error", ttft, time.perf_counter() - start, chunks)
-                if any(ch.get("text") for ch in event.get("choices", ())):
-                    chunks += 1
-                    if ttft is None:
-                        ttft = time.perf_counter() - start
+                    return Sample("stream error", ttft, time.perf_counter() - start, tokens)
+                if ttft is None and any(ch.get("text") for ch in event.get("choices", ())):
+                    ttft = time.perf_counter() - start
                 usage = event.get("usage")
                 if usage:
-                    chunks = usage.get("completion_tokens", chunks)
+                    tokens = usage.get("completion_tokens", tokens)
     except TimeoutError:
-        return Sample("DEADLINE_EXCEEDED", ttft, time.perf_counter() - start, chunks)
+        return Sample("DEADLINE_EXCEEDED", ttft, time.perf_counter() - start, tokens)
     except aiohttp.ClientError as exc:
-        return Sample(type(exc).__name__, ttft, time.perf_counter() - start, chunks)
-    return Sample("OK", ttft, time.perf_counter() - start, chunks)
+        return Sample(type(exc).__name__, ttft, time.perf_counter() - start, tokens)
+    return Sample("OK", ttft, time.perf_counter() - start, tokens)
 
 
 async def run_load(

@@ -61,4 +61,7 @@ def test_short_loadtest_against_kvroute_up(http: bool) -> None:
     result = reliability_loadtest.run(2, 16, 3.0, http=http)
     assert result["loadtest_exit"] == 0 and result["errors"] == {}, result
     assert result["ok"] > 16 and result["ttft_ms"]["p50"] > 0
+    # every request generated its 32 tokens (ignore_eos), counted exactly on both fronts
+    tokens = result["output_tokens_per_s"] * result["wall_s"]
+    assert tokens == pytest.approx(32 * result["ok"], rel=0.01)
     assert result["workers_clean"], result["worker_kv"]
