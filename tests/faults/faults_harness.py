@@ -260,6 +260,7 @@ class Outcome:
     elapsed_s: float
     deadline_s: float
     message: str = ""
+    started: float = 0.0  # perf_counter at the call's start
 
 
 @dataclass
@@ -284,7 +285,8 @@ async def one_call(
             first = first or msg.HasField("chunk")
     except grpc.aio.AioRpcError as exc:
         code, message = exc.code().name, exc.details() or ""
-    load.outcomes.append(Outcome(code, first, time.perf_counter() - start, deadline_s, message))
+    elapsed = time.perf_counter() - start
+    load.outcomes.append(Outcome(code, first, elapsed, deadline_s, message, start))
 
 
 async def drive(
