@@ -48,7 +48,7 @@ def test_only_the_marked_part_of_the_document_is_replaced(tmp_path: Path) -> Non
     assert rt.replace_table(doc, "NEW") == f"# T\nbefore\n{rt.START}\nNEW\n{rt.END}\nafter\n"
     with pytest.raises(ValueError, match="needs"):
         rt.replace_table("no markers", "NEW")
-    rows, out = tmp_path / "rows", tmp_path / "R.md"
+    rows, out = tmp_path / "rows", tmp_path / "doc.txt"
     rows.mkdir()
     (rows / "a.json").write_text(json.dumps(_row("a")))
     out.write_text(doc)
