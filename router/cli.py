@@ -79,8 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="the fleet's HF model directory (the workers' --model): the router tokenizes text "
         "prompts and renders chat templates with its tokenizer.json / tokenizer_config.json, "
-        "and leaves out workers whose tokenizer differs (default: the byte tokenizer of the "
-        "tiny default model and the sim executor)",
+        "and leaves out workers whose tokenizer differs; without it, the byte tokenizer of "
+        "the tiny default model and the sim executor",
     )
     p.add_argument(
         "--worker",
