@@ -135,7 +135,11 @@ class Dynamo(Policy):
     yet past their first token (``inflight_prefill_tokens``, as Dynamo tracks it). Dynamo
     also tracks the blocks of active sequences router-side; kvroute does not, so the worker's
     last load report stands in (KV tokens held by running requests: total - free -
-    evictable, divided by B), up to ``load_interval_s`` stale and 0 before the first report.
+    evictable, divided by B), plus the new blocks of every request this policy sent there
+    since that report arrived -- the predictive update of Dynamo's first scheduler
+    (``process_worker_selection``: "update worker state predictively, will be overwritten on
+    next polling of metrics"). Without it every pick between two reports (1 s apart in the
+    replays) saw the same stale usage and went to the same worker.
     Dynamo breaks ties by the smaller radix tree, then at random; here at random (a policy
     does not see per-worker index sizes). Overlap comes from the KV events
     (``use_kv_events`` is Dynamo's default).
@@ -146,6 +150,37 @@ class Dynamo(Policy):
     has_cost = True
 
     overlap_score_weight = 1.0
+
+    def __init__(self, config: PolicyConfig) -> None:
+        super().__init__(config)
+        # worker id -> (the load report the count is relative to, blocks sent since)
+        self._since_report: dict[str, tuple[object, int]] = {}
+
+    def __copy__(self) -> Dynamo:  # explain() consults a copy: it must not count its pick
+        other = Dynamo(self.config)
+        other._since_report = dict(self._since_report)
+        return other
+
+    def _sent_since_report(self, view: WorkerView) -> int:
+        entry = self._since_report.get(view.worker_id)
+        return entry[1] if entry is not None and entry[0] is view.load else 0
+
+    def select(
+        self,
+        query: RouteQuery,
+        candidates: Sequence[WorkerView],
+        matched: dict[int, int],
+        rng: random.Random,
+    ) -> tuple[int, float]:
+        costs = self.costs(query, candidates, matched)
+        i = _argmin(costs, rng)
+        chosen = candidates[i]
+        new_blocks = max(
+            -(-query.prompt_tokens // query.block_size) - matched.get(chosen.slot, 0), 0
+        )
+        sent = self._sent_since_report(chosen) + new_blocks
+        self._since_report[chosen.worker_id] = (chosen.load, sent)
+        return i, costs[i]
 
     def costs(
         self, query: RouteQuery, candidates: Sequence[WorkerView], matched: dict[int, int]
@@ -168,6 +203,7 @@ class Dynamo(Policy):
                     - load.num_evictable_kv_tokens
                 )
                 active_blocks = max(used, 0) / bs
+            active_blocks += self._sent_since_report(c)
             decode_blocks = active_blocks + max(prompt_blocks - overlap, 0)
             out.append(w * prefill_blocks + decode_blocks)
         return out

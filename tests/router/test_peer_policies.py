@@ -95,6 +95,24 @@ def test_dynamo_cost_is_prefill_blocks_plus_decode_blocks() -> None:
     assert pick("dynamo", ws, matched) == "w2"
 
 
+def test_dynamo_counts_its_own_picks_until_the_next_load_report() -> None:
+    policy = make_policy("dynamo")
+    ws = views(2)
+    report = LoadReport(num_free_kv_tokens=1000, num_total_kv_tokens=1000)
+    for w in ws:
+        w.load = report
+    rng = random.Random(0)
+    assert policy.costs(query(), ws, {}) == [40.0, 40.0]
+    first, _ = policy.select(query(), ws, {}, rng)
+    # the pick added its 20 blocks to the chosen worker's active blocks: the next goes elsewhere
+    assert policy.costs(query(), ws, {})[first] == 60.0
+    second, _ = policy.select(query(), ws, {}, rng)
+    assert second != first
+    ws[first].load = LoadReport(num_free_kv_tokens=1000, num_total_kv_tokens=1000)  # fresh
+    assert policy.costs(query(), ws, {})[first] == 40.0  # the report supersedes the count
+    assert policy.costs(query(), ws, {})[second] == 60.0
+
+
 # ---- llm-d -------------------------------------------------------------------------------
 
 
