@@ -108,11 +108,16 @@ def chunk_cache_problem(tokenizer: Any) -> str | None:
         _specials(tokenizer)
     except ValueError as exc:
         return str(exc)
+    batch_fast = getattr(raw, "encode_batch_fast", None)
     for text in _SELF_TEST_TEXTS:
         plain = list(tokenizer.encode(text, add_special_tokens=False))
         for size in (16, 23, 40):
             pieces = _split(text, cut_points(text, size))
             chunked = [i for p in pieces for i in tokenizer.encode(p, add_special_tokens=False)]
+            if batch_fast is not None:
+                fast = [i for e in batch_fast(pieces, add_special_tokens=False) for i in e.ids]
+                if fast != chunked:
+                    return "encode_batch_fast differs from encode in the self-test"
             if chunked != plain:
                 return f"chunked ids differ from the whole text's in the self-test ({text[:20]!r})"
     return None
@@ -167,6 +172,8 @@ class CachedTokenizer:
         self.max_chunks = max_chunks
         self._chunks: dict[str, tuple[int, ...]] = {}
         self._prefix, self._suffix = _specials(inner)
+        # tokenizers >= 0.21: batch encoding that skips offsets (the self-test checks it)
+        self._batch_fast = getattr(getattr(inner, "_tok", None), "encode_batch_fast", None)
         self.num_hits = 0
         self.num_misses = 0
 
@@ -183,22 +190,33 @@ class CachedTokenizer:
         if len(text) < 2 * self.chunk_chars:
             return list(inner.encode(text, add_special_tokens=add_special_tokens))
         specials = inner.add_special_tokens if add_special_tokens is None else add_special_tokens
-        ids: list[int] = list(self._prefix) if specials else []
         chunks = self._chunks
-        for piece in _split(text, cut_points(text, self.chunk_chars)):
-            got = chunks.pop(piece, None)  # re-inserted below: the dict's order is LRU
+        pieces = _split(text, cut_points(text, self.chunk_chars))
+        found = [chunks.pop(piece, None) for piece in pieces]  # re-inserted: LRU order
+        missing = [piece for piece, got in zip(pieces, found, strict=True) if got is None]
+        self.num_misses += len(missing)
+        self.num_hits += len(pieces) - len(missing)
+        new = iter(self._encode_plain(missing))
+        ids: list[int] = list(self._prefix) if specials else []
+        for piece, got in zip(pieces, found, strict=True):
             if got is None:
-                self.num_misses += 1
-                got = tuple(inner.encode(piece, add_special_tokens=False))
-                if len(chunks) >= self.max_chunks:
-                    del chunks[next(iter(chunks))]
-            else:
-                self.num_hits += 1
+                got = next(new)
             chunks[piece] = got
             ids.extend(got)
+        while len(chunks) > self.max_chunks:
+            del chunks[next(iter(chunks))]
         if specials:
             ids.extend(self._suffix)
         return ids
+
+    def _encode_plain(self, pieces: list[str]) -> list[tuple[int, ...]]:
+        """Ids of each piece without special tokens: one batch call, without offsets, on the
+        library's threads (``encode_batch_fast``) when the tokenizer has it."""
+        if not pieces:
+            return []
+        if self._batch_fast is not None:
+            return [tuple(e.ids) for e in self._batch_fast(pieces, add_special_tokens=False)]
+        return [tuple(self._inner.encode(p, add_special_tokens=False)) for p in pieces]
 
     def encode_chat(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
