@@ -29,9 +29,7 @@ class RequestObserver(Protocol):
     def on_first_message(self, worker_id: str, seconds: float) -> None:
         """The worker's first message was relayed ``seconds`` after the request arrived."""
 
-    def on_finished(
-        self, decision: RouteDecision, finished: pb.Finished, seconds: float
-    ) -> None:
+    def on_finished(self, decision: RouteDecision, finished: pb.Finished, seconds: float) -> None:
         """The worker finished the request (its usage: realised cached tokens)."""
 
     def on_retry(self, worker_id: str, code: str) -> None:
@@ -51,9 +49,7 @@ class NullObserver:
     def on_first_message(self, worker_id: str, seconds: float) -> None:
         pass
 
-    def on_finished(
-        self, decision: RouteDecision, finished: pb.Finished, seconds: float
-    ) -> None:
+    def on_finished(self, decision: RouteDecision, finished: pb.Finished, seconds: float) -> None:
         pass
 
     def on_retry(self, worker_id: str, code: str) -> None:
