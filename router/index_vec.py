@@ -255,7 +255,7 @@ class VecPrefixIndex:
         """The running AND of ``rows`` (trimmed where it reaches 0), and per worker slot the
         depth at which its bit leaves it."""
         run = np.bitwise_and.accumulate(rows, axis=0)
-        alive: np.ndarray = run.any(axis=1)
+        alive = cast(np.ndarray, run.any(axis=1))
         if not alive[-1]:
             run = run[: int(alive.argmin())]
         depths: dict[int, int] = {}

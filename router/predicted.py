@@ -137,7 +137,9 @@ class PredictedEntries:
         held = self._held
         left = list(map(sub, map(held.get, sparse, repeat(1)), repeat(1)))
         held.update(zip(sparse, left, strict=True))
-        free = list(compress(sparse, map(not_, left)))
+        # dict.fromkeys: a hash repeated in ``sparse`` (a hash collision within a prompt)
+        # was counted once by add(), and is freed once
+        free = list(dict.fromkeys(compress(sparse, map(not_, left))))
         deque(map(held.pop, free), 0)
         live = list(filter(self._pred.__contains__, free))  # remove_slot may have dropped some
         if not live:

@@ -156,3 +156,14 @@ AgreeMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestVecAgreesWithDictIndex = AgreeMachine.TestCase
+
+
+def test_held_prediction_with_a_repeated_hash_releases() -> None:
+    """A prompt whose sparse probes repeat a hash (a collision): held once, freed once
+    (release raised KeyError before), on both indexes."""
+    for index in (PrefixIndex(IndexConfig(predict_stride=1)), VecPrefixIndex()):
+        index = type(index)(IndexConfig(predict_stride=1))
+        handle = index.predict(3, [5, 5, 6], 1.0, hold=True)
+        index.release_predicted(handle, 2.0)
+        assert index.predicted(3) == {5, 6}
+        assert index.expire(2.0) == 2 and index.predicted(3) == set()
