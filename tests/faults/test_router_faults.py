@@ -291,8 +291,11 @@ async def test_overload_is_refused_fast_and_bounded() -> None:
     assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"}, codes
     assert codes["OK"] >= max_inflight and codes["RESOURCE_EXHAUSTED"] > 0
     refused = sorted(o.elapsed_s for o in load.outcomes if o.code == "RESOURCE_EXHAUSTED")
+    served = [o.elapsed_s for o in load.outcomes if o.code == "OK"]
     p99 = refused[min(len(refused) - 1, int(0.99 * len(refused)))]
-    assert peak <= max_inflight and p99 < 1.0, (peak, p99)
+    # refused at admission, not after waiting for room: every refusal is back before the
+    # first admitted call completes (a relation that holds however loaded the box is)
+    assert peak <= max_inflight and refused[-1] < min(served), (peak, refused[-1], min(served))
     record(
         Row(
             test="overload",
