@@ -49,8 +49,12 @@ section and the memory trace (the A/B runs in BENCHMARKS.md).
 
 Usage::
 
-    python -m bench.bench_index [--quick] [--route-only] [--no-text] [--route-metrics]
-        [--json OUT]
+    python -m bench.bench_index [--quick] [--route-only | --comparable-only] [--no-text]
+        [--route-metrics] [--backend dict|vec] [--json OUT]
+
+``--backend vec`` runs the comparable and memory sections on router.index_vec's numpy
+index instead of the router's dict index (the route sections always use the router's).
+bench/peers/dynamo_index.py runs the comparable section on Dynamo's Rust RadixTree.
 """
 
 from __future__ import annotations
@@ -77,10 +81,17 @@ from kvroute_proto.hashing import block_hashes
 from kvroute_proto.tokenizer import HFTokenizer
 from router.core import RouterConfig, RouterCore, RouteRequest
 from router.index import PrefixIndex
+from router.index_vec import VecPrefixIndex
 from router.service.metrics import RouterMetrics
 from router.service.token_cache import with_chunk_cache
 
 VOCAB = 32_000
+
+BACKENDS: dict[str, Callable[[], PrefixIndex | VecPrefixIndex]] = {
+    "dict": PrefixIndex,
+    "vec": VecPrefixIndex,
+}
+"""Index implementations the comparable and memory sections can run (``--backend``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +124,7 @@ def _best(fn: Callable[[], float], repeats: int) -> float:
     return min(fn() for _ in range(repeats))
 
 
-def bench_comparable(cfg: ComparableConfig) -> dict[str, float]:
+def bench_comparable(cfg: ComparableConfig, backend: str = "dict") -> dict[str, float]:
     rng = np.random.default_rng(cfg.seed)
     bs = cfg.block_size
     prefix = rng.integers(0, VOCAB, cfg.prefix_tokens, dtype=np.uint32)
@@ -155,11 +166,12 @@ def bench_comparable(cfg: ComparableConfig) -> dict[str, float]:
         assert probes[-1][:extra] == h[:extra]
 
     results: dict[str, float] = {}
-    index = PrefixIndex()
+    make = BACKENDS[backend]
+    index = make()
 
     def ingest() -> float:
         nonlocal index
-        index = PrefixIndex()
+        index = make()
         gc.collect()
         t0 = time.perf_counter()
         for w, data in stored_msgs:
@@ -213,7 +225,9 @@ def bench_comparable(cfg: ComparableConfig) -> dict[str, float]:
     return results
 
 
-def _fill(index: PrefixIndex, cfg: ScaleConfig, system_hashes: list[list[int]]) -> None:
+def _fill(
+    index: PrefixIndex | VecPrefixIndex, cfg: ScaleConfig, system_hashes: list[list[int]]
+) -> None:
     """Index the system prompts on their holders and random chains up to num_blocks."""
     rng = np.random.default_rng(cfg.seed)
     for p, h in enumerate(system_hashes):
@@ -229,7 +243,10 @@ def _fill(index: PrefixIndex, cfg: ScaleConfig, system_hashes: list[list[int]]) 
 
 
 def bench_scale(
-    cfg: ScaleConfig, metrics: RouterMetrics | None = None, memory: bool = True
+    cfg: ScaleConfig,
+    metrics: RouterMetrics | None = None,
+    memory: bool = True,
+    backend: str = "dict",
 ) -> dict[str, float]:
     rng = np.random.default_rng(cfg.seed)
     bs = cfg.block_size
@@ -243,7 +260,7 @@ def bench_scale(
     results: dict[str, float] = {}
 
     if memory:
-        results.update(_bench_memory(cfg, system_hashes))
+        results.update(_bench_memory(cfg, system_hashes, backend))
 
     now = [0.0]
     core = RouterCore(
@@ -432,13 +449,15 @@ def bench_route_text(
     }
 
 
-def _bench_memory(cfg: ScaleConfig, system_hashes: list[list[int]]) -> dict[str, float]:
+def _bench_memory(
+    cfg: ScaleConfig, system_hashes: list[list[int]], backend: str = "dict"
+) -> dict[str, float]:
     """Traced memory of a fresh index filled from empty (its key ints created while tracing)."""
     gc.collect()
     tracemalloc.start()
     try:
         base = tracemalloc.get_traced_memory()[0]
-        index = PrefixIndex()
+        index = BACKENDS[backend]()
         _fill(index, cfg, system_hashes)
         gc.collect()
         used = tracemalloc.get_traced_memory()[0] - base
@@ -505,6 +524,18 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="time each route with the router's metrics hook (RouterMetrics.on_route)",
     )
+    parser.add_argument(
+        "--backend",
+        choices=sorted(BACKENDS),
+        default="dict",
+        help="index implementation of the comparable and memory sections "
+        "(dict: router.index, the router's; vec: router.index_vec) (default: dict)",
+    )
+    parser.add_argument(
+        "--comparable-only",
+        action="store_true",
+        help="only the comparable section (what bench/peers/dynamo_index.py runs for Dynamo)",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         comparable = ComparableConfig(num_seqs=64, repeats=1)
@@ -512,14 +543,16 @@ def main(argv: list[str] | None = None) -> int:
         text = TextConfig(vocab_size=1000, train_words=20_000, rare_words=2000, num_routes=30)
     else:
         comparable, scale, text = ComparableConfig(), ScaleConfig(), TextConfig()
-    results = {} if args.route_only else bench_comparable(comparable)
+    results = {} if args.route_only else bench_comparable(comparable, args.backend)
     metrics = RouterMetrics(CollectorRegistry()) if args.route_metrics else None
-    results.update(bench_scale(scale, metrics, memory=not args.route_only))
-    if not args.no_text:
+    if not args.comparable_only:
+        results.update(bench_scale(scale, metrics, not args.route_only, args.backend))
+    if not args.no_text and not args.comparable_only:
         results.update(bench_route_text(scale, text, metrics))
     meta = {
         "quick": args.quick,
         "route_metrics": args.route_metrics,
+        "backend": args.backend,
         "loadavg_1m": os.getloadavg()[0],
         "cpus": os.cpu_count(),
         "python": platform.python_version(),

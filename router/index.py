@@ -49,14 +49,15 @@ outlives the cold tails below it.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import sys
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from itertools import accumulate, pairwise, repeat, takewhile
-from operator import and_, is_not
+from itertools import accumulate, repeat, takewhile
+from operator import and_, is_not, neg
 from typing import cast
 
 import numpy as np
@@ -106,28 +107,35 @@ class IndexConfig:
 _is_not_none = partial(is_not, None)
 
 
-def _depths(masks: list[int]) -> tuple[list[int], dict[int, int]]:
+def _depths(
+    masks: list[int], slots_of: Callable[[int], Iterable[int]] = bits_of
+) -> tuple[list[int], dict[int, int]]:
     """Per slot, how many leading ``masks`` (nonzero bitsets) contain it; and the running
-    AND of ``masks`` (trimmed where it reaches 0)."""
+    AND of ``masks`` (trimmed where it reaches 0). ``slots_of``: the slots of a bitset
+    (a caching one saves the bit loop over wide sets)."""
     first = masks[0]
     n = len(masks)
     if masks.count(first) == n:  # one worker set all along: the common case
-        return masks, dict.fromkeys(bits_of(first), n)
-    values = sorted(set(masks), reverse=True)
-    if masks != sorted(masks, reverse=True) or any(b & ~a for a, b in pairwise(values)):
-        # not non-increasing as sets (a worker holds a block without its parent): take the
-        # running AND explicitly
-        masks = list(takewhile(bool, accumulate(masks, and_)))
-        if not masks:
-            return masks, {}
-        values = sorted(set(masks), reverse=True)
-    result: dict[int, int] = {}
-    pos = 0
-    for value, nxt in zip(values, [*values[1:], 0], strict=True):
-        pos += masks.count(value)
-        for slot in bits_of(value & ~nxt):
-            result[slot] = pos
-    return masks, result
+        return masks, dict.fromkeys(slots_of(first), n)
+    if masks == sorted(masks, reverse=True):
+        # non-increasing as ints, as every non-increasing sequence of sets is: each run of
+        # equal values ends where bisect says; a slot leaves where the next value starts,
+        # unless that value is not a subset (then the running AND is taken below)
+        result: dict[int, int] = {}
+        i = 0
+        while i < n:
+            value = masks[i]
+            j = bisect.bisect_right(masks, -value, i, n, key=neg)
+            nxt = masks[j] if j < n else 0
+            if nxt & ~value:
+                break
+            result.update(dict.fromkeys(slots_of(value & ~nxt), j))
+            i = j
+        else:
+            return masks, result
+    # a worker holds a block without its parent: the running AND, up to where it reaches 0
+    masks = list(takewhile(bool, accumulate(masks, and_)))
+    return (masks, _depths(masks, slots_of)[1]) if masks else (masks, {})
 
 
 class PrefixIndex:
@@ -207,7 +215,7 @@ class PrefixIndex:
             if masks.count(first) == depth:  # one worker set all along: the common case
                 result = dict.fromkeys(self._slots_of(first), depth)
             else:
-                masks, result = _depths(masks)  # masks becomes the running AND
+                masks, result = _depths(masks, self._slots_of)  # masks: the running AND
                 depth = len(masks)
                 uniform = False
             if depth and touch:
@@ -237,7 +245,7 @@ class PrefixIndex:
         least the larger of the two (more where a prediction continues a confirmed prefix).
         For explanations: touches nothing, and is slower than find_matches."""
         masks = cast(list[int], list(takewhile(_is_not_none, map(self._masks.get, hashes))))
-        confirmed = _depths(masks)[1] if masks else {}
+        confirmed = _depths(masks, self._slots_of)[1] if masks else {}
         predicted: dict[int, int] = {}
         if len(self._predicted):
             walk = self._predicted.match(hashes, [])

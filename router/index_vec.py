@@ -48,6 +48,14 @@ _MULT = _U64(0x9E3779B97F4A7C15)  # odd: slot = (h * MULT) >> shift spreads any 
 _ZERO = 0x5851F42D4C957F2D  # a block hash of 0 is stored as this (0 marks an empty slot)
 _MIN_CAPACITY = 1 << 10
 _EMPTY_SLOTS = np.empty(0, dtype=np.intp)
+_WINDOW = 8  # slots a lookup gathers at once from a key's home (a 64-byte cache line)
+_OFFSETS = np.arange(_WINDOW, dtype=np.intp)
+
+
+def _first_byte(x: np.ndarray) -> np.ndarray:
+    """Index of the lowest nonzero byte of each nonzero uint64 (8 bools viewed as one)."""
+    low = (x & (~x + _U64(1))).astype(np.float64)  # lowest set bit, exact in a double
+    return cast(np.ndarray, (np.frexp(low)[1] - 1) >> 3)
 
 
 def _as_keys(hashes: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -98,21 +106,39 @@ class VecPrefixIndex:
 
     def _lookup(self, keys: np.ndarray) -> np.ndarray:
         """Table slot of each key, -1 where absent."""
+        return self._search(keys)[0]
+
+    def _search(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(slot of each key or -1 where absent, first empty slot of its window or -1).
+
+        Keys never leave the table between rebuilds, so a key is stored before the first
+        empty slot of its probe sequence: one gather of the _WINDOW slots from each key's
+        home settles almost every key (found, or an empty slot seen first); the rest
+        continue slot by slot."""
         n = len(keys)
         if not n:
-            return _EMPTY_SLOTS
-        table = self._keys
+            return _EMPTY_SLOTS, _EMPTY_SLOTS
         mask = self._cap - 1
         pos = self._home(keys)
-        found = table[pos]
-        hit = found == keys
-        todo = ~hit & (found != 0)
-        out = np.where(hit, pos, -1)
-        if not todo.any():
-            return out
-        idx = np.flatnonzero(todo)
-        want = keys[idx]
-        p = pos[idx]
+        win = self._keys[(pos[:, None] + _OFFSETS) & mask]
+        # a row of 8 bools viewed as one uint64: nonzero = any, lowest set byte = argmax
+        eq = (win == keys[:, None]).view(_U64).ravel()
+        hit = eq != 0
+        out = np.where(hit, (pos + _first_byte(eq)) & mask, -1)
+        if hit.all():
+            return out, out
+        free = (win == 0).view(_U64).ravel()
+        empty = np.where(free != 0, (pos + _first_byte(free)) & mask, -1)
+        todo = ~hit & (free == 0)  # no empty slot in the window: look further
+        if todo.any():
+            idx = np.flatnonzero(todo)
+            self._probe(keys[idx], pos[idx] + (_WINDOW - 1), idx, out)
+        return out, empty
+
+    def _probe(self, want: np.ndarray, p: np.ndarray, idx: np.ndarray, out: np.ndarray) -> None:
+        """Slot by slot after ``p``: out[idx] = the slot of ``want``, if present."""
+        table = self._keys
+        mask = self._cap - 1
         while len(idx):
             p = (p + 1) & mask
             found = table[p]
@@ -120,49 +146,55 @@ class VecPrefixIndex:
             out[idx[hit]] = p[hit]
             go = ~hit & (found != 0)
             idx, want, p = idx[go], want[go], p[go]
-        return out
 
     def _insert(self, keys: np.ndarray) -> np.ndarray:
         """Table slot of each key, claiming an empty slot for those absent."""
-        if self._used + len(keys) > self._cap // 2:
+        if self._used + len(keys) > self._cap * 2 // 5:
             self._rehash(self._used + len(keys))
+        out, empty = self._search(keys)
         table = self._keys
+        while True:
+            idx = np.flatnonzero(out < 0)
+            if not len(idx):
+                return out
+            cand = empty[idx]
+            near = cand >= 0
+            if not near.all():  # no empty slot in the window (rare): slot by slot
+                for i in idx[~near].tolist():
+                    out[i] = self._claim_one(keys[i])
+                idx, cand = idx[near], cand[near]
+            # claim: of keys racing for one slot the last write wins; the others (or a
+            # repeat of the same key, which then finds it) search again
+            want = keys[idx]
+            table[cand] = want
+            won = table[cand] == want
+            out[idx[won]] = cand[won]
+            self._used += int(np.count_nonzero(won))  # an upper bound (repeats count twice)
+            if won.all():
+                return out
+            lost = idx[~won]
+            out[lost], empty[lost] = self._search(keys[lost])
+
+    def _claim_one(self, key: Any) -> int:
         mask = self._cap - 1
-        out = np.empty(len(keys), dtype=np.intp)
-        idx = np.arange(len(keys))
-        want = keys
-        p = self._home(keys)
-        while len(idx):
-            found = table[p]
-            hit = found == want
-            out[idx[hit]] = p[hit]
-            empty = found == 0
-            if empty.any():
-                # claim empty slots; of keys racing for one slot the first wins, the others
-                # look at it again (a repeat of the same key then finds it)
-                e = np.flatnonzero(empty)
-                slots, first = np.unique(p[e], return_index=True)
-                win = e[first]
-                table[slots] = want[win]
-                out[idx[win]] = slots
-                self._used += len(slots)
-                hit[win] = True
-                stay = empty
-                stay[win] = False
-            else:
-                stay = empty  # all False
-            go = ~hit & ~stay
-            p = np.where(go, (p + 1) & mask, p)
-            keep = ~hit
-            idx, want, p = idx[keep], want[keep], p[keep]
-        return out
+        p = int(self._home(np.array([key], dtype=_U64))[0])
+        table = self._keys
+        while True:
+            k = table[p]
+            if k == key:
+                return p
+            if k == 0:
+                table[p] = key
+                self._used += 1
+                return p
+            p = (p + 1) & mask
 
     def _rehash(self, need: int) -> None:
-        """Rebuild the table with room for ``need`` keys at most a quarter full (tombstones
+        """Rebuild the table with room for ``need`` keys at most a third full (tombstones
         dropped)."""
         live = np.flatnonzero(self._masks.any(axis=1))
         cap = _MIN_CAPACITY
-        while cap < 4 * max(need - (self._used - len(live)), len(live)):
+        while cap < 3 * max(need - (self._used - len(live)), len(live)):
             cap *= 2
         keys = self._keys[live]
         masks = self._masks[live]
@@ -170,7 +202,7 @@ class VecPrefixIndex:
         stamps = self._stamps[live]
         self._alloc(cap, self._words)
         self._used = 0
-        slots = self._insert(keys)
+        slots = self._insert(keys) if len(keys) else _EMPTY_SLOTS
         self._masks[slots] = masks
         self._parents[slots] = parents
         self._stamps[slots] = stamps
@@ -422,12 +454,14 @@ class VecPrefixIndex:
         old = masks[slots, word]
         fresh = (old & bit) == 0
         new_slots = slots[fresh]
-        added = len(new_slots)
-        if added > 1 and len(np.unique(new_slots)) < added:  # a hash repeated in the event
+        if len(set(hashes)) < len(hashes):  # a hash repeated in the event
             new_slots = np.unique(new_slots)
-            added = len(new_slots)
+        added = len(new_slots)
         if added:
-            self._live += int(np.count_nonzero(~masks[new_slots].any(axis=1)))
+            if self._words == 1:
+                self._live += int(np.count_nonzero(masks[new_slots, 0] == 0))
+            else:
+                self._live += int(np.count_nonzero(~masks[new_slots].any(axis=1)))
             masks[new_slots, word] |= bit
         parents = self._parents
         parents[slots[1:]] = keys[:-1]
@@ -450,17 +484,17 @@ class VecPrefixIndex:
         held = slots >= 0
         held[held] = (masks[slots[held], word] & bit) != 0
         gone = slots[held]
-        removed = len(gone)
-        if removed > 1 and len(np.unique(gone)) < removed:  # repeats: the later ones unknown
+        if len(set(hashes)) < len(hashes):  # repeats: the later ones are unknown
             gone = np.unique(gone)
-            removed = len(gone)
+        removed = len(gone)
         unknown = len(hashes) - removed
         if unknown:
             self.errors["unknown_block"] += unknown
         if not removed:
             return
         masks[gone, word] &= ~bit
-        dead = gone[~masks[gone].any(axis=1)]
+        empty = masks[gone, 0] == 0 if self._words == 1 else ~masks[gone].any(axis=1)
+        dead = gone[empty]
         if len(dead):
             self._parents[dead] = 0
             self._stamps[dead] = 0
@@ -552,7 +586,7 @@ class VecPrefixIndex:
         """Assert the internal invariants (for tests; O(size))."""
         live = self._live_slots()
         assert len(live) == self._live, (len(live), self._live)
-        assert self._used <= self._cap // 2 + 1
+        assert np.count_nonzero(self._keys) <= self._used <= self._cap // 2
         dead = np.flatnonzero(~self._masks.any(axis=1))
         assert not self._parents[dead].any() and not self._stamps[dead].any()
         assert len(set(self._keys[live].tolist())) == len(live), "a key stored twice"

@@ -10,13 +10,13 @@ slots go past 64 so the second bitmask word is exercised; a hash of 0 is drawn t
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvroute_proto.events import AllCleared, BlockRemoved, BlockStored
 from kvroute_proto.hashing import block_hash_list
-from router.index import IndexConfig, PrefixIndex
+from router.index import IndexConfig, PrefixIndex, _depths
 from router.index_vec import VecPrefixIndex
 
 B = 2
@@ -167,3 +167,26 @@ def test_held_prediction_with_a_repeated_hash_releases() -> None:
         index.release_predicted(handle, 2.0)
         assert index.predicted(3) == {5, 6}
         assert index.expire(2.0) == 2 and index.predicted(3) == set()
+
+
+@given(st.lists(st.integers(0, 2**70), min_size=1, max_size=30))
+def test_depths_is_the_leading_run_per_slot(masks: list[int]) -> None:
+    """router.index._depths (find_matches' depths) against its definition: a slot's depth is
+    how many leading bitsets contain it; the running AND stops where it reaches 0."""
+    masks = [m or 1 for m in masks]  # the walk's bitsets are nonzero
+    run, depths = _depths(masks)
+    expect = {}
+    for slot in range(71):
+        n = 0
+        while n < len(masks) and masks[n] >> slot & 1:
+            n += 1
+        if n:
+            expect[slot] = n
+    assert depths == expect
+    acc, want = -1, []
+    for m in masks:
+        acc &= m
+        if not acc:
+            break
+        want.append(acc)
+    assert run == want
