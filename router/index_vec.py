@@ -159,10 +159,8 @@ class VecPrefixIndex:
                 return out
             cand = empty[idx]
             near = cand >= 0
-            if not near.all():  # no empty slot in the window (rare): slot by slot
-                for i in idx[~near].tolist():
-                    out[i] = self._claim_one(keys[i])
-                idx, cand = idx[near], cand[near]
+            far = idx[~near]
+            idx, cand = idx[near], cand[near]
             # claim: of keys racing for one slot the last write wins; the others (or a
             # repeat of the same key, which then finds it) search again
             want = keys[idx]
@@ -170,6 +168,10 @@ class VecPrefixIndex:
             won = table[cand] == want
             out[idx[won]] = cand[won]
             self._used += int(np.count_nonzero(won))  # an upper bound (repeats count twice)
+            # no empty slot in the window (rare): slot by slot, after the claims above (which
+            # took slots that were empty when searched)
+            for i in far.tolist():
+                out[i] = self._claim_one(keys[i])
             if won.all():
                 return out
             lost = idx[~won]
