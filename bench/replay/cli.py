@@ -112,6 +112,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="sim mode: a worker load report every this many seconds (default %(default)s)",
     )
     p.add_argument(
+        "--routers",
+        type=int,
+        default=1,
+        help="sim mode: independent router replicas, each fed every worker's events but "
+        "routing only its share of the requests (default %(default)s)",
+    )
+    p.add_argument(
+        "--router-assignment",
+        choices=("round_robin", "random"),
+        default="round_robin",
+        help="sim mode, with --routers > 1: request i goes to router i %% R (round_robin, "
+        "default: a conversation's turns spread over the routers) or to a seeded random one",
+    )
+    p.add_argument(
         "--cost-weights",
         metavar="PREFILL,QUEUED,DECODE[,RECENT]",
         help="cache_aware/approx_tree CostWeights (default: the router's)",
@@ -340,6 +354,8 @@ def _sim_config(args: argparse.Namespace):  # -> SimConfig
     from bench.replay.sim import SimConfig
 
     router = SimConfig().router
+    if args.routers != 1 and args.mode != "sim":
+        raise ValueError("--routers needs --mode sim")
     if args.cost_weights is not None:
         from router.policy import CostWeights
 
@@ -361,6 +377,8 @@ def _sim_config(args: argparse.Namespace):  # -> SimConfig
         seed=args.seed,
         page_size=args.page_size,
         block_size=args.block_size,
+        num_routers=args.routers,
+        router_assignment=args.router_assignment,
     )
 
 
@@ -369,6 +387,8 @@ def _run_sim(args, records, policies, setup, progress) -> ReplayReport:
 
     config = _sim_config(args)
     setup = {**setup, "event_delay_s": args.event_delay_s, "load_interval_s": args.load_interval_s}
+    if config.num_routers > 1:
+        setup.update(routers=config.num_routers, router_assignment=config.router_assignment)
     report = ReplayReport(setup=setup)
     expander = TokenExpander(args.trace_block_size, config.vocab_size, args.seed)
     for policy in policies:
@@ -389,7 +409,7 @@ def _add_sim_references(args, records, report, progress, expander=None) -> None:
         ref = simulate_reference(
             records,
             kind,
-            replace(config, event_delay_s=0.0),
+            replace(config, event_delay_s=0.0, num_routers=1),
             expander,
             trace_block_size=args.trace_block_size,
             progress_stream=progress,

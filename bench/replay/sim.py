@@ -25,6 +25,16 @@ fleet would. 16 keeps matches within 15 tokens of exact while the radix cache an
 stay fast enough: the whole Mooncake trace (3,993 requests, 61 M prompt tokens) replays on
 8 workers in ~15-25 s per policy on a 2-core machine.
 
+Several routers (``SimConfig.num_routers`` R > 1): production runs router replicas, each
+seeing every worker's events but only its own routing decisions. The simulation then runs R
+independent :class:`RouterCore` objects (own index, predictions, in-flight counts, seeded
+tie-breaks); request i goes to router ``i % R`` (``router_assignment="round_robin"``, the
+default: a conversation's turns land on different routers, the worst case for history) or
+to a seeded uniformly random one (``"random"``); every worker's event batches and load
+reports reach every router, each through its own sequencer, and a Resubscribe replays to
+the router that asked only. First token and finish are reported to the router that routed
+the request.
+
 References: :func:`simulate_reference` runs one engine with N times the KV capacity and N
 times the speed (a wrapper divides the step cost by N) under the same scheduler -- the
 "pooled" reference -- or with room for every token the trace ever holds -- the "infinite"
@@ -72,6 +82,7 @@ class _Kind(enum.IntEnum):
     ARRIVE = 3
 
 
+ROUTER_ASSIGNMENTS = ("round_robin", "random")
 DEFAULT_KV_CAPACITY_TOKENS = 450_000  # ~58 GiB of Llama-3-8B KV (128 KiB/token) on an H100
 
 
@@ -95,10 +106,19 @@ class SimConfig:
     cost_model: SimCostModel = field(default_factory=SimCostModel)
     vocab_size: int = 128_256
     max_context_tokens: int | None = None  # None: fit the longest request of the trace
+    num_routers: int = 1  # independent router replicas (module docstring)
+    router_assignment: str = "round_robin"  # request -> router: round_robin | random
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
+        if self.num_routers < 1:
+            raise ValueError(f"num_routers must be >= 1, got {self.num_routers}")
+        if self.router_assignment not in ROUTER_ASSIGNMENTS:
+            raise ValueError(
+                f"router_assignment must be one of {', '.join(ROUTER_ASSIGNMENTS)}, "
+                f"got {self.router_assignment!r}"
+            )
         if self.kv_capacity_tokens < self.page_size:
             raise ValueError(
                 f"kv_capacity_tokens must be >= page_size {self.page_size}, "
@@ -164,11 +184,15 @@ class FleetSim:
         self._heap: list[tuple[float, _Kind, int, object]] = []
         self._counter = 0
         clock = self._clock
-        self.router = RouterCore(
-            replace(config.router, policy=policy, block_size=config.block_size),
-            clock=clock,
-            rng=random.Random(config.seed),
-        )
+        router_config = replace(config.router, policy=policy, block_size=config.block_size)
+        # router k's tie-breaks: seed for the first (the single-router run is unchanged)
+        self.routers = [
+            RouterCore(router_config, clock=clock, rng=random.Random(config.seed + 7919 * k))
+            for k in range(config.num_routers)
+        ]
+        self.router = self.routers[0]
+        self._assign_rng = random.Random(config.seed + 104_729)
+        self._owner: dict[str, RouterCore] = {}  # request id -> the router that routed it
         exec_config = SimExecutorConfig(
             vocab_size=config.vocab_size,
             max_context_tokens=config.max_context_tokens or max_context_for(records),
@@ -184,7 +208,8 @@ class FleetSim:
                 PublisherConfig(worker_id=wid, epoch=1 + i, block_size=config.block_size)
             )
             self.workers[wid] = _Worker(wid, engine, publisher)
-            self.router.add_worker(wid, address=f"sim://{wid}", block_size=config.block_size)
+            for router in self.routers:
+                router.add_worker(wid, address=f"sim://{wid}", block_size=config.block_size)
         self.results = [
             RequestResult(index=i, arrival_s=r.arrival_s, prompt_tokens=r.input_length)
             for i, r in enumerate(records)
@@ -244,16 +269,26 @@ class FleetSim:
         if progress is not None:
             progress.update(self.num_finished, self.now, force=True)
 
+    def _router_for(self, index: int) -> RouterCore:
+        n = len(self.routers)
+        if n == 1:
+            return self.router
+        if self.config.router_assignment == "random":
+            return self.routers[self._assign_rng.randrange(n)]
+        return self.routers[index % n]
+
     def _arrive(self, index: int) -> None:
         record = self.records[index]
         result = self.results[index]
         request_id = f"r{index}"
         tokens = self.expander.expand_record(record)
+        router = self._router_for(index)
         try:
-            decision = self.router.route(RouteRequest(request_id, tokens))
+            decision = router.route(RouteRequest(request_id, tokens))
         except NoWorkerAvailable as exc:
             self._fail(result, f"route: {exc}")
             return
+        self._owner[request_id] = router
         self.num_predicted_tokens += decision.matched_tokens
         worker = self.workers[decision.worker_id]
         result.worker_id = worker.worker_id
@@ -266,7 +301,8 @@ class FleetSim:
         try:
             worker.engine.add_request(request)
         except WorkerError as exc:
-            self.router.on_finished(request_id)
+            del self._owner[request_id]
+            router.on_finished(request_id)
             self._fail(result, f"{type(exc).__name__}: {exc}")
             return
         self._by_request_id[request_id] = result
@@ -309,7 +345,7 @@ class FleetSim:
             return
         if out.new_token_ids and result.first_token_s is None:
             result.first_token_s = self.now
-            self.router.on_first_token(out.request_id)
+            self._owner[out.request_id].on_first_token(out.request_id)
         if out.finish_reason is not None:
             result.finish_s = self.now
             if out.usage is not None:
@@ -318,35 +354,40 @@ class FleetSim:
             if result.first_token_s is None:  # finished without a token (abort)
                 result.error = f"finished without output: {out.finish_reason.value}"
             generated = out.usage.completion_tokens if out.usage is not None else 0
-            self.router.on_finished(out.request_id, generated)
+            self._owner.pop(out.request_id).on_finished(out.request_id, generated)
             del self._by_request_id[out.request_id]
             self.num_finished += 1
 
-    def _send(self, worker: _Worker, msg: EventBatch | Snapshot) -> None:
-        self._push(self.now + self.config.event_delay_s, _Kind.DELIVER, (worker, msg))
+    def _send(
+        self, worker: _Worker, msg: EventBatch | Snapshot, to: RouterCore | None = None
+    ) -> None:
+        """Send ``msg`` on the worker's stream to router ``to`` (None: every router)."""
+        self._push(self.now + self.config.event_delay_s, _Kind.DELIVER, (worker, msg, to))
 
-    def _deliver(self, worker: _Worker, msg: EventBatch | Snapshot) -> None:
+    def _deliver(self, worker: _Worker, msg: EventBatch | Snapshot, to: RouterCore | None) -> None:
         if isinstance(msg, Snapshot):
             self.num_snapshots += 1
         else:
             self.num_batches += 1
-        for action in self.router.on_stream_message(worker.worker_id, msg):
-            match action:
-                case Resubscribe(epoch=epoch, after_seq=after_seq):
-                    self.num_resubscribes += 1
-                    self._resubscribe(worker, epoch, after_seq)
+        for router in self.routers if to is None else (to,):
+            for action in router.on_stream_message(worker.worker_id, msg):
+                match action:
+                    case Resubscribe(epoch=epoch, after_seq=after_seq):
+                        self.num_resubscribes += 1
+                        self._resubscribe(worker, router, epoch, after_seq)
 
-    def _resubscribe(self, worker: _Worker, epoch: int, after_seq: int) -> None:
+    def _resubscribe(self, worker: _Worker, router: RouterCore, epoch: int, after_seq: int) -> None:
         pending = worker.publisher.publish(worker.engine.take_events())
         if pending is not None:
             self._send(worker, pending)
         replay = worker.publisher.resume(epoch, after_seq)
         if replay is None:
             pub = worker.publisher
-            self._send(worker, worker.engine.snapshot(worker.worker_id, pub.epoch, pub.last_seq))
+            snapshot = worker.engine.snapshot(worker.worker_id, pub.epoch, pub.last_seq)
+            self._send(worker, snapshot, router)
         else:
             for batch in replay:
-                self._send(worker, batch)
+                self._send(worker, batch, router)
 
     def _load_tick(self, worker: _Worker) -> None:
         batch = worker.publisher.publish(worker.engine.take_events(), worker.engine.load_report())
@@ -363,6 +404,7 @@ class FleetSim:
             "event_batches": self.num_batches,
             "snapshots": self.num_snapshots,
             "resubscribes": self.num_resubscribes,
+            "routers": len(self.routers),
             # what the router believed would hit, vs what did (staleness, eviction)
             "router_predicted_hit_rate": round(self.num_predicted_tokens / prompt, 6)
             if prompt
