@@ -51,6 +51,7 @@ Usage::
 
     python -m bench.bench_index [--quick] [--route-only | --comparable-only] [--no-text]
         [--route-metrics] [--backend dict|vec] [--json OUT]
+    python -m bench.bench_index --rss-entries 10000000 [--rss-holders K] [--backend dict|vec]
 
 ``--backend vec`` runs the comparable and memory sections on router.index_vec's numpy
 index instead of the router's dict index (the route sections always use the router's).
@@ -80,14 +81,14 @@ from kvroute_proto.events import DEFAULT_PARTITION, BlockRemoved, BlockStored, E
 from kvroute_proto.hashing import block_hashes
 from kvroute_proto.tokenizer import HFTokenizer
 from router.core import RouterConfig, RouterCore, RouteRequest
-from router.index import PrefixIndex
+from router.index import IndexConfig, PrefixIndex
 from router.index_vec import VecPrefixIndex
 from router.service.metrics import RouterMetrics
 from router.service.token_cache import with_chunk_cache
 
 VOCAB = 32_000
 
-BACKENDS: dict[str, Callable[[], PrefixIndex | VecPrefixIndex]] = {
+BACKENDS: dict[str, Callable[..., PrefixIndex | VecPrefixIndex]] = {
     "dict": PrefixIndex,
     "vec": VecPrefixIndex,
 }
@@ -474,6 +475,43 @@ def _bench_memory(
     return results
 
 
+def _rss_bytes() -> int:
+    """Resident set size of this process (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+def bench_memory_rss(
+    entries: int, holders: int = 4, backend: str = "dict", workers: int = 64
+) -> dict[str, float]:
+    """``rss_bytes_per_entry``: growth of the process's RSS per (block, worker) entry after
+    indexing ``entries`` entries -- random 128-block chains, each stored on ``holders``
+    workers of ``workers`` -- on a fresh index; ``rss_index_mb`` the growth in MiB."""
+    rng = np.random.default_rng(3)
+    gc.collect()
+    index = BACKENDS[backend](IndexConfig(max_blocks=entries + 1))  # no eviction
+    base = _rss_bytes()
+    c = 0
+    while index.num_entries < entries:
+        n = min(128, -(-(entries - index.num_entries) // holders))
+        chain = tuple(rng.integers(0, 2**64, n, dtype=np.uint64, endpoint=False).tolist())
+        event = BlockStored(chain, None, ())
+        for k in range(holders):
+            index.store((c + k) % workers, event)
+        c += 1
+    gc.collect()
+    grown = _rss_bytes() - base
+    return {
+        "rss_entries": index.num_entries,
+        "rss_blocks": index.size(),
+        "rss_index_mb": grown / 2**20,
+        "rss_bytes_per_entry": grown / index.num_entries,
+    }
+
+
 GOALS = {
     "ingest_blocks_s": (">=", 1.38e6),
     "find_full_q_s": (">=", 36e3),
@@ -485,6 +523,7 @@ GOALS = {
     "route_text_p50_us": ("<=", 1000),
     "route_text_p99_us": ("<=", 2000),
     "bytes_per_entry": ("<=", 150),
+    "rss_bytes_per_entry": ("<=", 100),
 }
 
 
@@ -536,7 +575,28 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="only the comparable section (what bench/peers/dynamo_index.py runs for Dynamo)",
     )
+    parser.add_argument(
+        "--rss-entries",
+        type=int,
+        metavar="N",
+        help="only the RSS section: index N (block, worker) entries and report the "
+        "process's RSS growth per entry",
+    )
+    parser.add_argument(
+        "--rss-holders",
+        type=int,
+        default=4,
+        metavar="K",
+        help="RSS section: workers holding each block (default: 4)",
+    )
     args = parser.parse_args(argv)
+    if args.rss_entries:
+        results = bench_memory_rss(args.rss_entries, args.rss_holders, args.backend)
+        print(_table(results))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({**results, "meta": {"backend": args.backend}}, f, indent=2)
+        return 0
     if args.quick:
         comparable = ComparableConfig(num_seqs=64, repeats=1)
         scale = ScaleConfig(num_blocks=20_000, num_system_prompts=4, num_routes=60)
