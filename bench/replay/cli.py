@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.replay.report import ReplayReport
+from bench.replay.strict import add_strict_options, strict_settings
 from bench.replay.trace import DEFAULT_TRACE_BLOCK_SIZE, TokenExpander, read_trace
 from kvroute_proto.cli_help import RawDescriptionHelpFormatter
 
@@ -166,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
         "derived; default), kvroute-h200 (our torch executor as issue 14 measured it), or a "
         "bench/bench_gpu.py --json result (fitted)",
     )
+    add_strict_options(p)
     p.add_argument(
         "--no-reference",
         "--no-bounds",
@@ -367,9 +369,19 @@ def _sim_config(args: argparse.Namespace):  # -> SimConfig
         router = replace(router, prefix_hash_blocks=args.prefix_hash_blocks)
     from worker.engine.sim_executor import cost_profile
 
+    strict = strict_settings(args)
+    if strict and args.mode != "sim":
+        raise ValueError(
+            "--strict, --weight-read-s, --route-decision-s, --network-delay-s, "
+            "--max-context and --event-loss need --mode sim"
+        )
+    cost_model = cost_profile(args.cost_profile)
+    if "weight_read_s" in strict:
+        cost_model = replace(cost_model, weight_read_s=strict.pop("weight_read_s"))
     return SimConfig(
+        **strict,
         router=router,
-        cost_model=cost_profile(args.cost_profile),
+        cost_model=cost_model,
         num_workers=args.workers,
         kv_capacity_tokens=args.kv_capacity_tokens,
         event_delay_s=args.event_delay_s,
@@ -389,6 +401,7 @@ def _run_sim(args, records, policies, setup, progress) -> ReplayReport:
     setup = {**setup, "event_delay_s": args.event_delay_s, "load_interval_s": args.load_interval_s}
     if config.num_routers > 1:
         setup.update(routers=config.num_routers, router_assignment=config.router_assignment)
+    setup.update(strict_settings(args))
     report = ReplayReport(setup=setup)
     expander = TokenExpander(args.trace_block_size, config.vocab_size, args.seed)
     for policy in policies:
@@ -409,7 +422,16 @@ def _add_sim_references(args, records, report, progress, expander=None) -> None:
         ref = simulate_reference(
             records,
             kind,
-            replace(config, event_delay_s=0.0, num_routers=1),
+            # no router to charge: no decision time, network delay or event loss there
+            replace(
+                config,
+                event_delay_s=0.0,
+                num_routers=1,
+                route_decision_s=0.0,
+                measure_route_time=False,
+                network_delay_s=0.0,
+                event_loss=0.0,
+            ),
             expander,
             trace_block_size=args.trace_block_size,
             progress_stream=progress,

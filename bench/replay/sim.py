@@ -50,6 +50,7 @@ import enum
 import heapq
 import random
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TextIO
@@ -79,7 +80,9 @@ class _Kind(enum.IntEnum):
     DELIVER = 0
     LOAD_TICK = 1
     STEP_DONE = 2
-    ARRIVE = 3
+    ADMIT = 3  # a routed request reaches its worker (after decision time + network delay)
+    ROUTER_FREE = 4  # a router finished a decision; the next one queued at it starts
+    ARRIVE = 5
 
 
 ROUTER_ASSIGNMENTS = ("round_robin", "random")
@@ -108,12 +111,21 @@ class SimConfig:
     max_context_tokens: int | None = None  # None: fit the longest request of the trace
     num_routers: int = 1  # independent router replicas (module docstring)
     router_assignment: str = "round_robin"  # request -> router: round_robin | random
+    route_decision_s: float = 0.0  # each routing decision takes this long (a router queue)
+    measure_route_time: bool = False  # charge RouterCore.route's measured time instead
+    network_delay_s: float = 0.0  # router -> worker: a routed request arrives this later
+    event_loss: float = 0.0  # probability that an event batch never reaches a router
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
         if self.num_routers < 1:
             raise ValueError(f"num_routers must be >= 1, got {self.num_routers}")
+        for name in ("route_decision_s", "network_delay_s"):
+            if not getattr(self, name) >= 0:  # NaN too
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.event_loss < 1:
+            raise ValueError(f"event_loss must be in [0, 1), got {self.event_loss}")
         if self.router_assignment not in ROUTER_ASSIGNMENTS:
             raise ValueError(
                 f"router_assignment must be one of {', '.join(ROUTER_ASSIGNMENTS)}, "
@@ -193,6 +205,12 @@ class FleetSim:
         self.router = self.routers[0]
         self._assign_rng = random.Random(config.seed + 104_729)
         self._owner: dict[str, RouterCore] = {}  # request id -> the router that routed it
+        # a router decides one request at a time: with a decision time, arrivals queue
+        self._charge_routing = config.route_decision_s > 0 or config.measure_route_time
+        self._route_queue: list[deque[int]] = [deque() for _ in self.routers]
+        self.route_decision_s_total = 0.0
+        self._loss_rng = random.Random(config.seed + 15_485_863)
+        self.num_lost_batches = 0
         exec_config = SimExecutorConfig(
             vocab_size=config.vocab_size,
             max_context_tokens=config.max_context_tokens or max_context_for(records),
@@ -253,56 +271,109 @@ class FleetSim:
         total = len(self.records)
         heap = self._heap
         while heap and self.num_finished < total:
-            at, kind, _, payload = heapq.heappop(heap)
-            self.now = at
-            match kind:
-                case _Kind.DELIVER:
-                    self._deliver(*payload)  # type: ignore[misc]
-                case _Kind.LOAD_TICK:
-                    self._load_tick(payload)  # type: ignore[arg-type]
-                case _Kind.STEP_DONE:
-                    self._step_done(*payload)  # type: ignore[misc]
-                case _Kind.ARRIVE:
-                    self._arrive(payload)  # type: ignore[arg-type]
+            self._dispatch()
             if progress is not None:
                 progress.update(self.num_finished, self.now)
         if progress is not None:
             progress.update(self.num_finished, self.now, force=True)
 
-    def _router_for(self, index: int) -> RouterCore:
+    def settle(self, duration_s: float) -> None:
+        """Go on for ``duration_s`` of simulated time after :meth:`run` (load ticks, late
+        deliveries, resubscriptions): tests use it to check what the routers end up with."""
+        end = self.now + duration_s
+        while self._heap and self._heap[0][0] <= end:
+            self._dispatch()
+
+    def _dispatch(self) -> None:
+        """Pop the next event, advance the clock to it and handle it."""
+        at, kind, _, payload = heapq.heappop(self._heap)
+        self.now = at
+        match kind:
+            case _Kind.DELIVER:
+                self._deliver(*payload)  # type: ignore[misc]
+            case _Kind.LOAD_TICK:
+                self._load_tick(payload)  # type: ignore[arg-type]
+            case _Kind.STEP_DONE:
+                self._step_done(*payload)  # type: ignore[misc]
+            case _Kind.ARRIVE:
+                self._arrive(payload)  # type: ignore[arg-type]
+            case _Kind.ADMIT:
+                self._admit(*payload)  # type: ignore[misc]
+            case _Kind.ROUTER_FREE:
+                self._router_free(payload)  # type: ignore[arg-type]
+
+    def _router_for(self, index: int) -> int:
         n = len(self.routers)
         if n == 1:
-            return self.router
+            return 0
         if self.config.router_assignment == "random":
-            return self.routers[self._assign_rng.randrange(n)]
-        return self.routers[index % n]
+            return self._assign_rng.randrange(n)
+        return index % n
 
     def _arrive(self, index: int) -> None:
+        k = self._router_for(index)
+        if not self._charge_routing:
+            self._route(index, k)  # no decision time: route and admit at once
+            return
+        queue = self._route_queue[k]
+        queue.append(index)
+        if len(queue) == 1:  # the router is idle: decide now
+            self._route(index, k)
+
+    def _router_free(self, k: int) -> None:
+        """Router k finished a decision: the next request queued at it is decided now."""
+        queue = self._route_queue[k]
+        queue.popleft()
+        if queue:
+            self._route(queue[0], k)
+
+    def _route(self, index: int, k: int) -> None:
+        """Router k decides for request ``index`` now; the request reaches its worker after
+        the decision time and the network delay (at once when both are 0)."""
         record = self.records[index]
         result = self.results[index]
         request_id = f"r{index}"
         tokens = self.expander.expand_record(record)
-        router = self._router_for(index)
+        router = self.routers[k]
+        config = self.config
+        started = time.perf_counter() if config.measure_route_time else 0.0
         try:
             decision = router.route(RouteRequest(request_id, tokens))
         except NoWorkerAvailable as exc:
+            decision = None
             self._fail(result, f"route: {exc}")
+        took = (
+            time.perf_counter() - started if config.measure_route_time else config.route_decision_s
+        )
+        self.route_decision_s_total += took
+        if self._charge_routing:
+            self._push(self.now + took, _Kind.ROUTER_FREE, k)
+        if decision is None:
             return
         self._owner[request_id] = router
         self.num_predicted_tokens += decision.matched_tokens
         worker = self.workers[decision.worker_id]
         result.worker_id = worker.worker_id
+        delay = took + config.network_delay_s if self._charge_routing else config.network_delay_s
         request = EngineRequest(
             request_id=request_id,
             prompt_token_ids=tokens,
             sampling=SamplingParams(max_new_tokens=record.output_length, ignore_eos=True),
-            arrival_time=self.now,
+            arrival_time=self.now + delay,  # when the worker receives it
         )
+        if delay > 0:
+            self._push(self.now + delay, _Kind.ADMIT, (worker, request))
+        else:
+            self._admit(worker, request)
+
+    def _admit(self, worker: _Worker, request: EngineRequest) -> None:
+        """The request reaches its worker."""
+        request_id = request.request_id
+        result = self.results[int(request_id[1:])]
         try:
             worker.engine.add_request(request)
         except WorkerError as exc:
-            del self._owner[request_id]
-            router.on_finished(request_id)
+            self._owner.pop(request_id).on_finished(request_id)
             self._fail(result, f"{type(exc).__name__}: {exc}")
             return
         self._by_request_id[request_id] = result
@@ -365,11 +436,16 @@ class FleetSim:
         self._push(self.now + self.config.event_delay_s, _Kind.DELIVER, (worker, msg, to))
 
     def _deliver(self, worker: _Worker, msg: EventBatch | Snapshot, to: RouterCore | None) -> None:
+        lossy = False
         if isinstance(msg, Snapshot):
             self.num_snapshots += 1
         else:
             self.num_batches += 1
+            lossy = self.config.event_loss > 0
         for router in self.routers if to is None else (to,):
+            if lossy and self._loss_rng.random() < self.config.event_loss:
+                self.num_lost_batches += 1  # this router never sees it: a gap to recover
+                continue
             for action in router.on_stream_message(worker.worker_id, msg):
                 match action:
                     case Resubscribe(epoch=epoch, after_seq=after_seq):
@@ -405,6 +481,8 @@ class FleetSim:
             "snapshots": self.num_snapshots,
             "resubscribes": self.num_resubscribes,
             "routers": len(self.routers),
+            "route_decision_s_total": round(self.route_decision_s_total, 6),
+            "event_batches_lost": self.num_lost_batches,
             # what the router believed would hit, vs what did (staleness, eviction)
             "router_predicted_hit_rate": round(self.num_predicted_tokens / prompt, 6)
             if prompt

@@ -3,11 +3,16 @@ delay, event loss, the model's context limit (exact small cases)."""
 
 from __future__ import annotations
 
+import json
+
+import numpy as np
 import pytest
 
 from bench.replay.cli import main
 from bench.replay.sim import FleetSim, SimConfig, simulate
 from bench.replay.trace import TokenExpander, TraceRecord, write_trace
+from worker.engine.sim_executor import H100_LLAMA3_8B_WEIGHT_READ_S, SimCostModel, SimExecutor
+from worker.engine.types import ForwardItem, SamplingParams
 
 BS = 64  # trace block size of the tiny traces
 
@@ -25,6 +30,11 @@ def two_prefix_trace(num_requests: int = 24, gap_ms: float = 500.0) -> list[Trac
 
 def tiny_config(**kw) -> SimConfig:
     return SimConfig(num_workers=2, kv_capacity_tokens=20_000, **kw)
+
+
+def _item(rid: str = "r", n: int = 1, start: int = 0) -> ForwardItem:
+    tokens = np.ones(n, dtype=np.int64)
+    return ForwardItem(rid, tokens, start, np.arange(start + n), SamplingParams(), True, 0)
 
 
 def run(records, policy, cfg) -> FleetSim:
@@ -99,3 +109,139 @@ def test_cli_routers(tmp_path, capsys):
     out = tmp_path / "o.json"
     assert main([*base, "--routers", "2", "--no-reference", "--json", str(out)]) == 0
     assert '"routers": 2' in out.read_text()
+
+
+# ---- the stricter simulation ---------------------------------------------------------------
+
+
+def one_shot(prompt_tokens: int, at_ms: float = 0.0, first_id: int = 0) -> TraceRecord:
+    """A request of ``prompt_tokens`` (whole trace blocks) with one output token."""
+    n = prompt_tokens // BS
+    return TraceRecord(at_ms, n * BS, 1, tuple(range(first_id, first_id + n)))
+
+
+def flat_cost(**kw) -> SimCostModel:
+    """Prefill 1 ms per token, nothing else: step times that are easy to add up."""
+    return SimCostModel(
+        prefill_s_per_token=1e-3,
+        prefill_s_per_attn_pair=0.0,
+        decode_base_s=0.0,
+        decode_s_per_seq=0.0,
+        decode_s_per_context_token=0.0,
+        **kw,
+    )
+
+
+def test_weight_read_floor_binds_short_prefill_only_steps():
+    cm = SimCostModel(weight_read_s=H100_LLAMA3_8B_WEIGHT_READ_S)
+    assert round(H100_LLAMA3_8B_WEIGHT_READ_S * 1e3, 2) == 4.79  # ms: 16.06 GB / 3.35 TB/s
+    sim, plain = SimExecutor(cm), SimExecutor(SimCostModel())
+    suffix = [_item(n=64, start=2048)]  # 64 new tokens after 2,048 cached: 2.6 ms of work
+    assert plain.step_cost_s(suffix, []) == pytest.approx(64 * 40e-6 + (64 * 2048 + 2048) * 1.31e-9)
+    assert sim.step_cost_s(suffix, []) == pytest.approx(16.06e9 / 3.35e12)
+    cold = [_item(n=8192)]  # far above the floor: unchanged
+    assert sim.step_cost_s(cold, []) == plain.step_cost_s(cold, [])
+    decode = [_item(rid=f"r{i}", start=2047) for i in range(32)]  # 8 ms base: unchanged
+    assert sim.step_cost_s([], decode) == plain.step_cost_s([], decode)
+    assert sim.step_cost_s([], []) == 0.0  # nothing ran: no pass over the weights
+
+
+def test_weight_read_floor_in_the_replay():
+    # one 64-token request, 1 output token: TTFT is the one prefill step, 64 ms of work, or
+    # the 100 ms floor when the floor is set
+    records = [one_shot(64)]
+    base = tiny_config(cost_model=flat_cost())
+    assert simulate(records, "round_robin", base).ttft_p50_s == pytest.approx(0.064)
+    floored = tiny_config(cost_model=flat_cost(weight_read_s=0.1))
+    assert simulate(records, "round_robin", floored).ttft_p50_s == pytest.approx(0.1)
+
+
+def test_route_decision_time_queues_a_burst_at_each_router():
+    # two 64-token requests at the same instant, round_robin: two workers, so without a
+    # decision time both first tokens come at 64 ms; one router deciding 10 ms each makes
+    # them 74 and 84 ms. Two routers decide in parallel (both done at 10 ms), but each
+    # round-robin cursor starts at worker-0: both go there (herding), the second waits for
+    # the first's prefill: 74 and 138 ms
+    records = [one_shot(64), one_shot(64, first_id=100)]
+
+    def ttfts(**kw) -> list[float]:
+        sim = run(records, "round_robin", tiny_config(cost_model=flat_cost(), **kw))
+        return sorted(r.first_token_s - r.arrival_s for r in sim.results)
+
+    assert ttfts() == pytest.approx([0.064, 0.064])
+    assert ttfts(route_decision_s=0.01) == pytest.approx([0.074, 0.084])
+    assert ttfts(route_decision_s=0.01, num_routers=2) == pytest.approx([0.074, 0.138])
+    assert ttfts(network_delay_s=0.003) == pytest.approx([0.067, 0.067])
+    assert ttfts(route_decision_s=0.01, network_delay_s=0.003) == pytest.approx([0.077, 0.087])
+    sim = run(records, "round_robin", tiny_config(cost_model=flat_cost(), route_decision_s=0.01))
+    assert sim.report("x").extra["route_decision_s_total"] == pytest.approx(0.02)
+
+
+def test_measured_route_time_is_charged():
+    records = [one_shot(64), one_shot(64, first_id=100)]
+    sim = run(records, "cache_aware", tiny_config(cost_model=flat_cost(), measure_route_time=True))
+    total = sim.report("x").extra["route_decision_s_total"]
+    assert total > 0
+    ttft = sorted(r.first_token_s - r.arrival_s for r in sim.results)
+    assert ttft[1] > 0.064  # the second waited for the first decision, then its own
+
+
+def test_lost_event_batches_are_recovered_through_the_sequence_numbers():
+    records = two_prefix_trace(24, gap_ms=200.0)
+    cfg = tiny_config(num_routers=2, event_loss=0.3, load_interval_s=0.1)
+    sim = run(records, "cache_aware", cfg)
+    # load ticks after the last request: the last gaps are seen and filled (a lost replay
+    # is asked again after 32 more out-of-order batches: 3.2 s of load ticks)
+    sim.settle(10.0)
+    report = sim.report("cache_aware")
+    assert report.errors == 0
+    assert report.extra["event_batches_lost"] > 0
+    assert report.extra["resubscribes"] > 0
+    for router in sim.routers:
+        assert router.stats().sync_counters  # gaps were detected on the real sync path
+        for wid, worker in sim.workers.items():
+            cached = {h for s in worker.engine.snapshot(wid, 1, 0).blocks for h in s.block_hashes}
+            assert router.worker_blocks(wid) == cached
+    again = run(records, "cache_aware", cfg)  # the losses are seeded: the same run again
+    again.settle(10.0)
+    assert again.report("cache_aware") == report
+
+
+def test_strict_config_is_checked():
+    with pytest.raises(ValueError, match="event_loss must be in"):
+        SimConfig(event_loss=1.0)
+    with pytest.raises(ValueError, match="network_delay_s must be >= 0"):
+        SimConfig(network_delay_s=-1.0)
+    with pytest.raises(ValueError, match="route_decision_s must be >= 0"):
+        SimConfig(route_decision_s=float("nan"))
+
+
+def test_cli_strict_options(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    # the last request needs 30 blocks + 2 outputs: over a 1,024-token context
+    write_trace(
+        trace, [*two_prefix_trace(4), TraceRecord(5000.0, 30 * BS, 2, tuple(range(50, 80)))]
+    )
+    base = ["--trace", str(trace), "--trace-block-size", str(BS), "--workers", "2", "--quiet"]
+    out = tmp_path / "o.json"
+    assert main([*base, "--max-context", "1024", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["setup"]["max_context_tokens"] == 1024
+    for p in data["policies"]:
+        assert p["errors"] == 1 and p["errors_by_kind"] == {"InvalidRequestError": 1}
+    assert main([*base, "--strict", "--no-reference", "--json", str(out)]) == 0
+    setup = json.loads(out.read_text())["setup"]
+    assert setup["weight_read_s"] == pytest.approx(16.06e9 / 3.35e12)
+    assert setup["route_decision_s"] == 200e-6 and setup["network_delay_s"] == 0.5e-3
+    assert setup["max_context_tokens"] == 131_072 and "event_loss" not in setup
+    assert main([*base, "--strict", "--network-delay-s", "0", "--json", str(out)]) == 0
+    assert "network_delay_s" not in json.loads(out.read_text())["setup"]
+    for bad, msg in (
+        (["--event-loss", "1"], "--event-loss must be in [0, 1)"),
+        (["--route-decision-s", "soon"], "--route-decision-s must be seconds or 'measured'"),
+        (["--max-context", "1"], "--max-context must be >= 2"),
+        (["--weight-read-s", "-1"], "--weight-read-s must be >= 0"),
+        (["--strict", "--mode", "live"], "need --mode sim"),
+    ):
+        assert main([*base, *bad]) == 2
+        assert msg in capsys.readouterr().err

@@ -15,7 +15,8 @@ derived, not measured)::
                                              + b * decode_s_per_seq
                                              + sum(n_i) * decode_s_per_context_token
     step                                     = step_overhead_s (if anything ran)
-                                             + sum(prefill items) + decode(batch)
+                                             + max(weight_read_s,
+                                                   sum(prefill items) + decode(batch))
 
 * ``prefill_s_per_token`` = 2 * 8.0e9 FLOP / 400 TFLOP/s achieved = 40 us (the weight GEMMs).
 * ``prefill_s_per_attn_pair`` = 4 * 32 layers * 4096 * 2 FLOP / 400 TFLOP/s ~= 1.31 ns (QK^T
@@ -26,6 +27,11 @@ derived, not measured)::
   ~= 52 ns, rounded to 60 ns. ``decode_s_per_seq`` = 0.1 ms (sampling and per-row work).
   A batch of 32 at 2k context: 8 + 3.2 + 3.9 ~= 15 ms; 64 at 4k: ~30 ms ("tens of ms").
 * ``prefill_s_per_context_token`` = 0: a tuned engine attends to cached KV in place.
+* ``weight_read_s`` = 16.06 GB of bf16 weights (8.03 B parameters x 2 bytes) / 3.35 TB/s
+  (the H100 SXM's peak HBM bandwidth) = 4.79 ms: every forward pass reads every weight once,
+  so no step is faster, however few tokens it prefills (a 64-token suffix prefill, 2.6 ms of
+  GEMM work, costs 4.79 ms). A decode step (8 ms base) is above it already; it binds short
+  prefill-only steps. Peak, not achieved, bandwidth: a floor, not an estimate.
 
 Other profiles (:data:`COST_PROFILES`, ``kvroute replay --cost-profile``): ``kvroute-h200``,
 our own torch executor as issue 14 measured it on one H200 (launch- and gather-bound), and
@@ -48,6 +54,12 @@ import xxhash
 from worker.engine.types import ForwardItem
 
 
+# One pass over Llama-3-8B's bf16 weights at the H100 SXM's peak HBM bandwidth
+LLAMA3_8B_PARAM_BYTES = 8.03e9 * 2
+H100_HBM_BYTES_PER_S = 3.35e12
+H100_LLAMA3_8B_WEIGHT_READ_S = LLAMA3_8B_PARAM_BYTES / H100_HBM_BYTES_PER_S
+
+
 @dataclass(frozen=True, slots=True)
 class SimCostModel:
     """Per-step cost coefficients (seconds); see the module docstring for the derivation."""
@@ -59,6 +71,7 @@ class SimCostModel:
     decode_s_per_context_token: float = 6e-8
     step_overhead_s: float = 0.0
     prefill_s_per_context_token: float = 0.0  # reading each cached token's KV (a gather)
+    weight_read_s: float = 0.0  # no step is shorter; H100_LLAMA3_8B_WEIGHT_READ_S (module doc)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -69,7 +82,7 @@ class SimCostModel:
     @classmethod
     def zero(cls) -> SimCostModel:
         """Every cost 0: pure scheduling throughput (the scheduling benchmark)."""
-        return cls(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+        return cls(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
 
     @classmethod
     def from_bench_gpu(cls, result: dict) -> SimCostModel:
@@ -119,6 +132,7 @@ class SimCostModel:
             decode_s_per_context_token=per_req / ctx,
             step_overhead_s=floor,
             prefill_s_per_context_token=max(rest / prefix, 0.0),
+            weight_read_s=0.0,  # the measured floor is step_overhead_s
         )
 
     def prefill_cost_s(self, num_tokens: int, start_pos: int) -> float:
@@ -165,6 +179,7 @@ COST_PROFILES: dict[str, SimCostModel] = {
             - (64 * 8000 + 64 * 64 / 2) * 1.31e-9
         )
         / 8000,
+        weight_read_s=0.0,  # measured: its floor is step_overhead_s (65 ms)
     ),
 }
 
@@ -253,11 +268,12 @@ class SimExecutor:
         if self._zero_cost or not (prefill or decode):
             return 0.0
         cm = self.cost_model
-        cost = cm.step_overhead_s
+        work = 0.0
         for item in prefill:
-            cost += cm.prefill_cost_s(len(item.token_ids), item.start_pos)
+            work += cm.prefill_cost_s(len(item.token_ids), item.start_pos)
         if decode:
             # A decode item attends to its whole context, the new token included.
             ctx = sum(item.start_pos + 1 for item in decode)
-            cost += cm.decode_cost_s(len(decode), ctx)
-        return cost
+            work += cm.decode_cost_s(len(decode), ctx)
+        # the pass reads every weight once, however little it computes
+        return cm.step_overhead_s + max(work, cm.weight_read_s)
