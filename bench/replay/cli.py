@@ -436,6 +436,8 @@ def _add_sim_references(args, records, report, progress, expander=None) -> None:
             trace_block_size=args.trace_block_size,
             progress_stream=progress,
         )
+        if ref.errors:
+            report.reference_errors[kind] = ref.errors
         if kind == "pooled":
             report.pooled_reference_hit_rate = ref.hit_rate
         else:

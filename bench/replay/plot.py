@@ -41,8 +41,16 @@ def plot_report(report: ReplayReport, path: str | Path, title: str | None = None
     x = range(len(names))
     ax_hit.bar(x, hits, color=colors)
     for value, style, label in (
-        (report.pooled_reference_hit_rate, "--", "pooled reference"),
-        (report.infinite_hit_rate, ":", "infinite ceiling"),
+        (
+            report.pooled_reference_hit_rate,
+            "--",
+            "pooled reference" + report.reference_errors_note("pooled"),
+        ),
+        (
+            report.infinite_hit_rate,
+            ":",
+            "infinite ceiling" + report.reference_errors_note("infinite"),
+        ),
     ):
         if value is not None:
             ax_hit.axhline(value * 100, color="black", linestyle=style, linewidth=1, label=label)

@@ -177,12 +177,16 @@ class ReplayReport:
     policies: list[PolicyReport] = field(default_factory=list)
     pooled_reference_hit_rate: float | None = None
     infinite_hit_rate: float | None = None
+    # failed requests of the reference runs ("pooled", "infinite"), e.g. over max_context:
+    # left out of their hit rates like a policy's, so printed next to them
+    reference_errors: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {
             "setup": self.setup,
             "pooled_reference_hit_rate": self.pooled_reference_hit_rate,
             "infinite_hit_rate": self.infinite_hit_rate,
+            "reference_errors": self.reference_errors,
             "policies": [p.to_json() for p in self.policies],
         }
 
@@ -226,12 +230,21 @@ class ReplayReport:
         if self.pooled_reference_hit_rate is not None:
             refs.append(
                 f"pooled reference (1 cache x N capacity): {self.pooled_reference_hit_rate:.1%}"
+                + self.reference_errors_note("pooled")
             )
         if self.infinite_hit_rate is not None:
-            refs.append(f"infinite ceiling (no eviction): {self.infinite_hit_rate:.1%}")
+            refs.append(
+                f"infinite ceiling (no eviction): {self.infinite_hit_rate:.1%}"
+                + self.reference_errors_note("infinite")
+            )
         if refs:
             lines.append("; ".join(refs))
         return "\n".join(lines)
+
+    def reference_errors_note(self, kind: str) -> str:
+        """The note ' (N errors)' when the ``kind`` reference run had failed requests."""
+        n = self.reference_errors.get(kind, 0)
+        return f" ({n} error{'s' if n != 1 else ''})" if n else ""
 
 
 def _fmt_s(x: float) -> str:

@@ -229,6 +229,11 @@ def test_cli_strict_options(tmp_path, capsys):
     assert data["setup"]["max_context_tokens"] == 1024
     for p in data["policies"]:
         assert p["errors"] == 1 and p["errors_by_kind"] == {"InvalidRequestError": 1}
+    # the references reject it too, and say so next to their hit rates
+    assert data["reference_errors"] == {"pooled": 1, "infinite": 1}
+    table = capsys.readouterr().out
+    assert "pooled reference (1 cache x N capacity): " in table
+    assert table.count("(1 error)") == 2
     assert main([*base, "--strict", "--no-reference", "--json", str(out)]) == 0
     setup = json.loads(out.read_text())["setup"]
     assert setup["weight_read_s"] == pytest.approx(16.06e9 / 3.35e12)
