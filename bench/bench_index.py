@@ -61,6 +61,7 @@ bench/peers/dynamo_index.py runs the comparable section on Dynamo's Rust RadixTr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -576,6 +577,13 @@ def main(argv: list[str] | None = None) -> int:
         help="only the comparable section (what bench/peers/dynamo_index.py runs for Dynamo)",
     )
     parser.add_argument(
+        "--route-workers",
+        type=int,
+        default=64,
+        metavar="N",
+        help="workers of the route sections' fleet (default: 64)",
+    )
+    parser.add_argument(
         "--rss-entries",
         type=int,
         metavar="N",
@@ -603,6 +611,8 @@ def main(argv: list[str] | None = None) -> int:
         text = TextConfig(vocab_size=1000, train_words=20_000, rare_words=2000, num_routes=30)
     else:
         comparable, scale, text = ComparableConfig(), ScaleConfig(), TextConfig()
+    if args.route_workers != scale.num_workers:
+        scale = dataclasses.replace(scale, num_workers=args.route_workers)
     results = {} if args.route_only else bench_comparable(comparable, args.backend)
     metrics = RouterMetrics(CollectorRegistry()) if args.route_metrics else None
     if not args.comparable_only:
@@ -613,6 +623,7 @@ def main(argv: list[str] | None = None) -> int:
         "quick": args.quick,
         "route_metrics": args.route_metrics,
         "backend": args.backend,
+        "route_workers": args.route_workers,
         "loadavg_1m": os.getloadavg()[0],
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
