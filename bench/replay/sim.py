@@ -13,6 +13,19 @@ the progress line does). Time is ``FleetSim.now``, advanced by a heap of events:
                      RouterCore.on_stream_message (Resubscribe -> a snapshot follows)
     LOAD_TICK(w)     every load_interval_s a batch with the worker's LoadReport (as the
                      real worker service does)
+    ROUTER_FREE(k)   with a decision time (route_decision_s, or measured): router k is
+                     done with one decision; the next request queued at it is routed now
+    ADMIT(w, req)    with a decision time or a network delay (network_delay_s): the routed
+                     request reaches its worker that much after the router picked it
+
+The stricter settings (bench/replay/strict.py, all off by default): the cost model's
+weight-read floor, the decision time (a router decides one request at a time, so a burst
+queues at it; TTFT counts from arrival at the router), the router -> worker delay, the
+model's context (requests over it are rejected by the engine and counted as errors) and
+event loss: each EventBatch (live, or replayed after a Resubscribe) is lost on its way to
+each router with probability event_loss, seeded; snapshots are not. The router then sees
+a gap at the next batch and recovers through the real sequencer (router/sync.py): a
+Resubscribe, which the worker answers from its replay buffer or with a snapshot.
 
 Everything is ordered by (time, insertion number), so a run is a pure function of the trace,
 the policy and the seed. What the simulation bypasses is only gRPC: the router sees the
@@ -159,6 +172,14 @@ class _ScaledExecutor:
     def step_cost_s(self, prefill: list[ForwardItem], decode: list[ForwardItem]) -> float:
         return self._inner.step_cost_s(prefill, decode) * self._scale
 
+    @property
+    def num_steps(self) -> int:
+        return self._inner.num_steps
+
+    @property
+    def num_floor_steps(self) -> int:
+        return self._inner.num_floor_steps
+
 
 @dataclass(slots=True)
 class _Worker:
@@ -168,6 +189,10 @@ class _Worker:
     busy: bool = False  # a step is in flight (STEP_DONE scheduled)
     num_idle_steps: int = 0
     busy_s: float = 0.0  # modelled time spent in steps (prefill + decode work)
+
+
+def _executor(worker: _Worker) -> SimExecutor | _ScaledExecutor:
+    return worker.engine.executor  # type: ignore[return-value]  # the sim builds only these
 
 
 def max_context_for(records: Sequence[TraceRecord]) -> int:
@@ -483,6 +508,11 @@ class FleetSim:
             "routers": len(self.routers),
             "route_decision_s_total": round(self.route_decision_s_total, 6),
             "event_batches_lost": self.num_lost_batches,
+            # steps that ran something, and those the weight-read floor made longer
+            "steps": sum(_executor(w).num_steps for w in self.workers.values()),
+            "steps_at_weight_floor": sum(
+                _executor(w).num_floor_steps for w in self.workers.values()
+            ),
             # what the router believed would hit, vs what did (staleness, eviction)
             "router_predicted_hit_rate": round(self.num_predicted_tokens / prompt, 6)
             if prompt

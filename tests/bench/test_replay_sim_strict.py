@@ -144,6 +144,7 @@ def test_weight_read_floor_binds_short_prefill_only_steps():
     decode = [_item(rid=f"r{i}", start=2047) for i in range(32)]  # 8 ms base: unchanged
     assert sim.step_cost_s([], decode) == plain.step_cost_s([], decode)
     assert sim.step_cost_s([], []) == 0.0  # nothing ran: no pass over the weights
+    assert (sim.num_steps, sim.num_floor_steps) == (3, 1)  # only the suffix hit the floor
 
 
 def test_weight_read_floor_in_the_replay():
@@ -151,9 +152,13 @@ def test_weight_read_floor_in_the_replay():
     # the 100 ms floor when the floor is set
     records = [one_shot(64)]
     base = tiny_config(cost_model=flat_cost())
-    assert simulate(records, "round_robin", base).ttft_p50_s == pytest.approx(0.064)
+    report = simulate(records, "round_robin", base)
+    assert report.ttft_p50_s == pytest.approx(0.064)
+    assert (report.extra["steps"], report.extra["steps_at_weight_floor"]) == (1, 0)
     floored = tiny_config(cost_model=flat_cost(weight_read_s=0.1))
-    assert simulate(records, "round_robin", floored).ttft_p50_s == pytest.approx(0.1)
+    report = simulate(records, "round_robin", floored)
+    assert report.ttft_p50_s == pytest.approx(0.1)
+    assert report.extra["steps"] == report.extra["steps_at_weight_floor"] == 1
 
 
 def test_route_decision_time_queues_a_burst_at_each_router():

@@ -53,7 +53,6 @@ import xxhash
 
 from worker.engine.types import ForwardItem
 
-
 # One pass over Llama-3-8B's bf16 weights at the H100 SXM's peak HBM bandwidth
 LLAMA3_8B_PARAM_BYTES = 8.03e9 * 2
 H100_HBM_BYTES_PER_S = 3.35e12
@@ -239,6 +238,8 @@ class SimExecutor:
             () if self.eos_token_id is None else (self.eos_token_id,)
         )
         self._zero_cost = self.cost_model == SimCostModel.zero()
+        self.num_steps = 0  # steps that ran something
+        self.num_floor_steps = 0  # of them, steps whose work was under weight_read_s
 
     def token_for(self, item: ForwardItem) -> int:
         """The deterministic token an item samples (-1 when it does not sample)."""
@@ -276,4 +277,8 @@ class SimExecutor:
             ctx = sum(item.start_pos + 1 for item in decode)
             work += cm.decode_cost_s(len(decode), ctx)
         # the pass reads every weight once, however little it computes
-        return cm.step_overhead_s + max(work, cm.weight_read_s)
+        self.num_steps += 1
+        if work < cm.weight_read_s:
+            self.num_floor_steps += 1
+            work = cm.weight_read_s
+        return cm.step_overhead_s + work
