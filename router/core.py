@@ -337,6 +337,8 @@ class RouterCore:
         view = candidates[i]
         depth = matched.get(view.slot, 0)
         matched_tokens = min(depth * query.block_size, query.prompt_tokens)
+        confirmed = index.last_confirmed.get(view.slot, 0) if hashes else 0
+        event_tokens = min(confirmed * query.block_size, matched_tokens)
         # the best match among the candidates (metrics: cache forgone for load); the
         # matches are at hand, so this walks no index, and candidates only when some
         # matched worker may not have been one
@@ -364,6 +366,7 @@ class RouterCore:
             float(cost),
             self._policy.name,
             best_tokens,
+            event_tokens,
         )
 
     def _no_worker(self, req: RouteRequest) -> NoWorkerAvailable:

@@ -109,6 +109,8 @@ class RouteDecision:
     # the longest match on any worker route() could have picked (>= matched_tokens); the
     # difference is cache the policy left on the table for load reasons (metrics)
     best_matched_tokens: int = 0
+    # of matched_tokens, those the worker's own KV events confirm (the rest: predictions)
+    event_matched_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -148,6 +148,9 @@ class PrefixIndex:
     def __init__(self, config: IndexConfig | None = None) -> None:
         self.config = config or IndexConfig()
         self._masks: dict[int, int] = {}  # block hash -> bitset of slots holding it
+        # the event-confirmed depths of the last find_matches (before predictions lengthened
+        # any): what the route decision reports as matched from events (metrics)
+        self.last_confirmed: dict[int, int] = {}
         self._parents: dict[int, int] = {}  # block hash -> parent hash (non-roots)
         self._stamps: dict[int, int] = {}  # block hash -> recency tick (sparse)
         self._num_blocks: dict[int, int] = {}  # slot -> (block, slot) pairs
@@ -224,9 +227,11 @@ class PrefixIndex:
         else:
             depth = 0
             result = {}
+        self.last_confirmed = result
         if len(self._predicted) and not (uniform and self._no_predicted_tail(hashes, depth)):
             predicted = self._predicted.match(hashes, masks)
             if predicted:
+                result = dict(result)  # last_confirmed keeps the events' walk alone
                 stride = self._predicted.stride
                 get = result.get
                 for slot, n in _depths(predicted)[1].items():

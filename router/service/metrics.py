@@ -112,13 +112,15 @@ class _Decisions:
     num: int = 0
     prompt_tokens: int = 0
     matched_tokens: int = 0
+    event_matched_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class DecisionStats:
     """The route decisions so far, as plain values (RouterMetrics.decision_stats)."""
 
-    per_worker: dict[str, tuple[int, int, int]]  # worker -> (decisions, prompt, matched)
+    # worker -> (decisions, prompt, matched, of which event-confirmed)
+    per_worker: dict[str, tuple[int, int, int, int]]
     best_matched_tokens: int
     forgone_tokens: int
     forgone_decisions: int
@@ -212,6 +214,7 @@ class RouterMetrics:
         d.num += 1
         d.prompt_tokens += decision.prompt_tokens
         d.matched_tokens += decision.matched_tokens
+        d.event_matched_tokens += decision.event_matched_tokens
         self._best_matched += decision.best_matched_tokens
         forgone = decision.best_matched_tokens - decision.matched_tokens
         if forgone > 0:
@@ -221,7 +224,10 @@ class RouterMetrics:
     def decision_stats(self) -> DecisionStats:
         """A copy of the decision counts (call on the event loop that routes)."""
         return DecisionStats(
-            {w: (d.num, d.prompt_tokens, d.matched_tokens) for w, d in self._decisions.items()},
+            {
+                w: (d.num, d.prompt_tokens, d.matched_tokens, d.event_matched_tokens)
+                for w, d in self._decisions.items()
+            },
             self._best_matched,
             self._forgone,
             self._forgone_decisions,
@@ -556,10 +562,19 @@ class DecisionCollector(Collector):
             "(event-confirmed and predicted entries together)",
             labels,
         )
-        for worker, (n, p, m) in sorted(s.per_worker.items()):
+        by_source = _counter(
+            "kvroute_router_decision_matched_tokens_by_source",
+            "The same tokens by where the router learnt of them: the worker's own KV events "
+            "(source=events) or the router's predictions for requests it routed there and "
+            "whose events have not arrived (source=predicted)",
+            ("worker", "source"),
+        )
+        for worker, (n, p, m, e) in sorted(s.per_worker.items()):
             num.add_metric([worker], n)
             prompt.add_metric([worker], p)
             matched.add_metric([worker], m)
+            by_source.add_metric([worker, "events"], e)
+            by_source.add_metric([worker, "predicted"], m - e)
         best = _counter(
             "kvroute_router_decision_best_matched_tokens",
             "Longest match on any worker the decision could have picked",
@@ -576,7 +591,7 @@ class DecisionCollector(Collector):
             "Decisions that picked a worker with a shorter match than the best one",
         )
         forgone_n.add_metric([], s.forgone_decisions)
-        yield from (num, prompt, matched, best, forgone, forgone_n)
+        yield from (num, prompt, matched, by_source, best, forgone, forgone_n)
         yield histogram_family(
             "kvroute_router_route_decision_duration_seconds",
             "Time the route decision takes (the front end's admission filter and "

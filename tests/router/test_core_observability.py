@@ -3,6 +3,7 @@ stats and the index size estimate (plain values; the service shell exports them)
 
 from __future__ import annotations
 
+import numpy as np
 from test_core import B, give, make_core, stored, tokens
 
 from kvroute_proto.events import EventBatch, LoadReport
@@ -43,6 +44,25 @@ def test_best_match_ignores_excluded_and_unhealthy_workers() -> None:
     d = core.route(RouteRequest("r2", prompt, exclude=frozenset({"w0"})))
     assert d.worker_id == "w2"
     assert d.best_matched_tokens == 0
+
+
+def test_decision_splits_the_match_into_event_confirmed_and_predicted() -> None:
+    core, _ = make_core(2)
+    system = tokens(8 * B)
+    give(core, "w0", stored(system[: 4 * B]))  # w0's events hold the first 4 blocks
+    d = core.route(RouteRequest("r1", system))  # predicts all 8 blocks on w0
+    assert d.worker_id == "w0"
+    assert (d.matched_tokens, d.event_matched_tokens) == (4 * B, 4 * B)
+    # a second prompt sharing all 8 blocks: 4 from w0's events, 4 more from r1's prediction
+    longer = np.concatenate([system, tokens(2 * B, start=9000)])
+    d = core.route(RouteRequest("r2", longer))
+    assert d.worker_id == "w0"
+    assert (d.matched_tokens, d.event_matched_tokens) == (8 * B, 4 * B)
+    # no events at all: a match that only predictions know of
+    core2, _ = make_core(2)
+    core2.route(RouteRequest("a", system))
+    d = core2.route(RouteRequest("b", system))
+    assert d.matched_tokens > 0 and d.event_matched_tokens == 0
 
 
 def test_worker_stats_report_stream_position_lag_and_blocks() -> None:

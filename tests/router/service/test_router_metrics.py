@@ -111,6 +111,11 @@ async def test_realised_hits_follow_the_prediction(fleet) -> None:
     assert realised == repeat.cached_prompt_tokens
     assert predicted > 0
     assert abs(predicted - realised) <= 4  # one block: the worker keeps the last token
+    # the repeat's match came from the worker's own events (the first request finished)
+    by_source = "kvroute_router_decision_matched_tokens_by_source_total"
+    events = after.get(by_source, worker=w, source="events")
+    assert events == after.get("kvroute_router_decision_matched_tokens_total", worker=w) > 0
+    assert after.get(by_source, worker=w, source="predicted") == 0
 
 
 async def test_refusals_are_counted_by_code(fleet) -> None:
