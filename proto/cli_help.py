@@ -10,6 +10,7 @@ the help does not already say ``default`` and the default is a value.
 from __future__ import annotations
 
 import argparse
+import math
 import re
 
 _MENTIONS_DEFAULT = re.compile(r"\bdefault\b[ :]", re.IGNORECASE)
@@ -37,3 +38,25 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 class RawDescriptionHelpFormatter(argparse.RawDescriptionHelpFormatter, HelpFormatter):
     """:class:`HelpFormatter` that keeps the description's and epilog's line breaks."""
+
+
+def port_number(value: str) -> int:
+    """argparse type of a port option: 0..65535 (0: a free one), else a one-line usage error."""
+    try:
+        port = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a port number, got {value!r}") from None
+    if not 0 <= port < 65536:
+        raise argparse.ArgumentTypeError(f"must be in 0..65535 (0: a free port), got {port}")
+    return port
+
+
+def positive_float(value: str) -> float:
+    """argparse type: a finite number > 0, else a one-line usage error."""
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {value!r}") from None
+    if not (math.isfinite(x) and x > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {value}")
+    return x

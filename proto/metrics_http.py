@@ -17,7 +17,6 @@ Usage (a service shell)::
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import concurrent.futures
 import logging
@@ -36,24 +35,12 @@ __all__ = [
     "await_on_loop",
     "call_on_loop",
     "histogram_family",
-    "metrics_port",
 ]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 SNAPSHOT_TIMEOUT_S = 2.0  # a scrape waits this long for the owning thread's snapshot
-
-
-def metrics_port(value: str) -> int:
-    """argparse type of ``--metrics-port``: a port in 0..65535 (0: a free one)."""
-    try:
-        port = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a port number, got {value!r}") from None
-    if not 0 <= port < 65536:
-        raise argparse.ArgumentTypeError(f"must be in 0..65535 (0: a free port), got {port}")
-    return port
 
 
 def call_on_loop(

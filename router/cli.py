@@ -17,10 +17,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvroute_proto.cli_help import HelpFormatter
+from kvroute_proto.cli_help import HelpFormatter, port_number
 from kvroute_proto.hashing import set_hash_key
 from kvroute_proto.http_front import HttpFrontConfig
-from kvroute_proto.metrics_http import metrics_port
 from kvroute_proto.registry import DEFAULT_PREFIX, DEFAULT_TTL_S
 from kvroute_proto.runtime import run_event_loop
 from kvroute_proto.telemetry import configure_tracing
@@ -59,7 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=50051, help="port to bind; 0 picks a free one")
+    p.add_argument(
+        "--port", type=port_number, default=50051, help="port to bind; 0 picks a free one"
+    )
     p.add_argument(
         "--http-port",
         type=int,
@@ -200,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="seed for tie-breaks (reproducible runs)")
     p.add_argument(
         "--metrics-port",
-        type=metrics_port,
+        type=port_number,
         default=None,
         help="serve Prometheus metrics on http://HOST:PORT/metrics (HOST from --host; 0 picks "
         "a free port; default: no metrics endpoint). Names: docs/METRICS.md",

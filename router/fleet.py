@@ -30,10 +30,9 @@ from pathlib import Path
 
 import grpc
 
-from kvroute_proto.cli_help import HelpFormatter
+from kvroute_proto.cli_help import HelpFormatter, port_number
 from kvroute_proto.hashing import set_hash_key
 from kvroute_proto.http_front import HttpFrontConfig
-from kvroute_proto.metrics_http import metrics_port
 from kvroute_proto.runtime import run_event_loop
 from kvroute_proto.tokenizer import load_tokenizer_or_bytes
 from router.cli import POLICIES
@@ -329,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--metrics-port",
-        type=metrics_port,
+        type=port_number,
         default=None,
         metavar="P",
         help="Prometheus /metrics: the router on P, worker i on P+1+i (0: free ports; "

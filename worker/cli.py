@@ -17,10 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-from kvroute_proto.cli_help import HelpFormatter
+from kvroute_proto.cli_help import HelpFormatter, port_number
 from kvroute_proto.hashing import set_hash_key
 from kvroute_proto.http_front import HttpFrontConfig
-from kvroute_proto.metrics_http import metrics_port
 from kvroute_proto.registry import (
     DEFAULT_PREFIX,
     DEFAULT_TTL_S,
@@ -54,7 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     net = p.add_argument_group("server")
     net.add_argument("--host", default="127.0.0.1", help="address to bind")
-    net.add_argument("--port", type=int, default=0, help="port to bind (0 = pick a free one)")
+    net.add_argument(
+        "--port", type=port_number, default=0, help="port to bind (0 = pick a free one)"
+    )
     net.add_argument("--worker-id", default=_ENGINE_DEFAULTS.worker_id, help="this worker's id")
     net.add_argument(
         "--http-port",
@@ -223,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     reg.add_argument(
         "--metrics-port",
-        type=metrics_port,
+        type=port_number,
         default=None,
         help="serve Prometheus metrics on http://HOST:PORT/metrics (HOST from --host; 0 picks "
         "a free port; default: no metrics endpoint). Names: docs/METRICS.md",

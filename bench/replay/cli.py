@@ -25,9 +25,11 @@ from typing import Any
 from bench.replay.report import ReplayReport
 from bench.replay.strict import add_strict_options, strict_settings
 from bench.replay.trace import DEFAULT_TRACE_BLOCK_SIZE, TokenExpander, read_trace
-from kvroute_proto.cli_help import RawDescriptionHelpFormatter
+from kvroute_proto.cli_help import RawDescriptionHelpFormatter, positive_float
 
 DEFAULT_POLICIES = ("cache_aware", "round_robin")
+# the workers' load report interval of a fleet with several routers (replay default)
+MULTI_ROUTER_LOAD_INTERVAL_S = 0.05
 LIVE_DEFAULT_LIMIT = 200
 
 
@@ -79,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--speedup",
-        type=float,
+        type=positive_float,
         default=10.0,
         help="live mode: trace time and executor cost are compressed by this factor",
     )
@@ -109,8 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--load-interval-s",
         type=float,
-        default=1.0,
-        help="sim mode: a worker load report every this many seconds (default %(default)s)",
+        default=None,
+        help="sim mode: a worker load report every this many seconds (default: 1.0 with one "
+        f"router, {MULTI_ROUTER_LOAD_INTERVAL_S} with --routers > 1: several routers see each "
+        "other's picks only through the workers' reports; BENCHMARKS.md, several routers)",
     )
     p.add_argument(
         "--routers",
@@ -385,7 +389,7 @@ def _sim_config(args: argparse.Namespace):  # -> SimConfig
         num_workers=args.workers,
         kv_capacity_tokens=args.kv_capacity_tokens,
         event_delay_s=args.event_delay_s,
-        load_interval_s=args.load_interval_s,
+        load_interval_s=_load_interval_s(args),
         seed=args.seed,
         page_size=args.page_size,
         block_size=args.block_size,
@@ -394,11 +398,21 @@ def _sim_config(args: argparse.Namespace):  # -> SimConfig
     )
 
 
+def _load_interval_s(args: argparse.Namespace) -> float:
+    if args.load_interval_s is not None:
+        return float(args.load_interval_s)
+    return 1.0 if args.routers == 1 else MULTI_ROUTER_LOAD_INTERVAL_S
+
+
 def _run_sim(args, records, policies, setup, progress) -> ReplayReport:
     from bench.replay.sim import simulate
 
     config = _sim_config(args)
-    setup = {**setup, "event_delay_s": args.event_delay_s, "load_interval_s": args.load_interval_s}
+    setup = {
+        **setup,
+        "event_delay_s": args.event_delay_s,
+        "load_interval_s": config.load_interval_s,
+    }
     if config.num_routers > 1:
         setup.update(routers=config.num_routers, router_assignment=config.router_assignment)
     setup.update(strict_settings(args))

@@ -184,3 +184,21 @@ def test_generate_rejects_bad_numbers_with_one_line(argv, message, capsys):
     err = capsys.readouterr().err + str(exc.value.code)
     assert message in err
     assert "Traceback" not in err and "UNAVAILABLE" not in err
+
+
+@pytest.mark.parametrize("port", ["-5", "70000"])
+def test_a_bad_router_port_is_a_usage_error(port, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--worker", "h:1", "--port", port])
+    assert exc.value.code == 2
+    assert "argument --port: must be in 0..65535" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["-1", "0", "nan", "inf"])
+def test_replay_speedup_must_be_positive(value, capsys):
+    from bench.replay import cli as replay_cli
+
+    with pytest.raises(SystemExit) as exc:
+        replay_cli.main(["--trace", "bench/data/mooncake_sample.jsonl", "--speedup", value])
+    assert exc.value.code == 2
+    assert "argument --speedup: must be a finite number > 0" in capsys.readouterr().err

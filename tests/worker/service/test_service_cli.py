@@ -98,3 +98,11 @@ async def test_a_taken_port_exits_1_without_sharing_it() -> None:
     assert proc.returncode == 1
     assert b"listening on" not in out
     assert f"could not bind 127.0.0.1:{port}".encode() in err
+
+
+@pytest.mark.parametrize("port", ["-1", "65536", "http"])
+def test_a_bad_port_is_a_usage_error(port: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--port", port])
+    assert info.value.code == 2
+    assert "argument --port: must be" in capsys.readouterr().err
