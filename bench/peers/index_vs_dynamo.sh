@@ -1,12 +1,20 @@
 #!/usr/bin/env bash
 # bench_index's comparable section, alternating kvroute (dict index, vec index) and Dynamo's
 # RadixTree in the same sitting, ROUNDS times; one JSON line per run on stdout.
-#   python3 -m venv .peers/dynamo && .peers/dynamo/bin/pip install ai-dynamo-runtime==1.6.1
-#   bash bench/peers/index_vs_dynamo.sh [ROUNDS]     (default 3; run from the repo root)
+#   bash bench/peers/index_vs_dynamo.sh [ROUNDS]     (default 3; run from the repo root,
+#                                                     in kvroute's virtualenv)
+# Dynamo's runtime goes in its own virtualenv, created on first use (the project never
+# imports it): python3 -m venv .peers/dynamo && .peers/dynamo/bin/pip install
+# ai-dynamo-runtime==1.6.1. DYNAMO_PYTHON overrides the interpreter.
 set -euo pipefail
 ROUNDS=${1:-3}
 PY=${PYTHON:-python}
 DYN=${DYNAMO_PYTHON:-.peers/dynamo/bin/python}
+if [ -z "${DYNAMO_PYTHON:-}" ] && ! "$DYN" -c "import dynamo._core" 2>/dev/null; then
+  echo "installing ai-dynamo-runtime==1.6.1 into .peers/dynamo" >&2
+  python3 -m venv .peers/dynamo
+  .peers/dynamo/bin/pip install -q ai-dynamo-runtime==1.6.1 >&2
+fi
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 for r in $(seq 1 "$ROUNDS"); do
