@@ -108,7 +108,13 @@ def test_cli_routers(tmp_path, capsys):
     assert "--routers needs --mode sim" in capsys.readouterr().err
     out = tmp_path / "o.json"
     assert main([*base, "--routers", "2", "--no-reference", "--json", str(out)]) == 0
-    assert '"routers": 2' in out.read_text()
+    setup = json.loads(out.read_text())["setup"]
+    # several routers: the workers report load every 50 ms unless told otherwise
+    assert setup["routers"] == 2 and setup["load_interval_s"] == 0.05
+    assert main([*base, "--routers", "2", "--load-interval-s", "1", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["setup"]["load_interval_s"] == 1.0
+    assert main([*base, "--no-reference", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["setup"]["load_interval_s"] == 1.0
 
 
 # ---- the stricter simulation ---------------------------------------------------------------
