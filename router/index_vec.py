@@ -38,7 +38,7 @@ from typing import Any, cast
 import numpy as np
 
 from kvroute_proto.events import AllCleared, BlockRemoved, BlockStored, KvEvent
-from router.index import ERROR_KINDS, IndexConfig, PrefixIndex, _depths
+from router.index import _COMPACT_MIN, ERROR_KINDS, IndexConfig, PrefixIndex, _depths
 from router.predicted import PredictedEntries, bits_of
 
 __all__ = ["VecPrefixIndex"]
@@ -83,6 +83,10 @@ class VecPrefixIndex:
             cap *= 2
         self._alloc(cap, 1)
         self._live = 0  # rows with a nonzero mask
+        # the dict index's eviction trigger, kept alike: its largest size since it last
+        # compacted or evicted (an eviction that finds no leaf to drop leaves the size over
+        # the cap; the next one waits until the size passes this peak)
+        self._peak = 0
         self._used = 0  # keys written (live + tombstones)
         self._num_blocks: dict[int, int] = {}  # slot -> (block, slot) pairs
         self._predicted = PredictedEntries(self.config.predict_stride)
@@ -105,8 +109,20 @@ class VecPrefixIndex:
         return cast(np.ndarray, (keys * _MULT) >> self._shift).astype(np.intp)
 
     def _lookup(self, keys: np.ndarray) -> np.ndarray:
-        """Table slot of each key, -1 where absent."""
-        return self._search(keys)[0]
+        """Table slot of each key, -1 where absent: the home slots in one gather, then
+        slot by slot for the keys that met another key there (few at load <= 0.4)."""
+        n = len(keys)
+        if not n:
+            return _EMPTY_SLOTS
+        pos = self._home(keys)
+        found = self._keys[pos]
+        hit = found == keys
+        out = np.where(hit, pos, -1)
+        go = ~hit & (found != 0)
+        if go.any():
+            idx = np.flatnonzero(go)
+            self._probe(keys[idx], pos[idx], idx, out)
+        return out
 
     def _search(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(slot of each key or -1 where absent, first empty slot of its window or -1).
@@ -473,8 +489,10 @@ class VecPrefixIndex:
         self._stamps[slots[-1]] = self._tick
         if added:
             self._num_blocks[slot] = self._num_blocks.get(slot, 0) + added
-            if self._live > self.config.max_blocks:
-                self._evict()
+            if self._live > self._peak:
+                self._peak = self._live
+                if self._peak > self.config.max_blocks:
+                    self._evict()
 
     def remove(self, slot: int, hashes: Sequence[int]) -> None:
         """Withdraw blocks from ``slot``; blocks nobody holds any more are deleted."""
@@ -502,6 +520,7 @@ class VecPrefixIndex:
             self._stamps[dead] = 0
             self._live -= len(dead)
         self._num_blocks[slot] -= removed
+        self._compacted()
         self._maybe_shrink()
 
     def remove_worker(self, slot: int, predictions: bool = True) -> int:
@@ -520,8 +539,15 @@ class VecPrefixIndex:
         self._parents[dead] = 0
         self._stamps[dead] = 0
         self._live -= len(dead)
+        self._peak = self._live
         self._maybe_shrink()
         return count
+
+    def _compacted(self) -> None:
+        """Where the dict index compacts its dicts it also resets its peak: alike here."""
+        n, peak = self._live, self._peak
+        if (peak >= _COMPACT_MIN and n * 4 <= peak) or (n == 0 and peak):
+            self._peak = n
 
     def _maybe_shrink(self) -> None:
         if self._cap > _MIN_CAPACITY and self._live * 16 < self._cap:
@@ -573,6 +599,8 @@ class VecPrefixIndex:
         self._parents[rows] = 0
         self._stamps[rows] = 0
         self._live -= len(rows)
+        self._peak = self._live
+        self._compacted()
         self._maybe_shrink()
 
     @staticmethod
