@@ -87,6 +87,9 @@ class VecPrefixIndex:
         # compacted or evicted (an eviction that finds no leaf to drop leaves the size over
         # the cap; the next one waits until the size passes this peak)
         self._peak = 0
+        # the event-confirmed depths of the last find_matches (before predictions lengthened
+        # any), as router.index.PrefixIndex.last_confirmed
+        self.last_confirmed: dict[int, int] = {}
         self._used = 0  # keys written (live + tombstones)
         self._num_blocks: dict[int, int] = {}  # slot -> (block, slot) pairs
         self._predicted = PredictedEntries(self.config.predict_stride)
@@ -336,6 +339,7 @@ class VecPrefixIndex:
         :meth:`router.index.PrefixIndex.find_matches`.
         """
         if not len(hashes):
+            self.last_confirmed = {}
             return {}
         keys = _as_keys(hashes)
         slots, rows = self._walk(keys)
@@ -354,6 +358,7 @@ class VecPrefixIndex:
             if depth and touch:
                 self._tick += 1
                 self._stamps[slots[depth - 1]] = self._tick
+        self.last_confirmed = result
         predicted = self._predicted
         if len(predicted):
             hlist = hashes.tolist() if isinstance(hashes, np.ndarray) else hashes
@@ -364,6 +369,7 @@ class VecPrefixIndex:
                     confirmed = self._running_ints(run)
                 walk = predicted.match(hlist, confirmed)
                 if walk:
+                    result = dict(result)  # last_confirmed keeps the events' walk alone
                     stride = predicted.stride
                     get = result.get
                     for slot, n in _depths(walk)[1].items():

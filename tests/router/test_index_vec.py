@@ -129,6 +129,7 @@ class AgreeMachine(RuleBasedStateMachine):
         n = data.draw(st.integers(0, len(chain)))
         query = chain[:n]
         assert ref.find_matches(query, touch) == vec.find_matches(query, touch), query
+        assert ref.last_confirmed == vec.last_confirmed
         assert ref.find_matches_by_source(query) == vec.find_matches_by_source(query)
 
     @invariant()
