@@ -427,6 +427,8 @@ class RouterCore:
         return Explanation(self._policy.name, query.prompt_tokens, chosen, tuple(lines))
 
     def _account(self, request_id: str, view: WorkerView, prefill_tokens: int) -> _Inflight:
+        # with R router replicas a pick counts R times (RouterConfig.replicas)
+        prefill_tokens *= self.config.replicas
         flight = self._inflight[request_id] = _Inflight(view, prefill_tokens)
         view.inflight_prefill_tokens += prefill_tokens
         view.num_active += 1

@@ -54,6 +54,11 @@ class RouterConfig:
     queued prefill at which the cost counts a miss double (0: off; router.policy).
     ``recent_decode_ratio``: prefill tokens that one generated token of a finished request
     adds to its worker's recent sum (decode work counts toward the balance term, at half).
+    ``replicas``: router replicas sharing the fleet behind one load balancer (each sees only
+    its own picks). With R > 1 each pick counts R times in the worker's queued-prefill
+    estimate until its first token: the others, seeing the same events and load reports,
+    are likely placing the same burst the same way; a load report showing more still wins
+    (BENCHMARKS.md, several routers).
     """
 
     policy: str = "cache_aware"
@@ -69,8 +74,11 @@ class RouterConfig:
     recent_window_s: float = DEFAULT_RECENT_WINDOW_S
     backlog_tokens: float = DEFAULT_BACKLOG_TOKENS
     recent_decode_ratio: float = DEFAULT_RECENT_DECODE_RATIO
+    replicas: int = 1
 
     def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
         if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"block_size must be >= 1 or None, got {self.block_size}")
         if not self.recent_window_s > 0:

@@ -124,6 +124,14 @@ def build_parser() -> argparse.ArgumentParser:
         "routing only its share of the requests (default %(default)s)",
     )
     p.add_argument(
+        "--router-replicas",
+        type=int,
+        default=None,
+        help="sim mode: the replica count each router is told (RouterConfig.replicas: its "
+        "picks count that many times in a worker's queued prefill); default: --routers; 1: "
+        "each router counts its own picks once",
+    )
+    p.add_argument(
         "--router-assignment",
         choices=("round_robin", "random"),
         default="round_robin",
@@ -395,6 +403,7 @@ def _sim_config(args: argparse.Namespace):  # -> SimConfig
         block_size=args.block_size,
         num_routers=args.routers,
         router_assignment=args.router_assignment,
+        router_replicas=args.router_replicas,
     )
 
 
@@ -414,7 +423,11 @@ def _run_sim(args, records, policies, setup, progress) -> ReplayReport:
         "load_interval_s": config.load_interval_s,
     }
     if config.num_routers > 1:
-        setup.update(routers=config.num_routers, router_assignment=config.router_assignment)
+        setup.update(
+            routers=config.num_routers,
+            router_assignment=config.router_assignment,
+            router_replicas=config.router_replicas or config.num_routers,
+        )
     setup.update(strict_settings(args))
     report = ReplayReport(setup=setup)
     expander = TokenExpander(args.trace_block_size, config.vocab_size, args.seed)
@@ -441,6 +454,7 @@ def _add_sim_references(args, records, report, progress, expander=None) -> None:
                 config,
                 event_delay_s=0.0,
                 num_routers=1,
+                router_replicas=None,
                 route_decision_s=0.0,
                 measure_route_time=False,
                 network_delay_s=0.0,

@@ -45,7 +45,10 @@ tie-breaks); request i goes to router ``i % R`` (``router_assignment="round_robi
 default: a conversation's turns land on different routers, the worst case for history) or
 to a seeded uniformly random one (``"random"``); every worker's event batches and load
 reports reach every router, each through its own sequencer, and a Resubscribe replays to
-the router that asked only. First token and finish are reported to the router that routed
+the router that asked only. Each core is told how many replicas there are
+(``RouterConfig.replicas``, ``router_replicas``): its own picks then count R times in a
+worker's queued-prefill estimate, since the others, seeing the same state, are likely
+placing the same burst alike. First token and finish are reported to the router that routed
 the request.
 
 References: :func:`simulate_reference` runs one engine with N times the KV capacity and N
@@ -124,6 +127,9 @@ class SimConfig:
     max_context_tokens: int | None = None  # None: fit the longest request of the trace
     num_routers: int = 1  # independent router replicas (module docstring)
     router_assignment: str = "round_robin"  # request -> router: round_robin | random
+    # RouterConfig.replicas of each router core: None = num_routers (each router knows how
+    # many replicas share the fleet); 1 = each counts only its own picks once
+    router_replicas: int | None = None
     route_decision_s: float = 0.0  # each routing decision takes this long (a router queue)
     measure_route_time: bool = False  # charge RouterCore.route's measured time instead
     network_delay_s: float = 0.0  # router -> worker: a routed request arrives this later
@@ -134,6 +140,8 @@ class SimConfig:
             raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
         if self.num_routers < 1:
             raise ValueError(f"num_routers must be >= 1, got {self.num_routers}")
+        if self.router_replicas is not None and self.router_replicas < 1:
+            raise ValueError(f"router_replicas must be >= 1, got {self.router_replicas}")
         for name in ("route_decision_s", "network_delay_s"):
             if not getattr(self, name) >= 0:  # NaN too
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -221,7 +229,12 @@ class FleetSim:
         self._heap: list[tuple[float, _Kind, int, object]] = []
         self._counter = 0
         clock = self._clock
-        router_config = replace(config.router, policy=policy, block_size=config.block_size)
+        router_config = replace(
+            config.router,
+            policy=policy,
+            block_size=config.block_size,
+            replicas=config.router_replicas or config.num_routers,
+        )
         # router k's tie-breaks: seed for the first (the single-router run is unchanged)
         self.routers = [
             RouterCore(router_config, clock=clock, rng=random.Random(config.seed + 7919 * k))
