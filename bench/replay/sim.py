@@ -28,9 +28,10 @@ a gap at the next batch and recovers through the real sequencer (router/sync.py)
 Resubscribe, which the worker answers from its replay buffer or with a snapshot.
 
 Everything is ordered by (time, insertion number), so a run is a pure function of the trace,
-the policy and the seed (unless the routing time is measured: ``measure_route_time``). What the simulation bypasses is only gRPC: the router sees the
-same EventBatch / Snapshot sequence, with the same numbering, a fixed delay later -- so the
-staleness of its index is part of the result.
+the policy and the seed (unless the routing time is measured: ``measure_route_time``). What
+the simulation bypasses is only gRPC: the router sees the same EventBatch / Snapshot
+sequence, with the same numbering, a fixed delay later -- so the staleness of its index is
+part of the result.
 
 Granularity: trace hash ids (512 tokens for Mooncake) only decide token *content*; the
 engines run with page_size 16 and announce 16-token blocks (both configurable), as a real
