@@ -133,10 +133,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--router-assignment",
-        choices=("round_robin", "random"),
+        choices=("round_robin", "random", "prefix"),
         default="round_robin",
         help="sim mode, with --routers > 1: request i goes to router i %% R (round_robin, "
-        "default: a conversation's turns spread over the routers) or to a seeded random one",
+        "default: a conversation's turns spread over the routers), to a seeded random one, or "
+        "by a hash of its first --affinity-blocks trace blocks (prefix: a load balancer with "
+        "prefix affinity)",
+    )
+    p.add_argument(
+        "--affinity-blocks",
+        type=int,
+        default=8,
+        help="sim mode, --router-assignment prefix: leading trace blocks hashed to pick the "
+        "router (default %(default)s)",
     )
     p.add_argument(
         "--cost-weights",
@@ -403,6 +412,7 @@ def _sim_config(args: argparse.Namespace):  # -> SimConfig
         block_size=args.block_size,
         num_routers=args.routers,
         router_assignment=args.router_assignment,
+        affinity_blocks=args.affinity_blocks,
         router_replicas=args.router_replicas,
     )
 

@@ -44,7 +44,9 @@ seeing every worker's events but only its own routing decisions. The simulation 
 independent :class:`RouterCore` objects (own index, predictions, in-flight counts, seeded
 tie-breaks); request i goes to router ``i % R`` (``router_assignment="round_robin"``, the
 default: a conversation's turns land on different routers, the worst case for history) or
-to a seeded uniformly random one (``"random"``); every worker's event batches and load
+to a seeded uniformly random one (``"random"``), or by a hash of the trace's first
+``affinity_blocks`` blocks (``"prefix"``: a load balancer with prefix affinity, so requests
+sharing a prefix meet at one router); every worker's event batches and load
 reports reach every router, each through its own sequencer, and a Resubscribe replays to
 the router that asked only. Each core is told how many replicas there are
 (``RouterConfig.replicas``, ``router_replicas``): its own picks then count R times in a
@@ -102,7 +104,7 @@ class _Kind(enum.IntEnum):
     ARRIVE = 5
 
 
-ROUTER_ASSIGNMENTS = ("round_robin", "random")
+ROUTER_ASSIGNMENTS = ("round_robin", "random", "prefix")
 DEFAULT_KV_CAPACITY_TOKENS = 450_000  # ~58 GiB of Llama-3-8B KV (128 KiB/token) on an H100
 
 
@@ -127,7 +129,8 @@ class SimConfig:
     vocab_size: int = 128_256
     max_context_tokens: int | None = None  # None: fit the longest request of the trace
     num_routers: int = 1  # independent router replicas (module docstring)
-    router_assignment: str = "round_robin"  # request -> router: round_robin | random
+    router_assignment: str = "round_robin"  # request -> router: round_robin | random | prefix
+    affinity_blocks: int = 8  # router_assignment="prefix": trace blocks the balancer hashes
     # RouterConfig.replicas of each router core: None = num_routers (each router knows how
     # many replicas share the fleet); 1 = each counts only its own picks once
     router_replicas: int | None = None
@@ -141,6 +144,8 @@ class SimConfig:
             raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
         if self.num_routers < 1:
             raise ValueError(f"num_routers must be >= 1, got {self.num_routers}")
+        if self.affinity_blocks < 1:
+            raise ValueError(f"affinity_blocks must be >= 1, got {self.affinity_blocks}")
         if self.router_replicas is not None and self.router_replicas < 1:
             raise ValueError(f"router_replicas must be >= 1, got {self.router_replicas}")
         for name in ("route_decision_s", "network_delay_s"):
@@ -347,6 +352,8 @@ class FleetSim:
             return 0
         if self.config.router_assignment == "random":
             return self._assign_rng.randrange(n)
+        if self.config.router_assignment == "prefix":  # a balancer with prefix affinity
+            return hash(self.records[index].hash_ids[: self.config.affinity_blocks]) % n
         return index % n
 
     def _arrive(self, index: int) -> None:

@@ -91,11 +91,24 @@ def test_random_assignment_is_seeded_and_covers_every_router():
     assert sum(counts) == 40 and min(counts) > 0 and counts != [10, 10, 10, 10]
 
 
+def test_prefix_assignment_sends_a_shared_prefix_to_one_router():
+    # A (12 requests) and B (12) each land on a single router, whatever the hash says
+    # (their first 4 blocks; a fifth would add each request's own block)
+    records = two_prefix_trace(24)
+    cfg = tiny_config(num_routers=3, router_assignment="prefix", affinity_blocks=4)
+    sim = run(records, "cache_aware", cfg)
+    counts = sorted(r.stats().num_routed for r in sim.routers)
+    assert counts in ([0, 0, 24], [0, 12, 12])
+    assert sim.report("x").cached_tokens == (24 - 2) * 4 * BS
+
+
 def test_router_config_is_checked():
     with pytest.raises(ValueError, match="num_routers must be >= 1"):
         SimConfig(num_routers=0)
     with pytest.raises(ValueError, match="router_assignment must be one of"):
         SimConfig(router_assignment="sticky")
+    with pytest.raises(ValueError, match="affinity_blocks must be >= 1"):
+        SimConfig(affinity_blocks=0)
 
 
 def test_cli_routers(tmp_path, capsys):
