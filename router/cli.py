@@ -130,6 +130,15 @@ def build_parser() -> argparse.ArgumentParser:
         "worker's balance term (default %(default)s)",
     )
     p.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="router replicas behind one load balancer, each seeing every worker's events but "
+        "only its own picks: each pick counts this many times in its worker's queued prefill "
+        "until its first token (run the workers with --load-interval-s 0.05; BENCHMARKS.md, "
+        "several routers)",
+    )
+    p.add_argument(
         "--backlog-tokens",
         type=float,
         default=DEFAULT_BACKLOG_TOKENS,
@@ -246,6 +255,7 @@ def config_from_args(
             recent_window_s=args.recent_window_s,
             backlog_tokens=args.backlog_tokens,
             recent_decode_ratio=args.recent_decode_ratio,
+            replicas=args.replicas,
         ),
         service=FrontendConfig(
             max_inflight=args.max_inflight,

@@ -89,6 +89,7 @@ def test_router_defaults():
         ("--recent-decode-ratio", "-1", "recent_decode_ratio must be >= 0, got -1.0"),
         ("--registry-grace-s", "-1", "(--registry-grace-s) must be >= 0, got -1.0"),
         ("--admission-window", "0", "(--admission-window) must be >= 1, got 0"),
+        ("--replicas", "0", "replicas must be >= 1, got 0"),
         ("--redis-poll-s", "0", "(--redis-poll-s) must be > 0, got 0.0"),
     ],
 )
@@ -202,3 +203,10 @@ def test_replay_speedup_must_be_positive(value, capsys):
         replay_cli.main(["--trace", "bench/data/mooncake_sample.jsonl", "--speedup", value])
     assert exc.value.code == 2
     assert "argument --speedup: must be a finite number > 0" in capsys.readouterr().err
+
+
+def test_replicas_reach_the_core_config():
+    args = cli.build_parser().parse_args(["--worker", "h:1", "--replicas", "3"])
+    assert cli.config_from_args(args).core.replicas == 3
+    args = cli.build_parser().parse_args(["--worker", "h:1"])
+    assert cli.config_from_args(args).core.replicas == 1
