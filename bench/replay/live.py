@@ -248,6 +248,22 @@ class LiveFleet:
         self._tmp.cleanup()
 
 
+async def await_bounded(
+    tasks: list[asyncio.Task[None]], results: list[RequestResult], timeout_s: float
+) -> None:
+    """Wait for every request's task at most ``timeout_s``; cancel the rest and mark each
+    request that did not finish as timed out (so no figure drops it silently)."""
+    _, pending = await asyncio.wait(tasks, timeout=timeout_s)
+    for task in pending:
+        task.cancel()
+    for task in pending:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    for r in results:
+        if r.finish_s is None and r.error is None:
+            r.error = f"timeout after {timeout_s}s"
+
+
 async def _wait_ready(stub: pb_grpc.RouterStub, num_workers: int, timeout_s: float) -> None:
     """Poll Explain (bounded) until the router sees every worker healthy."""
     deadline = time.monotonic() + timeout_s
@@ -340,15 +356,7 @@ async def replay_live_async(
                     progress.update(num_done, trace_now())
 
             tasks = [asyncio.create_task(one(i)) for i in range(len(records))]
-            _, pending = await asyncio.wait(tasks, timeout=config.timeout_s)
-            for task in pending:
-                task.cancel()
-            for task in pending:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-            for r in results:
-                if r.finish_s is None and r.error is None:
-                    r.error = f"timeout after {config.timeout_s}s"
+            await await_bounded(tasks, results, config.timeout_s)
             if progress is not None:
                 progress.update(num_done, trace_now(), force=True)
                 progress.close()

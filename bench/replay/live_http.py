@@ -31,7 +31,6 @@ request's ``usage.prompt_tokens`` against the trace and counts mismatches. The r
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import socket
 import time
@@ -51,7 +50,14 @@ from bench.replay.front import (
     FrontSpecError,
     peer_command,
 )
-from bench.replay.live import LiveConfig, LiveFleet, LiveReplayError, _Proc, _wait_ready
+from bench.replay.live import (
+    LiveConfig,
+    LiveFleet,
+    LiveReplayError,
+    _Proc,
+    _wait_ready,
+    await_bounded,
+)
 from bench.replay.progress import Progress
 from bench.replay.report import PolicyReport, RequestResult, summarize
 from bench.replay.text_prompt import TextExpander
@@ -359,15 +365,7 @@ async def replay_http_async(
                     progress.update(num_done, trace_now())
 
             tasks = [asyncio.create_task(one(i)) for i in range(len(records))]
-            _, pending = await asyncio.wait(tasks, timeout=config.timeout_s)
-            for task in pending:
-                task.cancel()
-            for task in pending:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-            for r in results:
-                if r.finish_s is None and r.error is None:
-                    r.error = f"timeout after {config.timeout_s}s"
+            await await_bounded(tasks, results, config.timeout_s)
             if progress is not None:
                 progress.update(num_done, trace_now(), force=True)
                 progress.close()
