@@ -33,11 +33,12 @@ for workers with the byte tokenizer: the tiny default model and the sim executor
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -208,12 +209,15 @@ class Frontend:
             spans.record_request(span, prepared.forward, self.model_name)
         outcome = "OK"
         try:
-            async for msg in self._relay(prepared, entry, deadline, span):
-                if msg.HasField("finished"):
-                    # release before the client can see the end, so the accounting is exact
-                    # the moment the client's call completes
-                    self._release(rid, entry)
-                yield msg
+            # closed as soon as this generator is: the worker call is cancelled at once, not
+            # when the garbage collector finds the inner generator
+            async with contextlib.aclosing(self._relay(prepared, entry, deadline, span)) as relay:
+                async for msg in relay:
+                    if msg.HasField("finished"):
+                        # release before the client can see the end, so the accounting is
+                        # exact the moment the client's call completes
+                        self._release(rid, entry)
+                    yield msg
         except ServiceError as exc:
             outcome = exc.grpc_code
             raise
@@ -248,7 +252,7 @@ class Frontend:
         entry: _InFlight,
         deadline: float,
         span: trace.Span,
-    ) -> AsyncIterator[pb.GenerateResponse]:
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
         rid = prepared.forward.request_id
         excluded: set[str] = set()
         failures: list[str] = []
