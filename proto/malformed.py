@@ -10,6 +10,7 @@ through untouched (one ``isinstance`` check per call).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -50,8 +51,11 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
             result = inner_stream(request, context)
             if inspect.isasyncgen(result):
-                async for item in result:
-                    yield item
+                # closed with this one: a cancelled call ends the method's own generator at
+                # once (its finally aborts the request), not when the collector finds it
+                async with contextlib.aclosing(result) as items:
+                    async for item in items:
+                        yield item
             else:  # a coroutine that writes with context.write
                 await result
 
