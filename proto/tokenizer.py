@@ -375,7 +375,13 @@ class HFTokenizer:
         encoded without added special tokens (the template writes its own bos), except that
         the default template -- which writes none -- gets them as plain ``encode`` would."""
         text = self.apply_chat_template(messages, add_generation_prompt)
-        return self.encode(text, add_special_tokens=self.settings.chat_template is None)
+        return self.encode(text, add_special_tokens=self.chat_adds_special_tokens)
+
+    @property
+    def chat_adds_special_tokens(self) -> bool:
+        """Whether :meth:`encode_chat` adds special tokens to the rendered text: only under
+        the default template, which writes none itself (a model's template writes its bos)."""
+        return self.settings.chat_template is None
 
 
 # ---- loading -----------------------------------------------------------------------------

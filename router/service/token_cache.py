@@ -224,7 +224,7 @@ class CachedTokenizer:
         """As the wrapped tokenizer's ``encode_chat`` (its rule for special tokens), through
         the cache."""
         text = self._inner.apply_chat_template(messages, add_generation_prompt)
-        return self.encode(text, add_special_tokens=self._inner.settings.chat_template is None)
+        return self.encode(text, add_special_tokens=self._inner.chat_adds_special_tokens)
 
 
 def _split(text: str, cuts: list[int]) -> list[str]:
