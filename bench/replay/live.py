@@ -248,6 +248,27 @@ class LiveFleet:
         self._tmp.cleanup()
 
 
+class TraceClock:
+    """Trace time played on the event loop's clock, ``speedup`` times faster: the first
+    arrival is played 50 ms from now (the requests' tasks are created by then)."""
+
+    def __init__(self, first_arrival_s: float, speedup: float) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._first = first_arrival_s
+        self._speedup = speedup
+        self._t0 = self._loop.time() + 0.05
+
+    def now(self) -> float:
+        """The trace time now (seconds)."""
+        return self._first + (self._loop.time() - self._t0) * self._speedup
+
+    async def until(self, arrival_s: float) -> None:
+        """Sleep until trace time ``arrival_s`` (at once if it has passed)."""
+        delay = self._t0 + (arrival_s - self._first) / self._speedup - self._loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+
 async def await_bounded(
     tasks: list[asyncio.Task[None]], results: list[RequestResult], timeout_s: float
 ) -> None:
@@ -319,20 +340,13 @@ async def replay_live_async(
             await _wait_ready(stub, config.num_workers, config.startup_timeout_s)
             progress = Progress(policy, len(records), progress_stream) if progress_stream else None
             num_done = 0
-            loop = asyncio.get_running_loop()
-            t0 = loop.time() + 0.05
-            speedup = config.speedup
-            first_arrival = records[0].arrival_s if records else 0.0
-
-            def trace_now() -> float:
-                return first_arrival + (loop.time() - t0) * speedup
+            clock = TraceClock(records[0].arrival_s if records else 0.0, config.speedup)
+            trace_now = clock.now
 
             async def one(i: int) -> None:
                 nonlocal num_done
                 result = results[i]
-                delay = t0 + (records[i].arrival_s - first_arrival) / speedup - loop.time()
-                if delay > 0:
-                    await asyncio.sleep(delay)
+                await clock.until(records[i].arrival_s)
                 try:
                     async for msg in stub.Generate(requests[i], timeout=config.timeout_s):
                         match msg.WhichOneof("kind"):
@@ -361,7 +375,7 @@ async def replay_live_async(
                 progress.update(num_done, trace_now(), force=True)
                 progress.close()
         worker_ids = [f"worker-{i}" for i in range(config.num_workers)]
-    extra: dict[str, float | int] = {"speedup": speedup, "vocab_size": info.vocab_size}
+    extra: dict[str, float | int] = {"speedup": config.speedup, "vocab_size": info.vocab_size}
     return summarize(policy, results, worker_ids, extra=extra, wall_s=time.monotonic() - wall_start)
 
 

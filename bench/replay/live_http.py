@@ -54,6 +54,7 @@ from bench.replay.live import (
     LiveConfig,
     LiveFleet,
     LiveReplayError,
+    TraceClock,
     _Proc,
     _wait_ready,
     await_bounded,
@@ -325,20 +326,13 @@ async def replay_http_async(
             label = spec.label
             progress = Progress(label, len(records), progress_stream) if progress_stream else None
             num_done = 0
-            loop = asyncio.get_running_loop()
-            t0 = loop.time() + 0.05
-            speedup = config.speedup
-            first_arrival = records[0].arrival_s if records else 0.0
-
-            def trace_now() -> float:
-                return first_arrival + (loop.time() - t0) * speedup
+            clock = TraceClock(records[0].arrival_s if records else 0.0, config.speedup)
+            trace_now = clock.now
 
             async def one(i: int) -> None:
                 nonlocal num_done, num_mismatch, num_without_worker
                 record, result = records[i], results[i]
-                delay = t0 + (record.arrival_s - first_arrival) / speedup - loop.time()
-                if delay > 0:
-                    await asyncio.sleep(delay)
+                await clock.until(record.arrival_s)
                 body: dict[str, Any] = {
                     "prompt": prompts[i],
                     "max_tokens": record.output_length,
@@ -376,7 +370,7 @@ async def replay_http_async(
     else:
         worker_ids = sorted({r.worker_id for r in results if r.worker_id is not None})
     extra: dict[str, float | int] = {
-        "speedup": speedup,
+        "speedup": config.speedup,
         "prompt_token_mismatches": num_mismatch,
         "requests_without_worker_id": num_without_worker,
     }
