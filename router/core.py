@@ -306,7 +306,15 @@ class RouterCore:
         else:
             seed = req.partition.seed
             hashes = block_hashes(tokens, block_size, seed, validate=False).tolist()
-        return RouteQuery(req.request_id, len(tokens), block_size, hashes, recent_scale)
+        prompt_tokens = len(tokens)
+        if req.prompt_tokens is not None:
+            if req.prompt_tokens < prompt_tokens:
+                raise InvalidRouteRequestError(
+                    "prompt_tokens",
+                    f"must be >= len(token_ids) = {prompt_tokens}, got {req.prompt_tokens}",
+                )
+            prompt_tokens = req.prompt_tokens
+        return RouteQuery(req.request_id, prompt_tokens, block_size, hashes, recent_scale)
 
     def _candidates(self, req: RouteRequest) -> list[WorkerView]:
         if req.exclude:

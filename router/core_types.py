@@ -95,12 +95,17 @@ class RouteRequest:
     """A request to place. ``token_ids``: the prompt (1-D integer array or list of ints).
 
     ``exclude``: worker ids not to use (e.g. the one a retry is moving away from).
+    ``prompt_tokens``: the whole prompt's length when ``token_ids`` is only its routable
+    prefix (the router's front end stops tokenizing a text prompt where no cache can match
+    it any more, and the worker tokenizes the rest); None: ``len(token_ids)``. It is what
+    the cost charges as new prefill and what is accounted in flight.
     """
 
     request_id: str
     token_ids: np.ndarray | Sequence[int]
     partition: Partition = DEFAULT_PARTITION
     exclude: frozenset[str] = frozenset()
+    prompt_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -196,6 +196,19 @@ def test_route_prefers_the_holder_and_reports_exact_match() -> None:
     assert core.worker_view("w2").inflight_prefill_tokens == 108
 
 
+def test_route_on_a_prefix_charges_the_whole_prompt() -> None:
+    """A text prompt routed on its routable prefix: matches come from the prefix, the cost
+    and the in-flight accounting from the whole prompt's length."""
+    core, _ = make_core(4)
+    give(core, "w2", stored(tokens(200)))
+    d = core.route(RouteRequest("r1", tokens(256), prompt_tokens=1000))
+    assert (d.worker_id, d.prompt_tokens, d.matched_tokens) == ("w2", 1000, 192)
+    assert core.worker_view("w2").inflight_prefill_tokens == 1000 - 192
+    assert d.cost == 808.0
+    with pytest.raises(InvalidRouteRequestError, match=r"prompt_tokens.* = 256, got 100"):
+        core.route(RouteRequest("r2", tokens(256), prompt_tokens=100))
+
+
 def test_partition_separates_caches() -> None:
     core, _ = make_core(2)
     give(core, "w1", stored(tokens(320), Partition("tenant-a")))
