@@ -18,7 +18,7 @@ positions [iB, (i+1)B); a partial trailing block has no hash.
 Why this shape: the recurrence is affine in S, so the state at every block boundary has a
 closed form, S_m = A**(m-1) * (A*seed + sum_{k<m} mix_token(t_k) * A**-k), which numpy
 computes for a whole prompt with one multiply and one cumulative sum -- no Python loop over
-blocks. Hashing an 8,192-token prompt at B=16 takes tens of microseconds.
+blocks. Hashing an 8,192-token prompt at B=16 takes ~30 microseconds on a 2-core box.
 
 Collisions: this is a fast 64-bit hash, not a cryptographic one; arithmetic mod 2**64 admits
 crafted collisions (e.g. Thue-Morse sequences of 2**11 blocks). A collision can only
@@ -132,6 +132,7 @@ class _Powers:
         self.inv = np.empty(0, dtype=_U64)  # A**-k
         self.mul_inv = np.empty(0, dtype=_U64)  # _TOKEN_MUL * A**-k
         self._block_pow: dict[int, np.ndarray] = {}  # B -> A**(iB + B - 1), contiguous
+        self._block_mul_inv: dict[int, np.ndarray] = {}  # B -> mul_inv as (B, blocks)
         self._grow(8192)
 
     def _grow(self, n: int) -> None:
@@ -142,6 +143,7 @@ class _Powers:
         with np.errstate(over="ignore"):
             self.mul_inv = self.inv * _U64(_TOKEN_MUL)
         self._block_pow = {}
+        self._block_mul_inv = {}
         self.size = size
 
     def block_pow(self, block_size: int) -> np.ndarray:
@@ -151,6 +153,19 @@ class _Powers:
             table = np.ascontiguousarray(self.pow[block_size - 1 :: block_size])
             if len(self._block_pow) < 64:
                 self._block_pow[block_size] = table
+        return table
+
+    def block_mul_inv(self, block_size: int) -> np.ndarray:
+        """``mul_inv`` laid out by position within the block: row j holds the factors of
+        the j-th token of every block (shape (B, size // B), C order), so that a prompt's
+        per-block sums are B contiguous rows added together."""
+        table = self._block_mul_inv.get(block_size)
+        if table is None:
+            blocks = self.size // block_size
+            flat = self.mul_inv[: blocks * block_size]
+            table = np.ascontiguousarray(flat.reshape(blocks, block_size).T)
+            if len(self._block_mul_inv) < 64:
+                self._block_mul_inv[block_size] = table
         return table
 
     def ensure(self, n: int) -> None:
@@ -281,12 +296,19 @@ def block_hashes(
     _POWERS.ensure(n)
     # Array arithmetic wraps mod 2**64 without warnings (only numpy scalar ops warn): no
     # np.errstate needed, and entering one costs as much as a 2,000-element multiply.
-    # v_k = mix_token(t_k) * A**-k; S at the end of block i is A**(e) * (A*seed + cumsum_e).
-    # The xor widens uint32 ids to uint64 in the same pass; mul_inv folds _TOKEN_MUL in.
-    v = np.bitwise_xor(tokens[:n], _U64(_TOKEN_XOR), dtype=_U64, casting="unsafe")
-    v *= _POWERS.mul_inv[:n]
-    np.cumsum(v, out=v)
-    ends = v[block_size - 1 :: block_size] + _U64((_A * (seed & _MASK)) & _MASK)
+    # v_k = mix_token(t_k) * A**-k; S at the end of block i is A**(e) * (A*seed + cumsum_e),
+    # and cumsum_e is the running sum of the per-block sums of v. v is laid out (B, blocks)
+    # -- row j the j-th token of every block -- so that the block sums are B contiguous
+    # rows added (a cumulative sum over all n tokens, or a sum along rows of B, is several
+    # times slower in numpy). The xor widens uint32 ids to uint64 in the same pass, writing
+    # the transposed layout; mul_inv (laid out alike) folds _TOKEN_MUL in.
+    v = np.empty((block_size, num_blocks), dtype=_U64)
+    by_block = tokens[:n].reshape(num_blocks, block_size).T
+    np.bitwise_xor(by_block, _U64(_TOKEN_XOR), out=v, dtype=_U64, casting="unsafe")
+    v *= _POWERS.block_mul_inv(block_size)[:, :num_blocks]
+    ends = np.add.reduce(v, axis=0)
+    np.cumsum(ends, out=ends)
+    ends += _U64((_A * (seed & _MASK)) & _MASK)
     ends *= _POWERS.block_pow(block_size)[:num_blocks]
     return _fmix64_array(ends)
 

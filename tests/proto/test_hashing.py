@@ -117,3 +117,23 @@ def test_long_prompts_grow_the_power_tables():
     tokens = np.arange(40_000, dtype=np.int64) % 1000
     hashes = block_hash_list(tokens, 512, 7)
     assert hashes == _chain(tokens.tolist(), 512, 7)
+
+
+@given(
+    tokens=st.lists(st.integers(0, MAX_TOKEN_ID), max_size=300),
+    block_size=st.integers(1, 40),
+    dtype=st.sampled_from([np.uint32, np.uint64, np.int64]),
+)
+@settings(max_examples=100, deadline=None)
+def test_unvalidated_arrays_of_each_dtype_equal_the_scalar_chain(tokens, block_size, dtype):
+    # the router hands route() prompts as uint32 arrays with validate=False
+    arr = np.asarray(tokens, dtype=dtype)
+    got = block_hashes(arr, block_size, 11, validate=False).tolist()
+    assert got == _chain(tokens, block_size, 11)
+
+
+def test_block_tables_cached_before_a_growth_are_rebuilt():
+    short = np.arange(64, dtype=np.uint32)
+    assert block_hash_list(short, 16, 3) == _chain(short.tolist(), 16, 3)  # caches B=16
+    long = (np.arange(70_000, dtype=np.int64) * 7919) % 50_000
+    assert block_hash_list(long, 16, 3) == _chain(long.tolist(), 16, 3)  # grows the tables
