@@ -90,7 +90,10 @@ class Tokenizer(Protocol):
     eos_token_id: int | None
     vocab_size: int
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, *, add_special_tokens: bool | None = None) -> list[int]:
+        """Ids of ``text``; specials as the model adds them unless ``add_special_tokens``
+        is False (None: the tokenizer's default)."""
+        ...
 
     def decode(self, ids: list[int]) -> str: ...
 
@@ -231,9 +234,10 @@ class ByteTokenizer:
         """Fixed: the byte mapping never changes (``add_bos`` changes what encode returns)."""
         return _digest(b"kvroute.ByteTokenizer/1", b"bos" if self.add_bos else b"")
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, *, add_special_tokens: bool | None = None) -> list[int]:
         ids = list(text.encode("utf-8"))
-        return [self.BOS, *ids] if self.add_bos else ids
+        specials = self.add_bos if add_special_tokens is None else add_special_tokens
+        return [self.BOS, *ids] if specials and self.add_bos else ids
 
     def decode(self, ids: list[int]) -> str:
         data = bytes(i for i in ids if 0 <= i < 256)

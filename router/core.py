@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvroute_proto.events import EventBatch, Snapshot
+from kvroute_proto.events import EventBatch, Partition, Snapshot
 from kvroute_proto.hashing import as_token_array, block_hashes
 from router.core_types import (  # the API's value types live there; re-exported here
     Action,
@@ -58,7 +58,15 @@ from router.errors import (  # re-exported for the shells
     UnknownWorkerError,
 )
 from router.index import IndexConfig, PrefixIndex
-from router.policy import CostWeights, PolicyConfig, RouteQuery, WorkerView, make_policy
+from router.policy import (
+    CandidateSet,
+    CostWeights,
+    PolicyConfig,
+    RouteQuery,
+    WorkerTable,
+    WorkerView,
+    make_policy,
+)
 from router.sync import StreamSequencer, SyncConfig
 
 __all__ = [
@@ -136,6 +144,9 @@ class RouterCore:
         self._free_slots: list[int] = []  # heap of slots freed by remove_worker
         self._next_slot = 0
         self._healthy: list[WorkerView] = []
+        # the views' cost fields by slot, for policies that score all candidates at once
+        self._table = WorkerTable()
+        self._healthy_set = CandidateSet.of(self._healthy, self._table)
         self._inflight: dict[str, _Inflight] = {}
         self._num_routed = 0
         # recent prefill per worker decays as exp(-t / window); views hold it scaled by
@@ -188,6 +199,7 @@ class RouterCore:
             slot = self._next_slot
             self._next_slot += 1
         view = WorkerView(worker_id, slot, address)
+        self._table.attach(view)
         self._workers[worker_id] = _Worker(view, StreamSequencer(worker_id, self._sync_config))
         self._refresh_healthy()
 
@@ -226,6 +238,7 @@ class RouterCore:
 
     def _refresh_healthy(self) -> None:
         self._healthy = [w.view for w in self._workers.values() if w.view.healthy]
+        self._healthy_set = CandidateSet.of(self._healthy, self._table)
 
     # ---- KV event streams ----------------------------------------------------------------
 
@@ -321,6 +334,11 @@ class RouterCore:
             return [v for v in self._healthy if v.worker_id not in req.exclude]
         return self._healthy
 
+    def _candidate_set(self, req: RouteRequest) -> CandidateSet:
+        if req.exclude:
+            return CandidateSet.of(self._candidates(req), self._table)
+        return self._healthy_set
+
     def route(self, req: RouteRequest) -> RouteDecision:
         """Pick a worker for ``req`` and account it as in flight there (on_routed).
 
@@ -331,7 +349,8 @@ class RouterCore:
         InvalidRouteRequestError for bad token ids. A request_id still in flight is first
         finished (a retry moves its accounting).
         """
-        candidates = self._candidates(req)
+        candidate_set = self._candidate_set(req)
+        candidates = candidate_set.views
         if not candidates:
             raise self._no_worker(req)
         now = self._clock()
@@ -341,7 +360,7 @@ class RouterCore:
         index.expire(now)
         hashes = query.block_hashes
         matched = index.find_matches(hashes) if hashes else {}
-        i, cost = self._policy.select(query, candidates, matched, self._rng)
+        i, cost = self._policy.select_set(query, candidate_set, matched, self._rng)
         view = candidates[i]
         depth = matched.get(view.slot, 0)
         matched_tokens = min(depth * query.block_size, query.prompt_tokens)
@@ -433,6 +452,23 @@ class RouterCore:
                 )
             )
         return Explanation(self._policy.name, query.prompt_tokens, chosen, tuple(lines))
+
+    def may_match_past(self, token_ids: Sequence[int], partition: Partition) -> bool:
+        """Whether some worker's cached prefix (confirmed or predicted) may go on past
+        ``token_ids``, the head of a prompt: False means every match ends inside it, so
+        whatever follows cannot change where the request goes (the front end then leaves
+        the rest of a text prompt untokenized). May say True wrongly, never False wrongly:
+        a prediction is probed only every ``predict_stride`` blocks, so a match that ends
+        within a stride of the end counts as going on. Changes nothing."""
+        if self._block_size is None or not self._policy.uses_matches:
+            return False
+        tokens = np.asarray(token_ids, dtype=np.uint32)
+        hashes = block_hashes(tokens, self._block_size, partition.seed, validate=False).tolist()
+        if not hashes:
+            return True
+        matched = self._index.find_matches(hashes, touch=False)
+        best = max(matched.values(), default=0)
+        return best + self.config.predict_stride > len(hashes)
 
     def _account(self, request_id: str, view: WorkerView, prefill_tokens: int) -> _Inflight:
         # with R router replicas a pick counts R times (RouterConfig.replicas)

@@ -67,7 +67,7 @@ from router.service.pool import WorkerPool
 from router.service.quota import Lease, QuotaConfig, TenantQuotas
 from router.service.resilience import EjectionConfig, OutlierEjector
 from router.service.tenancy import TenancyConfig, TenancyError, resolve_partition, tenant_of
-from router.service.token_cache import with_chunk_cache
+from router.service.token_cache import CachedTokenizer, with_chunk_cache
 from router.service.validation import RequestError, RequestLimits, check_request, routing_tokens
 
 log = logging.getLogger(__name__)
@@ -108,6 +108,9 @@ class FrontendConfig:
     model_name: str = DEFAULT_MODEL_NAME  # what the HTTP front serves (GET /v1/models)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     quotas: QuotaConfig = field(default_factory=QuotaConfig)  # per-tenant limits (quota.py)
+    # tokenize only the head of a text prompt that a cache may match; the worker tokenizes
+    # the rest (exact: the chunk cache's cut rule); False: the router tokenizes it all
+    split_prompts: bool = True
 
     def __post_init__(self) -> None:
         if self.max_inflight < 1:
@@ -157,6 +160,8 @@ class Frontend:
         # text prompts repeat their long parts: tokenize each chunk once (exact; tokenizers
         # it cannot be exact for are used as they are)
         self.tokenizer = with_chunk_cache(tokenizer) if tokenizer is not None else None
+        # a text prompt's tail that no cache can match is left to the worker to tokenize
+        self.split_prompts = config.split_prompts
         self.ejector = OutlierEjector(config.ejection, clock)
         self.admission = Admission(config.admission)
         self.quotas = TenantQuotas(config.quotas, clock)
@@ -238,7 +243,9 @@ class Frontend:
     def _acquire_quota(self, prepared: Prepared, call: CallInfo) -> Lease:
         """The tenant's in-flight and token-rate limits (quota.py; Overloaded when over)."""
         tenant = tenant_of(self.config.tenancy, call.metadata, call.tenant_id)
-        tokens = len(prepared.route.token_ids) + prepared.forward.sampling.max_new_tokens
+        route = prepared.route
+        prompt = len(route.token_ids) if route.prompt_tokens is None else route.prompt_tokens
+        tokens = prompt + prepared.forward.sampling.max_new_tokens
         return self.quotas.acquire(tenant, tokens)
 
     def _release(self, rid: str, entry: _InFlight) -> None:
@@ -436,8 +443,10 @@ class Frontend:
         return bool(resp.found)
 
     def explain(self, request: pb.GenerateRequest, call: CallInfo) -> Explanation:
-        """Each worker's match, load and cost, and the pick; routes nothing."""
-        prepared = self.prepare(request, call)
+        """Each worker's match, load and cost, and the pick; routes nothing. A text prompt
+        is tokenized whole here (exact ``prompt_tokens``; a route may estimate the length
+        of a tail no cache matches, which moves costs, never matches)."""
+        prepared = self.prepare(request, call, split=False)
         route = RouteRequest(
             prepared.route.request_id,
             prepared.route.token_ids,
@@ -451,8 +460,12 @@ class Frontend:
 
     # ---- helpers -------------------------------------------------------------------------
 
-    def prepare(self, request: pb.GenerateRequest, call: CallInfo) -> Prepared:
-        """Check fields, derive the partition, tokenize, assign a request id (BadRequest)."""
+    def prepare(
+        self, request: pb.GenerateRequest, call: CallInfo, *, split: bool = True
+    ) -> Prepared:
+        """Check fields, derive the partition, tokenize, assign a request id (BadRequest).
+        ``split``: a text prompt's tail that no cache matches may be left to the worker
+        (``FrontendConfig.split_prompts``); False tokenizes it whole."""
         try:
             check_request(request, self.config.limits)
             partition = resolve_partition(
@@ -468,22 +481,45 @@ class Frontend:
         if not forward.request_id:
             forward.request_id = f"r-{uuid.uuid4().hex}"
         forward.partition.CopyFrom(codec.partition_to_pb(partition))
+        prompt_tokens = None  # the whole prompt's length when only its head is tokenized
         if self.tokenizer is not None and forward.WhichOneof("prompt") == "prompt_text":
-            ids = self.tokenizer.encode(forward.prompt_text)
+            ids, tail = self._tokenize(forward.prompt_text, partition, split)
             if not ids:
                 raise BadRequest("prompt_text encodes to no tokens", param="prompt_text")
-            limit = self.config.limits.max_prompt_tokens
-            if len(ids) > limit:
-                raise BadRequest(
-                    f"prompt_text encodes to {len(ids)} tokens; the limit is {limit}",
-                    param="prompt_text",
-                )
             forward.prompt_token_ids.ids.extend(ids)  # clears prompt_text (one oneof)
+            if tail:
+                forward.prompt_text_suffix = tail
+                prompt_tokens = len(ids) + self.tokenizer.estimate_tokens(tail)
             tokens = np.asarray(ids, dtype=np.uint32)
         else:
             tokens = routing_tokens(forward)
-        route = RouteRequest(forward.request_id, tokens, partition)
+        route = RouteRequest(forward.request_id, tokens, partition, prompt_tokens=prompt_tokens)
         return Prepared(forward, route)
+
+    def _tokenize(self, text: str, partition: Partition, split: bool) -> tuple[list[int], str]:
+        """``(ids, tail)`` of a text prompt: with the chunk cache, only the head that some
+        worker's cache may still match is tokenized (the worker tokenizes ``tail``, the
+        request's ``prompt_text_suffix``); else, or near the token limit, all of it."""
+        tok = self.tokenizer
+        assert tok is not None
+        limit = self.config.limits.max_prompt_tokens
+        ids: list[int] = []
+        tail = ""
+        if split and self.split_prompts and isinstance(tok, CachedTokenizer):
+            core = self._core
+            ids, tail = tok.encode_head(text, lambda head: core.may_match_past(head, partition))
+            # a byte-level BPE token holds at least one byte: a tail of b bytes holds at
+            # most b tokens; if that bound could pass the limit, count exactly
+            if tail and len(ids) + len(tail.encode("utf-8")) > limit:
+                ids, tail = [], ""
+        if not ids:
+            ids = tok.encode(text)
+        if len(ids) > limit:
+            raise BadRequest(
+                f"prompt_text encodes to {len(ids)} tokens; the limit is {limit}",
+                param="prompt_text",
+            )
+        return ids, tail
 
     def _timeout_s(self, call: CallInfo) -> float:
         remaining = call.timeout_s

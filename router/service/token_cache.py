@@ -28,12 +28,14 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_CHARS = 512
+MAX_HEAD_BATCH = 4  # encode_head: new chunks tokenized per question, at most
 DEFAULT_MAX_CHUNKS = 16_384  # ~20 MB of chunks and ids at 512 characters each
 
 _SELF_TEST_TEXTS = (
@@ -176,6 +178,10 @@ class CachedTokenizer:
         self._batch_fast = getattr(getattr(inner, "_tok", None), "encode_batch_fast", None)
         self.num_hits = 0
         self.num_misses = 0
+        self.num_whole = 0  # encode_head: texts tokenized whole / with a tail left as text
+        self.num_split = 0
+        self._sample_chars = 0
+        self._sample_tokens = 0
 
     def __getattr__(self, name: str) -> Any:  # fingerprint, decode, eos ids, vocab size ...
         return getattr(self._inner, name)
@@ -209,14 +215,86 @@ class CachedTokenizer:
             ids.extend(self._suffix)
         return ids
 
+    @property
+    def splits_prompts(self) -> bool:
+        """Whether :meth:`encode_head` may leave a tail to the worker: only when ``encode``
+        adds no special token after the text (the tail's ids are the text's last ones)."""
+        return not self._suffix
+
+    def encode_head(
+        self,
+        text: str,
+        may_continue: Callable[[list[int]], bool],
+        *,
+        add_special_tokens: bool | None = None,
+    ) -> tuple[list[int], str]:
+        """``(ids, tail)``: the ids of ``text``'s head and its untokenized tail, where
+        ``ids + encode(tail, add_special_tokens=False) == encode(text)``.
+
+        Chunks this cache holds are free and always taken. Before paying to tokenize new
+        chunks, ``may_continue(ids)`` is asked whether any cache could still match past the
+        ids so far (the router's index: False means every cached prefix ends inside them,
+        so the rest cannot change where the request goes); when it says no, the rest is
+        left as text. New chunks are tokenized 1, 2, then 4 at a time (one batch call
+        each) while it says yes: fewer questions on long matches, and at most 4 chunks
+        tokenized past where the caches end. ``tail`` is "" when the whole text was
+        tokenized, always so for short texts and for tokenizers that add specials after
+        the text.
+        """
+        inner = self._inner
+        if len(text) < 2 * self.chunk_chars or not self.splits_prompts:
+            return self.encode(text, add_special_tokens=add_special_tokens), ""
+        specials = inner.add_special_tokens if add_special_tokens is None else add_special_tokens
+        chunks = self._chunks
+        pieces = _split(text, cut_points(text, self.chunk_chars))
+        ids: list[int] = list(self._prefix) if specials else []
+        i, n, batch = 0, len(pieces), 1
+        while i < n:
+            got = chunks.pop(pieces[i], None)  # re-inserted: LRU order
+            if got is not None:
+                self.num_hits += 1
+                chunks[pieces[i]] = got
+                ids.extend(got)
+                i += 1
+                continue
+            if i and not may_continue(ids):  # the first chunk is always tokenized
+                break
+            new = pieces[i : i + batch]
+            self.num_misses += len(new)
+            for piece, got in zip(new, self._encode_plain(new), strict=True):
+                chunks[piece] = got
+                ids.extend(got)
+            i += len(new)
+            batch = min(2 * batch, MAX_HEAD_BATCH)
+        while len(chunks) > self.max_chunks:
+            del chunks[next(iter(chunks))]
+        tail = "".join(pieces[i:])
+        if not tail:
+            self.num_whole += 1
+        else:
+            self.num_split += 1
+        return ids, tail
+
+    def estimate_tokens(self, text: str) -> int:
+        """About how many tokens ``text`` (with no specials) holds: its length at the mean
+        characters per token of the chunks this cache has tokenized (4 before any)."""
+        chars, tokens = self._sample_chars, self._sample_tokens
+        per_char = tokens / chars if chars and tokens else 0.25
+        return math.ceil(len(text) * per_char)
+
     def _encode_plain(self, pieces: list[str]) -> list[tuple[int, ...]]:
         """Ids of each piece without special tokens: one batch call, without offsets, on the
         library's threads (``encode_batch_fast``) when the tokenizer has it."""
         if not pieces:
             return []
         if self._batch_fast is not None:
-            return [tuple(e.ids) for e in self._batch_fast(pieces, add_special_tokens=False)]
-        return [tuple(self._inner.encode(p, add_special_tokens=False)) for p in pieces]
+            out = [tuple(e.ids) for e in self._batch_fast(pieces, add_special_tokens=False)]
+        else:
+            out = [tuple(self._inner.encode(p, add_special_tokens=False)) for p in pieces]
+        if self._sample_chars < 1 << 24:  # the characters-per-token sample (estimate_tokens)
+            self._sample_chars += sum(map(len, pieces))
+            self._sample_tokens += sum(map(len, out))
+        return out
 
     def encode_chat(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True

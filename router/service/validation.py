@@ -46,6 +46,11 @@ def check_request(req: pb.GenerateRequest, limits: RequestLimits) -> None:
             f"request_id must be at most {limits.max_request_id_chars} characters, "
             f"got {len(req.request_id)}"
         )
+    if req.prompt_text_suffix:
+        raise RequestError(
+            "prompt_text_suffix is set by the router only (for the worker); send the whole "
+            "prompt as prompt_text or prompt_token_ids"
+        )
     match req.WhichOneof("prompt"):
         case "prompt_token_ids":
             n = len(req.prompt_token_ids.ids)

@@ -28,6 +28,12 @@ PREFIX = (
 )
 FIRST = PREFIX + "Question: where is my first order?"
 SECOND = PREFIX + "Question: can I get a refund for the second order?"
+# long enough (over two of the router's 512-character chunks) for its tail to be left to
+# the worker
+THIRD = PREFIX + " ".join(
+    f"Order {i} holds {i % 7 + 1} parcels sent to warehouse {i % 5}, each of them insured."
+    for i in range(40)
+)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -88,3 +94,17 @@ async def test_text_prompts_match_the_workers_events(model_dir):
             assert second.worker_id == holder
             assert second.prompt_tokens == len(second_ids)
             assert second.cached_prompt_tokens >= shared  # the worker's radix cache agrees
+
+            # A long prompt: the router tokenizes its head as far as a cache may match and
+            # the worker the rest (prompt_text_suffix); the worker serves the whole text's
+            # ids, so its count and its cache hit are those of the whole encoding.
+            third = await client.generate(THIRD, OPTS)
+            third_ids = tok.encode(THIRD)
+            assert third.worker_id == holder
+            assert third.prompt_tokens == len(third_ids)
+            assert (
+                third.cached_prompt_tokens >= _common_prefix(first_ids, third_ids) // BLOCK * BLOCK
+            )
+            again = await client.generate(THIRD, OPTS)  # its own blocks are cached now
+            assert again.worker_id == holder
+            assert again.cached_prompt_tokens >= (len(third_ids) - 1) // BLOCK * BLOCK

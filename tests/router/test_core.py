@@ -209,6 +209,26 @@ def test_route_on_a_prefix_charges_the_whole_prompt() -> None:
         core.route(RouteRequest("r2", tokens(256), prompt_tokens=100))
 
 
+def test_may_match_past_says_whether_any_cache_goes_on() -> None:
+    core, _ = make_core(4)
+    give(core, "w1", stored(tokens(320)))  # 20 blocks
+    p = DEFAULT_PARTITION
+    assert core.may_match_past(tokens(160), p)  # w1 holds more than these 10 blocks
+    assert core.may_match_past(tokens(320), p)  # all 20: the worker may hold more later
+    assert not core.may_match_past(tokens(400), p)  # w1's 20 end inside these 25
+    assert not core.may_match_past(tokens(320, start=7), p)  # nobody holds the first block
+    assert not core.may_match_past(tokens(160), Partition("tenant-b"))
+    assert core.may_match_past(tokens(8), p)  # no full block yet: not known to end
+    # a prediction (probed every predict_stride=4 blocks) counts as going on
+    core.route(RouteRequest("r", tokens(480, start=1000)))
+    assert core.may_match_past(tokens(480, start=1000), p)
+    assert not core.may_match_past(tokens(640, start=1000), p)
+    # policies that ignore caches never need more of a prompt
+    rr, _ = make_core(2, policy="round_robin")
+    give(rr, "w1", stored(tokens(320)))
+    assert not rr.may_match_past(tokens(160), p)
+
+
 def test_partition_separates_caches() -> None:
     core, _ = make_core(2)
     give(core, "w1", stored(tokens(320), Partition("tenant-a")))

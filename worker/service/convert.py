@@ -28,7 +28,7 @@ MAX_REQUEST_ID_CHARS = 256
 class TextEncoder(Protocol):
     """The part of a tokenizer that request decoding needs."""
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, *, add_special_tokens: bool | None = None) -> list[int]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +109,8 @@ def request_from_pb(
             raise InvalidRequestError(
                 "prompt", "set one of prompt_token_ids or prompt_text (neither was set)"
             )
+    if msg.prompt_text_suffix:
+        token_ids = _append_suffix(token_ids, msg, tokenizer, limits)
     if token_ids.size == 0:
         raise InvalidRequestError("prompt", "must contain at least 1 token, got 0")
     return EngineRequest(
@@ -119,6 +121,32 @@ def request_from_pb(
         priority=msg.priority,
         routing_key=msg.routing_key,
     )
+
+
+def _append_suffix(
+    token_ids: np.ndarray,
+    msg: pb.GenerateRequest,
+    tokenizer: TextEncoder | None,
+    limits: RequestLimits,
+) -> np.ndarray:
+    """``token_ids`` + the ids of ``prompt_text_suffix`` (no special tokens): a router
+    that tokenized only the routable head of a text prompt sends the rest as text."""
+    text = msg.prompt_text_suffix
+    if msg.WhichOneof("prompt") != "prompt_token_ids":
+        raise InvalidRequestError(
+            "prompt_text_suffix", "only follows prompt_token_ids, not prompt_text"
+        )
+    if tokenizer is None:
+        raise InvalidRequestError(
+            "prompt_text_suffix", "this worker has no tokenizer; send prompt_token_ids only"
+        )
+    if len(text) > limits.max_prompt_text_chars:
+        raise InvalidRequestError(
+            "prompt_text_suffix",
+            f"at most {limits.max_prompt_text_chars} characters, got {len(text)}",
+        )
+    tail = np.asarray(tokenizer.encode(text, add_special_tokens=False), dtype=np.int64)
+    return np.concatenate((token_ids, tail))
 
 
 def _encode_text(text: str, tokenizer: TextEncoder | None, limits: RequestLimits) -> np.ndarray:

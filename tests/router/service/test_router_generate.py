@@ -13,10 +13,12 @@ import pytest
 from router_fake_worker import FakeWorker, running_fake
 from router_harness import FAST_CONN, WAIT_S, router_config, running_router
 
+from bench.bpe import BOS, EOS, english_like_text, train_bpe
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
 from kvroute_proto.events import BlockStored, EventBatch, Partition
 from kvroute_proto.hashing import block_hash_list
+from kvroute_proto.tokenizer import HFTokenizer, TokenizerSettings
 from router.admission import AdmissionConfig
 from router.client import GenerateOptions, build_request, format_explain
 from router.service.frontend import FrontendConfig
@@ -559,6 +561,45 @@ async def test_text_prompt_that_encodes_past_the_limit_is_refused():
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "encodes to 5 tokens; the limit is 4" in err.value.details()
             assert a.received == []
+
+
+def _bpe() -> HFTokenizer:
+    return HFTokenizer(
+        train_bpe(512, seed=0),
+        settings=TokenizerSettings(bos_token=BOS, eos_token=EOS, add_bos_token=True),
+    )
+
+
+async def test_a_text_prompts_unmatchable_tail_is_left_to_the_worker():
+    """A real byte-level BPE: the router tokenizes the head of a long text prompt as far as
+    a worker's cache goes on (here w1's events: the system text), routes on it, and sends
+    the rest as prompt_text_suffix; head + the tail's own ids are the whole text's ids."""
+    tok = _bpe()
+    system = english_like_text(3000, seed=1)
+    new = english_like_text(4000, seed=2)
+    text = f"{system} {new}"
+    a, b = FakeWorker("w0"), FakeWorker("w1")
+    async with (
+        running_fake(a) as ra,
+        running_fake(b) as rb,
+        running_router([ra.address, rb.address], tokenizer=tok) as router,
+    ):
+        await router.wait_synced(2)
+        await hold(router, b, tok.encode(system))  # w1 caches the system text
+        r = await router.client.generate(text, GenerateOptions(request_id="t1"))
+        assert r.worker_id == "w1" and a.received == []
+        forwarded = b.received[0].request
+        head, tail = list(forwarded.prompt_token_ids.ids), forwarded.prompt_text_suffix
+        # the router stopped within 4 chunks (512 characters each) past the system text
+        assert len(new) - 4 * 600 < len(tail) < len(new)
+        assert head + tok.encode(tail, add_special_tokens=False) == tok.encode(text)
+        # a client may not send the router-only field
+        request = build_request(list(range(20)), GenerateOptions())
+        request.prompt_text_suffix = "x"
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await pb_grpc.RouterStub(router.client._channel).Generate(request).read()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "prompt_text_suffix is set by the router only" in err.value.details()
 
 
 @pytest.mark.parametrize("fleet", [{"admission": AdmissionConfig(initial_window=1)}], indirect=True)

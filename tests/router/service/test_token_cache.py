@@ -3,6 +3,8 @@ for tokenizers whose structure and self-test allow it."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -48,6 +50,88 @@ def test_chunked_ids_equal_the_whole_texts(text, chunk_chars, specials):
     expected = inner.encode(text, add_special_tokens=specials)
     assert cached.encode(text, add_special_tokens=specials) == expected
     assert cached.encode(text, add_special_tokens=specials) == expected  # from the cache
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    TEXTS,
+    st.sampled_from([16, 24, 40]),
+    st.sampled_from([None, True, False]),
+    st.lists(st.booleans(), max_size=12),
+    st.booleans(),
+)
+def test_head_and_tail_make_the_whole_texts_ids(text, chunk_chars, specials, answers, warm):
+    """Wherever encode_head stops, the head's ids and the tail's own ids (no specials, as
+    the worker encodes prompt_text_suffix) are the whole text's ids."""
+    inner = hf()
+    cached = CachedTokenizer(inner, chunk_chars=chunk_chars)
+    if warm:  # some chunks cached: taken for free, without asking
+        cached.encode(text[: len(text) // 2])
+    asked: list[list[int]] = []
+    replies = iter(answers)
+
+    def may_continue(head: list[int]) -> bool:
+        asked.append(list(head))
+        return next(replies, False)
+
+    ids, tail = cached.encode_head(text, may_continue, add_special_tokens=specials)
+    assert ids + inner.encode(tail, add_special_tokens=False) == inner.encode(
+        text, add_special_tokens=specials
+    )
+    if tail:  # it stopped only where it was told to, and never before the first chunk
+        assert asked and asked[-1] == ids and answers[len(asked) - 1 :][:1] in ([], [False])
+        assert tail != text
+    # each question saw a prefix of the final ids, longer each time
+    for before, after in itertools.pairwise(asked):
+        assert len(before) < len(after)
+    for head in asked:
+        assert ids[: len(head)] == head
+
+
+def test_encode_head_leaves_unmatchable_text_to_the_worker():
+    inner = hf()
+    cached = CachedTokenizer(inner, chunk_chars=64)
+    system = english_like_text(400, seed=5)
+    cached.encode(system)  # the system text's chunks are cached
+    text = system + " " + english_like_text(900, seed=6)
+    cut = len(cached.encode(system, add_special_tokens=True))
+    ids, tail = cached.encode_head(text, lambda head: len(head) < cut)
+    assert tail and len(tail) > 500  # most of the new text was not tokenized
+    assert ids + inner.encode(tail, add_special_tokens=False) == inner.encode(text)
+    assert cached.num_split == 1
+    # told that caches go on, it tokenizes everything, a growing batch at a time
+    ids, tail = cached.encode_head(text, lambda head: True)
+    assert (ids, tail) == (inner.encode(text), "")
+    assert cached.num_whole == 1
+
+
+def test_no_split_for_tokenizers_that_add_specials_after_the_text():
+    class WithEos:  # encode() appends an eos: a tail's ids would not end the prompt
+        add_special_tokens = True
+
+        def __init__(self, inner):
+            self._inner = inner
+
+        def encode(self, text, add_special_tokens=None):
+            ids = self._inner.encode(text, add_special_tokens=False)
+            specials = self.add_special_tokens if add_special_tokens is None else add_special_tokens
+            return [*ids, 2] if specials else ids
+
+    cached = CachedTokenizer(WithEos(hf()), chunk_chars=16)
+    assert not cached.splits_prompts
+    text = english_like_text(200, seed=2)
+    ids, tail = cached.encode_head(text, lambda head: False)
+    assert tail == "" and ids[-1] == 2
+
+
+def test_estimate_tokens_follows_what_was_tokenized():
+    inner = hf()
+    cached = CachedTokenizer(inner, chunk_chars=64)
+    assert cached.estimate_tokens("x" * 400) == 100  # 4 characters a token before any sample
+    text = english_like_text(2000, seed=9)
+    cached.encode(text)
+    true = len(inner.encode(english_like_text(2000, seed=10), add_special_tokens=False))
+    assert abs(cached.estimate_tokens(english_like_text(2000, seed=10)) - true) < 0.15 * true
 
 
 def test_a_shared_prefix_is_tokenized_once():

@@ -73,3 +73,39 @@ def test_worker_info_encoding() -> None:
     assert (msg.worker_id, msg.epoch, msg.block_size, msg.kv_capacity_tokens) == ("w", 9, 16, 4096)
     assert (msg.max_context_tokens, msg.vocab_size, msg.executor) == (8192, 260, "sim")
     assert msg.load.num_waiting == 3
+
+
+def test_a_text_suffix_is_tokenized_without_specials_and_appended() -> None:
+    """What a router that tokenized only a text prompt's head sends: the head's ids, then
+    the rest as text, encoded here with no special tokens (no second bos)."""
+    tok = ByteTokenizer(add_bos=True)
+    msg = pb.GenerateRequest(
+        prompt_token_ids=pb.TokenIds(ids=[tok.BOS, 104]), prompt_text_suffix="é!"
+    )
+    assert decode(msg, tok).prompt_token_ids.tolist() == [tok.BOS, 104, 0xC3, 0xA9, 33]
+    assert decode(msg, tok).prompt_token_ids.tolist() == tok.encode("hé!")
+
+
+@pytest.mark.parametrize(
+    ("msg", "tokenizer", "message"),
+    [
+        (
+            pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[1]), prompt_text_suffix="x"),
+            None,
+            "prompt_text_suffix.*no tokenizer",
+        ),
+        (
+            pb.GenerateRequest(prompt_text="a", prompt_text_suffix="x"),
+            ByteTokenizer(),
+            "prompt_text_suffix.*only follows prompt_token_ids",
+        ),
+        (
+            pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[1]), prompt_text_suffix="y" * 11),
+            ByteTokenizer(),
+            "prompt_text_suffix.*at most 10 characters, got 11",
+        ),
+    ],
+)
+def test_a_text_suffix_is_refused_with_the_field_named(msg, tokenizer, message) -> None:
+    with pytest.raises(InvalidRequestError, match=message):
+        decode(msg, tokenizer)
