@@ -207,6 +207,7 @@ class RouterCore:
         """Forget a worker: its index entries, stream state and in-flight accounting."""
         worker = self._get(worker_id)
         del self._workers[worker_id]
+        self._table.detach(worker.view)
         self._index.remove_worker(worker.view.slot)
         heapq.heappush(self._free_slots, worker.view.slot)
         now = self._clock()

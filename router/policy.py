@@ -64,10 +64,13 @@ follows.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
+
+import numpy as np
 
 from kvroute_proto.events import LoadReport
 
@@ -75,10 +78,12 @@ __all__ = [
     "ALIASES",
     "DEFAULT_BACKLOG_TOKENS",
     "POLICIES",
+    "CandidateSet",
     "CostWeights",
     "Policy",
     "PolicyConfig",
     "RouteQuery",
+    "WorkerTable",
     "WorkerView",
     "make_policy",
     "policy_names",
@@ -155,7 +160,6 @@ class PolicyConfig:
             raise ValueError(f"backlog_tokens must be >= 0, got {self.backlog_tokens}")
 
 
-@dataclass(slots=True, eq=False)
 class WorkerView:
     """What the router knows about one worker (mutable; the core owns and updates it).
 
@@ -163,7 +167,7 @@ class WorkerView:
     produced their first token (router-tracked). ``num_active``: requests routed here and
     not finished. ``load``: the worker's last load report, if any. The two derived fields
     below are what policies read; :meth:`refresh` recomputes them after any change (kept as
-    plain fields because scoring 64 workers per request must not call properties):
+    plain values because scoring 64 workers per request must not compute them):
 
     ``queued_prefill_tokens``: the router's count, or the worker's report if larger (it also
     sees other routers' requests; ours may not have reached it yet). ``num_running``:
@@ -171,30 +175,158 @@ class WorkerView:
     tokens routed here (and decode work of finished requests), decayed, times the core's
     current scale factor (policies multiply by
     ``RouteQuery.recent_scale`` to get tokens; see ``RouterCore._recent_scale``).
+
+    A view the core registered is attached to its :class:`WorkerTable`: every change of the
+    three cost fields (by :meth:`refresh` or by assignment) is also written there, where the
+    cache-aware cost reads them for all candidates at once.
     """
 
-    worker_id: str
-    slot: int
-    address: str = ""
-    healthy: bool = True
-    inflight_prefill_tokens: int = 0
-    num_active: int = 0
-    load: LoadReport | None = None
-    queued_prefill_tokens: int = 0
-    num_running: int = 0
-    recent_prefill: float = 0.0
+    __slots__ = (
+        "_queued",
+        "_recent",
+        "_running",
+        "_table",
+        "address",
+        "healthy",
+        "inflight_prefill_tokens",
+        "load",
+        "num_active",
+        "slot",
+        "worker_id",
+    )
+
+    def __init__(
+        self,
+        worker_id: str,
+        slot: int,
+        address: str = "",
+        healthy: bool = True,
+        inflight_prefill_tokens: int = 0,
+        num_active: int = 0,
+        load: LoadReport | None = None,
+        queued_prefill_tokens: int = 0,
+        num_running: int = 0,
+        recent_prefill: float = 0.0,
+    ) -> None:
+        self.worker_id = worker_id
+        self.slot = slot
+        self.address = address
+        self.healthy = healthy
+        self.inflight_prefill_tokens = inflight_prefill_tokens
+        self.num_active = num_active
+        self.load = load
+        self._queued = queued_prefill_tokens
+        self._running = num_running
+        self._recent = recent_prefill
+        self._table: WorkerTable | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"WorkerView(worker_id={self.worker_id!r}, slot={self.slot!r}, "
+            f"address={self.address!r}, healthy={self.healthy!r}, "
+            f"inflight_prefill_tokens={self.inflight_prefill_tokens!r}, "
+            f"num_active={self.num_active!r}, load={self.load!r}, "
+            f"queued_prefill_tokens={self._queued!r}, num_running={self._running!r}, "
+            f"recent_prefill={self._recent!r})"
+        )
+
+    @property
+    def queued_prefill_tokens(self) -> int:
+        return self._queued
+
+    @queued_prefill_tokens.setter
+    def queued_prefill_tokens(self, value: int) -> None:
+        self._queued = value
+        if self._table is not None:
+            self._table.fields[0, self.slot] = value
+
+    @property
+    def num_running(self) -> int:
+        return self._running
+
+    @num_running.setter
+    def num_running(self, value: int) -> None:
+        self._running = value
+        if self._table is not None:
+            self._table.fields[1, self.slot] = value
+
+    @property
+    def recent_prefill(self) -> float:
+        return self._recent
+
+    @recent_prefill.setter
+    def recent_prefill(self, value: float) -> None:
+        self._recent = value
+        if self._table is not None:
+            self._table.fields[2, self.slot] = value
 
     def refresh(self) -> None:
         """Recompute the derived fields from the router's counts and the last report."""
         load = self.load
         if load is None:
-            self.queued_prefill_tokens = self.inflight_prefill_tokens
-            self.num_running = self.num_active
+            queued = self.inflight_prefill_tokens
+            running = self.num_active
         else:
-            self.queued_prefill_tokens = max(
-                self.inflight_prefill_tokens, load.num_queued_prefill_tokens
-            )
-            self.num_running = max(self.num_active, load.num_running + load.num_waiting)
+            queued = max(self.inflight_prefill_tokens, load.num_queued_prefill_tokens)
+            running = max(self.num_active, load.num_running + load.num_waiting)
+        self._queued = queued
+        self._running = running
+        table = self._table
+        if table is not None:
+            fields = table.fields
+            fields[0, self.slot] = queued
+            fields[1, self.slot] = running
+
+
+class WorkerTable:
+    """The cache-aware cost's inputs for every attached view, by worker slot: ``fields``
+    rows 0, 1 and 2 hold each slot's ``queued_prefill_tokens``, ``num_running`` and
+    ``recent_prefill`` as float64 (the values the cost's float arithmetic converts them to),
+    kept current by the views themselves."""
+
+    __slots__ = ("fields",)
+
+    def __init__(self, capacity: int = 64) -> None:
+        self.fields = np.zeros((3, max(capacity, 1)))
+
+    def attach(self, view: WorkerView) -> None:
+        """Keep ``view``'s cost fields here from now on (its slot's column is overwritten)."""
+        slot = view.slot
+        capacity = self.fields.shape[1]
+        if slot >= capacity:
+            grown = np.zeros((3, max(2 * capacity, slot + 1)))
+            grown[:, :capacity] = self.fields
+            self.fields = grown
+        view._table = self
+        self.fields[:, slot] = (view._queued, view._running, view._recent)
+
+    @staticmethod
+    def detach(view: WorkerView) -> None:
+        """Stop writing ``view``'s fields here (its worker left; the slot may be reused)."""
+        view._table = None
+
+
+@dataclass(slots=True)
+class CandidateSet:
+    """Candidates of a route as the core hands them to :meth:`Policy.select_set`:
+    ``views`` (what :meth:`Policy.select` takes), ``table`` holding their cost fields,
+    ``columns`` (their slots in ``table.fields``, in ``views`` order: a slice when the slots
+    run 0, 1, ... in order) and ``position`` (slot -> index into ``views``)."""
+
+    views: Sequence[WorkerView]
+    table: WorkerTable
+    columns: slice | np.ndarray
+    position: dict[int, int]
+
+    @classmethod
+    def of(cls, views: Sequence[WorkerView], table: WorkerTable) -> CandidateSet:
+        slots = [v.slot for v in views]
+        columns: slice | np.ndarray
+        if slots == list(range(len(slots))):
+            columns = slice(0, len(slots))
+        else:
+            columns = np.array(slots, dtype=np.intp)
+        return cls(views, table, columns, {s: i for i, s in enumerate(slots)})
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,6 +385,18 @@ class Policy:
         i = _argmin_random(costs, rng)
         return i, costs[i]
 
+    def select_set(
+        self,
+        query: RouteQuery,
+        candidates: CandidateSet,
+        matched: dict[int, int],
+        rng: random.Random,
+    ) -> tuple[int, float]:
+        """What :meth:`select` returns for ``candidates.views`` (the core calls this one).
+        Policies whose cost reads the :class:`WorkerTable` override it to score every
+        candidate at once, with the same pick and the same draws from ``rng``."""
+        return self.select(query, candidates.views, matched, rng)
+
 
 def _argmin_random(values: list[float], rng: random.Random) -> int:
     """Index of the smallest value; equal minima are broken uniformly at random."""
@@ -278,6 +422,11 @@ class CacheAware(Policy):
         super().__init__(config)
         backlog = config.backlog_tokens
         self._per_backlog = 1.0 / backlog if backlog else 0.0
+        w = config.weights
+        # an infinite weight times 0 is NaN, where select()'s min() depends on the order:
+        # select_set leaves such a configuration to select()
+        factors = (w.prefill, w.queued_prefill, w.decode, w.recent_prefill, self._per_backlog)
+        self._finite = all(map(math.isfinite, factors))
 
     def costs(
         self, query: RouteQuery, candidates: Sequence[WorkerView], matched: dict[int, int]
@@ -306,6 +455,58 @@ class CacheAware(Policy):
             + get(c.slot, full)
             for c in candidates
         ]
+
+    def select_set(
+        self,
+        query: RouteQuery,
+        candidates: CandidateSet,
+        matched: dict[int, int],
+        rng: random.Random,
+    ) -> tuple[int, float]:
+        """:meth:`costs` and :meth:`select`'s pick, computed over the candidates' columns of
+        the table: the same float operations in the same order per candidate (IEEE
+        arithmetic, elementwise), so the same costs, ties and draws from ``rng``."""
+        if type(self).costs is not CacheAware.costs or not self._finite:
+            # a subclass with a cost of its own, or infinite weights
+            return self.select(query, candidates.views, matched, rng)
+        queued, running, recent = candidates.table.fields[:, candidates.columns]
+        w = self.config.weights
+        wp = w.prefill
+        if self._per_backlog:
+            floor = float(queued.min())
+            if floor > 0:  # as costs(): every candidate has a backlog
+                wp *= 1.0 + floor * self._per_backlog
+        # per candidate, as costs() adds them: ((wq*q + wd*r) + wr*recent) + prefill term
+        cost = queued * w.queued_prefill
+        cost += running * w.decode
+        cost += recent * (w.recent_prefill * query.recent_scale)
+        prompt = query.prompt_tokens
+        total = cost + wp * prompt
+        if matched:
+            bs = query.block_size
+            position = candidates.position
+            if len(matched) <= _FEW_MATCHED:
+                for s, d in matched.items():
+                    i = position.get(s)
+                    if i is not None:
+                        total[i] = cost[i] + wp * max(prompt - d * bs, 0)
+            else:
+                at = [position.get(s, -1) for s in matched]
+                terms = [wp * max(prompt - d * bs, 0) for d in matched.values()]
+                pos = np.array(at, dtype=np.intp)
+                keep = pos >= 0
+                pos = pos[keep]
+                total[pos] = cost[pos] + np.array(terms)[keep]
+        best = total.min()
+        if best != best:  # NaN (inf * 0 after an overflow): select()'s own order
+            return self.select(query, candidates.views, matched, rng)
+        ties = np.flatnonzero(total == best)
+        n = len(ties)
+        i = int(ties[rng.randrange(n)]) if n > 1 else int(ties[0])
+        return i, float(total[i])
+
+
+_FEW_MATCHED = 16  # up to this many matched workers, their prefill terms are set one by one
 
 
 class ApproxTree(CacheAware):

@@ -1,0 +1,124 @@
+"""CacheAware.select_set (every candidate scored at once from the WorkerTable) against
+CacheAware.select over the views (the reference): the same pick, cost and random draws."""
+
+from __future__ import annotations
+
+import math
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvroute_proto.events import LoadReport
+from router.policy import (
+    CandidateSet,
+    CostWeights,
+    PolicyConfig,
+    RouteQuery,
+    WorkerTable,
+    WorkerView,
+    make_policy,
+)
+
+# small values make equal costs (ties) common; inf weights make NaN costs (inf * 0), which
+# select_set leaves to select()
+weight = st.sampled_from([0.0, 0.1, 0.25, 1.0, 16.0, 1e6, math.inf])
+count = st.integers(0, 5) | st.integers(0, 10**6)
+recent = st.sampled_from([0.0, 0.5, 3.0]) | st.floats(0, 1e12)
+
+
+@st.composite
+def fleets(draw):
+    n = draw(st.integers(1, 40))
+    slots = draw(st.permutations(range(n + draw(st.integers(0, 5)))))[:n]
+    if draw(st.booleans()):
+        slots = sorted(slots)
+    table = WorkerTable(capacity=draw(st.integers(1, 8)))  # attach grows it
+    views = []
+    for s in slots:
+        v = WorkerView(f"w{s}", s)
+        table.attach(v)
+        v.inflight_prefill_tokens = draw(count)
+        v.num_active = draw(st.integers(0, 4))
+        if draw(st.booleans()):
+            v.load = LoadReport(
+                num_running=draw(st.integers(0, 3)),
+                num_waiting=draw(st.integers(0, 3)),
+                num_queued_prefill_tokens=draw(count),
+            )
+        v.refresh()
+        v.recent_prefill = draw(recent)
+        views.append(v)
+    # a candidate subset, in fleet order (as the core's exclude filter leaves it)
+    keep = draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    candidates = [v for v, k in zip(views, keep, strict=True) if k] or views[:1]
+    all_slots = list(range(max(slots) + 3))
+    matched = draw(
+        st.dictionaries(st.sampled_from(all_slots), st.integers(1, 40), max_size=len(all_slots))
+    )
+    return table, candidates, matched
+
+
+@given(
+    fleet=fleets(),
+    weights=st.tuples(weight, weight, weight, weight),
+    backlog=st.sampled_from([0.0, 1.0, 50_000.0]),
+    prompt=st.integers(0, 700),
+    scale=st.sampled_from([1.0, 0.5, 1e-30]),
+    policy_name=st.sampled_from(["cache_aware", "approx_tree"]),
+    seed=st.integers(0, 2**32),
+)
+@settings(max_examples=400, deadline=None)
+def test_select_set_equals_select(fleet, weights, backlog, prompt, scale, policy_name, seed):
+    table, candidates, matched = fleet
+    config = PolicyConfig(CostWeights(*weights), backlog_tokens=backlog)
+    policy = make_policy(policy_name, config)
+    query = RouteQuery("r", prompt, 16, list(range(prompt // 16)), recent_scale=scale)
+    rng_ref, rng_new = random.Random(seed), random.Random(seed)
+    i_ref, cost_ref = policy.select(query, candidates, matched, rng_ref)
+    i_new, cost_new = policy.select_set(query, CandidateSet.of(candidates, table), matched, rng_new)
+    assert i_new == i_ref
+    assert cost_new == cost_ref or (math.isnan(cost_new) and math.isnan(cost_ref))
+    assert type(cost_new) is float
+    assert rng_new.getstate() == rng_ref.getstate()  # the same draws
+
+
+def test_table_follows_every_change_of_an_attached_view() -> None:
+    table = WorkerTable(capacity=1)
+    a, b = WorkerView("a", 0), WorkerView("b", 5)
+    for v in (a, b):
+        table.attach(v)
+    b.inflight_prefill_tokens, b.num_active = 40, 2
+    b.refresh()
+    assert table.fields[:, 5].tolist() == [40.0, 2.0, 0.0]
+    b.load = LoadReport(num_running=3, num_waiting=4, num_queued_prefill_tokens=90)
+    b.refresh()
+    b.recent_prefill = 7.5
+    assert table.fields[:, 5].tolist() == [90.0, 7.0, 7.5]
+    b.queued_prefill_tokens, b.num_running = 1, 2  # direct assignment writes through too
+    assert table.fields[:, 5].tolist() == [1.0, 2.0, 7.5]
+    WorkerTable.detach(b)
+    b.recent_prefill = 99.0
+    assert table.fields[2, 5] == 7.5  # a detached view no longer writes
+    c = WorkerView("c", 5, recent_prefill=3.0)  # a new worker in the freed slot
+    table.attach(c)
+    assert table.fields[:, 5].tolist() == [0.0, 0.0, 3.0]
+    assert table.fields[:, 0].tolist() == [0.0, 0.0, 0.0]
+
+
+def test_a_subclass_with_its_own_cost_is_scored_by_it() -> None:
+    from router.policy import CacheAware
+
+    class Reversed(CacheAware):
+        def costs(self, query, candidates, matched):
+            return [-c for c in super().costs(query, candidates, matched)]
+
+    table = WorkerTable()
+    views = [WorkerView(f"w{i}", i) for i in range(3)]
+    for v in views:
+        table.attach(v)
+    views[1].recent_prefill = 100.0
+    policy = Reversed(PolicyConfig())
+    q = RouteQuery("r", 320, 16, list(range(20)))
+    got = policy.select_set(q, CandidateSet.of(views, table), {}, random.Random(0))
+    assert got == policy.select(q, views, {}, random.Random(0)) == (1, -330.0)
