@@ -72,6 +72,7 @@ import time
 import tracemalloc
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from prometheus_client import CollectorRegistry
@@ -84,8 +85,10 @@ from kvroute_proto.tokenizer import HFTokenizer
 from router.core import RouterConfig, RouterCore, RouteRequest
 from router.index import IndexConfig, PrefixIndex
 from router.index_vec import VecPrefixIndex
+from router.service.frontend import tokenize_prompt
 from router.service.metrics import RouterMetrics
 from router.service.token_cache import with_chunk_cache
+from router.service.validation import RequestLimits
 
 VOCAB = 32_000
 
@@ -403,51 +406,105 @@ def bench_route_text(
         core.add_worker(f"w{w}", f"10.0.{w // 256}.{w % 256}:50051", block_size=bs)
     _fill(core.index, cfg, system_hashes)
     prompts = [f"{systems[i % len(systems)]} {new_parts[i]}" for i in range(text.num_routes)]
-    total = np.empty(text.num_routes)
-    tokenize = np.empty(text.num_routes)
-    cpu = np.empty(text.num_routes)
-    num_tokens = matched = 0
-    gc.collect()
-    gc.freeze()
-    try:
-        for i, prompt in enumerate(prompts):
-            c0 = time.thread_time_ns()
-            t0 = time.perf_counter_ns()
-            ids = np.asarray(cached.encode(prompt), dtype=np.uint32)
-            t1 = time.perf_counter_ns()
-            req = RouteRequest(f"r{i}", ids)
-            if metrics is None:
-                d = core.route(req)
-            else:
-                r0 = time.perf_counter()
-                d = core.route(req)
-                metrics.on_route(d, time.perf_counter() - r0)
-            total[i] = time.perf_counter_ns() - t0
-            cpu[i] = time.thread_time_ns() - c0
-            tokenize[i] = t1 - t0
-            core.on_first_token(req.request_id)
-            core.on_finished(req.request_id)
-            num_tokens += len(ids)
-            matched += d.matched_tokens
-            now[0] += 0.01
-    finally:
-        gc.unfreeze()
+    limit = RequestLimits().max_prompt_tokens
+    partition = DEFAULT_PARTITION
+
     skip = min(100, text.num_routes // 10)
-    uncached = np.empty(len(prompts) - skip)
+    checked = range(skip, min(skip + 50, text.num_routes))  # exactness checked on these
+    heads: dict[int, list[int]] = {}
+
+    def run(tokenizer: Any, split: bool, routes: list[str], tag: str) -> dict[str, np.ndarray]:
+        """Tokenize as the front end does (router.service.frontend.tokenize_prompt), route,
+        finish; per request: wall and CPU time in all, the tokenizing alone, the tail."""
+        n = len(routes)
+        out = {k: np.empty(n) for k in ("total", "cpu", "tokenize", "matched", "estimated")}
+        tails: list[str] = []
+        gc.collect()
+        gc.freeze()
+        try:
+            for i, prompt in enumerate(routes):
+                c0 = time.thread_time_ns()
+                t0 = time.perf_counter_ns()
+                ids, tail = tokenize_prompt(tokenizer, prompt, core, partition, limit, split=split)
+                estimated = len(ids) + tokenizer.estimate_tokens(tail) if tail else None
+                t1 = time.perf_counter_ns()
+                req = RouteRequest(
+                    f"{tag}{i}",
+                    np.asarray(ids, dtype=np.uint32),
+                    partition,
+                    prompt_tokens=estimated,
+                )
+                if metrics is None:
+                    d = core.route(req)
+                else:
+                    r0 = time.perf_counter()
+                    d = core.route(req)
+                    metrics.on_route(d, time.perf_counter() - r0)
+                out["total"][i] = time.perf_counter_ns() - t0
+                out["cpu"][i] = time.thread_time_ns() - c0
+                out["tokenize"][i] = t1 - t0
+                out["matched"][i] = d.matched_tokens
+                out["estimated"][i] = d.prompt_tokens
+                tails.append(tail)
+                if split and i in checked:
+                    heads[i] = ids.tolist()
+                core.on_first_token(req.request_id)
+                core.on_finished(req.request_id)
+                now[0] += 0.01
+        finally:
+            gc.unfreeze()
+        out["tails"] = np.asarray(tails, dtype=object)
+        return out
+
+    head = run(cached, True, prompts, "h")
+    # the same prompts' new parts through a second router front end that tokenizes whole
+    # (split_prompts=False): what the route cost before the tail was left to the workers
+    now[0] += 60.0  # the first pass's predictions lapse: both passes see the same index
+    whole_cache = with_chunk_cache(tok)
+    for system in systems:
+        whole_cache.encode(system)
+    whole = run(whole_cache, False, prompts[skip:], "w")
+    # exactness, and what the workers pay: each prompt's head ids and the tail's own ids
+    # (no specials, as a worker encodes prompt_text_suffix) are the whole text's ids
+    exact = np.empty(len(prompts) - skip)
+    tail_us = []
+    num_tokens: list[int] = []
     for i, prompt in enumerate(prompts[skip:]):
         t0 = time.perf_counter_ns()
-        tok.encode(prompt)
-        uncached[i] = time.perf_counter_ns() - t0
+        full = tok.encode(prompt)
+        exact[i] = time.perf_counter_ns() - t0
+        tail = head["tails"][skip + i]
+        if tail:
+            t0 = time.perf_counter_ns()
+            rest = tok.encode(tail, add_special_tokens=False)
+            tail_us.append(time.perf_counter_ns() - t0)
+        else:
+            rest = []
+        if skip + i in heads and heads[skip + i] + rest != full:
+            raise AssertionError(f"prompt {skip + i}: the head's and the tail's ids differ")
+        num_tokens.append(len(full))
+    est_err = np.abs(head["estimated"][skip:] - num_tokens) / np.asarray(num_tokens)
     us = 1 / 1000
+
+    def pct(a: np.ndarray, q: float) -> float:
+        return float(np.percentile(a, q)) * us
+
+    h = {k: v[skip:] for k, v in head.items()}
     return {
-        "route_text_p50_us": float(np.percentile(total[skip:], 50)) * us,
-        "route_text_p99_us": float(np.percentile(total[skip:], 99)) * us,
-        "route_text_cpu_p50_us": float(np.percentile(cpu[skip:], 50)) * us,
-        "route_text_cpu_p99_us": float(np.percentile(cpu[skip:], 99)) * us,
-        "route_text_tokenize_p50_us": float(np.percentile(tokenize[skip:], 50)) * us,
-        "route_text_uncached_tokenize_p50_us": float(np.percentile(uncached, 50)) * us,
-        "route_text_mean_prompt_tokens": num_tokens / text.num_routes,
-        "route_text_mean_matched_tokens": matched / text.num_routes,
+        "route_text_p50_us": pct(h["total"], 50),
+        "route_text_p99_us": pct(h["total"], 99),
+        "route_text_cpu_p50_us": pct(h["cpu"], 50),
+        "route_text_cpu_p99_us": pct(h["cpu"], 99),
+        "route_text_tokenize_p50_us": pct(h["tokenize"], 50),
+        "route_text_split_fraction": float(np.mean([bool(t) for t in h["tails"]])),
+        "route_text_worker_tail_tokenize_p50_us": pct(np.asarray(tail_us), 50) if tail_us else 0.0,
+        "route_text_whole_p50_us": pct(whole["total"], 50),
+        "route_text_whole_p99_us": pct(whole["total"], 99),
+        "route_text_uncached_tokenize_p50_us": pct(exact, 50),
+        "route_text_mean_prompt_tokens": float(np.mean(num_tokens)),
+        "route_text_estimate_error_pct": float(np.mean(est_err)) * 100,
+        "route_text_mean_matched_tokens": float(np.mean(h["matched"])),
+        "route_text_whole_mean_matched_tokens": float(np.mean(whole["matched"])),
     }
 
 

@@ -454,22 +454,30 @@ class RouterCore:
             )
         return Explanation(self._policy.name, query.prompt_tokens, chosen, tuple(lines))
 
-    def may_match_past(self, token_ids: Sequence[int], partition: Partition) -> bool:
+    def may_match_past(self, token_ids: np.ndarray | Sequence[int], partition: Partition) -> bool:
         """Whether some worker's cached prefix (confirmed or predicted) may go on past
         ``token_ids``, the head of a prompt: False means every match ends inside it, so
         whatever follows cannot change where the request goes (the front end then leaves
         the rest of a text prompt untokenized). May say True wrongly, never False wrongly:
-        a prediction is probed only every ``predict_stride`` blocks, so a match that ends
-        within a stride of the end counts as going on. Changes nothing."""
+        a prediction is probed only every ``predict_stride`` blocks, so a predicted match
+        that reaches the last probe counts as going on. Changes nothing."""
         if self._block_size is None or not self._policy.uses_matches:
             return False
         tokens = np.asarray(token_ids, dtype=np.uint32)
         hashes = block_hashes(tokens, self._block_size, partition.seed, validate=False).tolist()
         if not hashes:
             return True
-        matched = self._index.find_matches(hashes, touch=False)
+        index = self._index
+        matched = index.find_matches(hashes, touch=False)
+        n = len(hashes)
+        confirmed = max(index.last_confirmed.values(), default=0)  # the events' walk
+        if confirmed >= n:
+            return True
         best = max(matched.values(), default=0)
-        return best + self.config.predict_stride > len(hashes)
+        if best <= confirmed:  # no prediction goes further than the events' walks end
+            return False
+        stride = self.config.predict_stride
+        return best >= n // stride * stride
 
     def _account(self, request_id: str, view: WorkerView, prefill_tokens: int) -> _Inflight:
         # with R router replicas a pick counts R times (RouterConfig.replicas)

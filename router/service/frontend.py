@@ -139,6 +139,39 @@ class _InFlight:
     guard_deadline: bool = False  # the caller set a deadline: admission guards it
 
 
+def tokenize_prompt(
+    tok: TextTokenizer,
+    text: str,
+    core: RouterCore,
+    partition: Partition,
+    limit: int,
+    *,
+    split: bool = True,
+) -> tuple[np.ndarray, str]:
+    """``(ids, tail)`` of a text prompt for routing (uint32 ids; BadRequest past ``limit``
+    tokens).
+
+    With ``split`` and a chunk cache (:class:`CachedTokenizer`), only the head that some
+    worker's cache may still match (``core.may_match_past``) is tokenized, and ``tail`` is
+    the text the worker tokenizes (``prompt_text_suffix``); otherwise all of it."""
+    if split and isinstance(tok, CachedTokenizer):
+        ids, tail = tok.encode_head(text, lambda head: core.may_match_past(head, partition))
+        # a byte-level BPE token holds at least one byte: a tail of b bytes holds at most
+        # b tokens; if that bound could pass the limit, count exactly
+        if not tail or len(ids) + len(tail.encode("utf-8")) <= limit:
+            return _checked(ids, limit), tail
+    return _checked(np.asarray(tok.encode(text), dtype=np.uint32), limit), ""
+
+
+def _checked(ids: np.ndarray, limit: int) -> np.ndarray:
+    if len(ids) > limit:
+        raise BadRequest(
+            f"prompt_text encodes to {len(ids)} tokens; the limit is {limit}",
+            param="prompt_text",
+        )
+    return ids
+
+
 class Frontend:
     """Validate, tokenize, route, retry, relay, account: one object for every front door."""
 
@@ -483,43 +516,27 @@ class Frontend:
         forward.partition.CopyFrom(codec.partition_to_pb(partition))
         prompt_tokens = None  # the whole prompt's length when only its head is tokenized
         if self.tokenizer is not None and forward.WhichOneof("prompt") == "prompt_text":
-            ids, tail = self._tokenize(forward.prompt_text, partition, split)
-            if not ids:
+            tokens, tail = self._tokenize(forward.prompt_text, partition, split)
+            if not len(tokens):
                 raise BadRequest("prompt_text encodes to no tokens", param="prompt_text")
-            forward.prompt_token_ids.ids.extend(ids)  # clears prompt_text (one oneof)
+            # clears prompt_text (one oneof)
+            forward.prompt_token_ids.ids.extend(tokens.tolist())
             if tail:
                 forward.prompt_text_suffix = tail
-                prompt_tokens = len(ids) + self.tokenizer.estimate_tokens(tail)
-            tokens = np.asarray(ids, dtype=np.uint32)
+                prompt_tokens = len(tokens) + self.tokenizer.estimate_tokens(tail)
         else:
             tokens = routing_tokens(forward)
         route = RouteRequest(forward.request_id, tokens, partition, prompt_tokens=prompt_tokens)
         return Prepared(forward, route)
 
-    def _tokenize(self, text: str, partition: Partition, split: bool) -> tuple[list[int], str]:
+    def _tokenize(self, text: str, partition: Partition, split: bool) -> tuple[np.ndarray, str]:
         """``(ids, tail)`` of a text prompt: with the chunk cache, only the head that some
         worker's cache may still match is tokenized (the worker tokenizes ``tail``, the
         request's ``prompt_text_suffix``); else, or near the token limit, all of it."""
-        tok = self.tokenizer
-        assert tok is not None
+        assert self.tokenizer is not None
+        split = split and self.split_prompts
         limit = self.config.limits.max_prompt_tokens
-        ids: list[int] = []
-        tail = ""
-        if split and self.split_prompts and isinstance(tok, CachedTokenizer):
-            core = self._core
-            ids, tail = tok.encode_head(text, lambda head: core.may_match_past(head, partition))
-            # a byte-level BPE token holds at least one byte: a tail of b bytes holds at
-            # most b tokens; if that bound could pass the limit, count exactly
-            if tail and len(ids) + len(tail.encode("utf-8")) > limit:
-                ids, tail = [], ""
-        if not ids:
-            ids = tok.encode(text)
-        if len(ids) > limit:
-            raise BadRequest(
-                f"prompt_text encodes to {len(ids)} tokens; the limit is {limit}",
-                param="prompt_text",
-            )
-        return ids, tail
+        return tokenize_prompt(self.tokenizer, text, self._core, partition, limit, split=split)
 
     def _timeout_s(self, call: CallInfo) -> float:
         remaining = call.timeout_s

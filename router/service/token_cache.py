@@ -29,8 +29,11 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -67,23 +70,23 @@ def _pre_tokenizer_kind(spec: Any) -> str | None:
     return None
 
 
+# a space after a non-space (str.isspace's whitespace, as re's \S) before an ASCII letter
+# or digit
+_CUT = re.compile(r"(?<=\S) (?=[A-Za-z0-9])")
+
+
 def cut_points(text: str, chunk_chars: int) -> list[int]:
     """Positions (of a space) where ``text`` is cut: the first single space at or after
-    each multiple of ``chunk_chars`` between a non-space and an ASCII letter or digit."""
+    each multiple of ``chunk_chars`` (from the previous cut) between a non-space and an
+    ASCII letter or digit."""
     cuts: list[int] = []
-    n = len(text)
+    search = _CUT.search
     pos = chunk_chars
-    while pos < n:
-        i = text.find(" ", pos)
-        while i != -1 and i + 1 < n:
-            nxt = text[i + 1]
-            if not text[i - 1].isspace() and nxt.isascii() and nxt.isalnum():
-                break
-            i = text.find(" ", i + 1)
-        else:
+    while pos < len(text):
+        m = search(text, pos)
+        if m is None:
             break
-        if i + 1 >= n:
-            break
+        i = m.start()
         cuts.append(i)
         pos = i + chunk_chars
     return cuts
@@ -172,8 +175,9 @@ class CachedTokenizer:
         self._inner = inner
         self.chunk_chars = chunk_chars
         self.max_chunks = max_chunks
-        self._chunks: dict[str, tuple[int, ...]] = {}
+        self._chunks: dict[str, np.ndarray] = {}  # piece -> its ids (uint32)
         self._prefix, self._suffix = _specials(inner)
+        self._prefix_ids = np.asarray(self._prefix, dtype=np.uint32)
         # tokenizers >= 0.21: batch encoding that skips offsets (the self-test checks it)
         self._batch_fast = getattr(getattr(inner, "_tok", None), "encode_batch_fast", None)
         self.num_hits = 0
@@ -203,14 +207,15 @@ class CachedTokenizer:
         self.num_misses += len(missing)
         self.num_hits += len(pieces) - len(missing)
         new = iter(self._encode_plain(missing))
-        ids: list[int] = list(self._prefix) if specials else []
+        parts = [self._prefix_ids] if specials else []
         for piece, got in zip(pieces, found, strict=True):
             if got is None:
                 got = next(new)
             chunks[piece] = got
-            ids.extend(got)
+            parts.append(got)
         while len(chunks) > self.max_chunks:
             del chunks[next(iter(chunks))]
+        ids: list[int] = np.concatenate(parts).tolist()
         if specials:
             ids.extend(self._suffix)
         return ids
@@ -224,12 +229,12 @@ class CachedTokenizer:
     def encode_head(
         self,
         text: str,
-        may_continue: Callable[[list[int]], bool],
+        may_continue: Callable[[np.ndarray], bool],
         *,
         add_special_tokens: bool | None = None,
-    ) -> tuple[list[int], str]:
-        """``(ids, tail)``: the ids of ``text``'s head and its untokenized tail, where
-        ``ids + encode(tail, add_special_tokens=False) == encode(text)``.
+    ) -> tuple[np.ndarray, str]:
+        """``(ids, tail)``: the ids of ``text``'s head (a uint32 array) and its untokenized
+        tail, where ``[*ids, *encode(tail, add_special_tokens=False)] == encode(text)``.
 
         Chunks this cache holds are free and always taken. Before paying to tokenize new
         chunks, ``may_continue(ids)`` is asked whether any cache could still match past the
@@ -243,27 +248,29 @@ class CachedTokenizer:
         """
         inner = self._inner
         if len(text) < 2 * self.chunk_chars or not self.splits_prompts:
-            return self.encode(text, add_special_tokens=add_special_tokens), ""
+            whole = self.encode(text, add_special_tokens=add_special_tokens)
+            return np.asarray(whole, dtype=np.uint32), ""
         specials = inner.add_special_tokens if add_special_tokens is None else add_special_tokens
         chunks = self._chunks
         pieces = _split(text, cut_points(text, self.chunk_chars))
-        ids: list[int] = list(self._prefix) if specials else []
+        parts = [self._prefix_ids] if specials else []
         i, n, batch = 0, len(pieces), 1
         while i < n:
             got = chunks.pop(pieces[i], None)  # re-inserted: LRU order
             if got is not None:
                 self.num_hits += 1
                 chunks[pieces[i]] = got
-                ids.extend(got)
+                parts.append(got)
                 i += 1
                 continue
-            if i and not may_continue(ids):  # the first chunk is always tokenized
+            # the first chunk is always tokenized
+            if i and not may_continue(parts[0] if len(parts) == 1 else np.concatenate(parts)):
                 break
             new = pieces[i : i + batch]
             self.num_misses += len(new)
             for piece, got in zip(new, self._encode_plain(new), strict=True):
                 chunks[piece] = got
-                ids.extend(got)
+                parts.append(got)
             i += len(new)
             batch = min(2 * batch, MAX_HEAD_BATCH)
         while len(chunks) > self.max_chunks:
@@ -273,7 +280,7 @@ class CachedTokenizer:
             self.num_whole += 1
         else:
             self.num_split += 1
-        return ids, tail
+        return np.concatenate(parts), tail
 
     def estimate_tokens(self, text: str) -> int:
         """About how many tokens ``text`` (with no specials) holds: its length at the mean
@@ -282,15 +289,18 @@ class CachedTokenizer:
         per_char = tokens / chars if chars and tokens else 0.25
         return math.ceil(len(text) * per_char)
 
-    def _encode_plain(self, pieces: list[str]) -> list[tuple[int, ...]]:
+    def _encode_plain(self, pieces: list[str]) -> list[np.ndarray]:
         """Ids of each piece without special tokens: one batch call, without offsets, on the
         library's threads (``encode_batch_fast``) when the tokenizer has it."""
         if not pieces:
             return []
+        u32 = np.uint32
         if self._batch_fast is not None:
-            out = [tuple(e.ids) for e in self._batch_fast(pieces, add_special_tokens=False)]
+            batch = self._batch_fast(pieces, add_special_tokens=False)
+            out = [np.array(e.ids, dtype=u32) for e in batch]
         else:
-            out = [tuple(self._inner.encode(p, add_special_tokens=False)) for p in pieces]
+            enc = self._inner.encode
+            out = [np.array(enc(p, add_special_tokens=False), dtype=u32) for p in pieces]
         if self._sample_chars < 1 << 24:  # the characters-per-token sample (estimate_tokens)
             self._sample_chars += sum(map(len, pieces))
             self._sample_tokens += sum(map(len, out))

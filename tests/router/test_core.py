@@ -216,13 +216,15 @@ def test_may_match_past_says_whether_any_cache_goes_on() -> None:
     assert core.may_match_past(tokens(160), p)  # w1 holds more than these 10 blocks
     assert core.may_match_past(tokens(320), p)  # all 20: the worker may hold more later
     assert not core.may_match_past(tokens(400), p)  # w1's 20 end inside these 25
+    assert not core.may_match_past(tokens(336), p)  # ... and inside these 21
     assert not core.may_match_past(tokens(320, start=7), p)  # nobody holds the first block
     assert not core.may_match_past(tokens(160), Partition("tenant-b"))
     assert core.may_match_past(tokens(8), p)  # no full block yet: not known to end
     # a prediction (probed every predict_stride=4 blocks) counts as going on
-    core.route(RouteRequest("r", tokens(480, start=1000)))
+    core.route(RouteRequest("r", tokens(480, start=1000)))  # 30 blocks, probes at 4, 8 ..
     assert core.may_match_past(tokens(480, start=1000), p)
-    assert not core.may_match_past(tokens(640, start=1000), p)
+    assert core.may_match_past(tokens(496, start=1000), p)  # last probe (28) predicted
+    assert not core.may_match_past(tokens(512, start=1000), p)  # probe 32 is not
     # policies that ignore caches never need more of a prompt
     rr, _ = make_core(2, policy="round_robin")
     give(rr, "w1", stored(tokens(320)))

@@ -71,21 +71,21 @@ def test_head_and_tail_make_the_whole_texts_ids(text, chunk_chars, specials, ans
     replies = iter(answers)
 
     def may_continue(head: list[int]) -> bool:
-        asked.append(list(head))
+        asked.append(head.tolist())
         return next(replies, False)
 
     ids, tail = cached.encode_head(text, may_continue, add_special_tokens=specials)
-    assert ids + inner.encode(tail, add_special_tokens=False) == inner.encode(
+    assert [*ids.tolist(), *inner.encode(tail, add_special_tokens=False)] == inner.encode(
         text, add_special_tokens=specials
     )
     if tail:  # it stopped only where it was told to, and never before the first chunk
-        assert asked and asked[-1] == ids and answers[len(asked) - 1 :][:1] in ([], [False])
+        assert asked and asked[-1] == ids.tolist() and answers[len(asked) - 1 :][:1] in ([], [False])
         assert tail != text
     # each question saw a prefix of the final ids, longer each time
     for before, after in itertools.pairwise(asked):
         assert len(before) < len(after)
     for head in asked:
-        assert ids[: len(head)] == head
+        assert ids[: len(head)].tolist() == head
 
 
 def test_encode_head_leaves_unmatchable_text_to_the_worker():
@@ -97,11 +97,11 @@ def test_encode_head_leaves_unmatchable_text_to_the_worker():
     cut = len(cached.encode(system, add_special_tokens=True))
     ids, tail = cached.encode_head(text, lambda head: len(head) < cut)
     assert tail and len(tail) > 500  # most of the new text was not tokenized
-    assert ids + inner.encode(tail, add_special_tokens=False) == inner.encode(text)
+    assert [*ids.tolist(), *inner.encode(tail, add_special_tokens=False)] == inner.encode(text)
     assert cached.num_split == 1
     # told that caches go on, it tokenizes everything, a growing batch at a time
     ids, tail = cached.encode_head(text, lambda head: True)
-    assert (ids, tail) == (inner.encode(text), "")
+    assert (ids.tolist(), tail) == (inner.encode(text), "")
     assert cached.num_whole == 1
 
 
@@ -121,7 +121,7 @@ def test_no_split_for_tokenizers_that_add_specials_after_the_text():
     assert not cached.splits_prompts
     text = english_like_text(200, seed=2)
     ids, tail = cached.encode_head(text, lambda head: False)
-    assert tail == "" and ids[-1] == 2
+    assert tail == "" and ids.tolist() == cached.encode(text) and ids[-1] == 2
 
 
 def test_estimate_tokens_follows_what_was_tokenized():
@@ -170,6 +170,36 @@ def test_everything_else_is_the_wrapped_tokenizers():
     assert cached.fingerprint == inner.fingerprint
     assert cached.eos_token_ids == inner.eos_token_ids
     assert cached.decode(inner.encode("hello world")) == inner.decode(inner.encode("hello world"))
+
+
+def _reference_cuts(text: str, chunk_chars: int) -> list[int]:
+    """The cut rule spelled out character by character."""
+    cuts, pos = [], chunk_chars
+    while True:
+        found = next(
+            (
+                i
+                for i in range(pos, len(text) - 1)
+                if text[i] == " "
+                and not text[i - 1].isspace()
+                and text[i + 1].isascii()
+                and text[i + 1].isalnum()
+            ),
+            None,
+        )
+        if found is None:
+            return cuts
+        cuts.append(found)
+        pos = found + chunk_chars
+
+
+SPACEY = st.text(alphabet=st.sampled_from(list("ab Z9_é\t\n\x1c\u3000\xa0 .,")), max_size=300)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(TEXTS, SPACEY), st.sampled_from([16, 17, 40]))
+def test_cut_points_follow_the_rule(text, chunk_chars):
+    assert cut_points(text, chunk_chars) == _reference_cuts(text, chunk_chars)
 
 
 def test_cut_points_sit_before_a_word_and_at_least_a_chunk_apart():
