@@ -84,6 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
         "the tiny default model and the sim executor",
     )
     p.add_argument(
+        "--tokenize-whole",
+        action="store_true",
+        help="with --model: tokenize every text prompt whole on the router (default: only as "
+        "far as some worker's cache may match it; the worker tokenizes the rest, exact for "
+        "byte-level BPE tokenizers, others are always tokenized whole)",
+    )
+    p.add_argument(
         "--worker",
         action="append",
         default=[],
@@ -265,6 +272,7 @@ def config_from_args(
             ),
             tenancy=TenancyConfig(args.tenant_header.lower(), secret, args.trust_client_salt),
             ejection=EjectionConfig(args.eject_after, args.eject_cooldown_s),
+            split_prompts=not args.tokenize_whole,
             **served,
         ),
         connection=ConnectionConfig(

@@ -75,6 +75,9 @@ def test_router_defaults():
     assert config.core.recent_window_s == DEFAULT_RECENT_WINDOW_S
     assert config.core.backlog_tokens == DEFAULT_BACKLOG_TOKENS
     assert config.core.recent_decode_ratio == DEFAULT_RECENT_DECODE_RATIO
+    assert config.service.split_prompts  # text prompts tokenized as far as a cache matches
+    whole = cli.build_parser().parse_args(["--worker", "h:1", "--tokenize-whole"])
+    assert not cli.config_from_args(whole).service.split_prompts
 
 
 @pytest.mark.parametrize(
