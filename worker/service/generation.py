@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -34,6 +35,8 @@ from worker.service.observe import NO_OBSERVER, GenerationObserver
 log = logging.getLogger("kvroute.worker.service")
 tracer = trace.get_tracer("kvroute.worker")
 
+# texts longer than this (characters) are tokenized on a thread, not on the event loop
+THREAD_TEXT_CHARS = 16_384
 SHUTTING_DOWN = "the worker is shutting down; send it elsewhere"
 
 
@@ -174,12 +177,17 @@ class WorkerGeneration:
     async def _admit(self, request: pb.GenerateRequest, span: Span) -> RequestStream:
         """Decode and submit a request, or raise the matching ServiceError."""
         try:
-            req = convert.request_from_pb(
+            decode = functools.partial(
+                convert.request_from_pb,
                 request,
                 tokenizer=self.tokenizer,
                 limits=self.limits,
                 new_request_id=lambda: uuid.uuid4().hex,
             )
+            text = len(request.prompt_text) + len(request.prompt_text_suffix)
+            # a long text (a prompt, or the tail a router left to us) is tokenized off the
+            # event loop, which keeps streaming the running requests' tokens meanwhile
+            req = await asyncio.to_thread(decode) if text > THREAD_TEXT_CHARS else decode()
             span.set_attribute("kvroute.request_id", req.request_id)
             span.set_attribute("kvroute.prompt_tokens", len(req.prompt_token_ids))
             if span.is_recording():

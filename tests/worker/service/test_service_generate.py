@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import grpc
 import pytest
@@ -71,6 +72,30 @@ async def test_generate_from_text_detokenizes_and_second_request_hits_the_cache(
         assert second[2].usage.cached_prompt_tokens > 0
         assert first[1] == ByteTokenizer().decode(first[0])
         await w.assert_no_leak()
+
+
+async def test_long_texts_are_tokenized_off_the_event_loop(monkeypatch) -> None:
+    """A long prompt_text or prompt_text_suffix is decoded on a worker thread (the loop keeps
+    streaming meanwhile); short ones on the loop. The suffix's ids follow the prompt's."""
+    threads: list[str] = []
+    decode = generation.convert.request_from_pb
+
+    def recording(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(generation.convert, "request_from_pb", recording)
+    monkeypatch.setattr(generation, "THREAD_TEXT_CHARS", 20)
+    async with running_worker() as w:
+        short = split(await w.generate(text_request("short text", max_new_tokens=2)))
+        req = token_request([104, 105], max_new_tokens=2)
+        req.prompt_text_suffix = " and the rest of a long prompt"
+        tail = split(await w.generate(req))
+        await w.assert_no_leak()
+    assert threads[0] == threading.main_thread().name
+    assert threads[1] != threading.main_thread().name
+    assert short[2].usage.prompt_tokens == len("short text")
+    assert tail[2].usage.prompt_tokens == 2 + len(" and the rest of a long prompt")
 
 
 async def test_server_assigns_a_request_id_when_empty() -> None:
