@@ -1,82 +1,74 @@
-"""Radix cache micro-benchmark: insert, match, split-match, insert with events, eviction.
+"""Radix cache micro-benchmark: our worker's RadixCache, and SGLang's on the same op traces.
 
-Fixed op trace (seeded): 2,000 sequences of 2,000 tokens sharing a 512-token prefix.
-
-    python -m bench.bench_radix_cache --json radix.json          # full run (~1 minute)
+    python -m bench.bench_radix_cache --json radix.json          # ours only (~1 minute)
     python -m bench.bench_radix_cache --quick --json radix.json  # smoke run (seconds)
+    bench/peers/install_sglang.sh                                # once: SGLang in .peers/
+    python -m bench.bench_radix_cache --peer-python .peers/sglang-radix/bin/python \\
+        --json radix.json                                        # both, same sitting
 
-Metrics (JSON keys):
-  insert_seq_s          the worker's step per sequence (match, allocate the miss, insert, free
-                        duplicate slots), page_size 1 -- sequences/s
+The traces (bench/radix_trace.py, seeded) are built by both sides from the same code; the
+peer (bench/peers/sglang_radix.py, run by the given python) proves it with a digest of every
+token. Each round runs every case on ours, then on SGLang, so both see the same machine
+load; each figure is the median of ``--rounds`` rounds, timed with the cyclic GC paused.
+
+Metrics (keys of the "kvroute" / "sglang" objects in the JSON):
+  insert_seq_s          a worker step per sequence (match, allocate the miss, insert, free
+                        duplicate slots), page_size 1; 2,000 sequences of 2,000 tokens
+                        sharing a 512-token prefix -- sequences/s
   match_full_q_s        match_prefix of every stored sequence -- queries/s
   match_split_q_s       match_prefix of each sequence's first 1,256 tokens + fresh tokens, so
                         every query splits a node -- queries/s
-  insert_events_seq_s   insert_seq_s at page_size 16 with block events on, drained every step
-  evict_us_per_node_*   a cache of 10k / 100k / 1M leaves of 3 tokens; 100 calls that each
-                        evict one leaf -- microseconds per call
+  insert_events_seq_s   insert_seq_s at page_size 16 with KV events on, drained every step
+  evict_us_per_call_flat_{N}k
+                        a cache of N thousand 3-token leaves under the root; calls that each
+                        ask for 1 token (one leaf) -- microseconds per call (the easy case
+                        for a persistent heap, the worst one for a heap rebuilt per call)
+  evict_us_per_call_tree_k{K}
+                        a realistic cache (tenants -> system prompts -> conversations ->
+                        turns, ~7,200 sequences, ~2.9M tokens, nodes at several depths, the
+                        64 latest conversations locked as running requests); calls that each
+                        ask for K tokens, as a scheduler admitting a request does; a fresh
+                        tree per K and round -- microseconds per call
 
-Each figure is the best of 5 rounds (the machine may be shared), timed with the cyclic GC
-paused, as timeit does.
+"ours_over_sglang" is kvroute / SGLang per key: above 1 on a rate means we are faster,
+below 1 on a microseconds key means we are faster.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
+import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from bench.radix_trace import (
+    QUICK,
+    RATE_KEYS,
+    TraceSpec,
+    TreeTrace,
+    flat_keys,
+    flat_leaf,
+    make_trace,
+    make_tree_trace,
+    metric_keys,
+    split_queries,
+    trace_digest,
+    tree_keys,
+)
 from worker.cache.allocator import SlotAllocator
 from worker.cache.base import CacheConfig
 from worker.cache.radix_cache import RadixCache
 
-KEYS = (
-    "insert_seq_s",
-    "match_full_q_s",
-    "match_split_q_s",
-    "insert_events_seq_s",
-    "evict_us_per_node_10k",
-    "evict_us_per_node_100k",
-    "evict_us_per_node_1000k",
-)
-
-# SGLang's RadixCache on the same trace (from the task brief); we aim for 2x each rate.
-SGLANG = {
-    "insert_seq_s": 14_000.0,
-    "match_full_q_s": 66_000.0,
-    "match_split_q_s": 32_000.0,
-    "insert_events_seq_s": 5_000.0,
-    "evict_us_per_node_10k": 14_000.0,
-}
-
-
-@dataclass(frozen=True, slots=True)
-class TraceSpec:
-    num_seqs: int = 2000
-    seq_len: int = 2000
-    prefix_len: int = 512
-    split_at: int = 1256
-    vocab: int = 32_000
-    seed: int = 0
-    evict_leaves: tuple[int, ...] = (10_000, 100_000, 1_000_000)
-    evict_calls: int = 100
-    repeats: int = 5  # every figure is the best of this many rounds
-
-
-QUICK = TraceSpec(num_seqs=200, evict_leaves=(1_000, 2_000, 5_000), evict_calls=20, repeats=1)
-
-
-def make_trace(spec: TraceSpec) -> np.ndarray:
-    """(num_seqs, seq_len) int64 token ids; every row starts with the same prefix."""
-    rng = np.random.default_rng(spec.seed)
-    trace = rng.integers(0, spec.vocab, size=(spec.num_seqs, spec.seq_len), dtype=np.int64)
-    trace[:, : spec.prefix_len] = trace[0, : spec.prefix_len]
-    return trace
+PEER_SCRIPT = Path(__file__).resolve().parent / "peers" / "sglang_radix.py"
 
 
 def worker_step(cache: RadixCache, alloc: SlotAllocator, tokens: np.ndarray) -> None:
@@ -103,128 +95,272 @@ def timed(fn: Callable[[], object]) -> float:
         gc.enable()
 
 
-def bench_insert_match(trace: np.ndarray, spec: TraceSpec) -> dict[str, float]:
-    """Best of ``spec.repeats`` rounds, each on a fresh cache."""
-    rows = list(trace)
-    fresh = np.arange(spec.seq_len - spec.split_at, dtype=np.int64) + spec.vocab
-    queries = [np.concatenate((row[: spec.split_at], fresh)) for row in rows]
-    best = {"insert_seq_s": 0.0, "match_full_q_s": 0.0, "match_split_q_s": 0.0}
-    for _ in range(spec.repeats):
-        alloc = SlotAllocator(trace.size)
+class OurSide:
+    """One side of the comparison: runs one round of every case on our RadixCache. The flat
+    eviction caches live across rounds (the evicted leaves are put back, untimed)."""
+
+    def __init__(self, spec: TraceSpec) -> None:
+        self.spec = spec
+        self.trace = make_trace(spec)
+        self.rows = list(self.trace)
+        self.queries = split_queries(self.trace, spec)
+        self.tree = make_tree_trace(spec)
+        self._flat: dict[int, tuple[RadixCache, SlotAllocator]] = {}
+        self._next_leaf: dict[int, int] = {}
+        self.freed_per_call: dict[str, float] = {}
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Run each path once before any clock runs (as the peer does for its one-time costs)."""
+        alloc = SlotAllocator(self.trace.size)
+        cache = RadixCache(CacheConfig(page_size=16, block_size=16), alloc)
+        for row in self.rows[:2]:
+            worker_step(cache, alloc, row)
+        cache.take_events()
+        cache.match_prefix(self.queries[0])
+        cache.evict(16)
+
+    def round(self) -> dict[str, float]:
+        result = self._insert_match()
+        result["insert_events_seq_s"] = self._insert_events()
+        for key, leaves, calls in zip(
+            flat_keys(self.spec), self.spec.evict_leaves, self.spec.evict_calls, strict=True
+        ):
+            result[key] = self._evict_flat(leaves, calls)
+        for key, k in zip(tree_keys(self.spec), self.spec.tree_evict_k, strict=True):
+            result[key] = self._evict_tree(k)
+        return result
+
+    def _insert_match(self) -> dict[str, float]:
+        rows, queries = self.rows, self.queries
+        alloc = SlotAllocator(self.trace.size)
         cache = RadixCache(CacheConfig(page_size=1), alloc)
 
-        def insert_all(cache=cache, alloc=alloc) -> None:
+        def insert_all() -> None:
             for row in rows:
                 worker_step(cache, alloc, row)
 
-        def match_all(cache=cache) -> None:
+        def match_all() -> None:
             for row in rows:
                 cache.match_prefix(row)
 
-        def split_all(cache=cache) -> None:
+        def split_all() -> None:
             for q in queries:
                 cache.match_prefix(q)
 
-        rates = {
+        result = {
             "insert_seq_s": len(rows) / timed(insert_all),
             "match_full_q_s": len(rows) / timed(match_all),
-            "match_split_q_s": len(rows) / timed(split_all),
+            "match_split_q_s": len(queries) / timed(split_all),
         }
-        assert cache.match_prefix(queries[-1]).num_matched == spec.split_at
-        best = {k: max(v, rates[k]) for k, v in best.items()}
-        del cache, alloc
-    return best
+        assert cache.match_prefix(queries[-1]).num_matched == self.spec.split_at
+        return result
 
-
-def bench_insert_events(trace: np.ndarray, spec: TraceSpec) -> dict[str, float]:
-    rows = list(trace)
-    best = 0.0
-    for _ in range(spec.repeats):
-        alloc = SlotAllocator(trace.size)
+    def _insert_events(self) -> float:
+        rows = self.rows
+        alloc = SlotAllocator(self.trace.size)
         cache = RadixCache(CacheConfig(page_size=16, block_size=16), alloc)
         events: list = []
 
-        def insert_all(cache=cache, alloc=alloc, events=events) -> None:
+        def insert_all() -> None:
             for row in rows:
                 worker_step(cache, alloc, row)
                 events.extend(cache.take_events())
 
-        best = max(best, len(rows) / timed(insert_all))
+        rate = len(rows) / timed(insert_all)
         assert len(events) == len(rows)
-    return {"insert_events_seq_s": best}
+        return rate
 
+    def _evict_flat(self, num_leaves: int, calls: int) -> float:
+        """Microseconds per evict(1) call on a cache of ``num_leaves`` 3-token leaves."""
+        if num_leaves not in self._flat:
+            alloc = SlotAllocator(3 * (num_leaves + calls))
+            self._flat[num_leaves] = (RadixCache(CacheConfig(page_size=1), alloc), alloc)
+            self._next_leaf[num_leaves] = 0
+            self._add_leaves(num_leaves, num_leaves)
+        cache, _ = self._flat[num_leaves]
 
-def bench_evict(num_leaves: int, spec: TraceSpec) -> float:
-    """Microseconds per evict() call that frees one 3-token leaf out of ``num_leaves``
-    (best of ``spec.repeats`` rounds of ``spec.evict_calls`` calls; the evicted leaves are
-    replaced between rounds, untimed)."""
-    calls = spec.evict_calls
-    alloc = SlotAllocator(3 * (num_leaves + calls))
-    cache = RadixCache(CacheConfig(page_size=1), alloc)
-    next_key = 0
+        def evict_some() -> None:
+            for _ in range(calls):
+                cache.evict(1)
 
-    def add_leaves(n: int) -> None:
-        nonlocal next_key
-        for key in range(next_key, next_key + n):
+        seconds = timed(evict_some)
+        assert cache.num_evictable_leaves == num_leaves - calls
+        self._add_leaves(num_leaves, calls)
+        return seconds / calls * 1e6
+
+    def _add_leaves(self, num_leaves: int, n: int) -> None:
+        cache, alloc = self._flat[num_leaves]
+        first = self._next_leaf[num_leaves]
+        for i in range(first, first + n):
             slots = alloc.alloc(3)
             assert slots is not None
-            cache.insert(np.full(3, key, dtype=np.int64), slots)
-        next_key += n
+            cache.insert(flat_leaf(i), slots)
+        self._next_leaf[num_leaves] = first + n
 
-    add_leaves(num_leaves)
+    def _evict_tree(self, k: int) -> float:
+        """Microseconds per evict(k) call on a freshly built realistic tree."""
+        cache = build_tree(self.tree)
+        calls = self.spec.tree_evict_calls
+        freed: list[int] = []
 
-    def evict_some() -> None:
-        for _ in range(calls):
-            cache.evict(1)
+        def evict_some() -> None:
+            for _ in range(calls):
+                freed.append(cache.evict(k))
 
-    best = float("inf")
-    for _ in range(spec.repeats):
-        best = min(best, timed(evict_some))
-        assert cache.num_evictable_leaves == num_leaves - calls
-        add_leaves(calls)
-    return best / calls * 1e6
-
-
-def run(spec: TraceSpec) -> dict[str, float]:
-    trace = make_trace(spec)
-    result = bench_insert_match(trace, spec)
-    result |= bench_insert_events(trace, spec)
-    for key, leaves in zip(KEYS[4:], spec.evict_leaves, strict=True):
-        result[key] = bench_evict(leaves, spec)
-    return result
+        seconds = timed(evict_some)
+        assert min(freed) >= k, "the tree ran out of evictable tokens"
+        self.freed_per_call[f"k{k}"] = sum(freed) / calls
+        return seconds / calls * 1e6
 
 
-def format_table(result: dict[str, float], spec: TraceSpec) -> str:
-    lines = [f"{'metric':<26}{'value':>14}{'SGLang':>12}{'ratio':>8}"]
-    for key in KEYS:
-        value = result[key]
-        ref = SGLANG.get(key)
-        if ref is None:
-            base = result["evict_us_per_node_10k"]
-            lines.append(f"{key:<26}{value:>14,.1f}{'':>12}{value / base:>7.2f}x of 10k")
-            continue
-        ratio = ref / value if key.startswith("evict") else value / ref
-        lines.append(f"{key:<26}{value:>14,.1f}{ref:>12,.0f}{ratio:>7.1f}x")
+def build_tree(tree: TreeTrace) -> RadixCache:
+    """The realistic cache: every sequence inserted by a worker step, in arrival order, then
+    the running conversations' latest nodes locked."""
+    alloc = SlotAllocator(tree.pool_slots)
+    cache = RadixCache(CacheConfig(page_size=1), alloc)
+    for seq in tree.seqs:
+        worker_step(cache, alloc, seq)
+    for i in tree.locked:
+        cache.inc_lock_ref(cache.match_prefix(tree.seqs[i]).last_node)
+    return cache
+
+
+class PeerSide:
+    """SGLang's side: bench/peers/sglang_radix.py in another interpreter, one round per line
+    written to its stdin, one JSON line back per round."""
+
+    def __init__(self, python: str, quick: bool, spec: TraceSpec) -> None:
+        cmd = [python, "-W", "ignore", str(PEER_SCRIPT), "--serve"]
+        if quick:
+            cmd.append("--quick")
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        hello = self._read()
+        expected = trace_digest(spec)
+        if hello.get("trace_digest") != expected:
+            self.close()
+            raise RuntimeError(
+                f"peer replays another trace: digest {hello.get('trace_digest')!r}, "
+                f"ours {expected!r}"
+            )
+        self.version: str = hello.get("version", "?")
+        self.freed_per_call: dict[str, float] = {}
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            rc = self.proc.wait()
+            raise RuntimeError(f"peer {PEER_SCRIPT.name} exited ({rc}) without an answer")
+        reply: dict[str, Any] = json.loads(line)
+        return reply
+
+    def round(self) -> dict[str, float]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("round\n")
+        self.proc.stdin.flush()
+        reply = self._read()
+        self.freed_per_call = reply.pop("freed_per_call", {})
+        return {key: float(value) for key, value in reply.items()}
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def medians(rounds: list[dict[str, float]], keys: tuple[str, ...]) -> dict[str, float]:
+    return {key: statistics.median(r[key] for r in rounds) for key in keys}
+
+
+def run(spec: TraceSpec, peer_python: str | None = None, quick: bool = False) -> dict[str, Any]:
+    """Alternate rounds (ours, then SGLang's) and return the report: medians per side, the
+    ratios, and what each side freed per tree eviction call."""
+    keys = metric_keys(spec)
+    ours = OurSide(spec)
+    peer = None if peer_python is None else PeerSide(peer_python, quick, spec)
+    our_rounds: list[dict[str, float]] = []
+    peer_rounds: list[dict[str, float]] = []
+    try:
+        for _ in range(spec.rounds):
+            our_rounds.append(ours.round())
+            if peer is not None:
+                peer_rounds.append(peer.round())
+    finally:
+        if peer is not None:
+            peer.close()
+    report: dict[str, Any] = {"kvroute": medians(our_rounds, keys)}
+    freed: dict[str, Any] = {"kvroute": ours.freed_per_call}
+    if peer is not None:
+        report["sglang"] = medians(peer_rounds, keys)
+        report["ours_over_sglang"] = {
+            key: report["kvroute"][key] / report["sglang"][key] for key in keys
+        }
+        report["sglang_version"] = peer.version
+        freed["sglang"] = peer.freed_per_call
+    report["tree_freed_tokens_per_call"] = freed
+    report["rounds"] = spec.rounds
+    return report
+
+
+def _who_wins(key: str, ratio: float) -> str:
+    faster = ratio if key in RATE_KEYS else 1 / ratio
+    return f"kvroute {faster:.1f}x" if faster >= 1 else f"SGLang {1 / faster:.1f}x"
+
+
+def format_table(report: dict[str, Any], spec: TraceSpec) -> str:
+    ours = report["kvroute"]
+    peer = report.get("sglang")
+    head = f"{'metric':<30}{'kvroute':>14}"
+    if peer is not None:
+        head += f"{'SGLang':>14}{'ours/SGLang':>13}  faster"
+    lines = [head]
+    for key in metric_keys(spec):
+        line = f"{key:<30}{ours[key]:>14,.1f}"
+        if peer is not None:
+            ratio = report["ours_over_sglang"][key]
+            line += f"{peer[key]:>14,.1f}{ratio:>13.3g}  {_who_wins(key, ratio)}"
+        lines.append(line)
+    tree = make_tree_trace(spec)
     lines.append(
         f"trace: {spec.num_seqs} seqs x {spec.seq_len} tokens, shared prefix {spec.prefix_len}; "
-        f"evict leaves {spec.evict_leaves}"
+        f"flat leaves {spec.evict_leaves} with {spec.evict_calls} calls per round; "
+        f"tree: {len(tree.seqs)} seqs of {tree.num_convs} conversations, "
+        f"{tree.num_tokens:,} tokens, {len(tree.locked)} locked, "
+        f"{spec.tree_evict_calls} calls per K per round"
     )
+    for side, freed in report["tree_freed_tokens_per_call"].items():
+        shown = ", ".join(f"{k}: {v:,.0f}" for k, v in freed.items())
+        lines.append(f"tokens freed per tree call, {side}: {shown}")
+    order = " (ours, then SGLang's, alternating)" if peer is not None else ""
+    lines.append(f"median of {report['rounds']} rounds{order}")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="bench_radix_cache", description="Radix KV cache micro-benchmark."
+        prog="bench_radix_cache", description="Radix KV cache micro-benchmark (vs SGLang)."
     )
-    parser.add_argument("--json", metavar="OUT", help="write the metrics as JSON to OUT")
+    parser.add_argument("--json", metavar="OUT", help="write the report as JSON to OUT")
     parser.add_argument("--quick", action="store_true", help="small smoke run (seconds)")
+    parser.add_argument("--rounds", type=int, help="rounds per side (default 5; quick 1)")
+    parser.add_argument(
+        "--peer-python",
+        metavar="PATH",
+        help="python of the SGLang venv (bench/peers/install_sglang.sh): run SGLang's "
+        "RadixCache on the same traces, alternating rounds with ours",
+    )
     args = parser.parse_args(argv)
     spec = QUICK if args.quick else TraceSpec()
-    result = run(spec)
-    print(format_table(result, spec))
+    if args.rounds is not None:
+        if args.rounds < 1:
+            parser.error("--rounds must be >= 1")
+        spec = dataclasses.replace(spec, rounds=args.rounds)
+    report = run(spec, args.peer_python, args.quick)
+    print(format_table(report, spec))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({key: result[key] for key in KEYS}, f, indent=2)
+            json.dump(report, f, indent=2)
             f.write("\n")
     return 0
 
