@@ -145,7 +145,7 @@ class RouterCore:
         self._next_slot = 0
         self._healthy: list[WorkerView] = []
         # the views' cost fields by slot, for policies that score all candidates at once
-        self._table = WorkerTable()
+        self._table = WorkerTable(weights=config.weights)
         self._healthy_set = CandidateSet.of(self._healthy, self._table)
         self._inflight: dict[str, _Inflight] = {}
         self._num_routed = 0

@@ -238,7 +238,7 @@ class WorkerView:
     def queued_prefill_tokens(self, value: int) -> None:
         self._queued = value
         if self._table is not None:
-            self._table.fields[0, self.slot] = value
+            self._table.set_load(self.slot, value, self._running)
 
     @property
     def num_running(self) -> int:
@@ -248,7 +248,7 @@ class WorkerView:
     def num_running(self, value: int) -> None:
         self._running = value
         if self._table is not None:
-            self._table.fields[1, self.slot] = value
+            self._table.set_load(self.slot, self._queued, value)
 
     @property
     def recent_prefill(self) -> float:
@@ -271,34 +271,42 @@ class WorkerView:
             running = max(self.num_active, load.num_running + load.num_waiting)
         self._queued = queued
         self._running = running
-        table = self._table
-        if table is not None:
-            fields = table.fields
-            fields[0, self.slot] = queued
-            fields[1, self.slot] = running
+        if self._table is not None:
+            self._table.set_load(self.slot, queued, running)
 
 
 class WorkerTable:
     """The cache-aware cost's inputs for every attached view, by worker slot: ``fields``
     rows 0, 1 and 2 hold each slot's ``queued_prefill_tokens``, ``num_running`` and
     ``recent_prefill`` as float64 (the values the cost's float arithmetic converts them to),
-    kept current by the views themselves."""
+    row 3 the cost's load part under ``weights``, ``queued_prefill * queued +
+    decode * running``, computed in Python as :meth:`CacheAware.costs` computes it; kept
+    current by the views themselves."""
 
-    __slots__ = ("fields",)
+    __slots__ = ("_wd", "_wq", "fields", "weights")
 
-    def __init__(self, capacity: int = 64) -> None:
-        self.fields = np.zeros((3, max(capacity, 1)))
+    def __init__(self, capacity: int = 64, weights: CostWeights | None = None) -> None:
+        self.fields = np.zeros((4, max(capacity, 1)))
+        self.weights = weights = weights or CostWeights()
+        self._wq, self._wd = weights.queued_prefill, weights.decode
+
+    def set_load(self, slot: int, queued: int, running: int) -> None:
+        fields = self.fields
+        fields[0, slot] = queued
+        fields[1, slot] = running
+        fields[3, slot] = self._wq * queued + self._wd * running
 
     def attach(self, view: WorkerView) -> None:
         """Keep ``view``'s cost fields here from now on (its slot's column is overwritten)."""
         slot = view.slot
         capacity = self.fields.shape[1]
         if slot >= capacity:
-            grown = np.zeros((3, max(2 * capacity, slot + 1)))
+            grown = np.zeros((4, max(2 * capacity, slot + 1)))
             grown[:, :capacity] = self.fields
             self.fields = grown
         view._table = self
-        self.fields[:, slot] = (view._queued, view._running, view._recent)
+        self.fields[2, slot] = view._recent
+        self.set_load(slot, view._queued, view._running)
 
     @staticmethod
     def detach(view: WorkerView) -> None:
@@ -469,27 +477,33 @@ class CacheAware(Policy):
         if type(self).costs is not CacheAware.costs or not self._finite:
             # a subclass with a cost of its own, or infinite weights
             return self.select(query, candidates.views, matched, rng)
-        queued, running, recent = candidates.table.fields[:, candidates.columns]
+        table = candidates.table
+        fields = table.fields[:, candidates.columns]
         w = self.config.weights
         wp = w.prefill
         if self._per_backlog:
-            floor = float(queued.min())
+            floor = float(fields[0].min())
             if floor > 0:  # as costs(): every candidate has a backlog
                 wp *= 1.0 + floor * self._per_backlog
         # per candidate, as costs() adds them: ((wq*q + wd*r) + wr*recent) + prefill term
-        cost = queued * w.queued_prefill
-        cost += running * w.decode
-        cost += recent * (w.recent_prefill * query.recent_scale)
+        cost = fields[2] * (w.recent_prefill * query.recent_scale)
+        if table.weights is w or table.weights == w:
+            cost += fields[3]  # wq*q + wd*r, kept by the table
+        else:
+            load = fields[0] * w.queued_prefill
+            load += fields[1] * w.decode
+            cost += load
         prompt = query.prompt_tokens
         total = cost + wp * prompt
         if matched:
             bs = query.block_size
             position = candidates.position
             if len(matched) <= _FEW_MATCHED:
+                item = cost.item
                 for s, d in matched.items():
                     i = position.get(s)
                     if i is not None:
-                        total[i] = cost[i] + wp * max(prompt - d * bs, 0)
+                        total[i] = item(i) + wp * max(prompt - d * bs, 0)
             else:
                 at = [position.get(s, -1) for s in matched]
                 terms = [wp * max(prompt - d * bs, 0) for d in matched.values()]
@@ -497,13 +511,16 @@ class CacheAware(Policy):
                 keep = pos >= 0
                 pos = pos[keep]
                 total[pos] = cost[pos] + np.array(terms)[keep]
-        best = total.min()
+        i = int(total.argmin())  # the first minimum, as select()'s list.index finds it
+        best = total.item(i)
         if best != best:  # NaN (inf * 0 after an overflow): select()'s own order
             return self.select(query, candidates.views, matched, rng)
-        ties = np.flatnonzero(total == best)
-        n = len(ties)
-        i = int(ties[rng.randrange(n)]) if n > 1 else int(ties[0])
-        return i, float(total[i])
+        ties = total == best
+        n = int(np.count_nonzero(ties))
+        if n > 1:
+            i = int(np.flatnonzero(ties)[rng.randrange(n)])
+            best = total.item(i)
+        return i, best
 
 
 _FEW_MATCHED = 16  # up to this many matched workers, their prefill terms are set one by one

@@ -28,12 +28,15 @@ recent = st.sampled_from([0.0, 0.5, 3.0]) | st.floats(0, 1e12)
 
 
 @st.composite
-def fleets(draw):
+def fleets(draw, weights: CostWeights):
     n = draw(st.integers(1, 40))
     slots = draw(st.permutations(range(n + draw(st.integers(0, 5)))))[:n]
     if draw(st.booleans()):
         slots = sorted(slots)
-    table = WorkerTable(capacity=draw(st.integers(1, 8)))  # attach grows it
+    # the table keeps the load part under its weights: the policy's, or others (then the
+    # policy computes it from the rows); attach grows the capacity
+    table_weights = draw(st.sampled_from([weights, CostWeights(*weights_of(weights)), None]))
+    table = WorkerTable(capacity=draw(st.integers(1, 8)), weights=table_weights)
     views = []
     for s in slots:
         v = WorkerView(f"w{s}", s)
@@ -59,9 +62,13 @@ def fleets(draw):
     return table, candidates, matched
 
 
+def weights_of(w: CostWeights) -> tuple[float, ...]:
+    return (w.prefill, w.queued_prefill, w.decode, w.recent_prefill)
+
+
 @given(
-    fleet=fleets(),
-    weights=st.tuples(weight, weight, weight, weight),
+    data=st.data(),
+    weights=st.builds(CostWeights, weight, weight, weight, weight),
     backlog=st.sampled_from([0.0, 1.0, 50_000.0]),
     prompt=st.integers(0, 700),
     scale=st.sampled_from([1.0, 0.5, 1e-30]),
@@ -69,9 +76,9 @@ def fleets(draw):
     seed=st.integers(0, 2**32),
 )
 @settings(max_examples=400, deadline=None)
-def test_select_set_equals_select(fleet, weights, backlog, prompt, scale, policy_name, seed):
-    table, candidates, matched = fleet
-    config = PolicyConfig(CostWeights(*weights), backlog_tokens=backlog)
+def test_select_set_equals_select(data, weights, backlog, prompt, scale, policy_name, seed):
+    table, candidates, matched = data.draw(fleets(weights))
+    config = PolicyConfig(weights, backlog_tokens=backlog)
     policy = make_policy(policy_name, config)
     query = RouteQuery("r", prompt, 16, list(range(prompt // 16)), recent_scale=scale)
     rng_ref, rng_new = random.Random(seed), random.Random(seed)
@@ -90,20 +97,20 @@ def test_table_follows_every_change_of_an_attached_view() -> None:
         table.attach(v)
     b.inflight_prefill_tokens, b.num_active = 40, 2
     b.refresh()
-    assert table.fields[:, 5].tolist() == [40.0, 2.0, 0.0]
+    assert table.fields[:, 5].tolist() == [40.0, 2.0, 0.0, 0.25 * 40 + 16.0 * 2]
     b.load = LoadReport(num_running=3, num_waiting=4, num_queued_prefill_tokens=90)
     b.refresh()
     b.recent_prefill = 7.5
-    assert table.fields[:, 5].tolist() == [90.0, 7.0, 7.5]
+    assert table.fields[:, 5].tolist() == [90.0, 7.0, 7.5, 0.25 * 90 + 16.0 * 7]
     b.queued_prefill_tokens, b.num_running = 1, 2  # direct assignment writes through too
-    assert table.fields[:, 5].tolist() == [1.0, 2.0, 7.5]
+    assert table.fields[:, 5].tolist() == [1.0, 2.0, 7.5, 0.25 + 32.0]
     WorkerTable.detach(b)
     b.recent_prefill = 99.0
     assert table.fields[2, 5] == 7.5  # a detached view no longer writes
     c = WorkerView("c", 5, recent_prefill=3.0)  # a new worker in the freed slot
     table.attach(c)
-    assert table.fields[:, 5].tolist() == [0.0, 0.0, 3.0]
-    assert table.fields[:, 0].tolist() == [0.0, 0.0, 0.0]
+    assert table.fields[:, 5].tolist() == [0.0, 0.0, 3.0, 0.0]
+    assert table.fields[:, 0].tolist() == [0.0, 0.0, 0.0, 0.0]
 
 
 def test_a_subclass_with_its_own_cost_is_scored_by_it() -> None:
