@@ -1,0 +1,404 @@
+"""Triton kernels for ``worker.engine.paged_attention`` (imported only when they are used).
+
+Kept apart from ``paged_attention`` so that module imports without triton, and so a process
+decides whether Triton runs in its CPU interpreter (``TRITON_INTERPRET=1``, read when these
+kernels are defined) before anything imports this one.
+
+Only long-stable ``triton.language`` is used (program_id, arange, masked load/store, dot,
+exp, log, max, sum, where, maximum), so the kernels build with the Triton a CUDA torch ships.
+
+Decode (``decode_triton``): one program per (request, kv head, split of the context). It
+holds the ``H // KVH`` query heads that share the kv head as the rows of one tile, walks its
+part of the request's slot table ``BLOCK_N`` slots at a time, loads those K/V rows straight
+from the pool by slot index and keeps an online softmax (running max, running sum, rescaled
+accumulator). With one split it writes the output; with several each writes its normalised
+partial output and log-sum-exp, and a second kernel combines the splits.
+
+Prefill (``prefill_triton``): one program per (query block of one item, query head), the
+blocks listed by the plan; each walks the item's slots up to its last query's position with
+the same online softmax and a causal mask on absolute positions.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from worker.engine.paged_attention import PrefillPlan, decode_splits
+
+# The interpreter multiplies bfloat16 tiles in tl.dot as raw uint16 (wrong); there the
+# kernels upcast dot operands to float32 first. A GPU multiplies bfloat16 on tensor cores.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@triton.jit
+def _mma(a, b, F32: tl.constexpr):
+    """a @ b with a float32 result; F32: operands are (or are made) float32, multiplied
+    exactly rather than in tf32."""
+    if F32:  # noqa: SIM108 (a constexpr branch: one tl.dot is compiled)
+        r = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        r = tl.dot(a, b)
+    return r
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    table_ptr,
+    lens_ptr,
+    out_ptr,
+    mid_o_ptr,
+    mid_lse_ptr,
+    scale,
+    stride_qb,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    stride_tb,
+    stride_ob,
+    stride_oh,
+    REP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    F32: tl.constexpr,
+):
+    b = tl.program_id(0)
+    g = tl.program_id(1)  # kv head
+    split = tl.program_id(2)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_h = offs_h < REP
+    mask_d = offs_d < HEAD_DIM
+    heads = g * REP + offs_h
+
+    q = tl.load(
+        q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=mask_h[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    length = tl.load(lens_ptr + b)
+    # This split's keys [lo, hi): the context cut into NUM_SPLITS whole blocks of BLOCK_N.
+    per_split = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, length)
+
+    m_i = tl.zeros([BLOCK_H], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        keys = start + offs_n
+        mask_n = keys < hi
+        slots = tl.load(table_ptr + b * stride_tb + keys, mask=mask_n, other=0).to(tl.int64)
+        kt = tl.load(  # [BLOCK_D, BLOCK_N]: K transposed
+            k_ptr + slots[None, :] * stride_ks + g * stride_kh + offs_d[:, None],
+            mask=mask_n[None, :] & mask_d[:, None],
+            other=0.0,
+        )
+        s = _mma(q, kt, F32) * scale
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_ptr + slots[:, None] * stride_vs + g * stride_vh + offs_d[None, :],
+            mask=mask_n[:, None] & mask_d[None, :],
+            other=0.0,
+        )
+        acc = acc * alpha[:, None] + _mma(p.to(v.dtype), v, F32)
+        m_i = m_new
+
+    nonempty = l_i > 0
+    o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(
+            out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=mask_h[:, None] & mask_d[None, :],
+        )
+    else:
+        # mid_o: float32 [B, H, NUM_SPLITS, BLOCK_D]; mid_lse: float32 [B, H, NUM_SPLITS].
+        row = (b * (REP * tl.num_programs(1)) + heads) * NUM_SPLITS + split
+        tl.store(
+            mid_o_ptr + row[:, None] * BLOCK_D + offs_d[None, :],
+            o,
+            mask=mask_h[:, None] & mask_d[None, :],
+        )
+        lse = tl.where(nonempty, m_i + tl.log(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+        tl.store(mid_lse_ptr + row, lse, mask=mask_h)
+
+
+@triton.jit
+def _combine_kernel(
+    mid_o_ptr,
+    mid_lse_ptr,
+    out_ptr,
+    stride_ob,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Out[b, h] = the splits' outputs weighted by exp(lse - max lse), normalised."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < NUM_SPLITS
+    row = (b * NUM_HEADS + h) * NUM_SPLITS
+    lse = tl.load(mid_lse_ptr + row + offs_s, mask=mask_s, other=float("-inf"))
+    o = tl.load(
+        mid_o_ptr + (row + offs_s)[:, None] * BLOCK_D + offs_d[None, :],
+        mask=mask_s[:, None],
+        other=0.0,
+    )
+    w = tl.exp(lse - tl.max(lse, 0))  # split 0 is never empty: the max is finite
+    res = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(
+        out_ptr + b * stride_ob + h * stride_oh + offs_d,
+        res.to(out_ptr.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
+    )
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    cu_q_ptr,
+    start_ptr,
+    table_ptr,
+    block_item_ptr,
+    block_row_ptr,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    stride_tb,
+    stride_ot,
+    stride_oh,
+    REP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    F32: tl.constexpr,
+):
+    blk = tl.program_id(0)
+    h = tl.program_id(1)
+    g = h // REP
+    item = tl.load(block_item_ptr + blk)
+    row0 = tl.load(block_row_ptr + blk)
+    q_first = tl.load(cu_q_ptr + item)
+    num_new = tl.load(cu_q_ptr + item + 1) - q_first
+    start_pos = tl.load(start_ptr + item)
+
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < num_new
+    mask_d = offs_d < HEAD_DIM
+    rows = (q_first + offs_m).to(tl.int64)
+    q = tl.load(
+        q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+        mask=mask_m[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    qpos = start_pos + offs_m  # absolute positions of the block's queries
+    # Keys up to the block's last real query (the item's context ends there or later).
+    hi = start_pos + tl.minimum(row0 + BLOCK_M, num_new)
+
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start in range(0, hi, BLOCK_N):
+        keys = start + offs_n
+        mask_n = keys < hi
+        slots = tl.load(table_ptr + item * stride_tb + keys, mask=mask_n, other=0).to(tl.int64)
+        kt = tl.load(
+            k_ptr + slots[None, :] * stride_ks + g * stride_kh + offs_d[:, None],
+            mask=mask_n[None, :] & mask_d[:, None],
+            other=0.0,
+        )
+        s = _mma(q, kt, F32) * scale
+        # Key 0 is visible to every row (padding rows too), so no row is ever all -inf
+        # after the first block and the running max stays finite.
+        visible = mask_n[None, :] & (keys[None, :] <= qpos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_ptr + slots[:, None] * stride_vs + g * stride_vh + offs_d[None, :],
+            mask=mask_n[:, None] & mask_d[None, :],
+            other=0.0,
+        )
+        acc = acc * alpha[:, None] + _mma(p.to(v.dtype), v, F32)
+        m_i = m_new
+
+    o = acc / l_i[:, None]
+    tl.store(
+        out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+        o.to(out_ptr.dtype.element_ty),
+        mask=mask_m[:, None] & mask_d[None, :],
+    )
+
+
+def _pow2(n: int, floor: int = 16) -> int:
+    return max(floor, triton.next_power_of_2(n))
+
+
+def _use_f32(*tensors: torch.Tensor) -> bool:
+    """Multiply in float32: float32 inputs, or bfloat16 under the interpreter (see above)."""
+    dtypes = {t.dtype for t in tensors}
+    return torch.float32 in dtypes or (_INTERPRET and torch.bfloat16 in dtypes)
+
+
+def _check_pool(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
+    """The GQA ratio; the pool's K/V are [slots, KVH, D] with unit stride over D."""
+    if k_cache.dim() != 3 or v_cache.shape != k_cache.shape:
+        raise ValueError("k_cache / v_cache: need equal shapes [num_slots, kv_heads, head_dim]")
+    if k_cache.stride(2) != 1 or v_cache.stride(2) != 1 or q.stride(-1) != 1:
+        raise ValueError("q, k_cache, v_cache: head_dim must be the contiguous axis")
+    heads, kv_heads = q.shape[-2], k_cache.shape[1]
+    if heads % kv_heads or q.shape[-1] != k_cache.shape[2]:
+        raise ValueError(f"q {tuple(q.shape)} does not fit a pool of {tuple(k_cache.shape)}")
+    return heads // kv_heads
+
+
+def decode_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_table: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+    block_n: int = 64,
+) -> torch.Tensor:
+    """Paged decode attention (same contract as ``paged_attention.decode_torch``)."""
+    rep = _check_pool(q, k_cache, v_cache)
+    bsz, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    if slot_table.stride(1) != 1:
+        slot_table = slot_table.contiguous()
+    if num_splits is None:
+        sms = 132
+        if q.device.type == "cuda":
+            sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        num_splits = decode_splits(bsz, kv_heads, slot_table.shape[1], sm_count=sms)
+    block_d = _pow2(dim)
+    out = torch.empty_like(q)
+    if num_splits > 1:
+        mid_o = torch.empty(bsz, heads, num_splits, block_d, dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty(bsz, heads, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        mid_o = mid_lse = out  # not read
+    _decode_kernel[(bsz, kv_heads, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        slot_table,
+        ctx_lens,
+        out,
+        mid_o,
+        mid_lse,
+        float(scale),
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        slot_table.stride(0),
+        out.stride(0),
+        out.stride(1),
+        REP=rep,
+        HEAD_DIM=dim,
+        NUM_SPLITS=num_splits,
+        BLOCK_H=_pow2(rep),
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        F32=_use_f32(q, k_cache),
+    )
+    if num_splits > 1:
+        _combine_kernel[(bsz, heads)](
+            mid_o,
+            mid_lse,
+            out,
+            out.stride(0),
+            out.stride(1),
+            NUM_HEADS=heads,
+            HEAD_DIM=dim,
+            NUM_SPLITS=num_splits,
+            BLOCK_S=_pow2(num_splits, 2),
+            BLOCK_D=block_d,
+        )
+    return out
+
+
+def prefill_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: PrefillPlan,
+    scale: float,
+    *,
+    block_n: int = 64,
+) -> torch.Tensor:
+    """Packed (varlen) prefill attention (same contract as ``paged_attention.prefill_torch``)."""
+    rep = _check_pool(q, k_cache, v_cache)
+    tokens, heads, dim = q.shape
+    if tokens != plan.num_tokens:
+        raise ValueError(f"q has {tokens} rows; the plan packs {plan.num_tokens}")
+    out = torch.empty_like(q)
+    table = plan.slot_table
+    _prefill_kernel[(plan.block_item.shape[0], heads)](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        plan.cu_q,
+        plan.start_pos,
+        table,
+        plan.block_item,
+        plan.block_row,
+        float(scale),
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        table.stride(0),
+        out.stride(0),
+        out.stride(1),
+        REP=rep,
+        HEAD_DIM=dim,
+        BLOCK_M=plan.block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=_pow2(dim),
+        F32=_use_f32(q, k_cache),
+    )
+    return out
