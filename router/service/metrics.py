@@ -37,6 +37,7 @@ from kvroute_proto.histogram import HistogramCounter, HistogramStats
 from kvroute_proto.metrics_http import MetricsHttpServer, call_on_loop, histogram_family
 from router.core import RouteDecision, RouterStats, WorkerStats
 from router.service.observe import NO_OBSERVER
+from router.service.token_cache import CachedTokenizer
 
 if TYPE_CHECKING:
     from router.service.server import RouterServer
@@ -297,6 +298,9 @@ class RouterSnapshot:
     num_ejections: int
     num_retries: int
     num_inflight: int
+    # the text tokenizer's chunk cache (token_cache.CachedTokenizer), when the router has one
+    chunks: tuple[int, int] = (0, 0)  # chunks taken from the cache, chunks tokenized
+    text_prompts: tuple[int, int] = (0, 0)  # tokenized whole, head only (tail to the worker)
 
 
 def take_snapshot(server: RouterServer) -> RouterSnapshot:
@@ -324,7 +328,17 @@ def take_snapshot(server: RouterServer) -> RouterSnapshot:
         num_ejections=frontend.ejector.num_ejections,
         num_retries=frontend.num_retries,
         num_inflight=frontend.num_inflight,
+        **_tokenizer_counts(frontend.tokenizer),
     )
+
+
+def _tokenizer_counts(tok: object) -> dict[str, tuple[int, int]]:
+    if not isinstance(tok, CachedTokenizer):
+        return {}
+    return {
+        "chunks": (tok.num_hits, tok.num_misses),
+        "text_prompts": (tok.num_whole, tok.num_split),
+    }
 
 
 def _gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> GaugeMetricFamily:
@@ -524,14 +538,30 @@ class RouterStateCollector(Collector):
             purges.add_metric(conn_key, conn.num_purges)
         yield from (batches, epochs, snapshots, resyncs, lag, last_seq, connects, failures, purges)
 
-    def _frontend(self, snap: RouterSnapshot) -> Iterator[GaugeMetricFamily]:
+    def _frontend(self, snap: RouterSnapshot) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         inflight = _gauge(
             "kvroute_router_inflight_requests", "Generate calls admitted and not yet ended"
         )
         inflight.add_metric([], snap.num_inflight)
         info = _gauge("kvroute_router_info", "Router settings (value 1)", ("policy",))
         info.add_metric([snap.policy], 1)
-        yield from (inflight, info)
+        chunks = _counter(
+            "kvroute_router_tokenizer_chunks",
+            "Text chunks of prompts: taken from the router's chunk cache (hit) or tokenized (miss)",
+            ("result",),
+        )
+        chunks.add_metric(["hit"], snap.chunks[0])
+        chunks.add_metric(["miss"], snap.chunks[1])
+        prompts = _counter(
+            "kvroute_router_text_prompts",
+            "Long text prompts (over two chunks) the router tokenized whole, or only as far "
+            "as a cache could match them (the worker tokenized the rest); 0 with "
+            "--tokenize-whole",
+            ("tokenized",),
+        )
+        prompts.add_metric(["whole"], snap.text_prompts[0])
+        prompts.add_metric(["head"], snap.text_prompts[1])
+        yield from (inflight, info, chunks, prompts)
 
 
 class DecisionCollector(Collector):

@@ -151,3 +151,37 @@ async def test_worker_metrics_move(fleet) -> None:
     assert s.get("kvroute_worker_kv_protected_tokens", worker=w) == 0
     assert s.get("kvroute_worker_event_batches_published_total", worker=w) >= 1
     assert s.get("kvroute_worker_event_replay_misses_total", worker=w) == 0
+
+
+def test_tokenizer_chunk_and_text_prompt_counters() -> None:
+    """The router's chunk cache counts reach /metrics: chunks hit / tokenized, and long text
+    prompts tokenized whole or only as far as a cache could match them."""
+    import random
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from bench.bpe import english_like_text, train_bpe
+    from kvroute_proto.tokenizer import HFTokenizer
+    from router.core import RouterCore
+    from router.service.metrics import RouterSnapshot, RouterStateCollector, _tokenizer_counts
+    from router.service.token_cache import CachedTokenizer
+
+    cached = CachedTokenizer(HFTokenizer(train_bpe(512, seed=0)), chunk_chars=64)
+    text = english_like_text(300, seed=4)
+    cached.encode_head(text, lambda head: False)  # the tail left to the worker
+    cached.encode_head(text, lambda head: True)  # whole; the first chunk from the cache
+    counts = _tokenizer_counts(cached)
+    assert counts["text_prompts"] == (1, 1)
+    hits, misses = counts["chunks"]
+    assert hits >= 1 and misses > hits
+    assert _tokenizer_counts(None) == {}
+
+    core = RouterCore(clock=lambda: 0.0, rng=random.Random(0))
+    snap = RouterSnapshot("cache_aware", core.stats(), (), (), frozenset(), 0, 0, 0, **counts)
+    registry = CollectorRegistry()
+    registry.register(RouterStateCollector(lambda: snap))
+    text_out = generate_latest(registry).decode()
+    assert f'kvroute_router_tokenizer_chunks_total{{result="hit"}} {float(hits)}' in text_out
+    assert f'kvroute_router_tokenizer_chunks_total{{result="miss"}} {float(misses)}' in text_out
+    assert 'kvroute_router_text_prompts_total{tokenized="head"} 1.0' in text_out
+    assert 'kvroute_router_text_prompts_total{tokenized="whole"} 1.0' in text_out
