@@ -10,9 +10,14 @@ A forward pass runs one packed sequence of T new tokens from several requests:
     tokens: [ prefill item 0 (n0 tokens) | prefill item 1 (n1) | ... | decode (1 per item) ]
 
 Projections and MLP run on all T tokens at once. Each layer first writes the new tokens' K/V
-into their slots, then attends per request over the K/V gathered by slot index:
-a prefill item over ``slots[:start_pos + n]`` with a causal mask offset by ``start_pos``;
-the decode items together over a padded [B, max_len] gather with a length mask.
+into their slots, then attends. How is the batch's ``attention``:
+
+* "gather" (the original path): per request over the K/V gathered by slot index, a prefill
+  item over ``slots[:start_pos + n]`` with a causal mask offset by ``start_pos`` (one SDPA
+  per item), the decode items together over a padded [B, max_len] gather with a length mask;
+* "torch" / "triton" (``paged_attention``): all prefill items in one packed (varlen)
+  computation described by ``batch.prefill_plan``, and the decode items in one call that
+  reads K/V through their slot table (the Triton kernels never gather).
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.engine import paged_attention
 from worker.engine.kv_pool import KVPool
+from worker.engine.paged_attention import PrefillPlan
 
 # scaled_dot_product_attention(enable_gqa=...) exists from torch 2.5 on.
 _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -122,7 +129,9 @@ class DecodeGroup:
 
     token_offset: int
     ctx_slots: torch.Tensor  # int64 [B, max_len], padded with a valid slot
-    ctx_mask: torch.Tensor  # bool [B, 1, 1, max_len], True where a key is visible
+    ctx_mask: torch.Tensor | None  # bool [B, 1, 1, max_len], True where a key is visible
+    ctx_lens: torch.Tensor | None = None  # int32 [B] (paged attention)
+    num_splits: int | None = None  # pieces the Triton decode kernel cuts a context into
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,9 +141,11 @@ class PagedBatch:
     input_ids: torch.Tensor  # int64 [T]
     positions: torch.Tensor  # int64 [T]
     write_slots: torch.Tensor  # int64 [T]
-    prefill: tuple[PrefillSeq, ...]
+    prefill: tuple[PrefillSeq, ...]  # "gather" only (empty with paged attention)
     decode: DecodeGroup | None
     logit_rows: torch.Tensor  # int64 [R]: rows whose logits are wanted
+    attention: str = "gather"  # "gather", or a paged_attention implementation: torch, triton
+    prefill_plan: PrefillPlan | None = None  # paged attention: the packed prefill items
 
 
 class RMSNorm(nn.Module):
@@ -230,7 +241,43 @@ class Attention(nn.Module):
         k = k * cos + rotate_half(k) * sin
         # Write first, then read: every item's context (new tokens included) is in the pool.
         pool.write(self.layer_idx, batch.write_slots, k, v)
+        if batch.attention == "gather":
+            out = self._gathered(q, batch, pool)
+        else:
+            out = self._paged(q, batch, pool)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
+    def _paged(self, q: torch.Tensor, batch: PagedBatch, pool: KVPool) -> torch.Tensor:
+        """Attention through ``paged_attention``: one packed prefill call, one decode call."""
+        k_cache, v_cache = pool.k[self.layer_idx], pool.v[self.layer_idx]
+        parts = []
+        plan = batch.prefill_plan
+        if plan is not None:
+            qp = q[: plan.num_tokens]
+            parts.append(
+                paged_attention.prefill(batch.attention, qp, k_cache, v_cache, plan, self.scale)
+            )
+        group = batch.decode
+        if group is not None:
+            assert group.ctx_lens is not None, "paged decode needs DecodeGroup.ctx_lens"
+            rows = slice(group.token_offset, group.token_offset + group.ctx_slots.shape[0])
+            parts.append(
+                paged_attention.decode(
+                    batch.attention,
+                    q[rows],
+                    k_cache,
+                    v_cache,
+                    group.ctx_slots,
+                    group.ctx_lens,
+                    self.scale,
+                    num_splits=group.num_splits,
+                )
+            )
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _gathered(self, q: torch.Tensor, batch: PagedBatch, pool: KVPool) -> torch.Tensor:
+        """The original path: gather each request's K/V, SDPA per prefill item and once over
+        the padded decode group."""
         out = torch.empty_like(q)
         for seq in batch.prefill:
             rows = slice(seq.token_offset, seq.token_offset + seq.num_new)
@@ -242,8 +289,8 @@ class Attention(nn.Module):
                 oi = self._attend(qi, ki, vi, is_causal=True)
             else:
                 # Query i (absolute position start_pos + i) sees keys 0 .. start_pos + i.
-                key_pos = torch.arange(ks.shape[0], device=x.device)
-                query_pos = seq.start_pos + torch.arange(seq.num_new, device=x.device)
+                key_pos = torch.arange(ks.shape[0], device=q.device)
+                query_pos = seq.start_pos + torch.arange(seq.num_new, device=q.device)
                 mask = key_pos[None, :] <= query_pos[:, None]
                 oi = self._attend(qi, ki, vi, attn_mask=mask)
             out[rows] = oi[0].transpose(0, 1)
@@ -257,8 +304,7 @@ class Attention(nn.Module):
             kd, vd = ks.transpose(1, 2), vs.transpose(1, 2)  # [B, kvh, L, D]
             od = self._attend(qd, kd, vd, attn_mask=group.ctx_mask)
             out[rows] = od.squeeze(2)
-
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return out
 
 
 class MLP(nn.Module):

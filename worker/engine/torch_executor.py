@@ -1,7 +1,9 @@
 """TorchExecutor: the Executor protocol over a real Llama model and the paged KV pool.
 
 It packs the step's prefill chunks and decode tokens into one batch (see model.py for the
-layout), runs the model under ``torch.inference_mode``, samples one token per item that
+layout; ``attention`` picks how a layer attends: "gather", the default, or "paged" /
+"paged-torch" / "paged-triton", see ``paged_attention``), runs the model under
+``torch.inference_mode``, samples one token per item that
 asks for one, and records the wall time of the pass for ``step_cost_s``. It reads
 ``time.perf_counter`` on purpose: it measures real compute, it is not a sans-I/O core.
 """
@@ -13,6 +15,7 @@ import time
 import numpy as np
 import torch
 
+from worker.engine import paged_attention
 from worker.engine.kv_pool import KVPool, KVPoolConfig
 from worker.engine.model import DecodeGroup, LlamaForCausalLM, PagedBatch, PrefillSeq
 from worker.engine.sampling import Sampler
@@ -29,6 +32,7 @@ class TorchExecutor:
         device: str | torch.device,
         *,
         seed: int = 0,
+        attention: str = "gather",
     ) -> None:
         cfg = model.config
         pool_cfg = kv_pool.config
@@ -59,9 +63,22 @@ class TorchExecutor:
         self.num_kv_slots: int = kv_pool.num_slots
         self._sampler = Sampler(seed)
         self._last_cost_s = 0.0
+        self.attention = attention
+        # "gather", "torch" or "triton" (raises for an unknown option or Triton off CUDA).
+        self.attention_impl = paged_attention.resolve(attention, self.device)
+        self._sm_count = 132
+        if self.device.type == "cuda":
+            self._sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
 
     @classmethod
-    def create(cls, model: LlamaForCausalLM, num_kv_slots: int, *, seed: int = 0) -> TorchExecutor:
+    def create(
+        cls,
+        model: LlamaForCausalLM,
+        num_kv_slots: int,
+        *,
+        seed: int = 0,
+        attention: str = "gather",
+    ) -> TorchExecutor:
         """An executor with a fresh pool of ``num_kv_slots`` on the model's device/dtype."""
         param = next(model.parameters())
         cfg = model.config
@@ -75,7 +92,7 @@ class TorchExecutor:
                 device=str(param.device),
             )
         )
-        return cls(model, pool, param.device, seed=seed)
+        return cls(model, pool, param.device, seed=seed, attention=attention)
 
     # -- Executor protocol -------------------------------------------------------------
 
@@ -153,10 +170,12 @@ class TorchExecutor:
         if not prefill and not decode:
             raise ValueError("forward: no prefill and no decode items")
         dev = self.device
+        paged = self.attention_impl != "gather"
         ids: list[np.ndarray] = []
         positions: list[np.ndarray] = []
         writes: list[np.ndarray] = []
         seqs: list[PrefillSeq] = []
+        ctx: list[np.ndarray] = []
         logit_rows: list[int] = []
         offset = 0
         for item in prefill:
@@ -165,16 +184,23 @@ class TorchExecutor:
             ids.append(tokens)
             positions.append(np.arange(item.start_pos, item.start_pos + n, dtype=np.int64))
             writes.append(slots[item.start_pos :])
-            seqs.append(
-                PrefillSeq(
-                    token_offset=offset,
-                    num_new=n,
-                    start_pos=item.start_pos,
-                    ctx_slots=torch.tensor(slots, device=dev),
+            ctx.append(slots)
+            if not paged:
+                seqs.append(
+                    PrefillSeq(
+                        token_offset=offset,
+                        num_new=n,
+                        start_pos=item.start_pos,
+                        ctx_slots=torch.tensor(slots, device=dev),
+                    )
                 )
-            )
             logit_rows.extend(range(offset, offset + n) if all_positions else [offset + n - 1])
             offset += n
+        plan = None
+        if paged and prefill:
+            plan = paged_attention.plan_prefill(
+                [len(t) for t in ids], [item.start_pos for item in prefill], ctx, dev
+            )
 
         group = None
         if decode:
@@ -190,12 +216,26 @@ class TorchExecutor:
                 ids.append(tokens)
                 positions.append(np.array([item.start_pos], dtype=np.int64))
                 writes.append(slots[item.start_pos :])
-            mask = np.arange(max_len)[None, :] < lengths[:, None]
-            group = DecodeGroup(
-                token_offset=offset,
-                ctx_slots=torch.tensor(table, device=dev),
-                ctx_mask=torch.tensor(mask, device=dev)[:, None, None, :],
-            )
+            if paged:
+                group = DecodeGroup(
+                    token_offset=offset,
+                    ctx_slots=torch.tensor(table, device=dev),
+                    ctx_mask=None,
+                    ctx_lens=torch.tensor(lengths.astype(np.int32), device=dev),
+                    num_splits=paged_attention.decode_splits(
+                        len(decode),
+                        self.kv_pool.config.num_kv_heads,
+                        max_len,
+                        sm_count=self._sm_count,
+                    ),
+                )
+            else:
+                mask = np.arange(max_len)[None, :] < lengths[:, None]
+                group = DecodeGroup(
+                    token_offset=offset,
+                    ctx_slots=torch.tensor(table, device=dev),
+                    ctx_mask=torch.tensor(mask, device=dev)[:, None, None, :],
+                )
             logit_rows.extend(range(offset, offset + len(decode)))
 
         write_slots = np.concatenate(writes)
@@ -208,4 +248,6 @@ class TorchExecutor:
             prefill=tuple(seqs),
             decode=group,
             logit_rows=torch.tensor(logit_rows, dtype=torch.int64, device=dev),
+            attention=self.attention_impl,
+            prefill_plan=plan,
         )
