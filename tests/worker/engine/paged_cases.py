@@ -216,8 +216,61 @@ def check_executor(attention: str, model: LlamaForCausalLM, atol: float = 1e-5) 
         torch.testing.assert_close(g, w, atol=atol, rtol=0, msg=f"step {step}")
 
 
+# ---- ahead-of-time compilation for a GPU (no GPU needed) --------------------------------
+
+
+def _compile_sm90(fn, types: dict[str, str], consts: dict) -> str:
+    """Compile a kernel for sm_90 (Hopper) with this triton, without a GPU; its PTX."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
+    try:  # triton >= 3.2 keys constexprs by argument path; older by name
+        by_path = {(fn.arg_names.index(n),): v for n, v in consts.items()}
+        src = ASTSource(fn=fn, signature=sig, constexprs=by_path)
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32))
+    except (TypeError, KeyError, AttributeError):
+        src = ASTSource(fn=fn, signature=sig, constexprs=consts)
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32))
+    assert kernel.asm.get("cubin"), "no cubin: ptxas did not run"
+    return kernel.asm["ptx"]
+
+
+def check_compiles_for_sm90() -> None:
+    """The kernels build for an H100/H200 (Llama-3-8B head shapes): what the interpreter
+    cannot show (compiled-mode typing, layouts, ptxas). bf16 dots must be tensor-core MMAs."""
+    from worker.engine import paged_attention_triton as kernels
+
+    strides = ["stride_ks", "stride_kh", "stride_vs", "stride_vh", "stride_tb"]
+    for splits in (1, 4):
+        mid = "*fp32" if splits > 1 else "*bf16"
+        types = dict.fromkeys(["q_ptr", "k_ptr", "v_ptr", "out_ptr"], "*bf16")
+        types |= {"table_ptr": "*i64", "lens_ptr": "*i32", "mid_o_ptr": mid, "mid_lse_ptr": mid}
+        types |= {"scale": "fp32"} | dict.fromkeys(
+            ["stride_qb", "stride_qh", "stride_ob", "stride_oh", *strides], "i32"
+        )
+        consts = dict(REP=4, HEAD_DIM=128, NUM_SPLITS=splits, BLOCK_H=16, BLOCK_N=64)
+        ptx = _compile_sm90(kernels._decode_kernel, types, consts | dict(BLOCK_D=128, F32=False))
+        assert "mma" in ptx, "the bf16 decode kernel does not use tensor cores"
+    types = {"mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "out_ptr": "*bf16"}
+    types |= {"stride_ob": "i32", "stride_oh": "i32"}
+    consts = dict(NUM_HEADS=32, HEAD_DIM=128, NUM_SPLITS=4, BLOCK_S=4, BLOCK_D=128)
+    _compile_sm90(kernels._combine_kernel, types, consts)
+    for dtype, f32 in (("bf16", False), ("fp32", True)):
+        types = dict.fromkeys(["q_ptr", "k_ptr", "v_ptr", "out_ptr"], "*" + dtype)
+        types |= dict.fromkeys(["cu_q_ptr", "start_ptr", "block_item_ptr", "block_row_ptr"], "*i32")
+        types |= {"table_ptr": "*i64", "scale": "fp32"} | dict.fromkeys(
+            ["stride_qt", "stride_qh", "stride_ot", "stride_oh", *strides], "i32"
+        )
+        consts = dict(REP=4, HEAD_DIM=128, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, F32=f32)
+        ptx = _compile_sm90(kernels._prefill_kernel, types, consts)
+        assert f32 or "mma" in ptx, "the bf16 prefill kernel does not use tensor cores"
+
+
 def main(argv: list[str]) -> int:
-    """``python paged_cases.py decode|prefill|executor [device]``: the Triton checks."""
+    """``python paged_cases.py decode|prefill|executor|compile-sm90 [device]``: the Triton
+    checks (the first three need TRITON_INTERPRET=1 on the CPU, the last must not have it)."""
     from worker.engine.model import build_tiny_model
 
     case, device = argv[0], argv[1] if len(argv) > 1 else "cpu"
@@ -227,6 +280,8 @@ def main(argv: list[str]) -> int:
         check_prefill("triton", device)
     elif case == "executor":
         check_executor("paged-triton", build_tiny_model(0, device=device))
+    elif case == "compile-sm90":
+        check_compiles_for_sm90()
     else:
         raise SystemExit(f"unknown case {case!r}")
     print(f"ok {case}")
