@@ -15,6 +15,13 @@ download) with the project's ``LlamaForCausalLM`` + ``TorchExecutor`` and measur
   run (same prompt, same tokens);
 * ``peak_memory_bytes``.
 
+Every step runs once per attention backend of the executor (``--attention``, default
+``gather,paged``: today's gather + SDPA path and ``worker.engine.paged_attention``, the
+Triton kernels on CUDA), alternating backends inside each step's repeats so both see the
+same machine. ``steps`` / ``parity`` / ``decode_full_batch_tokens_s`` are the first
+backend's (what ``SimCostModel.from_bench_gpu`` fits); ``*_by_attention`` hold every
+backend's, side by side in the printed table.
+
 ``--smoke`` runs the same code on the project's tiny model with small sizes on the CPU (or
 ``--device``): seconds, for tests and for a machine without a GPU. The numbers it prints are
 of no interest; that every figure is produced is.
@@ -26,6 +33,7 @@ Usage::
 
     python -m bench.bench_gpu --json OUT            # CUDA, Llama-3-8B shape
     python -m bench.bench_gpu --smoke --json OUT    # anywhere, tiny model
+    python -m bench.bench_gpu --attention gather,paged-triton --json OUT
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ import torch
 
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.model import LlamaConfig, LlamaForCausalLM, build_tiny_model
+from worker.engine.paged_attention import ATTENTION_CHOICES
 from worker.engine.torch_executor import TorchExecutor
 from worker.engine.types import EngineRequest, ForwardItem, SamplingParams
 
@@ -115,6 +124,7 @@ class Measurement:
     """One step: measured median time, its roofline and what the roofline is made of."""
 
     name: str
+    attention: str  # the executor's attention option
     tokens: int  # new tokens the step runs
     median_s: float
     min_s: float
@@ -228,20 +238,33 @@ def time_forward(
     executor: TorchExecutor, prefill: list[ForwardItem], decode: list[ForwardItem], repeats: int
 ) -> list[float]:
     """Wall times of ``repeats`` identical forward passes after one warm-up."""
-    device = executor.device
-    executor.forward(prefill, decode)
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
+    return time_alternating({"": executor}, prefill, decode, repeats)[""]
+
+
+def time_alternating(
+    executors: dict[str, TorchExecutor],
+    prefill: list[ForwardItem],
+    decode: list[ForwardItem],
+    repeats: int,
+) -> dict[str, list[float]]:
+    """Wall times of ``repeats`` identical forward passes per executor, after one warm-up
+    each (which also compiles a Triton kernel's variant), taking turns round by round."""
+    for executor in executors.values():
         executor.forward(prefill, decode)
-        _sync(device)
-        times.append(time.perf_counter() - start)
+    times: dict[str, list[float]] = {name: [] for name in executors}
+    for _ in range(repeats):
+        for name, executor in executors.items():
+            _sync(executor.device)
+            start = time.perf_counter()
+            executor.forward(prefill, decode)
+            _sync(executor.device)
+            times[name].append(time.perf_counter() - start)
     return times
 
 
 def _measure(
     name: str,
+    attention: str,
     times: list[float],
     shape: Shape,
     specs: Specs,
@@ -258,6 +281,7 @@ def _measure(
     target = TARGETS_S.get(name) if with_targets else None
     return Measurement(
         name=name,
+        attention=attention,
         tokens=sum(new_tokens),
         median_s=median,
         min_s=min(times),
@@ -278,37 +302,55 @@ def _item(rid: str, tokens: np.ndarray, start: int, slots: np.ndarray) -> Forwar
 
 
 def run_steps(
-    executor: TorchExecutor, shape: Shape, specs: Specs, sizes: Sizes, seed: int, targets: bool
+    executors: dict[str, TorchExecutor],
+    shape: Shape,
+    specs: Specs,
+    sizes: Sizes,
+    seed: int,
+    targets: bool,
 ) -> list[Measurement]:
-    """Cold prefill, cached prefill and decode steps on the executor's pool (``targets``:
-    attach issue 14's targets, which are for the full-size model only)."""
+    """Cold prefill, cached prefill and decode steps on the executors' shared pool, each
+    step timed for every executor in turn (``targets``: attach issue 14's targets, which
+    are for the full-size model only). Measurements step by step, executors in order."""
+    first = next(iter(executors.values()))
     rng = np.random.default_rng(seed)
-    vocab = executor.vocab_size
+    vocab = first.vocab_size
     out: list[Measurement] = []
-    all_slots = np.arange(executor.num_kv_slots, dtype=np.int64)
+    all_slots = np.arange(first.num_kv_slots, dtype=np.int64)
+
+    def measure(
+        name: str,
+        prefill: list[ForwardItem],
+        decode: list[ForwardItem],
+        new_tokens: list[int],
+        contexts: list[int],
+        rate_tokens: int,
+    ) -> None:
+        by_name = time_alternating(executors, prefill, decode, sizes.repeats)
+        for attention, times in by_name.items():
+            m = _measure(
+                name, attention, times, shape, specs, new_tokens, contexts, rate_tokens, targets
+            )
+            out.append(m)
+
     for n in sizes.cold:
         tokens = rng.integers(0, vocab, n, dtype=np.int64)
-        times = time_forward(executor, [_item("cold", tokens, 0, all_slots)], [], sizes.repeats)
-        out.append(_measure(f"prefill_cold_{n}", times, shape, specs, [n], [n], n, targets))
+        measure(f"prefill_cold_{n}", [_item("cold", tokens, 0, all_slots)], [], [n], [n], n)
     n_ctx = sizes.cached_prefix + sizes.cached_new
     tokens = rng.integers(0, vocab, n_ctx, dtype=np.int64)
-    executor.forward([_item("prefix", tokens[: sizes.cached_prefix], 0, all_slots)], [])
+    first.forward([_item("prefix", tokens[: sizes.cached_prefix], 0, all_slots)], [])
     item = _item("cached", tokens, sizes.cached_prefix, all_slots)
-    times = time_forward(executor, [item], [], sizes.repeats)
     name = f"prefill_cached_{sizes.cached_new}_after_{sizes.cached_prefix}"
-    new = [sizes.cached_new]
-    out.append(_measure(name, times, shape, specs, new, [n_ctx], sizes.cached_new, targets))
+    measure(name, [item], [], [sizes.cached_new], [n_ctx], sizes.cached_new)
     ctx = sizes.decode_context
-    _fill_pool_random(executor, max(sizes.decode_batches) * ctx, seed)
+    _fill_pool_random(first, max(sizes.decode_batches) * ctx, seed)
     for b in sizes.decode_batches:
         items = []
         for i in range(b):
             slots = all_slots[i * ctx : (i + 1) * ctx]
             last = rng.integers(0, vocab, ctx, dtype=np.int64)
             items.append(ForwardItem(f"d{i}", last[ctx - 1 :], ctx - 1, slots, GREEDY, True, 0))
-        times = time_forward(executor, [], items, sizes.repeats)
-        ones, ctxs = [1] * b, [ctx] * b
-        out.append(_measure(f"decode_b{b}", times, shape, specs, ones, ctxs, b, targets))
+        measure(f"decode_b{b}", [], items, [1] * b, [ctx] * b, b)
     return out
 
 
@@ -361,6 +403,7 @@ def greedy_parity(executor: TorchExecutor, sizes: Sizes, seed: int) -> dict:
         "prompt_tokens": len(prompt),
         "cached_prompt_tokens": cached.get("cached", 0),
         "new_tokens": sizes.parity_new_tokens,
+        "cold_tokens": runs["cold"],
     }
 
 
@@ -380,6 +423,7 @@ def run(
     seed: int = 0,
     hbm_gbps: float | None = None,
     peak_tflops: float | None = None,
+    attention: tuple[str, ...] = ("gather", "paged"),
 ) -> dict:
     sizes = SMOKE_SIZES if smoke else Sizes()
     start = time.perf_counter()
@@ -395,13 +439,18 @@ def run(
         max(sizes.cold),
         2 * (sizes.parity_prefix + 8 + sizes.parity_new_tokens),
     )
-    executor = TorchExecutor.create(model, num_slots, seed=seed)
+    first = TorchExecutor.create(model, num_slots, seed=seed, attention=attention[0])
+    executors = {attention[0]: first}
+    for name in attention[1:]:  # the same model and KV pool
+        executors[name] = TorchExecutor(model, first.kv_pool, device, seed=seed, attention=name)
     shape = Shape.of(model)
     specs = device_specs(device, hbm_gbps, peak_tflops)
-    steps = run_steps(executor, shape, specs, sizes, seed, targets=not smoke)
-    parity = greedy_parity(executor, sizes, seed)
-    by_name = {m.name: m for m in steps}
-    full = by_name[f"decode_b{max(sizes.decode_batches)}"]
+    steps = run_steps(executors, shape, specs, sizes, seed, targets=not smoke)
+    parity = {name: greedy_parity(ex, sizes, seed) for name, ex in executors.items()}
+    full_name = f"decode_b{max(sizes.decode_batches)}"
+    full = {m.attention: m.tokens_per_s for m in steps if m.name == full_name}
+    cold = [p["cold_tokens"] for p in parity.values()]
+    by_attention = {name: [asdict(m) for m in steps if m.attention == name] for name in attention}
     return {
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "mode": "smoke" if smoke else "llama3-8b-shape",
@@ -413,45 +462,59 @@ def run(
         "num_kv_slots": num_slots,
         "specs": asdict(specs),
         "build_s": round(build_s, 3),
-        "steps": [asdict(m) for m in steps],
+        "attention": list(attention),
+        "attention_impl": {name: ex.attention_impl for name, ex in executors.items()},
+        "steps": by_attention[attention[0]],
+        "steps_by_attention": by_attention,
         "decode_context": sizes.decode_context,
-        "decode_full_batch_tokens_s": full.tokens_per_s,
-        "parity": parity,
+        "decode_full_batch_tokens_s": full[attention[0]],
+        "decode_full_batch_tokens_s_by_attention": full,
+        "parity": parity[attention[0]],
+        "parity_by_attention": parity,
+        "greedy_same_across_attention": all(c == cold[0] for c in cold),
         "peak_memory_bytes": peak_memory_bytes(device),
         "total_s": round(time.perf_counter() - start, 3),
     }
 
 
 def print_report(result: dict, stream: TextIO | None = None) -> None:
-    """The figures as a table (stdout by default)."""
+    """The figures as a table (stdout by default): per step its roofline, then each
+    attention backend's median and its multiple of the roofline, side by side."""
     stream = stream or sys.stdout
+    names = result["attention"]
+    impls = ", ".join(f"{n} = {result['attention_impl'][n]}" for n in names)
     print(
         f"{result['mode']} on {result['device']} (torch {result['torch']}, {result['dtype']}), "
-        f"roofline specs: {result['specs']['source']}",
+        f"roofline specs: {result['specs']['source']}; attention: {impls}",
         file=stream,
     )
-    print(
-        f"{'step':<32} {'median ms':>10} {'roofline ms':>12} {'x roof':>7} {'tok/s':>10} "
-        f"{'target ms':>10}",
-        file=stream,
-    )
-    for m in result["steps"]:
+    cols = "".join(f" {n[:12] + ' ms':>15} {'x roof':>7}" for n in names)
+    print(f"{'step':<32} {'roofline ms':>12}{cols} {'target ms':>10}", file=stream)
+    by_attention = result["steps_by_attention"]
+    for i, m in enumerate(by_attention[names[0]]):
         roof = m["roofline_s"]
-        ratio = f"{m['median_s'] / roof:7.1f}" if roof else "      -"
         roof_ms = f"{roof * 1e3:12.2f}" if roof else "           -"
+        row = f"{m['name']:<32} {roof_ms}"
+        for name in names:
+            median = by_attention[name][i]["median_s"]
+            ratio = f"{median / roof:7.1f}" if roof else "      -"
+            row += f" {median * 1e3:15.2f} {ratio}"
         target = f"{m['target_s'] * 1e3:10.1f}" if m["target_s"] else "         -"
+        print(f"{row} {target}", file=stream)
+    for name in names:
+        p = result["parity_by_attention"][name]
+        verdict = "equal" if p["equal"] else f"DIFFERS at token {p['first_mismatch']}"
+        rate = result["decode_full_batch_tokens_s_by_attention"][name]
         print(
-            f"{m['name']:<32} {m['median_s'] * 1e3:10.2f} {roof_ms} {ratio} "
-            f"{m['tokens_per_s']:10.0f} {target}",
+            f"{name}: decode tokens/s at full batch {rate:.0f}; greedy parity cached vs cold: "
+            f"{verdict} ({p['cached_prompt_tokens']} of {p['prompt_tokens']} prompt tokens "
+            "cached)",
             file=stream,
         )
-    p = result["parity"]
-    verdict = "equal" if p["equal"] else f"DIFFERS at token {p['first_mismatch']}"
+    same = "same" if result["greedy_same_across_attention"] else "DIFFERENT"
     print(
-        f"decode tokens/s at full batch: {result['decode_full_batch_tokens_s']:.0f}; greedy "
-        f"parity cached vs cold: {verdict}"
-        f" ({p['cached_prompt_tokens']} of {p['prompt_tokens']} prompt tokens cached); peak "
-        f"memory {result['peak_memory_bytes'] / 2**30:.2f} GiB; total {result['total_s']:.1f} s",
+        f"greedy tokens across attention backends: {same}; peak memory "
+        f"{result['peak_memory_bytes'] / 2**30:.2f} GiB; total {result['total_s']:.1f} s",
         file=stream,
     )
 
@@ -482,7 +545,21 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="dense bf16 peak in TFLOP/s (default: by GPU name)",
     )
+    p.add_argument(
+        "--attention",
+        default="gather,paged",
+        help="comma-separated executor attention options, timed side by side (default "
+        f"gather,paged; choices {', '.join(ATTENTION_CHOICES)}); the first is what the "
+        "steps/parity fields and a cost profile fitted from --json describe",
+    )
     args = p.parse_args(argv)
+    attention = tuple(a.strip() for a in args.attention.split(",") if a.strip())
+    bad = [a for a in attention if a not in ATTENTION_CHOICES]
+    if not attention or bad or len(set(attention)) != len(attention):
+        p.error(
+            f"--attention: give distinct options of {', '.join(ATTENTION_CHOICES)}, "
+            f"got {args.attention!r}"
+        )
     device = torch.device(args.device or ("cpu" if args.smoke else "cuda"))
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error("CUDA is not available: run on a GPU machine, or use --smoke for the CPU check")
@@ -496,6 +573,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         hbm_gbps=args.hbm_gbps,
         peak_tflops=args.peak_tflops,
+        attention=attention,
     )
     print_report(result)
     if args.json:
