@@ -4,7 +4,7 @@
     python -m bench.bench_radix_cache --quick --json radix.json  # smoke run (seconds)
     bench/peers/install_sglang.sh                                # once: SGLang in .peers/
     python -m bench.bench_radix_cache --peer-python .peers/sglang-radix/bin/python \\
-        --json radix.json                                        # both, same sitting
+        --json radix.json                                # both, same sitting (~10 minutes)
 
 The traces (bench/radix_trace.py, seeded) are built by both sides from the same code; the
 peer (bench/peers/sglang_radix.py, run by the given python) proves it with a digest of every

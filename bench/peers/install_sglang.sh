@@ -12,7 +12,8 @@
 # kernels), so it is installed with --no-deps on top of the CPU torch wheel, followed by only
 # the packages that `import sglang.srt.mem_cache.radix_cache` reaches (found by importing
 # until it worked). torchvision is left out (its wheels want a CUDA torch): sglang_radix.py
-# stubs it at import; the radix cache never calls it.
+# stubs it at import; the radix cache never calls it. pip then lists sglang's declared
+# dependencies that are missing ("ERROR: pip's dependency resolver ..."): expected, harmless.
 set -euo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
