@@ -236,13 +236,15 @@ class CachedTokenizer:
         """``(ids, tail)``: the ids of ``text``'s head (a uint32 array) and its untokenized
         tail, where ``[*ids, *encode(tail, add_special_tokens=False)] == encode(text)``.
 
-        Chunks this cache holds are free and always taken. Before paying to tokenize new
-        chunks, ``may_continue(ids)`` is asked whether any cache could still match past the
-        ids so far (the router's index: False means every cached prefix ends inside them,
-        so the rest cannot change where the request goes); when it says no, the rest is
-        left as text. New chunks are tokenized 1, 2, then 4 at a time (one batch call
-        each) while it says yes: fewer questions on long matches, and at most 4 chunks
-        tokenized past where the caches end. ``tail`` is "" when the whole text was
+        Chunks this cache holds are free and always taken. The first chunk it does not
+        hold is tokenized without asking (after a cached run it is most often the one where
+        a shared text ends and the new text begins, which routing needs); before each later
+        batch of new chunks, ``may_continue(ids)`` is asked whether any cache could still
+        match past the ids so far (the router's index: False means every cached prefix
+        ends inside them, so the rest cannot change where the request goes); when it says
+        no, the rest is left as text. New chunks are tokenized 1, 2, then 4 at a time (one
+        batch call each) while it says yes: fewer questions on long matches, and at most 4
+        chunks tokenized past where the caches end. ``tail`` is "" when the whole text was
         tokenized, always so for short texts and for tokenizers that add specials after
         the text.
         """
@@ -255,6 +257,7 @@ class CachedTokenizer:
         pieces = _split(text, cut_points(text, self.chunk_chars))
         parts = [self._prefix_ids] if specials else []
         i, n, batch = 0, len(pieces), 1
+        ask = False  # the first new chunk is tokenized without asking
         while i < n:
             got = chunks.pop(pieces[i], None)  # re-inserted: LRU order
             if got is not None:
@@ -263,9 +266,9 @@ class CachedTokenizer:
                 parts.append(got)
                 i += 1
                 continue
-            # the first chunk is always tokenized
-            if i and not may_continue(parts[0] if len(parts) == 1 else np.concatenate(parts)):
+            if ask and not may_continue(np.concatenate(parts)):
                 break
+            ask = True
             new = pieces[i : i + batch]
             self.num_misses += len(new)
             for piece, got in zip(new, self._encode_plain(new), strict=True):
