@@ -38,6 +38,9 @@ from worker.service.engine_runner import RunnerConfig
 from worker.service.security_flags import add_worker_security_args, apply_worker_security
 from worker.service.server import DEFAULT_MODEL_NAME, WorkerServer, WorkerServerConfig
 
+# worker.engine.paged_attention.ATTENTION_CHOICES, without importing torch for --help
+ATTENTION_CHOICES = ("gather", "paged", "paged-torch", "paged-triton")
+
 log = logging.getLogger("kvroute.worker")
 
 _ENGINE_DEFAULTS = EngineConfig()
@@ -108,6 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="torch CPU threads (0 = torch's default; 1 is fastest on a small shared CPU)",
+    )
+    model.add_argument(
+        "--attention",
+        choices=ATTENTION_CHOICES,  # paged_attention's (which imports torch; a test checks)
+        default=None,
+        help="torch: attention over the paged KV pool: gather (default: copy each request's "
+        "K/V out of the pool, then SDPA), paged (Triton kernels reading K/V through the slot "
+        "tables on CUDA, their torch reference elsewhere), paged-torch, paged-triton",
     )
     model.add_argument(
         "--kv-memory-fraction",
@@ -308,6 +319,7 @@ def build_server(args: argparse.Namespace) -> WorkerServer:
         seed=args.seed,
         kv_memory_fraction=args.kv_memory_fraction,
         sim_max_context_tokens=args.sim_max_context_tokens,
+        attention=args.attention,
     )
     num_slots = getattr(executor, "num_kv_slots", config.engine.num_kv_slots)
     if num_slots != config.engine.num_kv_slots:  # sized from GPU memory

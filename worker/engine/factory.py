@@ -48,8 +48,12 @@ def build_executor(
     seed: int = 0,
     kv_memory_fraction: float | None = None,
     sim_max_context_tokens: int | None = None,
+    attention: str | None = None,
 ) -> tuple[Executor, Tokenizer]:
     """An Executor and the Tokenizer that matches its vocab.
+
+    ``attention`` (torch only): how the model attends over the paged KV pool (one of
+    ``paged_attention.ATTENTION_CHOICES``; None: "gather", the default).
 
     ``sim_max_context_tokens`` (sim only): the simulated model's context length (default
     8,192, Llama-3-8B's); trace replays with long prompts raise it.
@@ -66,11 +70,15 @@ def build_executor(
         raise ValueError(f"num_kv_slots must be >= 1, got {num_kv_slots}")
     if sim_max_context_tokens is not None and kind != "sim":
         raise ValueError("sim_max_context_tokens: only the 'sim' executor takes it")
+    if attention is not None and kind != "torch":
+        raise ValueError("attention: only the 'torch' executor takes it")
     if kv_memory_fraction is not None and not 0.0 < kv_memory_fraction <= 1.0:
         raise ValueError(f"kv_memory_fraction must be in (0, 1], got {kv_memory_fraction}")
     match kind:
         case "torch":
-            return _build_torch(model_dir, num_kv_slots, device, seed, kv_memory_fraction)
+            return _build_torch(
+                model_dir, num_kv_slots, device, seed, kv_memory_fraction, attention or "gather"
+            )
         case "sim":
             if model_dir is not None:
                 raise ValueError("model_dir: only the 'torch' executor loads a model")
@@ -85,6 +93,7 @@ def _build_torch(
     device: str | None,
     seed: int,
     kv_memory_fraction: float | None,
+    attention: str,
 ) -> tuple[Executor, Tokenizer]:
     from worker.engine.kv_pool import cuda_slots_for_memory_fraction
     from worker.engine.loader import load_model
@@ -112,7 +121,7 @@ def _build_torch(
             raise ValueError(
                 f"kv_memory_fraction: {kv_memory_fraction} of free GPU memory holds no KV slot"
             )
-    return TorchExecutor.create(model, num_kv_slots, seed=seed), tokenizer
+    return TorchExecutor.create(model, num_kv_slots, seed=seed, attention=attention), tokenizer
 
 
 def _build_sim(max_context_tokens: int | None) -> tuple[Executor, Tokenizer]:

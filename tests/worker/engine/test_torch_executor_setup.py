@@ -142,3 +142,23 @@ def test_sim_factory_does_not_import_torch():
         "build_executor('sim', num_kv_slots=8); assert 'torch' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_build_torch_with_an_attention_backend():
+    """``kvroute worker --attention``: the executor attends as asked; the CLI's choices are
+    paged_attention's; the sim executor refuses the option; on the CPU the Triton kernels
+    are refused unless interpreted."""
+    from worker import cli
+    from worker.engine import paged_attention
+
+    assert cli.ATTENTION_CHOICES == paged_attention.ATTENTION_CHOICES
+    ex, _ = build_executor("torch", num_kv_slots=32, device="cpu", attention="paged-torch")
+    assert ex.attention == "paged-torch"
+    default, _ = build_executor("torch", num_kv_slots=32, device="cpu")
+    assert default.attention == "gather"
+    with pytest.raises(ValueError, match="attention: only the 'torch' executor"):
+        build_executor("sim", num_kv_slots=16, attention="paged")
+    args = cli.build_parser().parse_args(["--executor", "torch", "--attention", "paged"])
+    assert args.attention == "paged"
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["--attention", "flash"])
