@@ -14,6 +14,11 @@ event per sequence, handed to the index as encoded wire bytes (decoding is timed
 * ``remove_blocks_s``: removing every sequence's suffix blocks (one removed event per
   sequence, as wire bytes, decoding timed), blocks/s.
 * ``hash_seq_s``: ``block_hashes`` of a 2,000-token sequence, sequences/s.
+* ``numba_warm_up_s`` (``--backend numba``): the kernels' compile or cache load at the
+  process's first numba index (not part of any timed figure).
+* ``find_full_array_q_s`` / ``find_partial_array_q_s`` (``--backend numba`` only): the same
+  finds with the hashes as uint64 arrays (what ``block_hashes`` returns; the numba index
+  takes them without converting), queries/s.
 
 At scale -- 64 workers, 1M indexed blocks (64 system prompts of 4,096 tokens, each held by 8
 workers, plus 1M other blocks in 128-block chains held by one worker each):
@@ -50,11 +55,13 @@ section and the memory trace (the A/B runs in BENCHMARKS.md).
 Usage::
 
     python -m bench.bench_index [--quick] [--route-only | --comparable-only] [--no-text]
-        [--route-metrics] [--backend dict|vec] [--json OUT]
-    python -m bench.bench_index --rss-entries 10000000 [--rss-holders K] [--backend dict|vec]
+        [--route-metrics] [--backend dict|vec|numba] [--json OUT]
+    python -m bench.bench_index --rss-entries 10000000 [--rss-holders K] [--backend ...]
 
 ``--backend vec`` runs the comparable and memory sections on router.index_vec's numpy
-index instead of the router's dict index (the route sections always use the router's).
+index instead of the router's dict index (the route sections then use the dict index);
+``--backend numba`` runs them and the route section (not the text one) on router.index_nb
+(``RouterConfig.index_backend``).
 bench/peers/dynamo_index.py runs the comparable section on Dynamo's Rust RadixTree.
 """
 
@@ -72,7 +79,7 @@ import time
 import tracemalloc
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
 from prometheus_client import CollectorRegistry
@@ -92,9 +99,22 @@ from router.service.validation import RequestLimits
 
 VOCAB = 32_000
 
-BACKENDS: dict[str, Callable[..., PrefixIndex | VecPrefixIndex]] = {
+if TYPE_CHECKING:
+    from router.index_nb import NumbaPrefixIndex
+
+AnyIndex: TypeAlias = "PrefixIndex | VecPrefixIndex | NumbaPrefixIndex"
+
+
+def _numba_index(config: IndexConfig | None = None) -> NumbaPrefixIndex:
+    from router.index_nb import NumbaPrefixIndex  # numba imported only when asked for
+
+    return NumbaPrefixIndex(config)
+
+
+BACKENDS: dict[str, Callable[..., AnyIndex]] = {
     "dict": PrefixIndex,
     "vec": VecPrefixIndex,
+    "numba": _numba_index,
 }
 """Index implementations the comparable and memory sections can run (``--backend``)."""
 
@@ -197,11 +217,11 @@ def bench_comparable(cfg: ComparableConfig, backend: str = "dict") -> dict[str, 
         assert index.size() == prefix_blocks, index.size()
         return elapsed
 
-    def find(queries: list[list[int]]) -> Callable[[], float]:
+    def find(queries: list[list[int]] | list[np.ndarray]) -> Callable[[], float]:
         def run() -> float:
             t0 = time.perf_counter()
             for q in queries:
-                index.find_matches(q)
+                index.find_matches(q)  # type: ignore[arg-type]  # arrays: numba only
             return time.perf_counter() - t0
 
         return run
@@ -214,6 +234,12 @@ def bench_comparable(cfg: ComparableConfig, backend: str = "dict") -> dict[str, 
     assert index.find_matches(probes[5]) == expect
     results["find_full_q_s"] = len(hashes) / _best(find(hashes), cfg.repeats)
     results["find_partial_q_s"] = len(probes) / _best(find(probes), cfg.repeats)
+    if backend == "numba":  # it also takes block_hashes' uint64 arrays as they are
+        full_arrays = [np.array(h, dtype=np.uint64) for h in hashes]
+        probe_arrays = [np.array(p, dtype=np.uint64) for p in probes]
+        assert index.find_matches(probe_arrays[5]) == expect  # type: ignore[arg-type]
+        results["find_full_array_q_s"] = len(hashes) / _best(find(full_arrays), cfg.repeats)
+        results["find_partial_array_q_s"] = len(probes) / _best(find(probe_arrays), cfg.repeats)
     results["remove_blocks_s"] = num_removed / _best(remove, cfg.repeats)
 
     seq = seqs[0]
@@ -230,9 +256,7 @@ def bench_comparable(cfg: ComparableConfig, backend: str = "dict") -> dict[str, 
     return results
 
 
-def _fill(
-    index: PrefixIndex | VecPrefixIndex, cfg: ScaleConfig, system_hashes: list[list[int]]
-) -> None:
+def _fill(index: AnyIndex, cfg: ScaleConfig, system_hashes: list[list[int]]) -> None:
     """Index the system prompts on their holders and random chains up to num_blocks."""
     rng = np.random.default_rng(cfg.seed)
     for p, h in enumerate(system_hashes):
@@ -268,11 +292,14 @@ def bench_scale(
         results.update(_bench_memory(cfg, system_hashes, backend))
 
     now = [0.0]
-    core = RouterCore(
-        RouterConfig(block_size=bs, max_indexed_blocks=2 * cfg.num_blocks, predicted_ttl_s=5.0),
-        clock=lambda: now[0],
-        rng=random.Random(cfg.seed),
+    config = RouterConfig(
+        block_size=bs,
+        max_indexed_blocks=2 * cfg.num_blocks,
+        predicted_ttl_s=5.0,
+        # the router's index backends (vec is not one: its route runs the dict index)
+        index_backend=backend if backend in ("dict", "numba") else "dict",
     )
+    core = RouterCore(config, clock=lambda: now[0], rng=random.Random(cfg.seed))
     for w in range(cfg.num_workers):
         core.add_worker(f"w{w}", f"10.0.{w // 256}.{w % 256}:50051", block_size=bs)
     _fill(core.index, cfg, system_hashes)
@@ -625,8 +652,9 @@ def main(argv: list[str] | None = None) -> int:
         "--backend",
         choices=sorted(BACKENDS),
         default="dict",
-        help="index implementation of the comparable and memory sections "
-        "(dict: router.index, the router's; vec: router.index_vec) (default: dict)",
+        help="index implementation of the comparable, memory and route sections "
+        "(dict: router.index; vec: router.index_vec, route on dict; numba: router.index_nb) "
+        "(default: dict)",
     )
     parser.add_argument(
         "--comparable-only",
@@ -670,7 +698,13 @@ def main(argv: list[str] | None = None) -> int:
         comparable, scale, text = ComparableConfig(), ScaleConfig(), TextConfig()
     if args.route_workers != scale.num_workers:
         scale = dataclasses.replace(scale, num_workers=args.route_workers)
-    results = {} if args.route_only else bench_comparable(comparable, args.backend)
+    results = {}
+    if args.backend == "numba":  # compiling, or loading from numba's cache: not timed below
+        from router.index_nb import warm_up
+
+        results["numba_warm_up_s"] = warm_up()
+    if not args.route_only:
+        results.update(bench_comparable(comparable, args.backend))
     metrics = RouterMetrics(CollectorRegistry()) if args.route_metrics else None
     if not args.comparable_only:
         results.update(bench_scale(scale, metrics, not args.route_only, args.backend))

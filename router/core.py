@@ -34,6 +34,7 @@ import random
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -57,7 +58,7 @@ from router.errors import (  # re-exported for the shells
     NoWorkerAvailable,
     UnknownWorkerError,
 )
-from router.index import IndexConfig, PrefixIndex
+from router.index import IndexConfig, PrefixIndex, make_index
 from router.policy import (
     CandidateSet,
     CostWeights,
@@ -68,6 +69,9 @@ from router.policy import (
     make_policy,
 )
 from router.sync import StreamSequencer, SyncConfig
+
+if TYPE_CHECKING:
+    from router.index_nb import NumbaPrefixIndex
 
 __all__ = [
     "Action",
@@ -131,11 +135,12 @@ class RouterCore:
         )
         self._use_events = self._policy.uses_events
         self._ttl = config.predicted_ttl_s if self._use_events else config.approx_ttl_s
-        self._index = PrefixIndex(
+        self._index = make_index(
             IndexConfig(
                 max_blocks=config.max_indexed_blocks,
                 verify_hashes=config.verify_hashes,
                 predict_stride=config.predict_stride,
+                backend=config.index_backend,
             )
         )
         self._sync_config = SyncConfig(max_pending_batches=config.max_pending_batches)
@@ -168,7 +173,7 @@ class RouterCore:
         return self._policy.name
 
     @property
-    def index(self) -> PrefixIndex:
+    def index(self) -> PrefixIndex | NumbaPrefixIndex:
         """The prefix index (read-only use: metrics, tests)."""
         return self._index
 

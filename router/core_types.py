@@ -58,7 +58,8 @@ class RouterConfig:
     its own picks). With R > 1 each pick counts R times in the worker's queued-prefill
     estimate until its first token: the others, seeing the same events and load reports,
     are likely placing the same burst the same way; a load report showing more still wins
-    (BENCHMARKS.md, several routers).
+    (BENCHMARKS.md, several routers). ``index_backend``: the prefix index's implementation,
+    "dict" (router.index) or "numba" (router.index_nb; same answers, compiled kernels).
     """
 
     policy: str = "cache_aware"
@@ -75,8 +76,11 @@ class RouterConfig:
     backlog_tokens: float = DEFAULT_BACKLOG_TOKENS
     recent_decode_ratio: float = DEFAULT_RECENT_DECODE_RATIO
     replicas: int = 1
+    index_backend: str = "dict"
 
     def __post_init__(self) -> None:
+        if self.index_backend not in ("dict", "numba"):
+            raise ValueError(f"index_backend must be dict or numba, got {self.index_backend!r}")
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
         if self.block_size is not None and self.block_size < 1:

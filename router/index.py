@@ -58,7 +58,7 @@ from dataclasses import dataclass
 from functools import partial
 from itertools import accumulate, repeat, takewhile
 from operator import and_, is_not, neg
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -66,7 +66,14 @@ from kvroute_proto.events import AllCleared, BlockRemoved, BlockStored, KvEvent
 from kvroute_proto.hashing import block_hashes, unfmix64
 from router.predicted import PredictedEntries, bits_of
 
-__all__ = ["ERROR_KINDS", "IndexConfig", "PrefixIndex"]
+if TYPE_CHECKING:
+    from router.index_nb import NumbaPrefixIndex
+
+__all__ = ["ERROR_KINDS", "INDEX_BACKENDS", "IndexConfig", "PrefixIndex", "make_index"]
+
+INDEX_BACKENDS = ("dict", "numba")
+"""``IndexConfig.backend``: dict (this module, the reference implementation) or numba
+(router.index_nb: flat tables walked by compiled kernels, same answers)."""
 
 ERROR_KINDS = ("unknown_parent", "unknown_block", "wrong_partition", "hash_mismatch")
 """Kinds of apply errors counted in :attr:`PrefixIndex.errors` (never raised).
@@ -91,13 +98,18 @@ class IndexConfig:
 
     ``verify_hashes``: recompute each stored chain from its tokens (about 1 us per block;
     off by default -- workers share the hashing code, and a bad hash can only misroute).
+
+    ``backend``: which implementation :func:`make_index` builds (``INDEX_BACKENDS``).
     """
 
     max_blocks: int = 4_000_000
     verify_hashes: bool = False
     predict_stride: int = 4
+    backend: str = "dict"
 
     def __post_init__(self) -> None:
+        if self.backend not in INDEX_BACKENDS:
+            raise ValueError(f"index backend must be one of {INDEX_BACKENDS}, got {self.backend!r}")
         if self.max_blocks < 1:
             raise ValueError(f"max_blocks must be >= 1, got {self.max_blocks}")
         if self.predict_stride < 1:
@@ -105,6 +117,16 @@ class IndexConfig:
 
 
 _is_not_none = partial(is_not, None)
+
+
+def make_index(config: IndexConfig | None = None) -> PrefixIndex | NumbaPrefixIndex:
+    """The index ``config.backend`` names (numba is imported only when asked for)."""
+    config = config or IndexConfig()
+    if config.backend == "numba":
+        from router.index_nb import NumbaPrefixIndex
+
+        return NumbaPrefixIndex(config)
+    return PrefixIndex(config)
 
 
 def _depths(

@@ -1,0 +1,1340 @@
+"""NumbaPrefixIndex: the router's prefix index in flat numpy tables walked by numba kernels.
+
+Sans-I/O: imports neither asyncio, grpc, torch nor a clock. Same public interface and the
+same answers as :class:`router.index.PrefixIndex` (the dict index, the reference
+implementation: tests/router/test_index_nb.py drives both with Hypothesis-generated
+histories and asserts they agree after every step). Only the storage differs::
+
+    row = home(hash) = ((hash * ODD) >> 32) & (capacity - 1), then linear probing
+    _tab[row, 0]      uint64  block hash (0 = empty row; a hash of 0 is stored as _ZERO)
+    _tab[row, 1]      uint64  parent hash (0 = a root / not known)
+    _tab[row, 2]      uint64  recency tick (LRU of the size cap; 0 = never stamped)
+    _tab[row, 3 + w]  uint64  bit s % 64 of word w = s // 64: worker slot s holds the block
+
+One row holds a block's key, parent, stamp and worker bitset words side by side, so a find
+step touches one cache line. Rows are deleted by backward shift (no tombstones), and the
+table is rebuilt at a load of 0.6 (growing) or 1/16 (shrinking, so memory returns after
+removals). Worker slots past 63 widen every row by a word (a 1,024-worker fleet pays 16
+words a row).
+
+Predicted entries (``router.predicted``'s semantics, in a table of their own)::
+
+    _ptab[row] = [sparse block hash, holds, mark, bitset words...]   _until[row] float64
+
+with a binary heap of (deadline, hash) records for expiry. A record popped at ``now``
+drops its hash if the hash's latest deadline is <= now and no request holds it, and is
+pushed again at that deadline if the deadline moved later; a release pushes a record for
+what it frees. That is exactly the dict version's rule (a prediction lapses once its latest
+deadline has passed and no hold keeps it).
+
+The kernels are compiled on first use of the module in a process (``warm_up``, called by
+the constructor) and cached on disk (numba ``cache=True``, next to this file or in numba's
+user cache), so no route pays the JIT.
+
+Why: a dict lookup of a 64-bit int key costs two or three dependent cache misses, about
+80 ns each at a million blocks, and numpy calls cost ~1 us each; a compiled walk of a
+prompt's 512 blocks over a flat table costs a few microseconds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from typing import Any, overload
+
+import numba
+import numpy as np
+
+from kvroute_proto.events import AllCleared, BlockRemoved, BlockStored, KvEvent
+from kvroute_proto.hashing import block_hashes, unfmix64
+from router.index import _COMPACT_MIN, ERROR_KINDS, IndexConfig
+
+__all__ = ["NumbaPrefixIndex", "warm_up"]
+
+_U64 = np.uint64
+_MULT = np.uint64(0x9E3779B97F4A7C15)
+_ZERO_INT = 0x5851F42D4C957F2D  # a block hash of 0 is stored as this (0 marks an empty row)
+_ZERO = np.uint64(_ZERO_INT)
+_ONE = np.uint64(1)
+_NIL = np.uint64(0)
+_S32 = np.uint64(32)
+_ALL = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+_KEY, _PAR, _STAMP, _MASK = 0, 1, 2, 3  # confirmed table columns
+_PHELD, _PMARK, _PBITS = 1, 2, 3  # predicted table columns (0: key)
+_M_LIVE, _M_TICK = 0, 1  # confirmed meta
+# predicted meta: rows, rows predicting someone, heap size, mark, FIFO head and tail
+_P_ROWS, _P_LIVE, _P_HEAP, _P_MARK, _P_HEAD, _P_TAIL = 0, 1, 2, 3, 4, 5
+_MIN_CAP = 1 << 10
+_MIN_RECORDS = 1 << 10
+_GROW_LOAD = 0.6
+
+_jit = numba.njit(cache=True, nogil=True)
+
+
+# ---- hashing of keys, rows ---------------------------------------------------------------
+
+
+@_jit
+def _key(h: Any) -> Any:
+    return _ZERO if h == _NIL else h
+
+
+@_jit
+def _unkey(k: Any) -> Any:
+    return _NIL if k == _ZERO else k
+
+
+@_jit
+def _home(k: Any, mask: int) -> int:
+    return int((k * _MULT) >> _S32) & mask
+
+
+@_jit
+def _find(tab: Any, k: Any) -> int:
+    """Row of key ``k`` (already mapped), or -(empty row + 1) where absent."""
+    mask = tab.shape[0] - 1
+    i = _home(k, mask)
+    while True:
+        kk = tab[i, 0]
+        if kk == k:
+            return i
+        if kk == _NIL:
+            return -(i + 1)
+        i = (i + 1) & mask
+
+
+@_jit
+def _delete(tab: Any, i: int) -> None:
+    """Empty row ``i``, moving later rows of its probe run back (no tombstones)."""
+    mask = tab.shape[0] - 1
+    ncol = tab.shape[1]
+    j = i
+    while True:
+        j = (j + 1) & mask
+        k = tab[j, 0]
+        if k == _NIL:
+            break
+        h = _home(k, mask)
+        if ((j - h) & mask) >= ((j - i) & mask):  # row i lies on k's probe path
+            for c in range(ncol):
+                tab[i, c] = tab[j, c]
+            i = j
+    for c in range(ncol):
+        tab[i, c] = _NIL
+
+
+@_jit
+def _delete_pred(tab: Any, until: Any, i: int) -> None:
+    """As _delete, moving the deadlines along."""
+    mask = tab.shape[0] - 1
+    ncol = tab.shape[1]
+    j = i
+    while True:
+        j = (j + 1) & mask
+        k = tab[j, 0]
+        if k == _NIL:
+            break
+        h = _home(k, mask)
+        if ((j - h) & mask) >= ((j - i) & mask):
+            for c in range(ncol):
+                tab[i, c] = tab[j, c]
+            until[i] = until[j]
+            i = j
+    for c in range(ncol):
+        tab[i, c] = _NIL
+    until[i] = 0.0
+
+
+@_jit
+def _rehash(old: Any, new: Any) -> int:
+    """Copy the rows of ``old`` with a key and a nonzero first data column group into
+    ``new`` (any width up to old's); returns the rows copied."""
+    n = 0
+    wcol = min(old.shape[1], new.shape[1])
+    for r in range(old.shape[0]):
+        k = old[r, 0]
+        if k == _NIL:
+            continue
+        i = -_find(new, k) - 1
+        for c in range(wcol):
+            new[i, c] = old[r, c]
+        n += 1
+    return n
+
+
+@_jit
+def _rehash_pred(old: Any, old_until: Any, new: Any, new_until: Any) -> int:
+    n = 0
+    wcol = min(old.shape[1], new.shape[1])
+    for r in range(old.shape[0]):
+        k = old[r, 0]
+        if k == _NIL:
+            continue
+        i = -_find(new, k) - 1
+        for c in range(wcol):
+            new[i, c] = old[r, c]
+        new_until[i] = old_until[r]
+        n += 1
+    return n
+
+
+@_jit
+def _popcount(x: Any) -> int:
+    x = x - ((x >> np.uint64(1)) & np.uint64(0x5555555555555555))
+    x = (x & np.uint64(0x3333333333333333)) + ((x >> np.uint64(2)) & np.uint64(0x3333333333333333))
+    x = (x + (x >> np.uint64(4))) & np.uint64(0x0F0F0F0F0F0F0F0F)
+    return int((x * np.uint64(0x0101010101010101)) >> np.uint64(56))
+
+
+@_jit
+def _bit(slot: int) -> Any:
+    return _ONE << np.uint64(slot & 63)
+
+
+# ---- confirmed entries -------------------------------------------------------------------
+
+
+@_jit
+def _holds(tab: Any, h: Any, slot: int) -> bool:
+    r = _find(tab, _key(h))
+    return r >= 0 and (tab[r, _MASK + (slot >> 6)] & _bit(slot)) != _NIL
+
+
+@_jit
+def _store(tab: Any, meta: Any, counts: Any, keys: Any, parent: Any, slot: int) -> Any:
+    """Index ``keys`` (raw hashes) for ``slot``: OR its bit in (new rows as needed), link
+    each key to the previous one and the first to ``parent`` (0 = none), stamp the last.
+    The table has room (the caller grows it first). Returns the (block, slot) pairs added,
+    and whether ``parent`` was given but not held by ``slot`` before."""
+    col = _MASK + (slot >> 6)
+    bit = _bit(slot)
+    unknown = False
+    if parent != _NIL:
+        pr = _find(tab, parent)
+        unknown = pr < 0 or (tab[pr, col] & bit) == _NIL
+    added = 0
+    n = keys.shape[0]
+    prev = _NIL
+    r = 0
+    first = 0
+    for i in range(n):
+        k = _key(keys[i])
+        r = _find(tab, k)
+        if r < 0:
+            r = -r - 1
+            tab[r, 0] = k
+            meta[_M_LIVE] += 1
+        if i == 0:
+            first = r
+        m = tab[r, col]
+        if (m & bit) == _NIL:
+            tab[r, col] = m | bit
+            added += 1
+        if i > 0:
+            tab[r, _PAR] = prev
+        prev = k
+    if parent != _NIL:
+        tab[first, _PAR] = parent
+    meta[_M_TICK] += 1
+    tab[r, _STAMP] = np.uint64(meta[_M_TICK])
+    counts[slot] += added
+    return added, unknown
+
+
+@_jit
+def _remove(tab: Any, meta: Any, counts: Any, keys: Any, slot: int) -> int:
+    """Withdraw ``keys`` from ``slot``; rows nobody holds are deleted. Returns the pairs
+    removed (the rest of ``keys`` were unknown)."""
+    col = _MASK + (slot >> 6)
+    bit = _bit(slot)
+    words = tab.shape[1] - _MASK
+    removed = 0
+    for i in range(keys.shape[0]):
+        r = _find(tab, _key(keys[i]))
+        if r < 0:
+            continue
+        m = tab[r, col]
+        if (m & bit) == _NIL:
+            continue
+        removed += 1
+        m ^= bit
+        tab[r, col] = m
+        if m == _NIL:
+            empty = True
+            for w in range(words):
+                if tab[r, _MASK + w] != _NIL:
+                    empty = False
+                    break
+            if empty:
+                _delete(tab, r)
+                meta[_M_LIVE] -= 1
+    counts[slot] -= removed
+    return removed
+
+
+@_jit
+def _remove_slot_confirmed(tab: Any, meta: Any, slot: int) -> None:
+    """Clear ``slot``'s bit everywhere; emptied rows keep their key with all-zero words
+    until the caller's rebuild drops them."""
+    col = _MASK + (slot >> 6)
+    bit = _bit(slot)
+    words = tab.shape[1] - _MASK
+    for r in range(tab.shape[0]):
+        if tab[r, 0] == _NIL or (tab[r, col] & bit) == _NIL:
+            continue
+        tab[r, col] ^= bit
+        empty = True
+        for w in range(words):
+            if tab[r, _MASK + w] != _NIL:
+                empty = False
+                break
+        if empty:
+            meta[_M_LIVE] -= 1
+
+
+@_jit
+def _drop_empty(old: Any, new: Any) -> int:
+    """Copy the rows of ``old`` with some worker bit into ``new``."""
+    n = 0
+    words = old.shape[1] - _MASK
+    for r in range(old.shape[0]):
+        if old[r, 0] == _NIL:
+            continue
+        live = False
+        for w in range(words):
+            if old[r, _MASK + w] != _NIL:
+                live = True
+                break
+        if not live:
+            continue
+        i = -_find(new, old[r, 0]) - 1
+        for c in range(old.shape[1]):
+            new[i, c] = old[r, c]
+        n += 1
+    return n
+
+
+@_jit
+def _heap_push(prim: Any, sec: Any, size: int, p: Any, s: Any) -> int:
+    i = size
+    prim[i] = p
+    sec[i] = s
+    while i > 0:
+        up = (i - 1) >> 1
+        if prim[up] < prim[i] or (prim[up] == prim[i] and sec[up] <= sec[i]):
+            break
+        prim[up], prim[i] = prim[i], prim[up]
+        sec[up], sec[i] = sec[i], sec[up]
+        i = up
+    return size + 1
+
+
+@_jit
+def _heap_pop(prim: Any, sec: Any, size: int) -> int:
+    """Remove the smallest (prim, sec) (read it at [0] first); returns the new size."""
+    size -= 1
+    prim[0] = prim[size]
+    sec[0] = sec[size]
+    i = 0
+    while True:
+        a = 2 * i + 1
+        if a >= size:
+            break
+        b = a + 1
+        c = a
+        if b < size and (prim[b] < prim[a] or (prim[b] == prim[a] and sec[b] < sec[a])):
+            c = b
+        if prim[i] < prim[c] or (prim[i] == prim[c] and sec[i] <= sec[c]):
+            break
+        prim[c], prim[i] = prim[i], prim[c]
+        sec[c], sec[i] = sec[i], sec[c]
+        i = c
+    return size
+
+
+@_jit
+def _evict(tab: Any, meta: Any, counts: Any, target: int) -> int:
+    """Evict least recently stamped leaves (a parent becoming a leaf inherits the later of
+    its own and its last child's stamp) until ``target`` rows are live; the dict index's
+    order: (stamp, hash) ascending. Evicted rows keep their key with all-zero words (the
+    caller rebuilds the table). Returns the rows evicted."""
+    cap = tab.shape[0]
+    words = tab.shape[1] - _MASK
+    children = np.zeros(cap, dtype=np.int64)
+    for r in range(cap):
+        if tab[r, 0] != _NIL and tab[r, _PAR] != _NIL:
+            pr = _find(tab, tab[r, _PAR])
+            if pr >= 0:
+                children[pr] += 1
+    live = meta[_M_LIVE]
+    stamps = np.empty(live + 1, dtype=np.uint64)
+    hashes = np.empty(live + 1, dtype=np.uint64)
+    size = 0
+    for r in range(cap):
+        if tab[r, 0] != _NIL and children[r] == 0:
+            size = _heap_push(stamps, hashes, size, tab[r, _STAMP], _unkey(tab[r, 0]))
+    evicted = 0
+    while live > target and size > 0:
+        stamp = stamps[0]
+        r = _find(tab, _key(hashes[0]))
+        size = _heap_pop(stamps, hashes, size)
+        if r < 0:
+            continue
+        dead = True
+        for w in range(words):
+            m = tab[r, _MASK + w]
+            if m != _NIL:
+                dead = False
+            while m != _NIL:
+                low = m & (~m + _ONE)
+                counts[64 * w + _popcount(low - _ONE)] -= 1
+                m ^= low
+        if dead:
+            continue
+        for w in range(words):
+            tab[r, _MASK + w] = _NIL
+        live -= 1
+        evicted += 1
+        parent = tab[r, _PAR]
+        if parent == _NIL:
+            continue
+        pr = _find(tab, parent)
+        if pr < 0:
+            continue
+        held = False
+        for w in range(words):
+            if tab[pr, _MASK + w] != _NIL:
+                held = True
+                break
+        if not held:
+            continue
+        children[pr] -= 1
+        if children[pr]:
+            continue
+        inherited = max(stamp, tab[pr, _STAMP])
+        tab[pr, _STAMP] = inherited
+        size = _heap_push(stamps, hashes, size, inherited, _unkey(parent))
+    meta[_M_LIVE] = live
+    return evicted
+
+
+@_jit
+def _bits_out(row: Any, depth: int, out_slots: Any, out_depths: Any, n: int) -> int:
+    """Append the slots of bitset words ``row`` with ``depth``; returns the new count."""
+    for w in range(row.shape[0]):
+        m = row[w]
+        while m != _NIL:
+            low = m & (~m + _ONE)
+            out_slots[n] = 64 * w + _popcount(low - _ONE)
+            out_depths[n] = depth
+            n += 1
+            m ^= low
+    return n
+
+
+@_jit
+def _depths_of(run: Any, n: int, out_slots: Any, out_depths: Any) -> int:
+    """Per slot of the running AND ``run[:n]`` (rows non-increasing as sets), the depth at
+    which it leaves; returns how many slots were written."""
+    words = run.shape[1]
+    gone = np.empty(words, dtype=np.uint64)
+    k = 0
+    for i in range(n):
+        last = i == n - 1
+        change = last
+        if not last:
+            for w in range(words):
+                if run[i, w] != run[i + 1, w]:
+                    change = True
+                    break
+        if not change:
+            continue
+        for w in range(words):
+            gone[w] = run[i, w] if last else run[i, w] & ~run[i + 1, w]
+        k = _bits_out(gone, i + 1, out_slots, out_depths, k)
+    return k
+
+
+@_jit
+def _find_matches(
+    tab: Any,
+    meta: Any,
+    ptab: Any,
+    pmeta: Any,
+    keys: Any,
+    stride: int,
+    touch: bool,
+    combine: bool,
+    nslots: int,
+) -> Any:
+    """The confirmed walk of ``keys`` and the predicted one.
+
+    Returns (confirmed slots, confirmed depths, other slots, other depths, same): with
+    ``combine`` (find_matches) the others are the result (per slot the longer of its
+    confirmed prefix and stride x its predicted probes, a probe counting when predicted or
+    covered by the confirmed prefix) and ``same`` says it equals the confirmed one; without
+    (find_matches_by_source) they are the walk over predicted probes alone."""
+    words = tab.shape[1] - _MASK
+    n = keys.shape[0]
+    run = np.empty((n, words), dtype=np.uint64)
+    depth = 0
+    last_row = -1
+    for i in range(n):
+        r = _find(tab, _key(keys[i]))
+        if r < 0:
+            break
+        alive = False
+        for w in range(words):
+            m = tab[r, _MASK + w]
+            if i:
+                m &= run[i - 1, w]
+            run[i, w] = m
+            if m != _NIL:
+                alive = True
+        if not alive:
+            break
+        depth = i + 1
+        last_row = r
+    if depth and touch:
+        meta[_M_TICK] += 1
+        tab[last_row, _STAMP] = np.uint64(meta[_M_TICK])
+    cs = np.empty(nslots, dtype=np.int64)
+    cd = np.empty(nslots, dtype=np.int64)
+    nc = _depths_of(run, depth, cs, cd)
+    ps = np.empty(nslots, dtype=np.int64)
+    pd = np.empty(nslots, dtype=np.int64)
+    npred = 0
+    pwords = ptab.shape[1] - _PBITS
+    if pmeta[_P_LIVE] > 0:  # somebody is predicted somewhere
+        nprobe = n // stride
+        prun = np.empty((nprobe, words), dtype=np.uint64)
+        pdepth = 0
+        for i in range(nprobe):
+            pos = stride - 1 + i * stride
+            pr = _find(ptab, _key(keys[pos]))
+            alive = False
+            for w in range(words):
+                m = _NIL
+                if pr >= 0 and w < pwords:
+                    m = ptab[pr, _PBITS + w]
+                if combine and pos < depth:
+                    m |= run[pos, w]
+                if i:
+                    m &= prun[i - 1, w]
+                prun[i, w] = m
+                if m != _NIL:
+                    alive = True
+            if not alive:
+                break
+            pdepth = i + 1
+        npred = _depths_of(prun, pdepth, ps, pd)
+        for j in range(npred):
+            pd[j] *= stride
+    if not combine:
+        return cs[:nc], cd[:nc], ps[:npred], pd[:npred], False
+    if npred == 0:
+        return cs[:nc], cd[:nc], cs[:nc], cd[:nc], True
+    # merge: per slot the larger depth
+    best = np.zeros(nslots, dtype=np.int64)
+    for j in range(nc):
+        best[cs[j]] = cd[j]
+    same = True
+    for j in range(npred):
+        if pd[j] > best[ps[j]]:
+            best[ps[j]] = pd[j]
+            same = False
+    if same:
+        return cs[:nc], cd[:nc], cs[:nc], cd[:nc], True
+    rs = np.empty(nslots, dtype=np.int64)
+    rd = np.empty(nslots, dtype=np.int64)
+    k = 0
+    for s in range(nslots):
+        if best[s]:
+            rs[k] = s
+            rd[k] = best[s]
+            k += 1
+    return cs[:nc], cd[:nc], rs[:k], rd[:k], False
+
+
+@_jit
+def _slot_rows(tab: Any, col: int, bit: Any) -> Any:
+    """Raw hashes of the rows whose word ``col`` has ``bit``."""
+    n = 0
+    for r in range(tab.shape[0]):
+        if tab[r, 0] != _NIL and (tab[r, col] & bit) != _NIL:
+            n += 1
+    out = np.empty(n, dtype=np.uint64)
+    n = 0
+    for r in range(tab.shape[0]):
+        if tab[r, 0] != _NIL and (tab[r, col] & bit) != _NIL:
+            out[n] = _unkey(tab[r, 0])
+            n += 1
+    return out
+
+
+@_jit
+def _check(tab: Any, counts: Any, live: int) -> int:
+    """0 if the table is consistent (every key found from its home, no row without a
+    worker, per-slot counts right, ``live`` rows), else an error code."""
+    words = tab.shape[1] - _MASK
+    seen = np.zeros(counts.shape[0], dtype=np.int64)
+    n = 0
+    for r in range(tab.shape[0]):
+        k = tab[r, 0]
+        if k == _NIL:
+            continue
+        n += 1
+        if _find(tab, k) != r:
+            return 1
+        any_bit = False
+        for w in range(words):
+            m = tab[r, _MASK + w]
+            if m != _NIL:
+                any_bit = True
+            while m != _NIL:
+                low = m & (~m + _ONE)
+                seen[64 * w + _popcount(low - _ONE)] += 1
+                m ^= low
+        if not any_bit:
+            return 2
+    if n != live:
+        return 3
+    for s in range(counts.shape[0]):
+        if seen[s] != counts[s]:
+            return 4
+    return 0
+
+
+# ---- predicted entries -------------------------------------------------------------------
+
+
+@_jit
+def _record(rd: Any, rk: Any, pmeta: Any, deadline: float, k: Any) -> None:
+    """Queue the expiry record (deadline, k): at the FIFO's tail (row 1) when no earlier
+    than its last (a monotonic clock: always), else in the heap (row 0)."""
+    tail = pmeta[_P_TAIL]
+    if tail == pmeta[_P_HEAD] or deadline >= rd[1, tail - 1]:
+        rd[1, tail] = deadline
+        rk[1, tail] = k
+        pmeta[_P_TAIL] = tail + 1
+    else:
+        pmeta[_P_HEAP] = _heap_push(rd[0], rk[0], pmeta[_P_HEAP], deadline, k)
+
+
+@_jit
+def _pred_add(
+    ptab: Any,
+    until: Any,
+    pmeta: Any,
+    rd: Any,
+    rk: Any,
+    keys: Any,
+    stride: int,
+    start: int,
+    slot: int,
+    deadline: float,
+    hold: bool,
+) -> Any:
+    """Predict ``slot`` on the probes of ``keys`` (every stride-th, from block ``start``):
+    OR its bit in, deadline the later of theirs and ``deadline``, a hold on each distinct
+    probe with ``hold``, an expiry record without. Returns the probes (raw hashes)."""
+    first = stride - 1
+    if start >= stride:
+        first += (start // stride) * stride
+    n = keys.shape[0]
+    count = 0 if first >= n else (n - first + stride - 1) // stride
+    out = np.empty(count, dtype=np.uint64)
+    if count == 0:
+        return out
+    col = _PBITS + (slot >> 6)
+    bit = _bit(slot)
+    pwords = ptab.shape[1] - _PBITS
+    pmeta[_P_MARK] += 1
+    mark = np.uint64(pmeta[_P_MARK])
+    for j in range(count):
+        h = keys[first + j * stride]
+        out[j] = h
+        k = _key(h)
+        r = _find(ptab, k)
+        if r < 0:
+            r = -r - 1
+            ptab[r, 0] = k
+            pmeta[_P_ROWS] += 1
+        was = False
+        for w in range(pwords):
+            if ptab[r, _PBITS + w] != _NIL:
+                was = True
+                break
+        if not was:
+            until[r] = deadline
+            pmeta[_P_LIVE] += 1
+        elif deadline > until[r]:
+            until[r] = deadline
+        ptab[r, col] |= bit
+        if hold:
+            if ptab[r, _PMARK] != mark:
+                ptab[r, _PMARK] = mark
+                ptab[r, _PHELD] += _ONE
+        else:
+            _record(rd, rk, pmeta, deadline, k)
+    return out
+
+
+@_jit
+def _pred_release(
+    ptab: Any, until: Any, pmeta: Any, rd: Any, rk: Any, probes: Any, deadline: float
+) -> None:
+    """End one hold on each distinct probe; those no request holds any more live until
+    the later of their deadline and ``deadline`` (an expiry record each)."""
+    pwords = ptab.shape[1] - _PBITS
+    pmeta[_P_MARK] += 1
+    mark = np.uint64(pmeta[_P_MARK])
+    for j in range(probes.shape[0]):
+        k = _key(probes[j])
+        r = _find(ptab, k)
+        if r < 0 or ptab[r, _PMARK] == mark:
+            continue
+        ptab[r, _PMARK] = mark
+        held = ptab[r, _PHELD]
+        if held == _NIL:
+            continue
+        held -= _ONE
+        ptab[r, _PHELD] = held
+        if held != _NIL:
+            continue
+        live = False
+        for w in range(pwords):
+            if ptab[r, _PBITS + w] != _NIL:
+                live = True
+                break
+        if not live:  # forgotten by remove_slot while held
+            _delete_pred(ptab, until, r)
+            pmeta[_P_ROWS] -= 1
+            continue
+        if deadline > until[r]:
+            until[r] = deadline
+        _record(rd, rk, pmeta, until[r], k)
+
+
+@_jit
+def _pred_refresh(
+    ptab: Any, until: Any, pmeta: Any, rd: Any, rk: Any, keys: Any, stride: int, deadline: float
+) -> None:
+    """Extend the deadline of the predicted probes of ``keys`` (an expiry record each)."""
+    pwords = ptab.shape[1] - _PBITS
+    for pos in range(stride - 1, keys.shape[0], stride):
+        k = _key(keys[pos])
+        r = _find(ptab, k)
+        if r < 0:
+            continue
+        live = False
+        for w in range(pwords):
+            if ptab[r, _PBITS + w] != _NIL:
+                live = True
+                break
+        if not live:
+            continue
+        if deadline > until[r]:
+            until[r] = deadline
+        _record(rd, rk, pmeta, deadline, k)
+
+
+@_jit
+def _pred_expire(ptab: Any, until: Any, pmeta: Any, rd: Any, rk: Any, now: float) -> int:
+    """Drop the predicted probes whose deadline is <= ``now`` and that nobody holds (the
+    records due, FIFO and heap); returns how many."""
+    size = pmeta[_P_HEAP]
+    head = pmeta[_P_HEAD]
+    tail = pmeta[_P_TAIL]
+    pwords = ptab.shape[1] - _PBITS
+    dropped = 0
+    while True:
+        if head < tail and rd[1, head] <= now:
+            k = rk[1, head]
+            head += 1
+        elif size > 0 and rd[0, 0] <= now:
+            k = rk[0, 0]
+            size = _heap_pop(rd[0], rk[0], size)
+        else:
+            break
+        r = _find(ptab, k)
+        if r < 0 or ptab[r, _PHELD] != _NIL:
+            continue  # gone, or held: release() records it again
+        live = False
+        for w in range(pwords):
+            if ptab[r, _PBITS + w] != _NIL:
+                live = True
+                break
+        if not live:
+            continue
+        if until[r] > now:  # a later deadline came with its own record
+            continue
+        _delete_pred(ptab, until, r)
+        pmeta[_P_ROWS] -= 1
+        pmeta[_P_LIVE] -= 1
+        dropped += 1
+    pmeta[_P_HEAP] = size
+    if head == tail:
+        head = tail = 0
+    pmeta[_P_HEAD] = head
+    pmeta[_P_TAIL] = tail
+    return dropped
+
+
+@_jit
+def _pred_remove_slot(ptab: Any, until: Any, pmeta: Any, slot: int) -> None:
+    """Forget ``slot``'s predictions (rows still held stay, predicting nobody)."""
+    col = _PBITS + (slot >> 6)
+    if col >= ptab.shape[1]:
+        return
+    bit = _bit(slot)
+    pwords = ptab.shape[1] - _PBITS
+    r = 0
+    cap = ptab.shape[0]
+    # deleting moves later rows back into r: revisit r; a run wrapping past the end is
+    # moved into earlier rows, already visited but then holding rows seen again (harmless:
+    # their bit is clear)
+    while r < cap:
+        if ptab[r, 0] == _NIL or (ptab[r, col] & bit) == _NIL:
+            r += 1
+            continue
+        ptab[r, col] ^= bit
+        live = False
+        for w in range(pwords):
+            if ptab[r, _PBITS + w] != _NIL:
+                live = True
+                break
+        if live:
+            r += 1
+            continue
+        pmeta[_P_LIVE] -= 1
+        if ptab[r, _PHELD] == _NIL:
+            _delete_pred(ptab, until, r)
+            pmeta[_P_ROWS] -= 1
+        else:
+            r += 1
+
+
+@_jit
+def _pred_rows(ptab: Any, slot: int) -> Any:
+    """Raw probe hashes predicted for ``slot`` (slot < 0: the number of (probe, slot)
+    pairs, as a one-element array)."""
+    if slot < 0:
+        total = 0
+        for r in range(ptab.shape[0]):
+            if ptab[r, 0] != _NIL:
+                for w in range(_PBITS, ptab.shape[1]):
+                    total += _popcount(ptab[r, w])
+        out = np.empty(1, dtype=np.uint64)
+        out[0] = np.uint64(total)
+        return out
+    col = _PBITS + (slot >> 6)
+    bit = _bit(slot)
+    n = 0
+    for r in range(ptab.shape[0]):
+        if ptab[r, 0] != _NIL and col < ptab.shape[1] and (ptab[r, col] & bit) != _NIL:
+            n += 1
+    out = np.empty(n, dtype=np.uint64)
+    n = 0
+    for r in range(ptab.shape[0]):
+        if ptab[r, 0] != _NIL and col < ptab.shape[1] and (ptab[r, col] & bit) != _NIL:
+            out[n] = _unkey(ptab[r, 0])
+            n += 1
+    return out
+
+
+# ---- Python side -------------------------------------------------------------------------
+
+
+class Probes(Sequence[int]):
+    """The probes a held prediction entered (the handle :meth:`NumbaPrefixIndex.predict`
+    returns for :meth:`NumbaPrefixIndex.release_predicted`): raw hashes in a uint64 array."""
+
+    __slots__ = ("keys",)
+
+    def __init__(self, keys: np.ndarray) -> None:
+        self.keys = keys
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[int]: ...
+    def __getitem__(self, i: int | slice) -> int | Sequence[int]:
+        if isinstance(i, slice):
+            return self.keys[i].tolist()  # type: ignore[no-any-return]
+        return int(self.keys[i])
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.keys.tolist())
+
+    def __repr__(self) -> str:
+        return f"Probes({self.keys.tolist()})"
+
+
+_EMPTY_PROBES = Probes(np.empty(0, dtype=_U64))
+
+
+def _as_keys(hashes: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Block hashes as a C-contiguous uint64 array (raw: kernels map 0 themselves)."""
+    if type(hashes) is np.ndarray and hashes.dtype == _U64 and hashes.flags.c_contiguous:
+        return hashes
+    if isinstance(hashes, Probes):
+        return hashes.keys
+    return np.ascontiguousarray(np.asarray(hashes, dtype=_U64))
+
+
+_warm: float | None = None
+
+
+def warm_up() -> float:
+    """Compile (or load from numba's disk cache) every kernel with the argument types the
+    index passes; returns the seconds it took (0 after the first call in a process)."""
+    global _warm
+    if _warm is not None:
+        return 0.0
+    t0 = time.perf_counter()
+    index = NumbaPrefixIndex(IndexConfig(max_blocks=3, predict_stride=2), _warm_up=False)
+    for slot in (0, 1):
+        index.store(slot, BlockStored((1, 2, 3), None, ()))
+        index.store(slot, BlockStored((4, 5), 3, ()))
+    index.find_matches([1, 2, 3, 4])
+    index.find_matches_by_source([1, 2, 3])
+    handle = index.predict(0, [1, 2, 3, 4], 1.0, 0, True)
+    index.release_predicted(handle, 2.0)
+    index.predict(1, [1, 2, 3, 4], 1.0)
+    index.refresh_predicted([1, 2], 3.0)
+    index.expire(5.0)
+    index.remove(0, [1, 2, 3])
+    index.snapshot(1)
+    index.predicted(0)
+    _ = index.num_predicted
+    index.store(2, BlockStored((7, 8), None, ()))  # past the cap: evicts
+    index.remove_worker(1)
+    index.check_invariants()
+    # the rebuilds a growing table runs
+    _rehash(index._tab, np.zeros_like(index._tab))
+    _rehash_pred(index._ptab, index._until, np.zeros_like(index._ptab), np.zeros_like(index._until))
+    _warm = time.perf_counter() - t0
+    return _warm
+
+
+class NumbaPrefixIndex:
+    """Block hash -> set of worker slots in flat tables walked by numba kernels, with
+    predicted entries and a size cap. Same interface and answers as
+    :class:`router.index.PrefixIndex`; hashes may also be given as uint64 arrays (no
+    conversion: fastest). Not thread-safe.
+
+    Construction compiles the kernels once per process (or loads them from numba's disk
+    cache): see :func:`warm_up`.
+    """
+
+    def __init__(self, config: IndexConfig | None = None, *, _warm_up: bool = True) -> None:
+        if _warm_up:
+            warm_up()
+        self.config = config or IndexConfig()
+        self._stride = self.config.predict_stride
+        self._tab = np.zeros((_MIN_CAP, _MASK + 1), dtype=_U64)
+        self._meta = np.zeros(2, dtype=np.int64)
+        self._counts = np.zeros(64, dtype=np.int64)
+        self._nslots = 64  # worker slots the tables' words hold
+        self._ptab = np.zeros((_MIN_CAP, _PBITS + 1), dtype=_U64)
+        self._until = np.zeros(_MIN_CAP, dtype=np.float64)
+        self._pmeta = np.zeros(6, dtype=np.int64)
+        # expiry records (deadline, probe hash): row 0 a heap, row 1 a FIFO (see _record)
+        self._rd = np.zeros((2, _MIN_RECORDS), dtype=np.float64)
+        self._rk = np.zeros((2, _MIN_RECORDS), dtype=_U64)
+        # the event-confirmed depths of the last find_matches (before predictions lengthened
+        # any), as router.index.PrefixIndex.last_confirmed
+        self.last_confirmed: dict[int, int] = {}
+        # the last list find_matches converted, and its array: the route predicts on the
+        # same list right after (a list must not change between the two calls)
+        self._query: tuple[object, np.ndarray] = ((), _EMPTY_PROBES.keys)
+        # the dict index's eviction trigger and compaction rule, kept alike (its largest
+        # size since it last compacted or evicted)
+        self._peak = 0
+        self.errors: Counter[str] = Counter(dict.fromkeys(ERROR_KINDS, 0))
+        self.num_evicted = 0
+
+    # ---- tables --------------------------------------------------------------------------
+
+    def _words_for(self, slot: int) -> None:
+        """Widen the tables to hold worker ``slot``."""
+        if slot < 0:
+            raise ValueError(f"worker slot must be >= 0, got {slot}")
+        words = (slot >> 6) + 1
+        self._nslots = max(self._nslots, 64 * words)
+        if words > self._tab.shape[1] - _MASK:
+            tab = np.zeros((self._tab.shape[0], _MASK + words), dtype=_U64)
+            tab[:, : self._tab.shape[1]] = self._tab
+            self._tab = tab
+            counts = np.zeros(64 * words, dtype=np.int64)
+            counts[: len(self._counts)] = self._counts
+            self._counts = counts
+        if words > self._ptab.shape[1] - _PBITS:
+            ptab = np.zeros((self._ptab.shape[0], _PBITS + words), dtype=_U64)
+            ptab[:, : self._ptab.shape[1]] = self._ptab
+            self._ptab = ptab
+
+    def _room(self, n: int) -> None:
+        """Grow the confirmed table so ``n`` more keys keep its load under 0.6."""
+        cap = self._tab.shape[0]
+        need = int(self._meta[_M_LIVE]) + n
+        if need > cap * _GROW_LOAD:
+            self._resize(need)
+
+    def _resize(self, live: int) -> None:
+        cap = _MIN_CAP
+        while cap * 0.3 < live:
+            cap *= 2
+        new = np.zeros((cap, self._tab.shape[1]), dtype=_U64)
+        _rehash(self._tab, new)
+        self._tab = new
+
+    def _rebuild(self) -> None:
+        """Drop rows left without a worker (eviction, remove_worker) and resize."""
+        live = int(self._meta[_M_LIVE])
+        cap = _MIN_CAP
+        while cap * 0.3 < live:
+            cap *= 2
+        new = np.zeros((cap, self._tab.shape[1]), dtype=_U64)
+        _drop_empty(self._tab, new)
+        self._tab = new
+
+    def _maybe_shrink(self) -> None:
+        cap = self._tab.shape[0]
+        if cap > _MIN_CAP and int(self._meta[_M_LIVE]) * 16 < cap:
+            self._resize(int(self._meta[_M_LIVE]))
+
+    def _pred_room(self, n: int) -> None:
+        """Room for ``n`` more predicted rows and heap records."""
+        cap = self._ptab.shape[0]
+        need = int(self._pmeta[_P_ROWS]) + n
+        if need > cap * _GROW_LOAD or (cap > _MIN_CAP and need * 16 < cap):
+            size = _MIN_CAP
+            while size * 0.3 < need:
+                size *= 2
+            ptab = np.zeros((size, self._ptab.shape[1]), dtype=_U64)
+            until = np.zeros(size, dtype=np.float64)
+            _rehash_pred(self._ptab, self._until, ptab, until)
+            self._ptab, self._until = ptab, until
+        meta = self._pmeta
+        size = self._rd.shape[1]
+        heap, head, tail = int(meta[_P_HEAP]), int(meta[_P_HEAD]), int(meta[_P_TAIL])
+        if heap + n <= size and tail + n <= size:
+            return
+        while size < max(heap, tail - head) + n:
+            size *= 2
+        rd = np.zeros((2, size), dtype=np.float64)
+        rk = np.zeros((2, size), dtype=_U64)
+        rd[0, :heap], rk[0, :heap] = self._rd[0, :heap], self._rk[0, :heap]
+        rd[1, : tail - head], rk[1, : tail - head] = self._rd[1, head:tail], self._rk[1, head:tail]
+        meta[_P_HEAD], meta[_P_TAIL] = 0, tail - head
+        self._rd, self._rk = rd, rk
+
+    @staticmethod
+    def _out(keys: np.ndarray) -> set[int]:
+        return set(keys.tolist())
+
+    # ---- sizes ---------------------------------------------------------------------------
+
+    def size(self) -> int:
+        """Number of indexed (confirmed) blocks, whoever holds them."""
+        return int(self._meta[_M_LIVE])
+
+    @property
+    def num_entries(self) -> int:
+        """Number of confirmed (block, worker) pairs."""
+        return int(self._counts.sum())
+
+    @property
+    def num_predicted(self) -> int:
+        """Number of predicted (sparse block, worker) pairs."""
+        return int(_pred_rows(self._ptab, -1)[0])
+
+    def num_worker_blocks(self, slot: int) -> int:
+        """Confirmed blocks of one worker."""
+        return int(self._counts[slot]) if 0 <= slot < len(self._counts) else 0
+
+    def approx_bytes(self) -> int:
+        """Memory of the index's tables in bytes (metrics), predictions included."""
+        arrays = (self._tab, self._counts, self._ptab, self._until, self._rd, self._rk)
+        return sum(a.nbytes for a in arrays)
+
+    def snapshot(self, slot: int) -> set[int]:
+        """Block hashes confirmed (by events) to be held by ``slot``."""
+        if not self.num_worker_blocks(slot):
+            return set()
+        bit = _U64(1 << (slot & 63))
+        return self._out(_slot_rows(self._tab, _MASK + (slot >> 6), bit))
+
+    def predicted(self, slot: int) -> set[int]:
+        """The (sparse) block hashes predicted for ``slot``."""
+        if slot < 0:
+            raise ValueError(f"worker slot must be >= 0, got {slot}")
+        return self._out(_pred_rows(self._ptab, slot))
+
+    # ---- matching ------------------------------------------------------------------------
+
+    def find_matches(
+        self, hashes: Sequence[int] | np.ndarray, touch: bool = True
+    ) -> dict[int, int]:
+        """Matched prefix length in blocks per worker slot (slots matching 0 are absent),
+        as :meth:`router.index.PrefixIndex.find_matches`. ``hashes``: a uint64 array is
+        fastest."""
+        keys = _as_keys(hashes)
+        if keys is not hashes:  # a list: predict() is likely to get the same one next
+            self._query = (hashes, keys)
+        cs, cd, rs, rd, same = _find_matches(
+            self._tab,
+            self._meta,
+            self._ptab,
+            self._pmeta,
+            keys,
+            self._stride,
+            touch,
+            True,
+            self._nslots,
+        )
+        confirmed = dict(zip(cs.tolist(), cd.tolist(), strict=True))
+        self.last_confirmed = confirmed
+        if same:
+            return confirmed
+        return dict(zip(rs.tolist(), rd.tolist(), strict=True))
+
+    def find_matches_by_source(
+        self, hashes: Sequence[int] | np.ndarray
+    ) -> tuple[dict[int, int], dict[int, int]]:
+        """``(confirmed, predicted)`` matched lengths, as
+        :meth:`router.index.PrefixIndex.find_matches_by_source`. Touches nothing."""
+        keys = _as_keys(hashes)
+        cs, cd, ps, pd, _ = _find_matches(
+            self._tab,
+            self._meta,
+            self._ptab,
+            self._pmeta,
+            keys,
+            self._stride,
+            False,
+            False,
+            self._nslots,
+        )
+        confirmed = dict(zip(cs.tolist(), cd.tolist(), strict=True))
+        return confirmed, dict(zip(ps.tolist(), pd.tolist(), strict=True))
+
+    # ---- predicted entries ---------------------------------------------------------------
+
+    def predict(
+        self,
+        slot: int,
+        hashes: Sequence[int] | np.ndarray,
+        deadline: float,
+        start: int = 0,
+        hold: bool = False,
+    ) -> Sequence[int]:
+        """Predict that ``slot`` holds the prefix ``hashes`` until ``deadline``, as
+        :meth:`router.index.PrefixIndex.predict`. Returns the probes entered (a
+        :class:`Probes`, the handle for :meth:`release_predicted`)."""
+        stride = self._stride
+        n = len(hashes) // stride
+        if n <= start // stride:
+            return _EMPTY_PROBES
+        src, keys = self._query
+        if hashes is src and len(keys) == len(hashes) and hashes[-1] == keys[-1]:
+            pass  # the list find_matches converted (the route's case)
+        elif isinstance(hashes, np.ndarray | Probes):
+            keys = _as_keys(hashes)
+        else:  # another list: convert only the probes
+            keys = _as_keys(hashes[stride - 1 :: stride][start // stride :])
+            stride, start = 1, 0
+        if slot >= self._nslots:
+            self._words_for(slot)
+        self._pred_room(n)
+        probes = _pred_add(
+            self._ptab,
+            self._until,
+            self._pmeta,
+            self._rd,
+            self._rk,
+            keys,
+            stride,
+            start,
+            slot,
+            float(deadline),
+            hold,
+        )
+        return Probes(probes)
+
+    def release_predicted(self, handle: Sequence[int], deadline: float) -> None:
+        """End the hold :meth:`predict` returned ``handle`` for; the probes then live until
+        ``deadline``."""
+        if not len(handle):
+            return
+        keys = _as_keys(handle)
+        self._pred_room(len(keys))
+        _pred_release(
+            self._ptab, self._until, self._pmeta, self._rd, self._rk, keys, float(deadline)
+        )
+
+    def refresh_predicted(self, hashes: Sequence[int] | np.ndarray, deadline: float) -> None:
+        """Extend the deadline of the predicted prefix ``hashes`` (approx mode's LRU)."""
+        if not self._pmeta[_P_LIVE]:
+            return
+        keys = _as_keys(hashes)
+        self._pred_room(len(keys) // self._stride)
+        _pred_refresh(
+            self._ptab,
+            self._until,
+            self._pmeta,
+            self._rd,
+            self._rk,
+            keys,
+            self._stride,
+            float(deadline),
+        )
+
+    def expire(self, now: float) -> int:
+        """Drop predictions whose deadline is <= ``now``; returns the blocks dropped."""
+        meta = self._pmeta
+        if not meta[_P_HEAP] and meta[_P_HEAD] == meta[_P_TAIL]:
+            return 0
+        return int(
+            _pred_expire(self._ptab, self._until, self._pmeta, self._rd, self._rk, float(now))
+        )
+
+    # ---- events --------------------------------------------------------------------------
+
+    def apply(self, slot: int, event: KvEvent) -> None:
+        """Apply one KV event of worker ``slot``. Errors are counted, never raised."""
+        match event:
+            case BlockStored():
+                self.store(slot, event)
+            case BlockRemoved(block_hashes=hashes):
+                self.remove(slot, hashes)
+            case AllCleared():
+                self.remove_worker(slot)
+            case _:
+                raise TypeError(f"not a KV event: {event!r}")
+
+    def store(self, slot: int, event: BlockStored) -> None:
+        """Index a stored chain for ``slot``."""
+        hashes = event.block_hashes
+        if not hashes:
+            return
+        if slot >= self._nslots:
+            self._words_for(slot)
+        parent = event.parent_hash
+        verify = self.config.verify_hashes
+        if verify:  # counted before the chain is checked, as the dict index counts it
+            if parent is not None and not _holds(self._tab, _U64(parent), slot):
+                self.errors["unknown_parent"] += 1
+            if not self._verify(event):
+                return
+        keys = _as_keys(hashes)
+        self._room(len(keys))
+        # the parent as stored (0: none; a hash of 0 maps as the kernels map it)
+        stored_parent = _NIL if parent is None else _U64(parent or _ZERO_INT)
+        added, unknown = _store(self._tab, self._meta, self._counts, keys, stored_parent, slot)
+        if unknown and not verify:
+            self.errors["unknown_parent"] += 1
+        if added:
+            live = int(self._meta[_M_LIVE])
+            if live > self._peak:
+                self._peak = live
+                if live > self.config.max_blocks:
+                    self._evict()
+
+    def _verify(self, event: BlockStored) -> bool:
+        """Recompute the chain's hashes from its tokens; count and reject a mismatch."""
+        hashes = event.block_hashes
+        tokens = event.token_array.astype(np.uint64)
+        if len(tokens) % len(hashes):
+            self.errors["hash_mismatch"] += 1
+            return False
+        block_size = len(tokens) // len(hashes)
+        parent = event.parent_hash
+        start = event.partition.seed if parent is None else unfmix64(parent)
+        expect = block_hashes(tokens, block_size, start, validate=False)
+        if np.array_equal(expect, np.asarray(hashes, dtype=_U64)):
+            return True
+        self.errors["wrong_partition" if parent is None else "hash_mismatch"] += 1
+        return False
+
+    def remove(self, slot: int, hashes: Sequence[int] | np.ndarray) -> None:
+        """Withdraw blocks from ``slot``; blocks nobody holds any more are deleted."""
+        if slot < 0:
+            raise ValueError(f"worker slot must be >= 0, got {slot}")
+        n = len(hashes)
+        if not n:
+            return
+        if slot >= len(self._counts):
+            self.errors["unknown_block"] += n
+            return
+        removed = _remove(self._tab, self._meta, self._counts, _as_keys(hashes), slot)
+        if removed < n:
+            self.errors["unknown_block"] += n - removed
+        if removed:
+            self._maybe_compact()
+
+    def remove_worker(self, slot: int, predictions: bool = True) -> int:
+        """Drop every confirmed entry of ``slot``, and its predictions unless
+        ``predictions`` is False; returns the confirmed count."""
+        if slot < 0:
+            raise ValueError(f"worker slot must be >= 0, got {slot}")
+        if predictions:
+            _pred_remove_slot(self._ptab, self._until, self._pmeta, slot)
+        count = self.num_worker_blocks(slot)
+        if not count:
+            return 0
+        _remove_slot_confirmed(self._tab, self._meta, slot)
+        self._counts[slot] = 0
+        self._rebuild()
+        self._peak = self.size()
+        return count
+
+    def _maybe_compact(self) -> None:
+        """The dict index's compaction rule (its peak resets; it is the eviction trigger),
+        and the table shrinks once a sixteenth full."""
+        n = self.size()
+        if (self._peak >= _COMPACT_MIN and n * 4 <= self._peak) or (n == 0 and self._peak):
+            self._peak = n
+        self._maybe_shrink()
+
+    def _evict(self) -> None:
+        """Evict least recently matched leaves down to 15/16 of ``max_blocks``."""
+        target = self.config.max_blocks - self.config.max_blocks // 16
+        self.num_evicted += int(_evict(self._tab, self._meta, self._counts, target))
+        self._rebuild()
+        self._peak = self.size()
+        self._maybe_compact()
+
+    def check_invariants(self) -> None:
+        """Assert the internal invariants (for tests; O(size))."""
+        code = _check(self._tab, self._counts, self.size())
+        assert code == 0, f"confirmed table inconsistent (code {code})"
+        assert self._tab.shape[0] * _GROW_LOAD >= self.size()
+        assert (self._counts >= 0).all()
+        ptab = self._ptab
+        rows = np.flatnonzero(ptab[:, 0])
+        bits = ptab[rows, _PBITS:].any(axis=1)
+        held = ptab[rows, _PHELD] != 0
+        assert (bits | held).all(), "a predicted row with neither a worker nor a hold"
+        assert len(rows) == self._pmeta[_P_ROWS]
+        assert int(bits.sum()) == self._pmeta[_P_LIVE]
+        for r in rows.tolist():
+            assert _find(ptab, ptab[r, 0]) == r
+        # a prediction nobody holds has an expiry record at its deadline; the FIFO's
+        # records are in deadline order
+        heap, head, tail = (int(self._pmeta[i]) for i in (_P_HEAP, _P_HEAD, _P_TAIL))
+        assert 0 <= heap <= self._rd.shape[1] and 0 <= head <= tail <= self._rd.shape[1]
+        fifo = self._rd[1, head:tail]
+        assert (fifo[1:] >= fifo[:-1]).all()
+        records = set(zip(self._rd[0, :heap].tolist(), self._rk[0, :heap].tolist(), strict=True))
+        records.update(zip(fifo.tolist(), self._rk[1, head:tail].tolist(), strict=True))
+        for r in rows.tolist():
+            if ptab[r, _PBITS:].any() and not ptab[r, _PHELD]:
+                assert (float(self._until[r]), int(ptab[r, 0])) in records, r

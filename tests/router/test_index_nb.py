@@ -1,0 +1,338 @@
+"""NumbaPrefixIndex (numba kernels) against PrefixIndex (dicts, the reference) on generated
+histories.
+
+A Hypothesis state machine drives both indexes with the same operations -- stored chains
+with and without their parents, partial prefixes, repeated and unknown hashes, removals,
+clears, worker removal, predictions with holds and expiry, and a small size cap -- and after
+every step asserts they answer alike: find_matches (with and without touch, so the LRU stamps
+must agree for evictions to), find_matches_by_source, snapshots, sizes, counters. Worker
+slots go past 64 so the second bitmask word is exercised; a hash of 0 is drawn too.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvroute_proto.events import AllCleared, BlockRemoved, BlockStored
+from kvroute_proto.hashing import block_hash_list
+from router.index import IndexConfig, PrefixIndex
+from router.index_nb import NumbaPrefixIndex
+
+B = 2
+STRIDE = 2
+WORKERS = st.sampled_from([0, 1, 2, 63, 64, 130])
+TOKENS = st.lists(st.integers(0, 1), min_size=B, max_size=7 * B)
+
+
+def hashes_of(tokens: list[int]) -> list[int]:
+    return block_hash_list(tokens, B, 0)
+
+
+class AgreeMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.cap = 0
+        self.ref: PrefixIndex | None = None
+        self.nb: NumbaPrefixIndex | None = None
+        self.chains: list[list[int]] = [[0, 1, 2]]
+        self.handles: list[tuple[object, object]] = []
+        self.now = 0.0
+
+    @precondition(lambda self: self.ref is None)
+    @rule(cap=st.sampled_from([6, 12, 40, 10_000]))
+    def start(self, cap: int) -> None:
+        config = IndexConfig(max_blocks=cap, predict_stride=STRIDE)
+        self.ref, self.nb = PrefixIndex(config), NumbaPrefixIndex(config)
+
+    def both(self) -> tuple[PrefixIndex, NumbaPrefixIndex]:
+        if self.ref is None or self.nb is None:
+            config = IndexConfig(predict_stride=STRIDE)
+            self.ref, self.nb = PrefixIndex(config), NumbaPrefixIndex(config)
+        return self.ref, self.nb
+
+    @rule(w=WORKERS, tokens=TOKENS, data=st.data())
+    def store(self, w: int, tokens: list[int], data: st.DataObject) -> None:
+        ref, nb = self.both()
+        chain = hashes_of(tokens)
+        self.chains.append(chain)
+        start = data.draw(st.integers(0, len(chain) - 1))
+        end = data.draw(st.integers(start + 1, len(chain)))
+        part = chain[start:end]
+        if data.draw(st.booleans()):  # a repeated hash within the event
+            part = part + part[:1]
+        parent = chain[start - 1] if start else data.draw(st.sampled_from([None, None, 0, 7]))
+        event = BlockStored(tuple(part), parent, (0,) * (B * len(part)))
+        ref.apply(w, event)
+        nb.apply(w, event)
+
+    @rule(w=WORKERS, data=st.data())
+    def store_raw(self, w: int, data: st.DataObject) -> None:
+        """Arbitrary small hashes (0 included), not chained."""
+        ref, nb = self.both()
+        part = data.draw(st.lists(st.integers(0, 9), min_size=1, max_size=5))
+        self.chains.append(part)
+        event = BlockStored(tuple(part), None, (0,) * (B * len(part)))
+        ref.apply(w, event)
+        nb.apply(w, event)
+
+    @rule(w=WORKERS, data=st.data())
+    def remove(self, w: int, data: st.DataObject) -> None:
+        ref, nb = self.both()
+        universe = sorted({h for c in self.chains for h in c} | {12345})
+        victims = tuple(data.draw(st.lists(st.sampled_from(universe), min_size=1, max_size=6)))
+        ref.apply(w, BlockRemoved(victims))
+        nb.apply(w, BlockRemoved(victims))
+
+    @rule(w=WORKERS)
+    def clear(self, w: int) -> None:
+        ref, nb = self.both()
+        ref.apply(w, AllCleared())
+        nb.apply(w, AllCleared())
+
+    @rule(w=WORKERS, predictions=st.booleans())
+    def remove_worker(self, w: int, predictions: bool) -> None:
+        ref, nb = self.both()
+        assert ref.remove_worker(w, predictions) == nb.remove_worker(w, predictions)
+
+    @rule(w=WORKERS, data=st.data(), hold=st.booleans(), ttl=st.sampled_from([1.0, 3.0]))
+    def predict(self, w: int, data: st.DataObject, hold: bool, ttl: float) -> None:
+        ref, nb = self.both()
+        # recent chains more often: predictions overlapping, refreshed and outliving others
+        chain = data.draw(st.sampled_from(self.chains[-2:]) | st.sampled_from(self.chains))
+        start = data.draw(st.integers(0, len(chain)))
+        a = ref.predict(w, chain, self.now + ttl, start, hold)
+        b = nb.predict(w, chain, self.now + ttl, start, hold)
+        assert list(a) == list(b)
+        if hold and a:
+            self.handles.append((a, b))
+
+    @precondition(lambda self: self.handles)
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        ref, nb = self.both()
+        a, b = self.handles.pop(data.draw(st.integers(0, len(self.handles) - 1)))
+        ref.release_predicted(a, self.now + 1.0)  # type: ignore[arg-type]
+        nb.release_predicted(b, self.now + 1.0)  # type: ignore[arg-type]
+
+    @rule(dt=st.sampled_from([0.5, 1.0, 2.5]))  # deadlines: now + 1 or 3
+    def advance(self, dt: float) -> None:
+        ref, nb = self.both()
+        self.now += dt
+        assert ref.expire(self.now) == nb.expire(self.now)
+
+    @rule(data=st.data(), deadline=st.sampled_from([0.5, 2.0]))
+    def refresh(self, data: st.DataObject, deadline: float) -> None:
+        ref, nb = self.both()
+        chain = data.draw(st.sampled_from(self.chains[-2:]) | st.sampled_from(self.chains))
+        ref.refresh_predicted(chain, self.now + deadline)
+        nb.refresh_predicted(chain, self.now + deadline)
+
+    @rule(data=st.data(), touch=st.booleans())
+    def find(self, data: st.DataObject, touch: bool) -> None:
+        ref, nb = self.both()
+        chain = data.draw(st.sampled_from(self.chains))
+        n = data.draw(st.integers(0, len(chain)))
+        query = chain[:n]
+        assert ref.find_matches(query, touch) == nb.find_matches(query, touch), query
+        assert ref.last_confirmed == nb.last_confirmed
+        assert ref.find_matches_by_source(query) == nb.find_matches_by_source(query)
+
+    @invariant()
+    def agree(self) -> None:
+        if self.ref is None or self.nb is None:
+            return
+        ref, nb = self.ref, self.nb
+        nb.check_invariants()
+        ref.check_invariants()
+        assert ref.size() == nb.size()
+        assert ref.num_entries == nb.num_entries
+        assert ref.num_predicted == nb.num_predicted
+        assert ref.num_evicted == nb.num_evicted
+        assert dict(ref.errors) == dict(nb.errors)
+        for w in (0, 1, 2, 63, 64, 130):
+            assert ref.num_worker_blocks(w) == nb.num_worker_blocks(w)
+            assert ref.snapshot(w) == nb.snapshot(w), w
+            assert ref.predicted(w) == nb.predicted(w)
+        for chain in self.chains[-4:]:
+            assert ref.find_matches(chain, touch=False) == nb.find_matches(chain, touch=False)
+
+
+AgreeMachine.TestCase.settings = settings(
+    max_examples=300,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestNumbaAgreesWithDictIndex = AgreeMachine.TestCase
+
+
+def test_held_prediction_with_a_repeated_hash_releases() -> None:
+    """A prompt whose sparse probes repeat a hash (a collision): held once, freed once
+    (release raised KeyError before), on both indexes."""
+    for make in (PrefixIndex, NumbaPrefixIndex):
+        index = make(IndexConfig(predict_stride=1))
+        handle = index.predict(3, [5, 5, 6], 1.0, hold=True)
+        index.release_predicted(handle, 2.0)
+        assert index.predicted(3) == {5, 6}
+        assert index.expire(2.0) == 2 and index.predicted(3) == set()
+
+
+def _pair(**kw: int) -> tuple[PrefixIndex, NumbaPrefixIndex]:
+    config = IndexConfig(**kw)
+    return PrefixIndex(config), NumbaPrefixIndex(config)
+
+
+def _assert_same(ref: PrefixIndex, nb: NumbaPrefixIndex, slots: range | list[int]) -> None:
+    nb.check_invariants()
+    assert nb.size() == ref.size() and nb.num_entries == ref.num_entries
+    assert nb.num_evicted == ref.num_evicted and dict(nb.errors) == dict(ref.errors)
+    for s in slots:
+        assert nb.snapshot(s) == ref.snapshot(s), s
+        assert nb.predicted(s) == ref.predicted(s), s
+
+
+def test_eviction_order_and_inherited_stamps() -> None:
+    """A prefix matched after another chain was stored outlives that chain's leaf once its
+    own tail is evicted (it keeps the later of its own stamp and its child's)."""
+    a = list(range(100, 110))
+    b = list(range(200, 204))
+    ref, nb = _pair(max_blocks=16)
+    for index in (ref, nb):
+        index.store(0, BlockStored(tuple(a), None, ()))
+        index.store(1, BlockStored(tuple(b), None, ()))
+        index.find_matches(a[:3])  # stamps a[2] after b's leaf
+        index.store(2, BlockStored(tuple(range(300, 309)), None, ()))  # 23 > 16: evict 8
+    _assert_same(ref, nb, range(3))
+    # a's tail (7 blocks, inheriting its leaf's stamp) goes, then b's leaf, not a[2]
+    assert nb.snapshot(0) == set(a[:3]) and nb.snapshot(1) == set(b[:3])
+
+
+def test_long_random_histories_agree() -> None:
+    """Seeded histories longer than the state machine's: branching chains (a shared head
+    stored once, suffixes stored with their parent), partial finds that touch, removals of
+    suffixes, worker removal, predictions with holds -- with a size cap small enough to
+    evict often, over 70 workers (two bitset words)."""
+    for seed in range(12):
+        rng = random.Random(seed)
+        ref, nb = _pair(max_blocks=rng.choice([30, 60, 200]), predict_stride=rng.choice([1, 4]))
+        heads = [[rng.getrandbits(64) for _ in range(rng.randint(1, 6))] for _ in range(5)]
+        chains: list[list[int]] = []
+        handles: list[tuple[object, object]] = []
+        now = 0.0
+        for _ in range(300):
+            op = rng.random()
+            w = rng.choice([0, 1, 2, 3, 69])
+            if op < 0.35:
+                head = rng.choice(heads)
+                tail = [rng.getrandbits(64) for _ in range(rng.randint(1, 12))]
+                chains.append(head + tail)
+                for index in (ref, nb):
+                    index.store(w, BlockStored(tuple(head), None, ()))
+                    index.store(w, BlockStored(tuple(tail), head[-1], ()))
+            elif op < 0.6 and chains:
+                c = rng.choice(chains)
+                q = c[: rng.randint(1, len(c))] + [rng.getrandbits(64)] * rng.randint(0, 2)
+                touch = rng.random() < 0.8
+                assert ref.find_matches(q, touch) == nb.find_matches(q, touch)
+                assert ref.last_confirmed == nb.last_confirmed
+            elif op < 0.72 and chains:
+                c = rng.choice(chains)
+                victims = tuple(c[rng.randint(0, len(c) - 1) :])
+                ref.remove(w, victims)
+                nb.remove(w, victims)
+            elif op < 0.75:
+                assert ref.remove_worker(w) == nb.remove_worker(w)
+            elif op < 0.9 and chains:
+                c = rng.choice(chains)
+                start, hold = rng.randint(0, len(c)), rng.random() < 0.5
+                h1 = ref.predict(w, c, now + 1.0, start, hold)
+                h2 = nb.predict(w, c, now + 1.0, start, hold)
+                assert list(h1) == list(h2)
+                if hold and h1:
+                    handles.append((h1, h2))
+            elif op < 0.95 and handles:
+                h1, h2 = handles.pop(rng.randrange(len(handles)))
+                ref.release_predicted(h1, now + 1.0)  # type: ignore[arg-type]
+                nb.release_predicted(h2, now + 1.0)  # type: ignore[arg-type]
+            else:
+                now += rng.choice([0.3, 1.0])
+                assert ref.expire(now) == nb.expire(now)
+            assert ref.size() == nb.size() and ref.num_evicted == nb.num_evicted
+        _assert_same(ref, nb, [0, 1, 2, 3, 69])
+        for c in chains:
+            assert ref.find_matches(c, False) == nb.find_matches(c, False)
+
+
+def _same_home(home: int, count: int) -> list[int]:
+    """``count`` distinct hashes whose home row is ``home`` in any table of up to 2**32
+    rows (home = ((h * ODD) >> 32) & (rows - 1))."""
+    inv = pow(0x9E3779B97F4A7C15, -1, 1 << 64)
+    return [((home << 32) + j + 1) * inv % (1 << 64) for j in range(count)]
+
+
+def test_crowded_and_wrapping_probe_runs_agree() -> None:
+    """Keys sharing home rows, at the table's end too (probe runs wrap to row 0): stored,
+    removed from the middle of runs (rows shift back), found, stored again."""
+    crowd = _same_home(1023, 12) + _same_home(0, 5) + _same_home(5, 20) + _same_home(6, 6)
+    ref, nb = _pair()
+    for w, part in enumerate((crowd[:10], crowd, crowd[5:30], crowd[::-1])):
+        for index in (ref, nb):
+            index.store(w, BlockStored(tuple(part), None, ()))
+    _assert_same(ref, nb, range(4))
+    for index in (ref, nb):
+        index.remove(1, crowd[3:17])
+        index.remove(3, crowd[::3])
+        index.remove(0, crowd[:4])
+        index.store(0, BlockStored(tuple(crowd[::2]), None, ()))
+    _assert_same(ref, nb, range(4))
+    for q in (crowd, crowd[::-1], crowd[5:], crowd[::2]):
+        assert nb.find_matches(q) == ref.find_matches(q)
+    for index in (ref, nb):
+        index.predict(7, crowd[::-1], 1.0, hold=True)
+        index.predict(8, crowd, 2.0)
+        index.remove_worker(7)
+    _assert_same(ref, nb, [7, 8])
+    assert ref.expire(1.5) == nb.expire(1.5) and ref.expire(3.0) == nb.expire(3.0)
+    _assert_same(ref, nb, [7, 8])
+
+
+def test_tables_grow_and_shrink_back() -> None:
+    """Thousands of chains stored then removed: same answers throughout, and the table
+    returns to its initial size (memory comes back after removals)."""
+    rng = random.Random(7)
+    ref, nb = _pair()
+    empty_bytes = nb.approx_bytes()
+    chains = [[rng.getrandbits(64) for _ in range(50)] for _ in range(400)]
+    for i, c in enumerate(chains):
+        for index in (ref, nb):
+            index.store(i % 5, BlockStored(tuple(c), None, ()))
+    _assert_same(ref, nb, range(5))
+    assert nb.approx_bytes() > 10 * empty_bytes
+    for c in chains[::7]:
+        assert nb.find_matches(c) == ref.find_matches(c)
+    for i, c in enumerate(chains):
+        for index in (ref, nb):
+            index.remove(i % 5, c)
+    _assert_same(ref, nb, range(5))
+    assert nb.size() == 0 and nb.approx_bytes() == empty_bytes
+
+
+def test_array_hashes_answer_as_lists() -> None:
+    """uint64 arrays (what block_hashes returns) are taken as they are, 0 included."""
+    nb = NumbaPrefixIndex(IndexConfig(predict_stride=2))
+    chain = [0, 2**64 - 1, 5, 2**63, 9]
+    nb.store(3, BlockStored(tuple(chain[:3]), None, ()))
+    nb.store(4, BlockStored(tuple(chain), None, ()))
+    arr = np.array(chain, dtype=np.uint64)
+    assert nb.find_matches(arr) == nb.find_matches(chain) == {3: 3, 4: 5}
+    handle = nb.predict(5, arr, 1.0, hold=True)
+    assert list(handle) == [2**64 - 1, 2**63] and handle
+    nb.release_predicted(handle, 2.0)
+    assert nb.predicted(5) == {2**64 - 1, 2**63}
+    assert nb.find_matches(arr[:4], touch=False) == {3: 3, 4: 4, 5: 4}
+    assert nb.snapshot(4) == set(chain)
