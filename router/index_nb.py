@@ -63,12 +63,14 @@ _ALL = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 _KEY, _PAR, _STAMP, _MASK = 0, 1, 2, 3  # confirmed table columns
 _PHELD, _PMARK, _PBITS = 1, 2, 3  # predicted table columns (0: key)
-_M_LIVE, _M_TICK = 0, 1  # confirmed meta
-# predicted meta: rows, rows predicting someone, heap size, mark, FIFO head and tail
-_P_ROWS, _P_LIVE, _P_HEAP, _P_MARK, _P_HEAD, _P_TAIL = 0, 1, 2, 3, 4, 5
+# _meta: confirmed rows, LRU tick; predicted rows, rows predicting someone, records' heap
+# size, a mark for deduplicating within a call, records' FIFO head and tail
+_M_LIVE, _M_TICK = 0, 1
+_P_ROWS, _P_LIVE, _P_HEAP, _P_MARK, _P_HEAD, _P_TAIL = 2, 3, 4, 5, 6, 7
 _MIN_CAP = 1 << 10
 _MIN_RECORDS = 1 << 10
-_GROW_LOAD = 0.6
+_GROW_LOAD = 0.6  # a table grows past this load
+_RESIZE_LOAD = 0.45  # and is rebuilt at most this full
 
 _jit = numba.njit(cache=True, nogil=True)
 
@@ -421,64 +423,61 @@ def _evict(tab: Any, meta: Any, counts: Any, target: int) -> int:
 
 
 @_jit
-def _bits_out(row: Any, depth: int, out_slots: Any, out_depths: Any, n: int) -> int:
-    """Append the slots of bitset words ``row`` with ``depth``; returns the new count."""
-    for w in range(row.shape[0]):
-        m = row[w]
-        while m != _NIL:
-            low = m & (~m + _ONE)
-            out_slots[n] = 64 * w + _popcount(low - _ONE)
-            out_depths[n] = depth
-            n += 1
-            m ^= low
-    return n
-
-
-@_jit
-def _depths_of(run: Any, n: int, out_slots: Any, out_depths: Any) -> int:
-    """Per slot of the running AND ``run[:n]`` (rows non-increasing as sets), the depth at
-    which it leaves; returns how many slots were written."""
+def _depths_of(run: Any, off: int, n: int, out: Any, row: int) -> int:
+    """Per slot of the running AND ``run[off:off + n]`` (rows non-increasing as sets), the
+    depth at which it leaves: slots to ``out[row]``, depths to ``out[row + 1]``; returns
+    how many slots were written."""
     words = run.shape[1]
-    gone = np.empty(words, dtype=np.uint64)
     k = 0
     for i in range(n):
         last = i == n - 1
         change = last
         if not last:
             for w in range(words):
-                if run[i, w] != run[i + 1, w]:
+                if run[off + i, w] != run[off + i + 1, w]:
                     change = True
                     break
         if not change:
             continue
         for w in range(words):
-            gone[w] = run[i, w] if last else run[i, w] & ~run[i + 1, w]
-        k = _bits_out(gone, i + 1, out_slots, out_depths, k)
+            m = run[off + i, w] if last else run[off + i, w] & ~run[off + i + 1, w]
+            while m != _NIL:
+                low = m & (~m + _ONE)
+                out[row, k] = 64 * w + _popcount(low - _ONE)
+                out[row + 1, k] = i + 1
+                k += 1
+                m ^= low
     return k
+
+
+_SAME = 1 << 42  # _find_matches' answer: the result is the confirmed walk's
+_COUNT = (1 << 21) - 1
 
 
 @_jit
 def _find_matches(
     tab: Any,
-    meta: Any,
     ptab: Any,
-    pmeta: Any,
+    meta: Any,
     keys: Any,
+    run: Any,
+    out: Any,
     stride: int,
     touch: bool,
     combine: bool,
-    nslots: int,
-) -> Any:
+) -> int:
     """The confirmed walk of ``keys`` and the predicted one.
 
-    Returns (confirmed slots, confirmed depths, other slots, other depths, same): with
-    ``combine`` (find_matches) the others are the result (per slot the longer of its
-    confirmed prefix and stride x its predicted probes, a probe counting when predicted or
-    covered by the confirmed prefix) and ``same`` says it equals the confirmed one; without
-    (find_matches_by_source) they are the walk over predicted probes alone."""
+    ``run``: scratch rows (at least len(keys) + len(keys) // stride, a row per bitset
+    word); ``out``: four rows of one column per worker slot, where it writes the confirmed
+    depths (slots in row 0, depths in row 1) and the others (rows 2 and 3): with
+    ``combine`` (find_matches) the result -- per slot the longer of its confirmed prefix
+    and stride x its predicted probes, a probe counting when predicted or covered by the
+    confirmed prefix --, without (find_matches_by_source) the walk over predicted probes
+    alone. Returns the two counts (bits 0-20 and 21-41) and, with ``combine``, _SAME when
+    the result is the confirmed depths (rows 2 and 3 then unused)."""
     words = tab.shape[1] - _MASK
     n = keys.shape[0]
-    run = np.empty((n, words), dtype=np.uint64)
     depth = 0
     last_row = -1
     for i in range(n):
@@ -500,16 +499,11 @@ def _find_matches(
     if depth and touch:
         meta[_M_TICK] += 1
         tab[last_row, _STAMP] = np.uint64(meta[_M_TICK])
-    cs = np.empty(nslots, dtype=np.int64)
-    cd = np.empty(nslots, dtype=np.int64)
-    nc = _depths_of(run, depth, cs, cd)
-    ps = np.empty(nslots, dtype=np.int64)
-    pd = np.empty(nslots, dtype=np.int64)
+    nc = _depths_of(run, 0, depth, out, 0)
     npred = 0
     pwords = ptab.shape[1] - _PBITS
-    if pmeta[_P_LIVE] > 0:  # somebody is predicted somewhere
+    if meta[_P_LIVE] > 0:  # somebody is predicted somewhere
         nprobe = n // stride
-        prun = np.empty((nprobe, words), dtype=np.uint64)
         pdepth = 0
         for i in range(nprobe):
             pos = stride - 1 + i * stride
@@ -522,40 +516,38 @@ def _find_matches(
                 if combine and pos < depth:
                     m |= run[pos, w]
                 if i:
-                    m &= prun[i - 1, w]
-                prun[i, w] = m
+                    m &= run[n + i - 1, w]
+                run[n + i, w] = m
                 if m != _NIL:
                     alive = True
             if not alive:
                 break
             pdepth = i + 1
-        npred = _depths_of(prun, pdepth, ps, pd)
+        npred = _depths_of(run, n, pdepth, out, 2)
         for j in range(npred):
-            pd[j] *= stride
+            out[3, j] *= stride
     if not combine:
-        return cs[:nc], cd[:nc], ps[:npred], pd[:npred], False
+        return nc | (npred << 21)
     if npred == 0:
-        return cs[:nc], cd[:nc], cs[:nc], cd[:nc], True
-    # merge: per slot the larger depth
-    best = np.zeros(nslots, dtype=np.int64)
+        return nc | _SAME
+    # merge, in slot order: per slot the larger depth
+    best = np.zeros(out.shape[1], dtype=np.int64)
     for j in range(nc):
-        best[cs[j]] = cd[j]
+        best[out[0, j]] = out[1, j]
     same = True
     for j in range(npred):
-        if pd[j] > best[ps[j]]:
-            best[ps[j]] = pd[j]
+        if out[3, j] > best[out[2, j]]:
+            best[out[2, j]] = out[3, j]
             same = False
     if same:
-        return cs[:nc], cd[:nc], cs[:nc], cd[:nc], True
-    rs = np.empty(nslots, dtype=np.int64)
-    rd = np.empty(nslots, dtype=np.int64)
+        return nc | _SAME
     k = 0
-    for s in range(nslots):
+    for s in range(best.shape[0]):
         if best[s]:
-            rs[k] = s
-            rd[k] = best[s]
+            out[2, k] = s
+            out[3, k] = best[s]
             k += 1
-    return cs[:nc], cd[:nc], rs[:k], rd[:k], False
+    return nc | (k << 21)
 
 
 @_jit
@@ -939,12 +931,14 @@ class NumbaPrefixIndex:
         self.config = config or IndexConfig()
         self._stride = self.config.predict_stride
         self._tab = np.zeros((_MIN_CAP, _MASK + 1), dtype=_U64)
-        self._meta = np.zeros(2, dtype=np.int64)
+        self._meta = np.zeros(8, dtype=np.int64)
         self._counts = np.zeros(64, dtype=np.int64)
         self._nslots = 64  # worker slots the tables' words hold
+        # find_matches' scratch (a bitset row per walked block and probe) and answer rows
+        self._run = np.zeros((1024, 1), dtype=_U64)
+        self._outbuf = np.zeros((4, 64), dtype=np.int64)
         self._ptab = np.zeros((_MIN_CAP, _PBITS + 1), dtype=_U64)
         self._until = np.zeros(_MIN_CAP, dtype=np.float64)
-        self._pmeta = np.zeros(6, dtype=np.int64)
         # expiry records (deadline, probe hash): row 0 a heap, row 1 a FIFO (see _record)
         self._rd = np.zeros((2, _MIN_RECORDS), dtype=np.float64)
         self._rk = np.zeros((2, _MIN_RECORDS), dtype=_U64)
@@ -967,7 +961,10 @@ class NumbaPrefixIndex:
         if slot < 0:
             raise ValueError(f"worker slot must be >= 0, got {slot}")
         words = (slot >> 6) + 1
-        self._nslots = max(self._nslots, 64 * words)
+        if 64 * words > self._nslots:
+            self._nslots = 64 * words
+            self._outbuf = np.zeros((4, self._nslots), dtype=np.int64)
+            self._run = np.zeros((len(self._run), words), dtype=_U64)
         if words > self._tab.shape[1] - _MASK:
             tab = np.zeros((self._tab.shape[0], _MASK + words), dtype=_U64)
             tab[:, : self._tab.shape[1]] = self._tab
@@ -980,6 +977,13 @@ class NumbaPrefixIndex:
             ptab[:, : self._ptab.shape[1]] = self._ptab
             self._ptab = ptab
 
+    def _grow_run(self, n: int) -> np.ndarray:
+        rows = len(self._run)
+        while rows <= n + n // self._stride:
+            rows *= 2
+        self._run = np.zeros((rows, self._run.shape[1]), dtype=_U64)
+        return self._run
+
     def _room(self, n: int) -> None:
         """Grow the confirmed table so ``n`` more keys keep its load under 0.6."""
         cap = self._tab.shape[0]
@@ -987,20 +991,24 @@ class NumbaPrefixIndex:
         if need > cap * _GROW_LOAD:
             self._resize(need)
 
-    def _resize(self, live: int) -> None:
+    @staticmethod
+    def _capacity(live: int) -> int:
+        """Rows for ``live`` keys: a power of two at most 0.45 full (a table growing at 0.6
+        doubles to 0.3)."""
         cap = _MIN_CAP
-        while cap * 0.3 < live:
+        while cap * _RESIZE_LOAD < live:
             cap *= 2
+        return cap
+
+    def _resize(self, live: int) -> None:
+        cap = self._capacity(live)
         new = np.zeros((cap, self._tab.shape[1]), dtype=_U64)
         _rehash(self._tab, new)
         self._tab = new
 
     def _rebuild(self) -> None:
         """Drop rows left without a worker (eviction, remove_worker) and resize."""
-        live = int(self._meta[_M_LIVE])
-        cap = _MIN_CAP
-        while cap * 0.3 < live:
-            cap *= 2
+        cap = self._capacity(int(self._meta[_M_LIVE]))
         new = np.zeros((cap, self._tab.shape[1]), dtype=_U64)
         _drop_empty(self._tab, new)
         self._tab = new
@@ -1013,16 +1021,14 @@ class NumbaPrefixIndex:
     def _pred_room(self, n: int) -> None:
         """Room for ``n`` more predicted rows and heap records."""
         cap = self._ptab.shape[0]
-        need = int(self._pmeta[_P_ROWS]) + n
+        need = int(self._meta[_P_ROWS]) + n
         if need > cap * _GROW_LOAD or (cap > _MIN_CAP and need * 16 < cap):
-            size = _MIN_CAP
-            while size * 0.3 < need:
-                size *= 2
+            size = self._capacity(need)
             ptab = np.zeros((size, self._ptab.shape[1]), dtype=_U64)
             until = np.zeros(size, dtype=np.float64)
             _rehash_pred(self._ptab, self._until, ptab, until)
             self._ptab, self._until = ptab, until
-        meta = self._pmeta
+        meta = self._meta
         size = self._rd.shape[1]
         heap, head, tail = int(meta[_P_HEAP]), int(meta[_P_HEAD]), int(meta[_P_TAIL])
         if heap + n <= size and tail + n <= size:
@@ -1089,22 +1095,21 @@ class NumbaPrefixIndex:
         keys = _as_keys(hashes)
         if keys is not hashes:  # a list: predict() is likely to get the same one next
             self._query = (hashes, keys)
-        cs, cd, rs, rd, same = _find_matches(
-            self._tab,
-            self._meta,
-            self._ptab,
-            self._pmeta,
-            keys,
-            self._stride,
-            touch,
-            True,
-            self._nslots,
+        run = self._run
+        if len(keys) + len(keys) // self._stride >= len(run):
+            run = self._grow_run(len(keys))
+        out = self._outbuf
+        code = _find_matches(
+            self._tab, self._ptab, self._meta, keys, run, out, self._stride, touch, True
         )
-        confirmed = dict(zip(cs.tolist(), cd.tolist(), strict=True))
+        nc = code & _COUNT
+        c = out[:2, :nc].tolist()
+        confirmed = dict(zip(c[0], c[1], strict=True))
         self.last_confirmed = confirmed
-        if same:
+        if code & _SAME:
             return confirmed
-        return dict(zip(rs.tolist(), rd.tolist(), strict=True))
+        r = out[2:, : code >> 21 & _COUNT].tolist()
+        return dict(zip(r[0], r[1], strict=True))
 
     def find_matches_by_source(
         self, hashes: Sequence[int] | np.ndarray
@@ -1112,19 +1117,16 @@ class NumbaPrefixIndex:
         """``(confirmed, predicted)`` matched lengths, as
         :meth:`router.index.PrefixIndex.find_matches_by_source`. Touches nothing."""
         keys = _as_keys(hashes)
-        cs, cd, ps, pd, _ = _find_matches(
-            self._tab,
-            self._meta,
-            self._ptab,
-            self._pmeta,
-            keys,
-            self._stride,
-            False,
-            False,
-            self._nslots,
+        run = self._run
+        if len(keys) + len(keys) // self._stride >= len(run):
+            run = self._grow_run(len(keys))
+        out = self._outbuf
+        code = _find_matches(
+            self._tab, self._ptab, self._meta, keys, run, out, self._stride, False, False
         )
-        confirmed = dict(zip(cs.tolist(), cd.tolist(), strict=True))
-        return confirmed, dict(zip(ps.tolist(), pd.tolist(), strict=True))
+        c = out[:2, : code & _COUNT].tolist()
+        p = out[2:, : code >> 21 & _COUNT].tolist()
+        return dict(zip(c[0], c[1], strict=True)), dict(zip(p[0], p[1], strict=True))
 
     # ---- predicted entries ---------------------------------------------------------------
 
@@ -1157,7 +1159,7 @@ class NumbaPrefixIndex:
         probes = _pred_add(
             self._ptab,
             self._until,
-            self._pmeta,
+            self._meta,
             self._rd,
             self._rk,
             keys,
@@ -1177,19 +1179,19 @@ class NumbaPrefixIndex:
         keys = _as_keys(handle)
         self._pred_room(len(keys))
         _pred_release(
-            self._ptab, self._until, self._pmeta, self._rd, self._rk, keys, float(deadline)
+            self._ptab, self._until, self._meta, self._rd, self._rk, keys, float(deadline)
         )
 
     def refresh_predicted(self, hashes: Sequence[int] | np.ndarray, deadline: float) -> None:
         """Extend the deadline of the predicted prefix ``hashes`` (approx mode's LRU)."""
-        if not self._pmeta[_P_LIVE]:
+        if not self._meta[_P_LIVE]:
             return
         keys = _as_keys(hashes)
         self._pred_room(len(keys) // self._stride)
         _pred_refresh(
             self._ptab,
             self._until,
-            self._pmeta,
+            self._meta,
             self._rd,
             self._rk,
             keys,
@@ -1199,11 +1201,11 @@ class NumbaPrefixIndex:
 
     def expire(self, now: float) -> int:
         """Drop predictions whose deadline is <= ``now``; returns the blocks dropped."""
-        meta = self._pmeta
+        meta = self._meta
         if not meta[_P_HEAP] and meta[_P_HEAD] == meta[_P_TAIL]:
             return 0
         return int(
-            _pred_expire(self._ptab, self._until, self._pmeta, self._rd, self._rk, float(now))
+            _pred_expire(self._ptab, self._until, self._meta, self._rd, self._rk, float(now))
         )
 
     # ---- events --------------------------------------------------------------------------
@@ -1286,7 +1288,7 @@ class NumbaPrefixIndex:
         if slot < 0:
             raise ValueError(f"worker slot must be >= 0, got {slot}")
         if predictions:
-            _pred_remove_slot(self._ptab, self._until, self._pmeta, slot)
+            _pred_remove_slot(self._ptab, self._until, self._meta, slot)
         count = self.num_worker_blocks(slot)
         if not count:
             return 0
@@ -1323,13 +1325,13 @@ class NumbaPrefixIndex:
         bits = ptab[rows, _PBITS:].any(axis=1)
         held = ptab[rows, _PHELD] != 0
         assert (bits | held).all(), "a predicted row with neither a worker nor a hold"
-        assert len(rows) == self._pmeta[_P_ROWS]
-        assert int(bits.sum()) == self._pmeta[_P_LIVE]
+        assert len(rows) == self._meta[_P_ROWS]
+        assert int(bits.sum()) == self._meta[_P_LIVE]
         for r in rows.tolist():
             assert _find(ptab, ptab[r, 0]) == r
         # a prediction nobody holds has an expiry record at its deadline; the FIFO's
         # records are in deadline order
-        heap, head, tail = (int(self._pmeta[i]) for i in (_P_HEAP, _P_HEAD, _P_TAIL))
+        heap, head, tail = (int(self._meta[i]) for i in (_P_HEAP, _P_HEAD, _P_TAIL))
         assert 0 <= heap <= self._rd.shape[1] and 0 <= head <= tail <= self._rd.shape[1]
         fifo = self._rd[1, head:tail]
         assert (fifo[1:] >= fifo[:-1]).all()
