@@ -146,6 +146,14 @@ def build_parser() -> argparse.ArgumentParser:
         "several routers)",
     )
     p.add_argument(
+        "--index-backend",
+        choices=("dict", "numba"),
+        default=RouterConfig().index_backend,
+        help="the prefix index's implementation: dict (router/index.py, pure Python) or numba "
+        "(router/index_nb.py: compiled kernels over flat tables, same answers; compiled or "
+        "loaded from numba's cache at startup) (default %(default)s)",
+    )
+    p.add_argument(
         "--backlog-tokens",
         type=float,
         default=DEFAULT_BACKLOG_TOKENS,
@@ -263,6 +271,7 @@ def config_from_args(
             backlog_tokens=args.backlog_tokens,
             recent_decode_ratio=args.recent_decode_ratio,
             replicas=args.replicas,
+            index_backend=args.index_backend,
         ),
         service=FrontendConfig(
             max_inflight=args.max_inflight,

@@ -10,13 +10,15 @@ import random
 from dataclasses import replace
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_core import B, Clock, stored
 
 from kvroute_proto.events import DEFAULT_PARTITION, BlockRemoved, EventBatch, Snapshot
+from router import cli
 from router.core import NoWorkerAvailable, RouterConfig, RouterCore, RouteRequest
-from router.index import PrefixIndex
+from router.index import IndexConfig, PrefixIndex, make_index
 from router.index_nb import NumbaPrefixIndex
 
 OPS = "route route route exclude first finish store store remove snapshot time add drop probe"
@@ -122,3 +124,18 @@ def test_numba_index_core_decides_as_the_dict_one(data, n, policy, cap) -> None:
         nb.index.check_invariants()
     # the stats agree but for the index's memory estimate (each backend's own)
     assert replace(ref.stats(), index_bytes=0) == replace(nb.stats(), index_bytes=0)
+
+
+def test_index_backend_from_the_command_line_and_config() -> None:
+    """kvroute router --index-backend picks the core's index; bad names are refused."""
+    for name, kind in (("dict", PrefixIndex), ("numba", NumbaPrefixIndex)):
+        args = cli.build_parser().parse_args(["--worker", "127.0.0.1:1", "--index-backend", name])
+        config = cli.config_from_args(args).core
+        assert config.index_backend == name
+        core = RouterCore(config, clock=Clock(), rng=random.Random(0))
+        assert isinstance(core.index, kind)
+        assert isinstance(make_index(IndexConfig(backend=name)), kind)
+    with pytest.raises(ValueError, match="index_backend"):
+        RouterConfig(index_backend="tree")
+    with pytest.raises(ValueError, match="backend"):
+        IndexConfig(backend="tree")
