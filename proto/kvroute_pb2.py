@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvroute_proto/kvroute.proto\x12\nkvroute.v1\"2\n\tPartition\x12\x12\n\ncache_salt\x18\x01 \x01(\t\x12\x11\n\textra_key\x18\x02 \x01(\t\"\xa3\x01\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x07\n\x05_seed\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x93\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x30\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x14.kvroute.v1.TokenIdsH\x00\x12\x15\n\x0bprompt_text\x18\x03 \x01(\tH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.kvroute.v1.SamplingParams\x12(\n\tpartition\x18\x05 \x01(\x0b\x32\x15.kvroute.v1.Partition\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x13\n\x0brouting_key\x18\x07 \x01(\t\x12\x1a\n\x12prompt_text_suffix\x18\x08 \x01(\tB\x08\n\x06prompt\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\"-\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\"{\n\x08\x46inished\x12(\n\x06reason\x18\x01 \x01(\x0e\x32\x18.kvroute.v1.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.kvroute.v1.Usage\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12\x10\n\x08\x61ttempts\x18\x04 \x01(\r\"\x81\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.kvroute.v1.TokenChunkH\x00\x12(\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x14.kvroute.v1.FinishedH\x00\x42\x06\n\x04kind\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x89\x01\n\x0b\x42lockStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x01(\x0c\x12\x12\n\nhas_parent\x18\x02 \x01(\x08\x12\x13\n\x0bparent_hash\x18\x03 \x01(\x04\x12\x11\n\ttoken_ids\x18\x04 \x01(\x0c\x12(\n\tpartition\x18\x05 \x01(\x0b\x32\x15.kvroute.v1.Partition\"$\n\x0c\x42lockRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x01(\x0c\"\x0c\n\nAllCleared\"\x94\x01\n\x07KvEvent\x12)\n\x06stored\x18\x01 \x01(\x0b\x32\x17.kvroute.v1.BlockStoredH\x00\x12+\n\x07removed\x18\x02 \x01(\x0b\x32\x18.kvroute.v1.BlockRemovedH\x00\x12)\n\x07\x63leared\x18\x03 \x01(\x0b\x32\x16.kvroute.v1.AllClearedH\x00\x42\x06\n\x04kind\"\xb3\x01\n\nLoadReport\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12!\n\x19num_queued_prefill_tokens\x18\x03 \x01(\x04\x12\x1a\n\x12num_free_kv_tokens\x18\x04 \x01(\x04\x12\x1f\n\x17num_evictable_kv_tokens\x18\x05 \x01(\x04\x12\x1b\n\x13num_total_kv_tokens\x18\x06 \x01(\x04\"\x9a\x01\n\nEventBatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12#\n\x06\x65vents\x18\x05 \x03(\x0b\x32\x13.kvroute.v1.KvEvent\x12$\n\x04load\x18\x06 \x01(\x0b\x32\x16.kvroute.v1.LoadReport\"v\n\x08Snapshot\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\'\n\x06\x62locks\x18\x05 \x03(\x0b\x32\x17.kvroute.v1.BlockStored\"l\n\x0fKvStreamMessage\x12\'\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x16.kvroute.v1.EventBatchH\x00\x12(\n\x08snapshot\x18\x02 \x01(\x0b\x32\x14.kvroute.v1.SnapshotH\x00\x42\x06\n\x04kind\"K\n\x10SubscribeRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x11\n\tafter_seq\x18\x02 \x01(\x04\x12\x15\n\rsubscriber_id\x18\x03 \x01(\t\"\x10\n\x0eGetLoadRequest\"\xaa\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x11\n\tpage_size\x18\x04 \x01(\r\x12\x1a\n\x12kv_capacity_tokens\x18\x05 \x01(\x04\x12\x1a\n\x12max_context_tokens\x18\x06 \x01(\r\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x10\n\x08\x65xecutor\x18\x08 \x01(\t\x12$\n\x04load\x18\t \x01(\x0b\x32\x16.kvroute.v1.LoadReport\x12\x12\n\nmodel_name\x18\n \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x0b \x01(\t\x12\x1c\n\x14hash_key_fingerprint\x18\x0c \x01(\t\"\xba\x02\n\x0bWorkerScore\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x16\n\x0ematched_tokens\x18\x04 \x01(\r\x12\x1f\n\x17inflight_prefill_tokens\x18\x05 \x01(\x04\x12\x11\n\x04\x63ost\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12$\n\x04load\x18\x07 \x01(\x0b\x32\x16.kvroute.v1.LoadReport\x12\x1d\n\x15recent_prefill_tokens\x18\x08 \x01(\x01\x12\x1c\n\x14\x65vent_matched_tokens\x18\t \x01(\r\x12 \n\x18predicted_matched_tokens\x18\n \x01(\r\x12\x1c\n\x14not_candidate_reason\x18\x0b \x01(\tB\x07\n\x05_cost\">\n\x0e\x45xplainRequest\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.kvroute.v1.GenerateRequest\"|\n\x0f\x45xplainResponse\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x18\n\x10\x63hosen_worker_id\x18\x03 \x01(\t\x12(\n\x07workers\x18\x04 \x03(\x0b\x32\x17.kvroute.v1.WorkerScore*\x97\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x1d\n\x19\x46INISH_REASON_MAX_CONTEXT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x04\x32\xa0\x02\n\x06Worker\x12G\n\x08Generate\x12\x1b.kvroute.v1.GenerateRequest\x1a\x1c.kvroute.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.kvroute.v1.AbortRequest\x1a\x19.kvroute.v1.AbortResponse\x12P\n\x11SubscribeKvEvents\x12\x1c.kvroute.v1.SubscribeRequest\x1a\x1b.kvroute.v1.KvStreamMessage0\x01\x12=\n\x07GetLoad\x12\x1a.kvroute.v1.GetLoadRequest\x1a\x16.kvroute.v1.WorkerInfo2\xd3\x01\n\x06Router\x12G\n\x08Generate\x12\x1b.kvroute.v1.GenerateRequest\x1a\x1c.kvroute.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.kvroute.v1.AbortRequest\x1a\x19.kvroute.v1.AbortResponse\x12\x42\n\x07\x45xplain\x12\x1a.kvroute.v1.ExplainRequest\x1a\x1b.kvroute.v1.ExplainResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvroute_proto/kvroute.proto\x12\nkvroute.v1\"2\n\tPartition\x12\x12\n\ncache_salt\x18\x01 \x01(\t\x12\x11\n\textra_key\x18\x02 \x01(\t\"\xa3\x01\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x07\n\x05_seed\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xb0\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x30\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x14.kvroute.v1.TokenIdsH\x00\x12\x15\n\x0bprompt_text\x18\x03 \x01(\tH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.kvroute.v1.SamplingParams\x12(\n\tpartition\x18\x05 \x01(\x0b\x32\x15.kvroute.v1.Partition\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x13\n\x0brouting_key\x18\x07 \x01(\t\x12\x1a\n\x12prompt_text_suffix\x18\x08 \x01(\t\x12\x1b\n\x13prompt_text_is_chat\x18\t \x01(\x08\x42\x08\n\x06prompt\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\"-\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\"{\n\x08\x46inished\x12(\n\x06reason\x18\x01 \x01(\x0e\x32\x18.kvroute.v1.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.kvroute.v1.Usage\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12\x10\n\x08\x61ttempts\x18\x04 \x01(\r\"\x81\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.kvroute.v1.TokenChunkH\x00\x12(\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x14.kvroute.v1.FinishedH\x00\x42\x06\n\x04kind\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x89\x01\n\x0b\x42lockStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x01(\x0c\x12\x12\n\nhas_parent\x18\x02 \x01(\x08\x12\x13\n\x0bparent_hash\x18\x03 \x01(\x04\x12\x11\n\ttoken_ids\x18\x04 \x01(\x0c\x12(\n\tpartition\x18\x05 \x01(\x0b\x32\x15.kvroute.v1.Partition\"$\n\x0c\x42lockRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x01(\x0c\"\x0c\n\nAllCleared\"\x94\x01\n\x07KvEvent\x12)\n\x06stored\x18\x01 \x01(\x0b\x32\x17.kvroute.v1.BlockStoredH\x00\x12+\n\x07removed\x18\x02 \x01(\x0b\x32\x18.kvroute.v1.BlockRemovedH\x00\x12)\n\x07\x63leared\x18\x03 \x01(\x0b\x32\x16.kvroute.v1.AllClearedH\x00\x42\x06\n\x04kind\"\xb3\x01\n\nLoadReport\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12!\n\x19num_queued_prefill_tokens\x18\x03 \x01(\x04\x12\x1a\n\x12num_free_kv_tokens\x18\x04 \x01(\x04\x12\x1f\n\x17num_evictable_kv_tokens\x18\x05 \x01(\x04\x12\x1b\n\x13num_total_kv_tokens\x18\x06 \x01(\x04\"\x9a\x01\n\nEventBatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12#\n\x06\x65vents\x18\x05 \x03(\x0b\x32\x13.kvroute.v1.KvEvent\x12$\n\x04load\x18\x06 \x01(\x0b\x32\x16.kvroute.v1.LoadReport\"v\n\x08Snapshot\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\'\n\x06\x62locks\x18\x05 \x03(\x0b\x32\x17.kvroute.v1.BlockStored\"l\n\x0fKvStreamMessage\x12\'\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x16.kvroute.v1.EventBatchH\x00\x12(\n\x08snapshot\x18\x02 \x01(\x0b\x32\x14.kvroute.v1.SnapshotH\x00\x42\x06\n\x04kind\"K\n\x10SubscribeRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x11\n\tafter_seq\x18\x02 \x01(\x04\x12\x15\n\rsubscriber_id\x18\x03 \x01(\t\"\x10\n\x0eGetLoadRequest\"\xaa\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x11\n\tpage_size\x18\x04 \x01(\r\x12\x1a\n\x12kv_capacity_tokens\x18\x05 \x01(\x04\x12\x1a\n\x12max_context_tokens\x18\x06 \x01(\r\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x10\n\x08\x65xecutor\x18\x08 \x01(\t\x12$\n\x04load\x18\t \x01(\x0b\x32\x16.kvroute.v1.LoadReport\x12\x12\n\nmodel_name\x18\n \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x0b \x01(\t\x12\x1c\n\x14hash_key_fingerprint\x18\x0c \x01(\t\"\xba\x02\n\x0bWorkerScore\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x16\n\x0ematched_tokens\x18\x04 \x01(\r\x12\x1f\n\x17inflight_prefill_tokens\x18\x05 \x01(\x04\x12\x11\n\x04\x63ost\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12$\n\x04load\x18\x07 \x01(\x0b\x32\x16.kvroute.v1.LoadReport\x12\x1d\n\x15recent_prefill_tokens\x18\x08 \x01(\x01\x12\x1c\n\x14\x65vent_matched_tokens\x18\t \x01(\r\x12 \n\x18predicted_matched_tokens\x18\n \x01(\r\x12\x1c\n\x14not_candidate_reason\x18\x0b \x01(\tB\x07\n\x05_cost\">\n\x0e\x45xplainRequest\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.kvroute.v1.GenerateRequest\"|\n\x0f\x45xplainResponse\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x18\n\x10\x63hosen_worker_id\x18\x03 \x01(\t\x12(\n\x07workers\x18\x04 \x03(\x0b\x32\x17.kvroute.v1.WorkerScore*\x97\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x1d\n\x19\x46INISH_REASON_MAX_CONTEXT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x04\x32\xa0\x02\n\x06Worker\x12G\n\x08Generate\x12\x1b.kvroute.v1.GenerateRequest\x1a\x1c.kvroute.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.kvroute.v1.AbortRequest\x1a\x19.kvroute.v1.AbortResponse\x12P\n\x11SubscribeKvEvents\x12\x1c.kvroute.v1.SubscribeRequest\x1a\x1b.kvroute.v1.KvStreamMessage0\x01\x12=\n\x07GetLoad\x12\x1a.kvroute.v1.GetLoadRequest\x1a\x16.kvroute.v1.WorkerInfo2\xd3\x01\n\x06Router\x12G\n\x08Generate\x12\x1b.kvroute.v1.GenerateRequest\x1a\x1c.kvroute.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.kvroute.v1.AbortRequest\x1a\x19.kvroute.v1.AbortResponse\x12\x42\n\x07\x45xplain\x12\x1a.kvroute.v1.ExplainRequest\x1a\x1b.kvroute.v1.ExplainResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvroute_proto.kvroute_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2841
-  _globals['_FINISHREASON']._serialized_end=2992
+  _globals['_FINISHREASON']._serialized_start=2870
+  _globals['_FINISHREASON']._serialized_end=3021
   _globals['_PARTITION']._serialized_start=43
   _globals['_PARTITION']._serialized_end=93
   _globals['_SAMPLINGPARAMS']._serialized_start=96
@@ -40,49 +40,49 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=261
   _globals['_TOKENIDS']._serialized_end=284
   _globals['_GENERATEREQUEST']._serialized_start=287
-  _globals['_GENERATEREQUEST']._serialized_end=562
-  _globals['_USAGE']._serialized_start=564
-  _globals['_USAGE']._serialized_end=651
-  _globals['_TOKENCHUNK']._serialized_start=653
-  _globals['_TOKENCHUNK']._serialized_end=698
-  _globals['_FINISHED']._serialized_start=700
-  _globals['_FINISHED']._serialized_end=823
-  _globals['_GENERATERESPONSE']._serialized_start=826
-  _globals['_GENERATERESPONSE']._serialized_end=955
-  _globals['_ABORTREQUEST']._serialized_start=957
-  _globals['_ABORTREQUEST']._serialized_end=991
-  _globals['_ABORTRESPONSE']._serialized_start=993
-  _globals['_ABORTRESPONSE']._serialized_end=1023
-  _globals['_BLOCKSTORED']._serialized_start=1026
-  _globals['_BLOCKSTORED']._serialized_end=1163
-  _globals['_BLOCKREMOVED']._serialized_start=1165
-  _globals['_BLOCKREMOVED']._serialized_end=1201
-  _globals['_ALLCLEARED']._serialized_start=1203
-  _globals['_ALLCLEARED']._serialized_end=1215
-  _globals['_KVEVENT']._serialized_start=1218
-  _globals['_KVEVENT']._serialized_end=1366
-  _globals['_LOADREPORT']._serialized_start=1369
-  _globals['_LOADREPORT']._serialized_end=1548
-  _globals['_EVENTBATCH']._serialized_start=1551
-  _globals['_EVENTBATCH']._serialized_end=1705
-  _globals['_SNAPSHOT']._serialized_start=1707
-  _globals['_SNAPSHOT']._serialized_end=1825
-  _globals['_KVSTREAMMESSAGE']._serialized_start=1827
-  _globals['_KVSTREAMMESSAGE']._serialized_end=1935
-  _globals['_SUBSCRIBEREQUEST']._serialized_start=1937
-  _globals['_SUBSCRIBEREQUEST']._serialized_end=2012
-  _globals['_GETLOADREQUEST']._serialized_start=2014
-  _globals['_GETLOADREQUEST']._serialized_end=2030
-  _globals['_WORKERINFO']._serialized_start=2033
-  _globals['_WORKERINFO']._serialized_end=2331
-  _globals['_WORKERSCORE']._serialized_start=2334
-  _globals['_WORKERSCORE']._serialized_end=2648
-  _globals['_EXPLAINREQUEST']._serialized_start=2650
-  _globals['_EXPLAINREQUEST']._serialized_end=2712
-  _globals['_EXPLAINRESPONSE']._serialized_start=2714
-  _globals['_EXPLAINRESPONSE']._serialized_end=2838
-  _globals['_WORKER']._serialized_start=2995
-  _globals['_WORKER']._serialized_end=3283
-  _globals['_ROUTER']._serialized_start=3286
-  _globals['_ROUTER']._serialized_end=3497
+  _globals['_GENERATEREQUEST']._serialized_end=591
+  _globals['_USAGE']._serialized_start=593
+  _globals['_USAGE']._serialized_end=680
+  _globals['_TOKENCHUNK']._serialized_start=682
+  _globals['_TOKENCHUNK']._serialized_end=727
+  _globals['_FINISHED']._serialized_start=729
+  _globals['_FINISHED']._serialized_end=852
+  _globals['_GENERATERESPONSE']._serialized_start=855
+  _globals['_GENERATERESPONSE']._serialized_end=984
+  _globals['_ABORTREQUEST']._serialized_start=986
+  _globals['_ABORTREQUEST']._serialized_end=1020
+  _globals['_ABORTRESPONSE']._serialized_start=1022
+  _globals['_ABORTRESPONSE']._serialized_end=1052
+  _globals['_BLOCKSTORED']._serialized_start=1055
+  _globals['_BLOCKSTORED']._serialized_end=1192
+  _globals['_BLOCKREMOVED']._serialized_start=1194
+  _globals['_BLOCKREMOVED']._serialized_end=1230
+  _globals['_ALLCLEARED']._serialized_start=1232
+  _globals['_ALLCLEARED']._serialized_end=1244
+  _globals['_KVEVENT']._serialized_start=1247
+  _globals['_KVEVENT']._serialized_end=1395
+  _globals['_LOADREPORT']._serialized_start=1398
+  _globals['_LOADREPORT']._serialized_end=1577
+  _globals['_EVENTBATCH']._serialized_start=1580
+  _globals['_EVENTBATCH']._serialized_end=1734
+  _globals['_SNAPSHOT']._serialized_start=1736
+  _globals['_SNAPSHOT']._serialized_end=1854
+  _globals['_KVSTREAMMESSAGE']._serialized_start=1856
+  _globals['_KVSTREAMMESSAGE']._serialized_end=1964
+  _globals['_SUBSCRIBEREQUEST']._serialized_start=1966
+  _globals['_SUBSCRIBEREQUEST']._serialized_end=2041
+  _globals['_GETLOADREQUEST']._serialized_start=2043
+  _globals['_GETLOADREQUEST']._serialized_end=2059
+  _globals['_WORKERINFO']._serialized_start=2062
+  _globals['_WORKERINFO']._serialized_end=2360
+  _globals['_WORKERSCORE']._serialized_start=2363
+  _globals['_WORKERSCORE']._serialized_end=2677
+  _globals['_EXPLAINREQUEST']._serialized_start=2679
+  _globals['_EXPLAINREQUEST']._serialized_end=2741
+  _globals['_EXPLAINRESPONSE']._serialized_start=2743
+  _globals['_EXPLAINRESPONSE']._serialized_end=2867
+  _globals['_WORKER']._serialized_start=3024
+  _globals['_WORKER']._serialized_end=3312
+  _globals['_ROUTER']._serialized_start=3315
+  _globals['_ROUTER']._serialized_end=3526
 # @@protoc_insertion_point(module_scope)

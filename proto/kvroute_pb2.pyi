@@ -53,7 +53,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "prompt_text", "sampling", "partition", "priority", "routing_key", "prompt_text_suffix")
+    __slots__ = ("request_id", "prompt_token_ids", "prompt_text", "sampling", "partition", "priority", "routing_key", "prompt_text_suffix", "prompt_text_is_chat")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,7 @@ class GenerateRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     ROUTING_KEY_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TEXT_SUFFIX_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TEXT_IS_CHAT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: TokenIds
     prompt_text: str
@@ -70,7 +71,8 @@ class GenerateRequest(_message.Message):
     priority: int
     routing_key: str
     prompt_text_suffix: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., prompt_text: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., partition: _Optional[_Union[Partition, _Mapping]] = ..., priority: _Optional[int] = ..., routing_key: _Optional[str] = ..., prompt_text_suffix: _Optional[str] = ...) -> None: ...
+    prompt_text_is_chat: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., prompt_text: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., partition: _Optional[_Union[Partition, _Mapping]] = ..., priority: _Optional[int] = ..., routing_key: _Optional[str] = ..., prompt_text_suffix: _Optional[str] = ..., prompt_text_is_chat: _Optional[bool] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "cached_prompt_tokens", "completion_tokens")

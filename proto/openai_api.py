@@ -139,11 +139,11 @@ def parse_chat(
     _refuse_unsupported(body, "chat")
     messages = parse_messages(body.get("messages"))
     request = pb.GenerateRequest(request_id=request_id)
-    prompt = chat_prompt(messages, tokenizer)
-    if isinstance(prompt, str):
-        request.prompt_text = prompt
-    else:
-        request.prompt_token_ids.ids.extend(prompt)
+    # the rendered conversation as text, marked as such: whoever encodes it (the router's
+    # front end, which may tokenize only the part a cache can match, or a worker) applies
+    # the template's rule for special tokens
+    request.prompt_text = render_chat(messages, tokenizer)
+    request.prompt_text_is_chat = True
     return _finish_parse("chat", body, request, tokenizer)
 
 

@@ -388,6 +388,14 @@ class HFTokenizer:
         return self.settings.chat_template is None
 
 
+def chat_specials(tokenizer: object) -> bool | None:
+    """The ``add_special_tokens`` with which ``tokenizer`` encodes a rendered chat template
+    (what its ``encode_chat`` does): its ``chat_adds_special_tokens``, or None (its
+    default) for a tokenizer without that rule (the byte tokenizer)."""
+    value = getattr(tokenizer, "chat_adds_special_tokens", None)
+    return value if isinstance(value, bool) else None
+
+
 # ---- loading -----------------------------------------------------------------------------
 
 

@@ -58,6 +58,7 @@ from kvroute_proto.frontdoor import (
     Unavailable,
     error_for_grpc_code,
 )
+from kvroute_proto.tokenizer import chat_specials
 from router.admission import Admission, AdmissionConfig
 from router.core import Explanation, RouteDecision, RouterCore, RouteRequest
 from router.errors import InvalidRouteRequestError, NoWorkerAvailable
@@ -90,7 +91,7 @@ DEFAULT_MODEL_NAME = "kvroute-tiny"
 class TextTokenizer(Protocol):
     """What the front end needs of the fleet's tokenizer (kvroute_proto's tokenizers)."""
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, *, add_special_tokens: bool | None = None) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
 
@@ -147,20 +148,26 @@ def tokenize_prompt(
     limit: int,
     *,
     split: bool = True,
+    chat: bool = False,
 ) -> tuple[np.ndarray, str]:
     """``(ids, tail)`` of a text prompt for routing (uint32 ids; BadRequest past ``limit``
-    tokens).
+    tokens). ``chat``: the text is a rendered chat template (its special tokens as
+    ``encode_chat`` adds them: :func:`kvroute_proto.tokenizer.chat_specials`).
 
     With ``split`` and a chunk cache (:class:`CachedTokenizer`), only the head that some
     worker's cache may still match (``core.may_match_past``) is tokenized, and ``tail`` is
     the text the worker tokenizes (``prompt_text_suffix``); otherwise all of it."""
+    specials = chat_specials(tok) if chat else None
     if split and isinstance(tok, CachedTokenizer):
-        ids, tail = tok.encode_head(text, lambda head: core.may_match_past(head, partition))
+        ids, tail = tok.encode_head(
+            text, lambda head: core.may_match_past(head, partition), add_special_tokens=specials
+        )
         # a byte-level BPE token holds at least one byte: a tail of b bytes holds at most
         # b tokens; if that bound could pass the limit, count exactly
         if not tail or len(ids) + len(tail.encode("utf-8")) <= limit:
             return _checked(ids, limit), tail
-    return _checked(np.asarray(tok.encode(text), dtype=np.uint32), limit), ""
+    whole = tok.encode(text) if specials is None else tok.encode(text, add_special_tokens=specials)
+    return _checked(np.asarray(whole, dtype=np.uint32), limit), ""
 
 
 def _checked(ids: np.ndarray, limit: int) -> np.ndarray:
@@ -516,7 +523,10 @@ class Frontend:
         forward.partition.CopyFrom(codec.partition_to_pb(partition))
         prompt_tokens = None  # the whole prompt's length when only its head is tokenized
         if self.tokenizer is not None and forward.WhichOneof("prompt") == "prompt_text":
-            tokens, tail = self._tokenize(forward.prompt_text, partition, split)
+            tokens, tail = self._tokenize(
+                forward.prompt_text, partition, split, forward.prompt_text_is_chat
+            )
+            forward.prompt_text_is_chat = False  # ids now: the template's specials are in
             if not len(tokens):
                 raise BadRequest("prompt_text encodes to no tokens", param="prompt_text")
             # clears prompt_text (one oneof)
@@ -529,14 +539,18 @@ class Frontend:
         route = RouteRequest(forward.request_id, tokens, partition, prompt_tokens=prompt_tokens)
         return Prepared(forward, route)
 
-    def _tokenize(self, text: str, partition: Partition, split: bool) -> tuple[np.ndarray, str]:
+    def _tokenize(
+        self, text: str, partition: Partition, split: bool, chat: bool
+    ) -> tuple[np.ndarray, str]:
         """``(ids, tail)`` of a text prompt: with the chunk cache, only the head that some
         worker's cache may still match is tokenized (the worker tokenizes ``tail``, the
         request's ``prompt_text_suffix``); else, or near the token limit, all of it."""
         assert self.tokenizer is not None
         split = split and self.split_prompts
         limit = self.config.limits.max_prompt_tokens
-        return tokenize_prompt(self.tokenizer, text, self._core, partition, limit, split=split)
+        return tokenize_prompt(
+            self.tokenizer, text, self._core, partition, limit, split=split, chat=chat
+        )
 
     def _timeout_s(self, call: CallInfo) -> float:
         remaining = call.timeout_s

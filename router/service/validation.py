@@ -51,6 +51,8 @@ def check_request(req: pb.GenerateRequest, limits: RequestLimits) -> None:
             "prompt_text_suffix is set by the router only (for the worker); send the whole "
             "prompt as prompt_text or prompt_token_ids"
         )
+    if req.prompt_text_is_chat and req.WhichOneof("prompt") != "prompt_text":
+        raise RequestError("prompt_text_is_chat is set, but the prompt is not prompt_text")
     match req.WhichOneof("prompt"):
         case "prompt_token_ids":
             n = len(req.prompt_token_ids.ids)

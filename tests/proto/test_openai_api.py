@@ -267,13 +267,23 @@ def test_errors_and_sse_framing() -> None:
     assert models["data"] == [{"id": "m", "object": "model", "created": 3, "owned_by": "kvroute"}]
 
 
-def test_chat_is_sent_as_token_ids_when_the_tokenizer_encodes_chats() -> None:
-    class Encoding(CharTokenizer):
-        def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-            return [1, *self.encode(messages[-1]["content"])]
+def test_chat_is_sent_as_the_rendered_template_marked_as_chat() -> None:
+    """The conversation goes on as the model's rendered template, marked prompt_text_is_chat:
+    whoever encodes it (the router's front end, or a worker) applies the template's rule for
+    special tokens (no second bos)."""
 
-    api = chat({"messages": [{"role": "user", "content": "hi"}]}, tokenizer=Encoding())
-    assert list(api.request.prompt_token_ids.ids) == [1, ord("h"), ord("i")]
+    class Templated(CharTokenizer):
+        chat_adds_special_tokens = False
+
+        def apply_chat_template(self, messages, add_generation_prompt=True) -> str:
+            return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+    api = chat({"messages": [{"role": "user", "content": "hi"}]}, tokenizer=Templated())
+    assert api.request.prompt_text == "<user>hi<assistant>"
+    assert api.request.prompt_text_is_chat
+    plain = chat({"messages": [{"role": "user", "content": "hi"}]}, tokenizer=None)
+    assert plain.request.prompt_text == "<|user|>\nhi\n<|assistant|>\n"
+    assert plain.request.prompt_text_is_chat
 
 
 def test_a_stop_string_is_one_token_after_what_encode_always_adds() -> None:

@@ -19,6 +19,7 @@ import numpy as np
 from kvroute_proto import codec
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto.events import EventBatch, LoadReport, Snapshot
+from kvroute_proto.tokenizer import chat_specials
 from worker.engine.types import EngineRequest, FinishReason, SamplingParams, Usage
 from worker.errors import InvalidRequestError
 
@@ -104,13 +105,15 @@ def request_from_pb(
         case "prompt_token_ids":
             token_ids = np.asarray(msg.prompt_token_ids.ids, dtype=np.int64)
         case "prompt_text":
-            token_ids = _encode_text(msg.prompt_text, tokenizer, limits)
+            token_ids = _encode_text(msg.prompt_text, tokenizer, limits, msg.prompt_text_is_chat)
         case _:
             raise InvalidRequestError(
                 "prompt", "set one of prompt_token_ids or prompt_text (neither was set)"
             )
     if msg.prompt_text_suffix:
         token_ids = _append_suffix(token_ids, msg, tokenizer, limits)
+    if msg.prompt_text_is_chat and msg.WhichOneof("prompt") != "prompt_text":
+        raise InvalidRequestError("prompt_text_is_chat", "set, but the prompt is not prompt_text")
     if token_ids.size == 0:
         raise InvalidRequestError("prompt", "must contain at least 1 token, got 0")
     return EngineRequest(
@@ -149,7 +152,9 @@ def _append_suffix(
     return np.concatenate((token_ids, tail))
 
 
-def _encode_text(text: str, tokenizer: TextEncoder | None, limits: RequestLimits) -> np.ndarray:
+def _encode_text(
+    text: str, tokenizer: TextEncoder | None, limits: RequestLimits, chat: bool = False
+) -> np.ndarray:
     if tokenizer is None:
         raise InvalidRequestError(
             "prompt_text", "this worker has no tokenizer; send prompt_token_ids"
@@ -159,7 +164,11 @@ def _encode_text(text: str, tokenizer: TextEncoder | None, limits: RequestLimits
             "prompt_text",
             f"at most {limits.max_prompt_text_chars} characters, got {len(text)}",
         )
-    return np.asarray(tokenizer.encode(text), dtype=np.int64)
+    if chat:  # a rendered chat template: its special tokens as encode_chat adds them
+        ids = tokenizer.encode(text, add_special_tokens=chat_specials(tokenizer))
+    else:
+        ids = tokenizer.encode(text)
+    return np.asarray(ids, dtype=np.int64)
 
 
 # ---- encoding ----------------------------------------------------------------------------

@@ -7,17 +7,19 @@ import asyncio
 import dataclasses
 import math
 
+import aiohttp
 import grpc
 import numpy as np
 import pytest
 from router_fake_worker import FakeWorker, running_fake
 from router_harness import FAST_CONN, WAIT_S, router_config, running_router
 
-from bench.bpe import BOS, EOS, english_like_text, train_bpe
+from bench.bpe import BOS, CHAT_TEMPLATE, EOS, english_like_text, train_bpe
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
 from kvroute_proto.events import BlockStored, EventBatch, Partition
 from kvroute_proto.hashing import block_hash_list
+from kvroute_proto.http_front import HttpFrontConfig
 from kvroute_proto.tokenizer import HFTokenizer, TokenizerSettings
 from router.admission import AdmissionConfig
 from router.client import GenerateOptions, build_request, format_explain
@@ -600,6 +602,51 @@ async def test_a_text_prompts_unmatchable_tail_is_left_to_the_worker():
             await pb_grpc.RouterStub(router.client._channel).Generate(request).read()
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "prompt_text_suffix is set by the router only" in err.value.details()
+        # the chat mark belongs to a text prompt
+        request = build_request(list(range(20)), GenerateOptions())
+        request.prompt_text_is_chat = True
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await pb_grpc.RouterStub(router.client._channel).Generate(request).read()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "prompt_text_is_chat is set, but the prompt is not prompt_text" in (
+            err.value.details()
+        )
+
+
+async def test_a_long_chat_is_encoded_by_the_templates_rule_and_its_tail_left_to_the_worker():
+    """OpenAI chat through the router's HTTP front: the rendered template is tokenized with
+    encode_chat's rule for special tokens (no second bos), only as far as a worker's cache
+    goes on; head + tail are the ids of encode_chat."""
+    tok = HFTokenizer(
+        train_bpe(512, seed=0),
+        settings=TokenizerSettings(
+            bos_token=BOS, eos_token=EOS, add_bos_token=True, chat_template=CHAT_TEMPLATE
+        ),
+    )
+    messages = [
+        {"role": "system", "content": english_like_text(3000, seed=1)},
+        {"role": "user", "content": english_like_text(3000, seed=2)},
+    ]
+    whole = tok.encode_chat(messages)
+    assert whole.count(tok.bos_token_id) == 1  # the template's own bos, no second one
+    a, b = FakeWorker("w0"), FakeWorker("w1")
+    async with running_fake(a) as ra, running_fake(b) as rb:
+        addresses = [ra.address, rb.address]
+        config = dataclasses.replace(router_config(addresses), http=HttpFrontConfig())
+        async with running_router(addresses, config, tokenizer=tok) as router:
+            await router.wait_synced(2)
+            await hold(router, b, whole[: len(whole) // 3])  # w1 caches the conversation's start
+            url = f"http://{router.server.http.address}/v1/chat/completions"
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(url, json={"messages": messages, "max_tokens": 2}) as resp,
+            ):
+                assert resp.status == 200, await resp.text()
+            assert a.received == []
+            forwarded = b.received[0].request
+            head, tail = list(forwarded.prompt_token_ids.ids), forwarded.prompt_text_suffix
+            assert tail and not forwarded.prompt_text_is_chat
+            assert head + tok.encode(tail, add_special_tokens=False) == whole
 
 
 @pytest.mark.parametrize("fleet", [{"admission": AdmissionConfig(initial_window=1)}], indirect=True)

@@ -109,3 +109,33 @@ def test_a_text_suffix_is_tokenized_without_specials_and_appended() -> None:
 def test_a_text_suffix_is_refused_with_the_field_named(msg, tokenizer, message) -> None:
     with pytest.raises(InvalidRequestError, match=message):
         decode(msg, tokenizer)
+
+
+def test_a_rendered_chat_is_encoded_by_the_templates_rule() -> None:
+    """prompt_text_is_chat: the text is a rendered template; a model's template writes its
+    own bos (none added), the default template writes none (encode's are added)."""
+    from bench.bpe import BOS, CHAT_TEMPLATE, EOS, train_bpe
+    from kvroute_proto.tokenizer import HFTokenizer, TokenizerSettings
+
+    limits = RequestLimits(max_prompt_text_chars=10_000)
+    for template in (CHAT_TEMPLATE, None):
+        tok = HFTokenizer(
+            train_bpe(512, seed=0),
+            settings=TokenizerSettings(
+                bos_token=BOS, eos_token=EOS, add_bos_token=True, chat_template=template
+            ),
+        )
+        messages = [{"role": "user", "content": "Where is my order?"}]
+        msg = pb.GenerateRequest(
+            prompt_text=tok.apply_chat_template(messages), prompt_text_is_chat=True
+        )
+        req = convert.request_from_pb(msg, tokenizer=tok, limits=limits, new_request_id=str)
+        assert req.prompt_token_ids.tolist() == tok.encode_chat(messages)
+    # a byte tokenizer has no template rule: encoded as plain text
+    byte = pb.GenerateRequest(prompt_text="hi", prompt_text_is_chat=True)
+    assert decode(byte, ByteTokenizer()).prompt_token_ids.tolist() == [104, 105]
+    with pytest.raises(InvalidRequestError, match="prompt_text_is_chat"):
+        decode(
+            pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[1]), prompt_text_is_chat=True),
+            ByteTokenizer(),
+        )
