@@ -254,7 +254,8 @@ class CachedTokenizer:
             return np.asarray(whole, dtype=np.uint32), ""
         specials = inner.add_special_tokens if add_special_tokens is None else add_special_tokens
         chunks = self._chunks
-        pieces = _split(text, cut_points(text, self.chunk_chars))
+        cuts = cut_points(text, self.chunk_chars)
+        pieces = _split(text, cuts)
         parts = [self._prefix_ids] if specials else []
         i, n, batch = 0, len(pieces), 1
         ask = False  # the first new chunk is tokenized without asking
@@ -269,7 +270,10 @@ class CachedTokenizer:
             if ask and not may_continue(np.concatenate(parts)):
                 break
             ask = True
-            new = pieces[i : i + batch]
+            j = i + 1  # a batch of consecutive chunks the cache does not hold
+            while j < n and j - i < batch and pieces[j] not in chunks:
+                j += 1
+            new = pieces[i:j]
             self.num_misses += len(new)
             for piece, got in zip(new, self._encode_plain(new), strict=True):
                 chunks[piece] = got
@@ -278,7 +282,7 @@ class CachedTokenizer:
             batch = min(2 * batch, MAX_HEAD_BATCH)
         while len(chunks) > self.max_chunks:
             del chunks[next(iter(chunks))]
-        tail = "".join(pieces[i:])
+        tail = text[cuts[i - 1] :] if i < n else ""  # piece i starts at cut i - 1 (i >= 1)
         if not tail:
             self.num_whole += 1
         else:
