@@ -105,7 +105,10 @@ def request_from_pb(
         case "prompt_token_ids":
             token_ids = np.asarray(msg.prompt_token_ids.ids, dtype=np.int64)
         case "prompt_text":
-            token_ids = _encode_text(msg.prompt_text, tokenizer, limits, msg.prompt_text_is_chat)
+            # a rendered chat template: its special tokens as encode_chat adds them
+            chat = msg.prompt_text_is_chat and tokenizer is not None
+            specials = chat_specials(tokenizer) if chat else None
+            token_ids = _encode_text(msg.prompt_text, tokenizer, limits, specials=specials)
         case _:
             raise InvalidRequestError(
                 "prompt", "set one of prompt_token_ids or prompt_text (neither was set)"
@@ -134,41 +137,32 @@ def _append_suffix(
 ) -> np.ndarray:
     """``token_ids`` + the ids of ``prompt_text_suffix`` (no special tokens): a router
     that tokenized only the routable head of a text prompt sends the rest as text."""
-    text = msg.prompt_text_suffix
     if msg.WhichOneof("prompt") != "prompt_token_ids":
         raise InvalidRequestError(
             "prompt_text_suffix", "only follows prompt_token_ids, not prompt_text"
         )
-    if tokenizer is None:
-        raise InvalidRequestError(
-            "prompt_text_suffix", "this worker has no tokenizer; send prompt_token_ids only"
-        )
-    if len(text) > limits.max_prompt_text_chars:
-        raise InvalidRequestError(
-            "prompt_text_suffix",
-            f"at most {limits.max_prompt_text_chars} characters, got {len(text)}",
-        )
-    tail = np.asarray(tokenizer.encode(text, add_special_tokens=False), dtype=np.int64)
+    tail = _encode_text(msg.prompt_text_suffix, tokenizer, limits, "prompt_text_suffix", False)
     return np.concatenate((token_ids, tail))
 
 
 def _encode_text(
-    text: str, tokenizer: TextEncoder | None, limits: RequestLimits, chat: bool = False
+    text: str,
+    tokenizer: TextEncoder | None,
+    limits: RequestLimits,
+    field: str = "prompt_text",
+    specials: bool | None = None,
 ) -> np.ndarray:
+    """The ids of ``field``'s text; ``specials``: ``add_special_tokens`` (None: the
+    tokenizer's default)."""
     if tokenizer is None:
-        raise InvalidRequestError(
-            "prompt_text", "this worker has no tokenizer; send prompt_token_ids"
-        )
+        raise InvalidRequestError(field, "this worker has no tokenizer; send prompt_token_ids")
     if len(text) > limits.max_prompt_text_chars:
         raise InvalidRequestError(
-            "prompt_text",
-            f"at most {limits.max_prompt_text_chars} characters, got {len(text)}",
+            field, f"at most {limits.max_prompt_text_chars} characters, got {len(text)}"
         )
-    if chat:  # a rendered chat template: its special tokens as encode_chat adds them
-        ids = tokenizer.encode(text, add_special_tokens=chat_specials(tokenizer))
-    else:
-        ids = tokenizer.encode(text)
-    return np.asarray(ids, dtype=np.int64)
+    if specials is None:
+        return np.asarray(tokenizer.encode(text), dtype=np.int64)
+    return np.asarray(tokenizer.encode(text, add_special_tokens=specials), dtype=np.int64)
 
 
 # ---- encoding ----------------------------------------------------------------------------
