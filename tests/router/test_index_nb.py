@@ -12,6 +12,9 @@ slots go past 64 so the second bitmask word is exercised; a hash of 0 is drawn t
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 from hypothesis import HealthCheck, settings
@@ -23,6 +26,7 @@ from kvroute_proto.hashing import block_hash_list
 from router.index import IndexConfig, PrefixIndex
 from router.index_nb import NumbaPrefixIndex
 
+ROOT = Path(__file__).resolve().parents[2]
 B = 2
 STRIDE = 2
 WORKERS = st.sampled_from([0, 1, 2, 63, 64, 130])
@@ -336,3 +340,19 @@ def test_array_hashes_answer_as_lists() -> None:
     assert nb.predicted(5) == {2**64 - 1, 2**63}
     assert nb.find_matches(arr[:4], touch=False) == {3: 3, 4: 4, 5: 4}
     assert nb.snapshot(4) == set(chain)
+
+
+def test_kernels_compile_without_a_writable_cache() -> None:
+    """Where numba finds no place to cache (a read-only install, no home directory), the
+    kernels are compiled in the process instead of failing at import."""
+    code = (
+        "import numba.core.caching as c\n"
+        "c.CacheImpl._locator_classes = []\n"  # as if no locator found a writable place
+        "import router.index_nb as m\n"
+        "assert not m.CACHED\n"
+        "index = m.NumbaPrefixIndex()\n"
+        "from kvroute_proto.events import BlockStored\n"
+        "index.store(0, BlockStored((1, 2), None, ()))\n"
+        "assert index.find_matches([1, 2, 3]) == {0: 2}\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=600)
