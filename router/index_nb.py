@@ -1169,7 +1169,7 @@ class NumbaPrefixIndex:
         else:  # another list: convert only the probes
             keys = _as_keys(hashes[stride - 1 :: stride][start // stride :])
             stride, start = 1, 0
-        if slot >= self._nslots:
+        if not 0 <= slot < self._nslots:  # widen, or refuse a negative slot
             self._words_for(slot)
         self._pred_room(n)
         probes = _pred_add(
@@ -1243,7 +1243,7 @@ class NumbaPrefixIndex:
         hashes = event.block_hashes
         if not hashes:
             return
-        if slot >= self._nslots:
+        if not 0 <= slot < self._nslots:  # widen, or refuse a negative slot
             self._words_for(slot)
         parent = event.parent_hash
         verify = self.config.verify_hashes
