@@ -11,9 +11,11 @@ slots go past 64 so the second bitmask word is exercised; a hash of 0 is drawn t
 
 from __future__ import annotations
 
+import gc
 import random
 import subprocess
 import sys
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +26,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvroute_proto.events import AllCleared, BlockRemoved, BlockStored
 from kvroute_proto.hashing import block_hash_list
 from router.index import IndexConfig, PrefixIndex
-from router.index_nb import NumbaPrefixIndex
+from router.index_nb import NumbaPrefixIndex, warm_up
 
 ROOT = Path(__file__).resolve().parents[2]
 B = 2
@@ -356,3 +358,37 @@ def test_kernels_compile_without_a_writable_cache() -> None:
         "assert index.find_matches([1, 2, 3]) == {0: 2}\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=600)
+
+
+def test_traced_memory_returns_after_removals_and_remove_worker() -> None:
+    """test_index_memory.py's rounds on the numba index, the index made while tracing: after
+    each round of storing ~10k blocks and removing them (or their workers), the traced
+    memory is back to what the empty index held."""
+    rng = random.Random(3)
+    chains = [[rng.getrandbits(64) for _ in range(50)] for _ in range(200)]
+    warm_up()  # the kernels, loaded or compiled once per process, are not the index's
+    tracemalloc.start()
+    try:
+        index = NumbaPrefixIndex()
+        gc.collect()
+        baseline = tracemalloc.get_traced_memory()[0]
+        for rnd in range(4):
+            for i, c in enumerate(chains):
+                index.store(i % 4, BlockStored(tuple(c), None, ()))
+            index.predict(3, [h + 1 for c in chains[:40] for h in c], deadline=float(rnd))
+            gc.collect()
+            assert tracemalloc.get_traced_memory()[0] - baseline > 300_000
+            if rnd % 2:
+                for w in range(4):
+                    index.remove_worker(w)
+            else:
+                for i, c in enumerate(chains):
+                    index.remove(i % 4, c)
+            index.expire(float(rnd))
+            index.predict(3, [1, 2, 3, 4], deadline=float(rnd))  # shrinks the predicted table
+            index.expire(float(rnd))
+            assert index.size() == 0 and index.num_predicted == 0
+            gc.collect()
+            assert tracemalloc.get_traced_memory()[0] - baseline < 20_000, f"round {rnd}"
+    finally:
+        tracemalloc.stop()
