@@ -132,6 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
         "each router counts its own picks once",
     )
     p.add_argument(
+        "--flush-interval-s",
+        type=float,
+        default=0.0,
+        help="sim mode: every this many seconds the next worker in turn drops its cache "
+        "(as /flush_cache or a restarted cache would; KV events tell the routers); 0: never",
+    )
+    p.add_argument(
         "--router-assignment",
         choices=("round_robin", "random", "prefix"),
         default="round_robin",
@@ -379,6 +386,8 @@ def _sim_config(args: argparse.Namespace):  # -> SimConfig
     router = SimConfig().router
     if args.routers != 1 and args.mode != "sim":
         raise ValueError("--routers needs --mode sim")
+    if args.flush_interval_s and args.mode != "sim":
+        raise ValueError("--flush-interval-s needs --mode sim")
     if args.cost_weights is not None:
         from router.policy import CostWeights
 
@@ -414,6 +423,7 @@ def _sim_config(args: argparse.Namespace):  # -> SimConfig
         router_assignment=args.router_assignment,
         affinity_blocks=args.affinity_blocks,
         router_replicas=args.router_replicas,
+        flush_interval_s=args.flush_interval_s,
     )
 
 

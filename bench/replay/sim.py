@@ -13,6 +13,10 @@ the progress line does). Time is ``FleetSim.now``, advanced by a heap of events:
                      RouterCore.on_stream_message (Resubscribe -> a snapshot follows)
     LOAD_TICK(w)     every load_interval_s a batch with the worker's LoadReport (as the
                      real worker service does)
+    FLUSH            every flush_interval_s the next worker in turn drops its cache
+                     (RadixCache.reset: AllCleared, then what running requests still lock,
+                     as /flush_cache or a restarted cache would): routers that read events
+                     learn it; one that routes on its own history does not
     ROUTER_FREE(k)   with a decision time (route_decision_s, or measured): router k is
                      done with one decision; the next request queued at it is routed now
     ADMIT(w, req)    with a decision time or a network delay (network_delay_s): the routed
@@ -101,7 +105,8 @@ class _Kind(enum.IntEnum):
     STEP_DONE = 2
     ADMIT = 3  # a routed request reaches its worker (after decision time + network delay)
     ROUTER_FREE = 4  # a router finished a decision; the next one queued at it starts
-    ARRIVE = 5
+    FLUSH = 5  # the next worker in turn drops its cache
+    ARRIVE = 6
 
 
 ROUTER_ASSIGNMENTS = ("round_robin", "random", "prefix")
@@ -138,6 +143,7 @@ class SimConfig:
     measure_route_time: bool = False  # charge RouterCore.route's measured time instead
     network_delay_s: float = 0.0  # router -> worker: a routed request arrives this later
     event_loss: float = 0.0  # probability that an event batch never reaches a router
+    flush_interval_s: float = 0.0  # > 0: every this often one worker (in turn) drops its cache
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
@@ -148,7 +154,7 @@ class SimConfig:
             raise ValueError(f"affinity_blocks must be >= 1, got {self.affinity_blocks}")
         if self.router_replicas is not None and self.router_replicas < 1:
             raise ValueError(f"router_replicas must be >= 1, got {self.router_replicas}")
-        for name in ("route_decision_s", "network_delay_s"):
+        for name in ("route_decision_s", "network_delay_s", "flush_interval_s"):
             if not getattr(self, name) >= 0:  # NaN too
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.event_loss < 1:
@@ -280,6 +286,7 @@ class FleetSim:
         self.num_batches = 0
         self.num_snapshots = 0
         self.num_resubscribes = 0
+        self.num_flushes = 0
         self.num_predicted_tokens = 0
         self.num_finished = 0
 
@@ -312,6 +319,8 @@ class FleetSim:
             self._send(w, w.engine.snapshot(w.worker_id, w.publisher.epoch, 0))
             if self.config.load_interval_s > 0:
                 self._push(self.config.load_interval_s, _Kind.LOAD_TICK, w)
+        if self.config.flush_interval_s > 0:
+            self._push(self.config.flush_interval_s, _Kind.FLUSH, None)
         total = len(self.records)
         heap = self._heap
         while heap and self.num_finished < total:
@@ -345,6 +354,8 @@ class FleetSim:
                 self._admit(*payload)  # type: ignore[misc]
             case _Kind.ROUTER_FREE:
                 self._router_free(payload)  # type: ignore[arg-type]
+            case _Kind.FLUSH:
+                self._flush()
 
     def _router_for(self, index: int) -> int:
         n = len(self.routers)
@@ -511,6 +522,19 @@ class FleetSim:
             for batch in replay:
                 self._send(worker, batch, router)
 
+    def _flush(self) -> None:
+        """The next worker in turn drops its cache; its events (AllCleared, then the blocks
+        running requests still lock) go out at once, as the worker service publishes them."""
+        workers = list(self.workers.values())
+        worker = workers[self.num_flushes % len(workers)]
+        self.num_flushes += 1
+        worker.engine.cache.reset()
+        batch = worker.publisher.publish(worker.engine.take_events(), None)
+        if batch is not None:
+            self._send(worker, batch)
+        if self.num_finished < len(self.records):
+            self._push(self.now + self.config.flush_interval_s, _Kind.FLUSH, None)
+
     def _load_tick(self, worker: _Worker) -> None:
         batch = worker.publisher.publish(worker.engine.take_events(), worker.engine.load_report())
         if batch is not None:
@@ -526,6 +550,7 @@ class FleetSim:
             "event_batches": self.num_batches,
             "snapshots": self.num_snapshots,
             "resubscribes": self.num_resubscribes,
+            "cache_flushes": self.num_flushes,
             "routers": len(self.routers),
             "route_decision_s_total": round(self.route_decision_s_total, 6),
             "event_batches_lost": self.num_lost_batches,

@@ -51,6 +51,25 @@ def test_cache_aware_reaches_the_pooled_reference_and_round_robin_does_not():
     assert aware.extra["event_batches"] > 0 and aware.extra["resubscribes"] == 0
 
 
+def test_cache_flushes_reach_the_routers_through_events_only():
+    """Every 1.7 s one worker in turn drops its cache: hits fall for every policy, the
+    event-fed router knows which prefixes are gone (its predicted hit rate is what the
+    workers realised) while the history-fed one keeps expecting them."""
+    records = two_prefix_trace()
+    ex = TokenExpander(BS, 128_256, seed=0)
+    calm = simulate(records, "cache_aware", tiny_config(), ex)
+    aware = simulate(records, "cache_aware", tiny_config(flush_interval_s=1.7), ex)
+    approx = simulate(records, "approx_tree", tiny_config(flush_interval_s=1.7), ex)
+    assert aware.extra["cache_flushes"] == approx.extra["cache_flushes"] == 6
+    assert calm.extra["cache_flushes"] == 0
+    assert aware.errors == approx.errors == 0
+    assert aware.hit_rate < calm.hit_rate
+    assert aware.extra["router_predicted_hit_rate"] == pytest.approx(aware.hit_rate)
+    assert approx.extra["router_predicted_hit_rate"] > approx.hit_rate + 0.1
+    with pytest.raises(ValueError, match="flush_interval_s must be >= 0"):
+        tiny_config(flush_interval_s=-1.0)
+
+
 def test_support_agent_in_miniature_keeps_its_hits_and_balances_prefill():
     # 245 requests on 4 workers far below saturation: conversations stay where their history
     # is cached, and the one-off RAG prefills spread instead of piling onto the workers that
