@@ -55,13 +55,13 @@ section and the memory trace (the A/B runs in BENCHMARKS.md).
 Usage::
 
     python -m bench.bench_index [--quick] [--route-only | --comparable-only] [--no-text]
-        [--route-metrics] [--backend dict|vec|numba] [--json OUT]
+        [--route-metrics] [--backend numba|dict|vec] [--json OUT]
     python -m bench.bench_index --rss-entries 10000000 [--rss-holders K] [--backend ...]
 
-``--backend vec`` runs the comparable and memory sections on router.index_vec's numpy
-index instead of the router's dict index (the route sections then use the dict index);
-``--backend numba`` runs them and the route section (not the text one) on router.index_nb
-(``RouterConfig.index_backend``).
+``--backend`` picks the index of the comparable, memory and route sections (the text route
+section always runs the router's default): numba (router.index_nb, the router's default,
+``RouterConfig.index_backend``), dict (router.index, the pure-Python reference) or vec
+(router.index_vec's numpy index; its route section runs the dict index).
 bench/peers/dynamo_index.py runs the comparable section on Dynamo's Rust RadixTree.
 """
 
@@ -651,10 +651,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--backend",
         choices=sorted(BACKENDS),
-        default="dict",
+        default="numba",
         help="index implementation of the comparable, memory and route sections "
-        "(dict: router.index; vec: router.index_vec, route on dict; numba: router.index_nb) "
-        "(default: dict)",
+        "(numba: router.index_nb, the router's default; dict: router.index, the reference; "
+        "vec: router.index_vec, route on dict) (default: numba)",
     )
     parser.add_argument(
         "--comparable-only",

@@ -59,7 +59,8 @@ class RouterConfig:
     estimate until its first token: the others, seeing the same events and load reports,
     are likely placing the same burst the same way; a load report showing more still wins
     (BENCHMARKS.md, several routers). ``index_backend``: the prefix index's implementation,
-    "dict" (router.index) or "numba" (router.index_nb; same answers, compiled kernels).
+    "numba" (router.index_nb: compiled kernels over flat tables; the default) or "dict"
+    (router.index: pure Python, the reference implementation; same answers).
     """
 
     policy: str = "cache_aware"
@@ -76,7 +77,7 @@ class RouterConfig:
     backlog_tokens: float = DEFAULT_BACKLOG_TOKENS
     recent_decode_ratio: float = DEFAULT_RECENT_DECODE_RATIO
     replicas: int = 1
-    index_backend: str = "dict"
+    index_backend: str = "numba"
 
     def __post_init__(self) -> None:
         if self.index_backend not in ("dict", "numba"):
