@@ -21,11 +21,13 @@ Predicted entries (``router.predicted``'s semantics, in a table of their own)::
 
     _ptab[row] = [sparse block hash, holds, mark, bitset words...]   _until[row] float64
 
-with a binary heap of (deadline, hash) records for expiry. A record popped at ``now``
-drops its hash if the hash's latest deadline is <= now and no request holds it, and is
-pushed again at that deadline if the deadline moved later; a release pushes a record for
-what it frees. That is exactly the dict version's rule (a prediction lapses once its latest
-deadline has passed and no hold keeps it).
+and expiry records (deadline, hash): in a FIFO while deadlines come in order (the core's
+clock is monotonic), in a heap otherwise. Every deadline a prediction nobody holds gets
+comes with a record (a release records what it frees at its latest deadline); a record due
+at ``now`` drops its hash if that hash's latest deadline is <= now and no request holds it,
+and is skipped otherwise (a later record or a release will come). That is the dict
+version's rule: a prediction lapses once its latest deadline has passed and no hold keeps
+it.
 
 The kernels are compiled on first use of the module in a process (``warm_up``, called by
 the constructor) and cached on disk (numba ``cache=True``, next to this file, in
