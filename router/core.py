@@ -143,6 +143,8 @@ class RouterCore:
                 backend=config.index_backend,
             )
         )
+        # a query's hashes as the index takes them fastest: a uint64 array, or a list of ints
+        self._hash_arrays = bool(getattr(self._index, "takes_arrays", False))
         self._sync_config = SyncConfig(max_pending_batches=config.max_pending_batches)
         self._block_size = config.block_size
         self._workers: dict[str, _Worker] = {}
@@ -319,12 +321,14 @@ class RouterCore:
             except (TypeError, ValueError) as exc:
                 raise InvalidRouteRequestError("token_ids", str(exc)) from None
         block_size = self._block_size
+        hashes: Sequence[int]
         if block_size is None:
-            hashes: list[int] = []
+            hashes = []
             block_size = 1
         else:
             seed = req.partition.seed
-            hashes = block_hashes(tokens, block_size, seed, validate=False).tolist()
+            array = block_hashes(tokens, block_size, seed, validate=False)
+            hashes = array if self._hash_arrays else array.tolist()
         prompt_tokens = len(tokens)
         if req.prompt_tokens is not None:
             if req.prompt_tokens < prompt_tokens:
@@ -365,12 +369,12 @@ class RouterCore:
         index = self._index
         index.expire(now)
         hashes = query.block_hashes
-        matched = index.find_matches(hashes) if hashes else {}
+        matched = index.find_matches(hashes) if len(hashes) else {}
         i, cost = self._policy.select_set(query, candidate_set, matched, self._rng)
         view = candidates[i]
         depth = matched.get(view.slot, 0)
         matched_tokens = min(depth * query.block_size, query.prompt_tokens)
-        confirmed = index.last_confirmed.get(view.slot, 0) if hashes else 0
+        confirmed = index.last_confirmed.get(view.slot, 0) if len(hashes) else 0
         event_tokens = min(confirmed * query.block_size, matched_tokens)
         # the best match among the candidates (metrics: cache forgone for load); the
         # matches are at hand, so this walks no index, and candidates only when some
@@ -383,7 +387,7 @@ class RouterCore:
             self.on_finished(req.request_id)
         flight = self._account(req.request_id, view, query.prompt_tokens - matched_tokens)
         view.recent_prefill += (query.prompt_tokens - matched_tokens) * scale
-        if hashes and self._policy.uses_matches:
+        if len(hashes) and self._policy.uses_matches:
             deadline = now + self._ttl
             if not self._use_events and depth:  # approx mode: what was used stays longer
                 index.refresh_predicted(hashes[:depth], deadline)
@@ -420,8 +424,10 @@ class RouterCore:
         query = self._query(req, unscale)
         hashes = query.block_hashes
         self._index.expire(now)  # as route() does: a lapsed prediction matches nothing
-        matched = self._index.find_matches(hashes, touch=False) if hashes else {}
-        confirmed, predicted = self._index.find_matches_by_source(hashes) if hashes else ({}, {})
+        matched = self._index.find_matches(hashes, touch=False) if len(hashes) else {}
+        confirmed, predicted = (
+            self._index.find_matches_by_source(hashes) if len(hashes) else ({}, {})
+        )
         candidates = self._candidates(req)
         costs: list[float] | None = None
         chosen: str | None = None
@@ -469,8 +475,9 @@ class RouterCore:
         if self._block_size is None or not self._policy.uses_matches:
             return False
         tokens = np.asarray(token_ids, dtype=np.uint32)
-        hashes = block_hashes(tokens, self._block_size, partition.seed, validate=False).tolist()
-        if not hashes:
+        array = block_hashes(tokens, self._block_size, partition.seed, validate=False)
+        hashes = array if self._hash_arrays else array.tolist()
+        if not len(hashes):
             return True
         index = self._index
         matched = index.find_matches(hashes, touch=False)

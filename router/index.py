@@ -167,6 +167,8 @@ class PrefixIndex:
     reuses freed slots). Not thread-safe.
     """
 
+    takes_arrays = False  # queries as lists of Python ints (its dict lookups need them)
+
     def __init__(self, config: IndexConfig | None = None) -> None:
         self.config = config or IndexConfig()
         self._masks: dict[int, int] = {}  # block hash -> bitset of slots holding it

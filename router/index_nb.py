@@ -943,6 +943,8 @@ class NumbaPrefixIndex:
     cache): see :func:`warm_up`.
     """
 
+    takes_arrays = True  # queries as uint64 arrays (the router core passes them unconverted)
+
     def __init__(self, config: IndexConfig | None = None, *, _warm_up: bool = True) -> None:
         if _warm_up:
             warm_up()
