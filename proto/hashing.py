@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NewType, cast
 
 import numpy as np
@@ -269,6 +269,26 @@ def as_token_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
     return arr.astype(_U64, copy=False)
 
 
+_COMPILED: Callable[[np.ndarray, int, int], np.ndarray] | None = None  # enable_compiled()
+_COMPILED_MIN_TOKENS = 256  # below this the numpy form is as fast
+
+
+def enable_compiled() -> bool:
+    """Hash long unkeyed prompts with the compiled chain (``kvroute_proto.hashing_nb``,
+    numba) from now on in this process: the same hashes, several times faster. The router
+    calls it (its index compiles numba kernels anyway); False, and nothing changes, where
+    numba cannot be imported."""
+    global _COMPILED
+    if _COMPILED is None:
+        try:
+            from kvroute_proto import hashing_nb
+        except ImportError:
+            return False
+        hashing_nb.warm_up()
+        _COMPILED = hashing_nb.chain_hashes
+    return True
+
+
 def block_hashes(
     token_ids: Sequence[int] | np.ndarray,
     block_size: int,
@@ -293,6 +313,8 @@ def block_hashes(
     n = num_blocks * block_size
     if _KEYED_BASE is not None:
         return _fmix64_array(_keyed_states(tokens[:n], block_size, seed, _KEYED_BASE))
+    if _COMPILED is not None and n >= _COMPILED_MIN_TOKENS:
+        return _COMPILED(tokens, block_size, seed)
     _POWERS.ensure(n)
     # Array arithmetic wraps mod 2**64 without warnings (only numpy scalar ops warn): no
     # np.errstate needed, and entering one costs as much as a 2,000-element multiply.

@@ -137,3 +137,41 @@ def test_block_tables_cached_before_a_growth_are_rebuilt():
     assert block_hash_list(short, 16, 3) == _chain(short.tolist(), 16, 3)  # caches B=16
     long = (np.arange(70_000, dtype=np.int64) * 7919) % 50_000
     assert block_hash_list(long, 16, 3) == _chain(long.tolist(), 16, 3)  # grows the tables
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(0, 2**32 - 1), min_size=0, max_size=700),
+    st.sampled_from([1, 4, 16, 64]),
+    st.integers(0, 2**64 - 1),
+    st.sampled_from([np.uint32, np.uint64]),
+)
+def test_the_compiled_chain_gives_the_numpy_forms_hashes(tokens, block_size, seed, dtype):
+    """kvroute_proto.hashing_nb (what the router enables) against the numpy closed form and
+    the scalar chain, for both token dtypes callers pass."""
+    from kvroute_proto import hashing_nb
+
+    arr = np.asarray(tokens, dtype=dtype)
+    expected = block_hashes(np.asarray(tokens, dtype=np.uint32), block_size, seed)
+    got = hashing_nb.chain_hashes(arr, block_size, seed)
+    assert got.dtype == np.uint64 and got.tolist() == expected.tolist()
+    if len(tokens) >= block_size:
+        first = chain_block_hash(None, tokens[:block_size], seed)
+        assert int(got[0]) == first
+
+
+def test_enable_compiled_switches_long_unkeyed_prompts_only(monkeypatch):
+    from kvroute_proto import hashing
+
+    tokens = np.arange(4096, dtype=np.uint32)
+    before = hashing.block_hashes(tokens, 16, 7).tolist()
+    monkeypatch.setattr(hashing, "_COMPILED", None)
+    assert hashing.enable_compiled()
+    assert hashing._COMPILED is not None
+    calls = []
+    compiled = hashing._COMPILED
+    monkeypatch.setattr(hashing, "_COMPILED", lambda *a: calls.append(a) or compiled(*a))
+    assert hashing.block_hashes(tokens, 16, 7).tolist() == before
+    assert len(calls) == 1
+    hashing.block_hashes(tokens[:64], 16, 7)  # short: the numpy form
+    assert len(calls) == 1

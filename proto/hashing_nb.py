@@ -1,0 +1,61 @@
+"""The unkeyed block-hash chain as one compiled loop (numba): the same hashes as
+:func:`kvroute_proto.hashing.block_hashes`' numpy closed form, several times faster on a
+long prompt (one multiply-add per token in registers, no temporary arrays).
+
+Imported only through :func:`kvroute_proto.hashing.enable_compiled`, which the router calls
+(its index already compiles numba kernels); the worker keeps the numpy form and never
+imports numba. Kernels are cached on disk where numba finds a writable place.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numba
+import numpy as np
+
+from kvroute_proto.hashing import _A, _F1, _F2, _MASK, _TOKEN_MUL, _TOKEN_XOR
+
+_UA = np.uint64(_A)
+_UXOR = np.uint64(_TOKEN_XOR)
+_UMUL = np.uint64(_TOKEN_MUL)
+_UF1 = np.uint64(_F1)
+_UF2 = np.uint64(_F2)
+_U33 = np.uint64(33)
+
+
+def _jit(fn: Any) -> Any:
+    try:
+        return numba.njit(cache=True, nogil=True)(fn)
+    except RuntimeError:  # no writable cache locator: compile in each process
+        return numba.njit(nogil=True)(fn)
+
+
+@_jit
+def _chain(tokens: Any, block_size: int, num_blocks: int, seed: Any, out: Any) -> None:
+    s = seed
+    k = 0
+    for b in range(num_blocks):
+        for _ in range(block_size):
+            s = s * _UA + (np.uint64(tokens[k]) ^ _UXOR) * _UMUL
+            k += 1
+        h = s ^ (s >> _U33)
+        h = h * _UF1
+        h = h ^ (h >> _U33)
+        h = h * _UF2
+        out[b] = h ^ (h >> _U33)
+
+
+def chain_hashes(tokens: np.ndarray, block_size: int, seed: int) -> np.ndarray:
+    """Hashes of every full block of ``tokens`` (a uint32 or uint64 array of valid ids)."""
+    num_blocks = len(tokens) // block_size
+    out = np.empty(num_blocks, dtype=np.uint64)
+    if num_blocks:
+        _chain(tokens, block_size, num_blocks, np.uint64(seed & _MASK), out)
+    return out
+
+
+def warm_up() -> None:
+    """Compile (or load) the kernel for the token dtypes callers pass."""
+    for dtype in (np.uint32, np.uint64):
+        chain_hashes(np.arange(32, dtype=dtype), 16, 1)
