@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# bench_index's comparable section, alternating kvroute (dict index, vec index) and Dynamo's
-# RadixTree in the same sitting, ROUNDS times; one JSON line per run on stdout.
+# bench_index's comparable section, alternating kvroute's index backends (BACKENDS, default
+# "numba dict": the router's default and the pure-Python reference; "vec" is the numpy one)
+# and Dynamo's RadixTree in the same sitting, ROUNDS times; one JSON line per run on stdout.
 #   bash bench/peers/index_vs_dynamo.sh [ROUNDS]     (default 3; run from the repo root,
 #                                                     in kvroute's virtualenv)
 # Dynamo's runtime goes in its own virtualenv, created on first use (the project never
@@ -18,7 +19,7 @@ fi
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 for r in $(seq 1 "$ROUNDS"); do
-  for backend in dict vec; do
+  for backend in ${BACKENDS:-numba dict}; do
     "$PY" -m bench.bench_index --comparable-only --backend "$backend" --json "$out/k.json" >/dev/null
     "$PY" -c "import json,sys; d=json.load(open(sys.argv[1])); d.pop('meta'); print(json.dumps({'who': 'kvroute-$backend', 'round': $r, **{k: round(v) for k, v in d.items()}}))" "$out/k.json"
   done
