@@ -123,3 +123,17 @@ def test_k8s_pods_expose_the_metrics_port_they_serve() -> None:
             assert {"name": "metrics", "containerPort": port} in container["ports"]
             annotations = template["metadata"]["annotations"]
             assert annotations["prometheus.io/port"] == str(port)
+
+
+def test_the_router_image_ships_its_compiled_kernels() -> None:
+    """The router runs as an unprivileged user without a home: numba's kernels are compiled
+    at build time into a cache that user owns (else every start compiles them again)."""
+    text = (DEPLOY / "router.Dockerfile").read_text()
+    lines = [line.strip() for line in text.splitlines()]
+    env = next(line for line in lines if line.startswith("ENV NUMBA_CACHE_DIR="))
+    cache = env.split("=", 1)[1]
+    user = next(line for line in lines if line.startswith("USER "))
+    warm = text.index("warm_up()")
+    assert "enable_compiled()" in text
+    assert text.index(env) < warm < text.index(user)
+    assert f'chown -R {user.split()[1]} "$NUMBA_CACHE_DIR"' in text and cache.startswith("/")
