@@ -254,35 +254,49 @@ class CachedTokenizer:
             return np.asarray(whole, dtype=np.uint32), ""
         specials = inner.add_special_tokens if add_special_tokens is None else add_special_tokens
         chunks = self._chunks
-        cuts = cut_points(text, self.chunk_chars)
-        pieces = _split(text, cuts)
+        # pieces are cut as they are reached (cut_points' rule): a tail left as text is
+        # never cut up
+        search, size, n = _CUT.search, self.chunk_chars, len(text)
+
+        def piece_end(start: int) -> int:
+            if start + size >= n:
+                return n
+            m = search(text, start + size)
+            return n if m is None else m.start()
+
         parts = [self._prefix_ids] if specials else []
-        i, n, batch = 0, len(pieces), 1
+        start, batch = 0, 1
         ask = False  # the first new chunk is tokenized without asking
-        while i < n:
-            got = chunks.pop(pieces[i], None)  # re-inserted: LRU order
+        while start < n:
+            end = piece_end(start)
+            piece = text[start:end]
+            got = chunks.pop(piece, None)  # re-inserted: LRU order
             if got is not None:
                 self.num_hits += 1
-                chunks[pieces[i]] = got
+                chunks[piece] = got
                 parts.append(got)
-                i += 1
+                start = end
                 continue
             if ask and not may_continue(np.concatenate(parts)):
                 break
             ask = True
-            j = i + 1  # a batch of consecutive chunks the cache does not hold
-            while j < n and j - i < batch and pieces[j] not in chunks:
-                j += 1
-            new = pieces[i:j]
+            new = [piece]  # a batch of consecutive chunks the cache does not hold
+            while end < n and len(new) < batch:
+                after = piece_end(end)
+                nxt = text[end:after]
+                if nxt in chunks:
+                    break
+                new.append(nxt)
+                end = after
             self.num_misses += len(new)
-            for piece, got in zip(new, self._encode_plain(new), strict=True):
-                chunks[piece] = got
-                parts.append(got)
-            i += len(new)
+            for p, ids in zip(new, self._encode_plain(new), strict=True):
+                chunks[p] = ids
+                parts.append(ids)
+            start = end
             batch = min(2 * batch, MAX_HEAD_BATCH)
         while len(chunks) > self.max_chunks:
             del chunks[next(iter(chunks))]
-        tail = text[cuts[i - 1] :] if i < n else ""  # piece i starts at cut i - 1 (i >= 1)
+        tail = text[start:]
         if not tail:
             self.num_whole += 1
         else:

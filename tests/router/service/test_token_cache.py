@@ -96,8 +96,14 @@ def test_encode_head_leaves_unmatchable_text_to_the_worker():
     cached.encode(system)  # the system text's chunks are cached
     text = system + " " + english_like_text(900, seed=6)
     cut = len(cached.encode(system, add_special_tokens=True))
+    hits, misses = cached.num_hits, cached.num_misses
     ids, tail = cached.encode_head(text, lambda head: len(head) < cut)
     assert tail and len(tail) > 500  # most of the new text was not tokenized
+    # the system text's pieces (cut as encode cuts them) came from the cache: all but the
+    # one where the system text ends; one new chunk was tokenized
+    system_pieces = len(cut_points(system, 64)) + 1
+    assert cached.num_hits - hits == system_pieces - 1
+    assert cached.num_misses - misses == 1
     assert [*ids.tolist(), *inner.encode(tail, add_special_tokens=False)] == inner.encode(text)
     assert cached.num_split == 1
     # told that caches go on, it tokenizes everything, a growing batch at a time
