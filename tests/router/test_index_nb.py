@@ -1,13 +1,6 @@
-"""NumbaPrefixIndex (numba kernels) against PrefixIndex (dicts, the reference) on generated
-histories.
-
-A Hypothesis state machine drives both indexes with the same operations -- stored chains
-with and without their parents, partial prefixes, repeated and unknown hashes, removals,
-clears, worker removal, predictions with holds and expiry, and a small size cap -- and after
-every step asserts they answer alike: find_matches (with and without touch, so the LRU stamps
-must agree for evictions to), find_matches_by_source, snapshots, sizes, counters. Worker
-slots go past 64 so the second bitmask word is exercised; a hash of 0 is drawn too.
-"""
+"""NumbaPrefixIndex (numba kernels) against PrefixIndex (dicts, the reference): the shared
+agreement state machine (index_agreement.py) on generated histories, seeded long histories,
+collisions, table growth and traced memory."""
 
 from __future__ import annotations
 
@@ -20,161 +13,26 @@ from pathlib import Path
 
 import numpy as np
 from hypothesis import HealthCheck, settings
-from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from index_agreement import IndexAgreement
 
-from kvroute_proto.events import AllCleared, BlockRemoved, BlockStored
-from kvroute_proto.hashing import block_hash_list
+from kvroute_proto.events import BlockStored
 from router.index import IndexConfig, PrefixIndex
 from router.index_nb import NumbaPrefixIndex, warm_up
 
 ROOT = Path(__file__).resolve().parents[2]
-B = 2
-STRIDE = 2
-WORKERS = st.sampled_from([0, 1, 2, 63, 64, 130])
-TOKENS = st.lists(st.integers(0, 1), min_size=B, max_size=7 * B)
 
 
-def hashes_of(tokens: list[int]) -> list[int]:
-    return block_hash_list(tokens, B, 0)
+class NumbaAgreement(IndexAgreement):
+    make_other = NumbaPrefixIndex
 
 
-class AgreeMachine(RuleBasedStateMachine):
-    def __init__(self) -> None:
-        super().__init__()
-        self.cap = 0
-        self.ref: PrefixIndex | None = None
-        self.nb: NumbaPrefixIndex | None = None
-        self.chains: list[list[int]] = [[0, 1, 2]]
-        self.handles: list[tuple[object, object]] = []
-        self.now = 0.0
-
-    @precondition(lambda self: self.ref is None)
-    @rule(cap=st.sampled_from([6, 12, 40, 10_000]))
-    def start(self, cap: int) -> None:
-        config = IndexConfig(max_blocks=cap, predict_stride=STRIDE)
-        self.ref, self.nb = PrefixIndex(config), NumbaPrefixIndex(config)
-
-    def both(self) -> tuple[PrefixIndex, NumbaPrefixIndex]:
-        if self.ref is None or self.nb is None:
-            config = IndexConfig(predict_stride=STRIDE)
-            self.ref, self.nb = PrefixIndex(config), NumbaPrefixIndex(config)
-        return self.ref, self.nb
-
-    @rule(w=WORKERS, tokens=TOKENS, data=st.data())
-    def store(self, w: int, tokens: list[int], data: st.DataObject) -> None:
-        ref, nb = self.both()
-        chain = hashes_of(tokens)
-        self.chains.append(chain)
-        start = data.draw(st.integers(0, len(chain) - 1))
-        end = data.draw(st.integers(start + 1, len(chain)))
-        part = chain[start:end]
-        if data.draw(st.booleans()):  # a repeated hash within the event
-            part = part + part[:1]
-        parent = chain[start - 1] if start else data.draw(st.sampled_from([None, None, 0, 7]))
-        event = BlockStored(tuple(part), parent, (0,) * (B * len(part)))
-        ref.apply(w, event)
-        nb.apply(w, event)
-
-    @rule(w=WORKERS, data=st.data())
-    def store_raw(self, w: int, data: st.DataObject) -> None:
-        """Arbitrary small hashes (0 included), not chained."""
-        ref, nb = self.both()
-        part = data.draw(st.lists(st.integers(0, 9), min_size=1, max_size=5))
-        self.chains.append(part)
-        event = BlockStored(tuple(part), None, (0,) * (B * len(part)))
-        ref.apply(w, event)
-        nb.apply(w, event)
-
-    @rule(w=WORKERS, data=st.data())
-    def remove(self, w: int, data: st.DataObject) -> None:
-        ref, nb = self.both()
-        universe = sorted({h for c in self.chains for h in c} | {12345})
-        victims = tuple(data.draw(st.lists(st.sampled_from(universe), min_size=1, max_size=6)))
-        ref.apply(w, BlockRemoved(victims))
-        nb.apply(w, BlockRemoved(victims))
-
-    @rule(w=WORKERS)
-    def clear(self, w: int) -> None:
-        ref, nb = self.both()
-        ref.apply(w, AllCleared())
-        nb.apply(w, AllCleared())
-
-    @rule(w=WORKERS, predictions=st.booleans())
-    def remove_worker(self, w: int, predictions: bool) -> None:
-        ref, nb = self.both()
-        assert ref.remove_worker(w, predictions) == nb.remove_worker(w, predictions)
-
-    @rule(w=WORKERS, data=st.data(), hold=st.booleans(), ttl=st.sampled_from([1.0, 3.0]))
-    def predict(self, w: int, data: st.DataObject, hold: bool, ttl: float) -> None:
-        ref, nb = self.both()
-        # recent chains more often: predictions overlapping, refreshed and outliving others
-        chain = data.draw(st.sampled_from(self.chains[-2:]) | st.sampled_from(self.chains))
-        start = data.draw(st.integers(0, len(chain)))
-        a = ref.predict(w, chain, self.now + ttl, start, hold)
-        b = nb.predict(w, chain, self.now + ttl, start, hold)
-        assert list(a) == list(b)
-        if hold and a:
-            self.handles.append((a, b))
-
-    @precondition(lambda self: self.handles)
-    @rule(data=st.data())
-    def release(self, data: st.DataObject) -> None:
-        ref, nb = self.both()
-        a, b = self.handles.pop(data.draw(st.integers(0, len(self.handles) - 1)))
-        ref.release_predicted(a, self.now + 1.0)  # type: ignore[arg-type]
-        nb.release_predicted(b, self.now + 1.0)  # type: ignore[arg-type]
-
-    @rule(dt=st.sampled_from([0.5, 1.0, 2.5]))  # deadlines: now + 1 or 3
-    def advance(self, dt: float) -> None:
-        ref, nb = self.both()
-        self.now += dt
-        assert ref.expire(self.now) == nb.expire(self.now)
-
-    @rule(data=st.data(), deadline=st.sampled_from([0.5, 2.0]))
-    def refresh(self, data: st.DataObject, deadline: float) -> None:
-        ref, nb = self.both()
-        chain = data.draw(st.sampled_from(self.chains[-2:]) | st.sampled_from(self.chains))
-        ref.refresh_predicted(chain, self.now + deadline)
-        nb.refresh_predicted(chain, self.now + deadline)
-
-    @rule(data=st.data(), touch=st.booleans())
-    def find(self, data: st.DataObject, touch: bool) -> None:
-        ref, nb = self.both()
-        chain = data.draw(st.sampled_from(self.chains))
-        n = data.draw(st.integers(0, len(chain)))
-        query = chain[:n]
-        assert ref.find_matches(query, touch) == nb.find_matches(query, touch), query
-        assert ref.last_confirmed == nb.last_confirmed
-        assert ref.find_matches_by_source(query) == nb.find_matches_by_source(query)
-
-    @invariant()
-    def agree(self) -> None:
-        if self.ref is None or self.nb is None:
-            return
-        ref, nb = self.ref, self.nb
-        nb.check_invariants()
-        ref.check_invariants()
-        assert ref.size() == nb.size()
-        assert ref.num_entries == nb.num_entries
-        assert ref.num_predicted == nb.num_predicted
-        assert ref.num_evicted == nb.num_evicted
-        assert dict(ref.errors) == dict(nb.errors)
-        for w in (0, 1, 2, 63, 64, 130):
-            assert ref.num_worker_blocks(w) == nb.num_worker_blocks(w)
-            assert ref.snapshot(w) == nb.snapshot(w), w
-            assert ref.predicted(w) == nb.predicted(w)
-        for chain in self.chains[-4:]:
-            assert ref.find_matches(chain, touch=False) == nb.find_matches(chain, touch=False)
-
-
-AgreeMachine.TestCase.settings = settings(
+NumbaAgreement.TestCase.settings = settings(
     max_examples=300,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
-TestNumbaAgreesWithDictIndex = AgreeMachine.TestCase
+TestNumbaAgreesWithDictIndex = NumbaAgreement.TestCase
 
 
 def test_held_prediction_with_a_repeated_hash_releases() -> None:
