@@ -38,13 +38,20 @@ workers, plus 1M other blocks in 128-block chains held by one worker each):
 Text prompts -- the same index, with system prompts that are the token ids of texts, and a
 byte-level BPE of 32,000 ids trained on English-like text first (``bench.bpe``, ~5 s):
 
-* ``route_text_p50_us`` / ``route_text_p99_us``: tokenizing an 8,192-token text prompt (a
-  system text + a new part of the same distribution) with that BPE as the router's front
-  end does (``kvroute_proto.tokenizer.HFTokenizer`` behind the router's chunk cache,
-  router.service.token_cache), then ``RouterCore.route`` of its ids; ``route_text_cpu_*``
-  the same in thread CPU time, ``route_text_tokenize_p50_us`` the tokenizing alone, and
-  ``route_text_uncached_tokenize_p50_us`` the same prompts through the bare tokenizer.
-  The 64 system texts are shared by the prompts, the new parts are all different.
+* ``route_text_p50_us`` / ``route_text_p99_us``: what the router's front end does for an
+  8,192-token text prompt (a system text + a new part of the same distribution), with that
+  BPE behind the router's chunk cache (``router.service.frontend.tokenize_prompt``: chunks
+  seen before come from the cache; new ones are tokenized only while a worker's cache may
+  still match, ``RouterCore.may_match_past``; the rest goes to the worker as text), then
+  ``RouterCore.route`` of the ids with the whole prompt's estimated length.
+  ``route_text_cpu_*``: the same in thread CPU time; ``route_text_tokenize_p50_us``: the
+  tokenizing alone; ``route_text_split_fraction``: prompts whose tail was left to the worker;
+  ``route_text_worker_tail_tokenize_p50_us``: what tokenizing that tail costs the worker;
+  ``route_text_whole_*``: the same prompts through a front end that tokenizes them whole
+  (``kvroute router --tokenize-whole``); ``route_text_uncached_tokenize_p50_us``: the bare
+  tokenizer; ``route_text_estimate_error_pct``: mean error of the length estimate. For 50
+  prompts the head's ids and the tail's own ids are checked against the whole text's (the
+  run fails if they differ). The 64 system texts are shared by the prompts, the new parts are all different.
   ``--no-text`` skips the section.
 
 ``--route-metrics`` runs every second route together with what the router's metrics add to
