@@ -51,8 +51,8 @@ byte-level BPE of 32,000 ids trained on English-like text first (``bench.bpe``, 
   (``kvroute router --tokenize-whole``); ``route_text_uncached_tokenize_p50_us``: the bare
   tokenizer; ``route_text_estimate_error_pct``: mean error of the length estimate. For 50
   prompts the head's ids and the tail's own ids are checked against the whole text's (the
-  run fails if they differ). The 64 system texts are shared by the prompts, the new parts are all different.
-  ``--no-text`` skips the section.
+  run fails if they differ). The 64 system texts are shared by the prompts, the new parts
+  are all different. ``--no-text`` skips the section.
 
 ``--route-metrics`` runs every second route together with what the router's metrics add to
 it (``router.service.metrics.RouterMetrics.on_route``: the decision's counters and the
