@@ -160,7 +160,33 @@ def _depths(
     return (masks, _depths(masks, slots_of)[1]) if masks else (masks, {})
 
 
-class PrefixIndex:
+class AppliesEvents:
+    """``apply``: one KV event to ``store`` / ``remove`` / ``remove_worker``, for every index
+    implementation (this module's, router.index_nb's, router.index_vec's)."""
+
+    def store(self, slot: int, event: BlockStored) -> None:
+        raise NotImplementedError
+
+    def remove(self, slot: int, hashes: Sequence[int]) -> None:
+        raise NotImplementedError
+
+    def remove_worker(self, slot: int, predictions: bool = True) -> int:
+        raise NotImplementedError
+
+    def apply(self, slot: int, event: KvEvent) -> None:
+        """Apply one KV event of worker ``slot``. Errors are counted, never raised."""
+        match event:
+            case BlockStored():
+                self.store(slot, event)
+            case BlockRemoved(block_hashes=hashes):
+                self.remove(slot, hashes)
+            case AllCleared():
+                self.remove_worker(slot)
+            case _:
+                raise TypeError(f"not a KV event: {event!r}")
+
+
+class PrefixIndex(AppliesEvents):
     """Block hash -> set of worker slots, with predicted entries and a size cap.
 
     Worker slots are small non-negative ints (the router core maps worker ids to them and
@@ -336,18 +362,6 @@ class PrefixIndex:
         return self._predicted.expire(now)
 
     # ---- events --------------------------------------------------------------------------
-
-    def apply(self, slot: int, event: KvEvent) -> None:
-        """Apply one KV event of worker ``slot``. Errors are counted, never raised."""
-        match event:
-            case BlockStored():
-                self.store(slot, event)
-            case BlockRemoved(block_hashes=hashes):
-                self.remove(slot, hashes)
-            case AllCleared():
-                self.remove_worker(slot)
-            case _:
-                raise TypeError(f"not a KV event: {event!r}")
 
     def store(self, slot: int, event: BlockStored) -> None:
         """Index a stored chain for ``slot``."""

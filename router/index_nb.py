@@ -50,9 +50,9 @@ from typing import Any, overload
 import numba
 import numpy as np
 
-from kvroute_proto.events import AllCleared, BlockRemoved, BlockStored, KvEvent
+from kvroute_proto.events import BlockStored
 from kvroute_proto.hashing import block_hashes, unfmix64
-from router.index import _COMPACT_MIN, ERROR_KINDS, IndexConfig
+from router.index import _COMPACT_MIN, ERROR_KINDS, AppliesEvents, IndexConfig
 
 __all__ = ["NumbaPrefixIndex", "warm_up"]
 
@@ -933,7 +933,7 @@ def warm_up() -> float:
     return _warm
 
 
-class NumbaPrefixIndex:
+class NumbaPrefixIndex(AppliesEvents):
     """Block hash -> set of worker slots in flat tables walked by numba kernels, with
     predicted entries and a size cap. Same interface and answers as
     :class:`router.index.PrefixIndex`; hashes may also be given as uint64 arrays (no
@@ -1229,18 +1229,6 @@ class NumbaPrefixIndex:
         )
 
     # ---- events --------------------------------------------------------------------------
-
-    def apply(self, slot: int, event: KvEvent) -> None:
-        """Apply one KV event of worker ``slot``. Errors are counted, never raised."""
-        match event:
-            case BlockStored():
-                self.store(slot, event)
-            case BlockRemoved(block_hashes=hashes):
-                self.remove(slot, hashes)
-            case AllCleared():
-                self.remove_worker(slot)
-            case _:
-                raise TypeError(f"not a KV event: {event!r}")
 
     def store(self, slot: int, event: BlockStored) -> None:
         """Index a stored chain for ``slot``."""

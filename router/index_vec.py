@@ -37,8 +37,15 @@ from typing import Any, cast
 
 import numpy as np
 
-from kvroute_proto.events import AllCleared, BlockRemoved, BlockStored, KvEvent
-from router.index import _COMPACT_MIN, ERROR_KINDS, IndexConfig, PrefixIndex, _depths
+from kvroute_proto.events import BlockStored
+from router.index import (
+    _COMPACT_MIN,
+    ERROR_KINDS,
+    AppliesEvents,
+    IndexConfig,
+    PrefixIndex,
+    _depths,
+)
 from router.predicted import PredictedEntries, bits_of
 
 __all__ = ["VecPrefixIndex"]
@@ -69,7 +76,7 @@ def _as_keys(hashes: Sequence[int] | np.ndarray) -> np.ndarray:
     return keys
 
 
-class VecPrefixIndex:
+class VecPrefixIndex(AppliesEvents):
     """Block hash -> set of worker slots in numpy arrays, with predicted entries and a size
     cap. Same interface as :class:`router.index.PrefixIndex`. Not thread-safe.
 
@@ -442,18 +449,6 @@ class VecPrefixIndex:
         return self._predicted.expire(now)
 
     # ---- events --------------------------------------------------------------------------
-
-    def apply(self, slot: int, event: KvEvent) -> None:
-        """Apply one KV event of worker ``slot``. Errors are counted, never raised."""
-        match event:
-            case BlockStored():
-                self.store(slot, event)
-            case BlockRemoved(block_hashes=hashes):
-                self.remove(slot, hashes)
-            case AllCleared():
-                self.remove_worker(slot)
-            case _:
-                raise TypeError(f"not a KV event: {event!r}")
 
     def _holds(self, key: int, word: int, bit: Any) -> bool:
         slots = self._lookup(np.array([key], dtype=_U64))
