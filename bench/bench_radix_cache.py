@@ -38,13 +38,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import statistics
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,16 +50,16 @@ import numpy as np
 from bench.radix_trace import (
     QUICK,
     RATE_KEYS,
+    Side,
     TraceSpec,
     TreeTrace,
-    flat_keys,
     flat_leaf,
     make_trace,
     make_tree_trace,
     metric_keys,
     split_queries,
+    timed,
     trace_digest,
-    tree_keys,
 )
 from worker.cache.allocator import SlotAllocator
 from worker.cache.base import CacheConfig
@@ -83,19 +80,7 @@ def worker_step(cache: RadixCache, alloc: SlotAllocator, tokens: np.ndarray) -> 
         alloc.free(slots[m.num_matched : prefix_len])
 
 
-def timed(fn: Callable[[], object]) -> float:
-    """Seconds ``fn`` takes, with the cyclic GC paused (as timeit does)."""
-    gc.collect()
-    gc.disable()
-    try:
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
-    finally:
-        gc.enable()
-
-
-class OurSide:
+class OurSide(Side):
     """One side of the comparison: runs one round of every case on our RadixCache. The flat
     eviction caches live across rounds (the evicted leaves are put back, untimed)."""
 
@@ -119,17 +104,6 @@ class OurSide:
         cache.take_events()
         cache.match_prefix(self.queries[0])
         cache.evict(16)
-
-    def round(self) -> dict[str, float]:
-        result = self._insert_match()
-        result["insert_events_seq_s"] = self._insert_events()
-        for key, leaves, calls in zip(
-            flat_keys(self.spec), self.spec.evict_leaves, self.spec.evict_calls, strict=True
-        ):
-            result[key] = self._evict_flat(leaves, calls)
-        for key, k in zip(tree_keys(self.spec), self.spec.tree_evict_k, strict=True):
-            result[key] = self._evict_tree(k)
-        return result
 
     def _insert_match(self) -> dict[str, float]:
         rows, queries = self.rows, self.queries

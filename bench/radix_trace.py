@@ -17,7 +17,10 @@ Three traces:
 
 from __future__ import annotations
 
+import gc
 import hashlib
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -174,6 +177,49 @@ def make_tree_trace(spec: TraceSpec) -> TreeTrace:
                 break
     locked.reverse()
     return TreeTrace(seqs, locked, len(convs), num_tokens)
+
+
+def timed(fn: Callable[[], object]) -> float:
+    """Seconds ``fn`` takes, with the cyclic GC paused (as timeit does): both sides of a
+    comparison time their cases with it."""
+    gc.collect()
+    gc.disable()
+    try:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+    finally:
+        gc.enable()
+
+
+class Side:
+    """One side of the radix-cache comparison (ours, or a peer's in its own venv): a round
+    runs every case of ``spec`` once, in the same order on both sides."""
+
+    spec: TraceSpec
+
+    def round(self) -> dict[str, float]:
+        result = self._insert_match()
+        result["insert_events_seq_s"] = self._insert_events()
+        for key, leaves, calls in zip(
+            flat_keys(self.spec), self.spec.evict_leaves, self.spec.evict_calls, strict=True
+        ):
+            result[key] = self._evict_flat(leaves, calls)
+        for key, k in zip(tree_keys(self.spec), self.spec.tree_evict_k, strict=True):
+            result[key] = self._evict_tree(k)
+        return result
+
+    def _insert_match(self) -> dict[str, float]:
+        raise NotImplementedError
+
+    def _insert_events(self) -> float:
+        raise NotImplementedError
+
+    def _evict_flat(self, leaves: int, calls: int) -> float:
+        raise NotImplementedError
+
+    def _evict_tree(self, k: int) -> float:
+        raise NotImplementedError
 
 
 def trace_digest(spec: TraceSpec) -> str:

@@ -31,17 +31,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import gc
 import importlib.abc
 import importlib.machinery
 import importlib.util
 import json
 import statistics
 import sys
-import time
 import types
 from array import array
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,16 +47,16 @@ sys.path.insert(0, str(_REPO))
 
 from bench.radix_trace import (  # noqa: E402  (the repository root was just put on the path)
     QUICK,
+    Side,
     TraceSpec,
     TreeTrace,
-    flat_keys,
     flat_leaf,
     make_trace,
     make_tree_trace,
     metric_keys,
     split_queries,
+    timed,
     trace_digest,
-    tree_keys,
 )
 
 # ---------------------------------------------------------------- import-time stubs
@@ -192,18 +189,6 @@ def worker_step(cache: Any, alloc: Any, key: Any) -> None:
         alloc.free(slots[hit:prefix_len])
 
 
-def timed(fn: Callable[[], object]) -> float:
-    """Seconds ``fn`` takes, with the cyclic GC paused (as on our side)."""
-    gc.collect()
-    gc.disable()
-    try:
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
-    finally:
-        gc.enable()
-
-
 def build_tree(tree: TreeTrace, keys: list[Any]) -> Any:
     cache, alloc = make_cache(tree.pool_slots)
     for key in keys:
@@ -213,7 +198,7 @@ def build_tree(tree: TreeTrace, keys: list[Any]) -> Any:
     return cache
 
 
-class SGLangSide:
+class SGLangSide(Side):
     """The peer of bench_radix_cache.OurSide: one round of every case per call."""
 
     def __init__(self, spec: TraceSpec) -> None:
@@ -238,17 +223,6 @@ class SGLangSide:
         cache.kv_events.take()
         cache.match_prefix(MatchPrefixParams(key=self.queries[0]))
         cache.evict(EvictParams(num_tokens=16))
-
-    def round(self) -> dict[str, float]:
-        result = self._insert_match()
-        result["insert_events_seq_s"] = self._insert_events()
-        for key, leaves, calls in zip(
-            flat_keys(self.spec), self.spec.evict_leaves, self.spec.evict_calls, strict=True
-        ):
-            result[key] = self._evict_flat(leaves, calls)
-        for key, k in zip(tree_keys(self.spec), self.spec.tree_evict_k, strict=True):
-            result[key] = self._evict_tree(k)
-        return result
 
     def _insert_match(self) -> dict[str, float]:
         keys, queries = self.keys, self.queries
