@@ -42,7 +42,6 @@ prompt's 512 blocks over a flat table costs a few microseconds.
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from typing import Any, overload
@@ -898,16 +897,15 @@ def _as_keys(hashes: Sequence[int] | np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(hashes, dtype=_U64))
 
 
-_warm: float | None = None
+_warm = False
 
 
-def warm_up() -> float:
+def warm_up() -> bool:
     """Compile (or load from numba's disk cache) every kernel with the argument types the
-    index passes; returns the seconds it took (0 after the first call in a process)."""
+    index passes, once per process; True when this call did it."""
     global _warm
-    if _warm is not None:
-        return 0.0
-    t0 = time.perf_counter()
+    if _warm:
+        return False
     index = NumbaPrefixIndex(IndexConfig(max_blocks=3, predict_stride=2), _warm_up=False)
     for slot in (0, 1):
         index.store(slot, BlockStored((1, 2, 3), None, ()))
@@ -929,8 +927,8 @@ def warm_up() -> float:
     # the rebuilds a growing table runs
     _rehash(index._tab, np.zeros_like(index._tab))
     _rehash_pred(index._ptab, index._until, np.zeros_like(index._ptab), np.zeros_like(index._until))
-    _warm = time.perf_counter() - t0
-    return _warm
+    _warm = True
+    return True
 
 
 class NumbaPrefixIndex(AppliesEvents):
