@@ -161,8 +161,11 @@ def _depths(
 
 
 class AppliesEvents:
-    """``apply``: one KV event to ``store`` / ``remove`` / ``remove_worker``, for every index
+    """``apply``: one KV event to ``store`` / ``remove`` / ``remove_worker``, and ``_verify``
+    (a stored chain against its tokens, ``IndexConfig.verify_hashes``), for every index
     implementation (this module's, router.index_nb's, router.index_vec's)."""
+
+    errors: Counter[str]  # the rejected events, by ERROR_KINDS
 
     def store(self, slot: int, event: BlockStored) -> None:
         raise NotImplementedError
@@ -184,6 +187,22 @@ class AppliesEvents:
                 self.remove_worker(slot)
             case _:
                 raise TypeError(f"not a KV event: {event!r}")
+
+    def _verify(self, event: BlockStored) -> bool:
+        """Recompute the chain's hashes from its tokens; count and reject a mismatch."""
+        hashes = event.block_hashes
+        tokens = event.token_array.astype(np.uint64)
+        if len(tokens) % len(hashes):
+            self.errors["hash_mismatch"] += 1
+            return False
+        block_size = len(tokens) // len(hashes)
+        parent = event.parent_hash
+        start = event.partition.seed if parent is None else unfmix64(parent)
+        expect = block_hashes(tokens, block_size, start, validate=False)
+        if np.array_equal(expect, np.asarray(hashes, dtype=np.uint64)):
+            return True
+        self.errors["wrong_partition" if parent is None else "hash_mismatch"] += 1
+        return False
 
 
 class PrefixIndex(AppliesEvents):
@@ -406,22 +425,6 @@ class PrefixIndex(AppliesEvents):
                 continue
             added += 1
         return added
-
-    def _verify(self, event: BlockStored) -> bool:
-        """Recompute the chain's hashes from its tokens; count and reject a mismatch."""
-        hashes = event.block_hashes
-        tokens = event.token_array.astype(np.uint64)
-        if len(tokens) % len(hashes):
-            self.errors["hash_mismatch"] += 1
-            return False
-        block_size = len(tokens) // len(hashes)
-        parent = event.parent_hash
-        start = event.partition.seed if parent is None else unfmix64(parent)
-        expect = block_hashes(tokens, block_size, start, validate=False)
-        if np.array_equal(expect, np.asarray(hashes, dtype=np.uint64)):
-            return True
-        self.errors["wrong_partition" if parent is None else "hash_mismatch"] += 1
-        return False
 
     def remove(self, slot: int, hashes: Sequence[int]) -> None:
         """Withdraw blocks from ``slot``; blocks nobody holds any more are deleted."""

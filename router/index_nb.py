@@ -50,7 +50,6 @@ import numba
 import numpy as np
 
 from kvroute_proto.events import BlockStored
-from kvroute_proto.hashing import block_hashes, unfmix64
 from router.index import _COMPACT_MIN, ERROR_KINDS, AppliesEvents, IndexConfig
 
 __all__ = ["NumbaPrefixIndex", "warm_up"]
@@ -1255,22 +1254,6 @@ class NumbaPrefixIndex(AppliesEvents):
                 self._peak = live
                 if live > self.config.max_blocks:
                     self._evict()
-
-    def _verify(self, event: BlockStored) -> bool:
-        """Recompute the chain's hashes from its tokens; count and reject a mismatch."""
-        hashes = event.block_hashes
-        tokens = event.token_array.astype(np.uint64)
-        if len(tokens) % len(hashes):
-            self.errors["hash_mismatch"] += 1
-            return False
-        block_size = len(tokens) // len(hashes)
-        parent = event.parent_hash
-        start = event.partition.seed if parent is None else unfmix64(parent)
-        expect = block_hashes(tokens, block_size, start, validate=False)
-        if np.array_equal(expect, np.asarray(hashes, dtype=_U64)):
-            return True
-        self.errors["wrong_partition" if parent is None else "hash_mismatch"] += 1
-        return False
 
     def remove(self, slot: int, hashes: Sequence[int] | np.ndarray) -> None:
         """Withdraw blocks from ``slot``; blocks nobody holds any more are deleted."""
