@@ -105,6 +105,15 @@ def _unkey(k: Any) -> Any:
 
 
 @_jit
+def _held(tab: Any, r: int, base: int) -> bool:
+    """Whether row ``r`` has any bit set in its worker words (columns ``base`` ..)."""
+    for c in range(base, tab.shape[1]):  # noqa: SIM110 (a loop numba compiles)
+        if tab[r, c] != _NIL:
+            return True
+    return False
+
+
+@_jit
 def _home(k: Any, mask: int) -> int:
     return int((k * _MULT) >> _S32) & mask
 
@@ -267,7 +276,6 @@ def _remove(tab: Any, meta: Any, counts: Any, keys: Any, slot: int) -> int:
     removed (the rest of ``keys`` were unknown)."""
     col = _MASK + (slot >> 6)
     bit = _bit(slot)
-    words = tab.shape[1] - _MASK
     removed = 0
     for i in range(keys.shape[0]):
         r = _find(tab, _key(keys[i]))
@@ -279,15 +287,9 @@ def _remove(tab: Any, meta: Any, counts: Any, keys: Any, slot: int) -> int:
         removed += 1
         m ^= bit
         tab[r, col] = m
-        if m == _NIL:
-            empty = True
-            for w in range(words):
-                if tab[r, _MASK + w] != _NIL:
-                    empty = False
-                    break
-            if empty:
-                _delete(tab, r)
-                meta[_M_LIVE] -= 1
+        if m == _NIL and not _held(tab, r, _MASK):
+            _delete(tab, r)
+            meta[_M_LIVE] -= 1
     counts[slot] -= removed
     return removed
 
@@ -298,17 +300,11 @@ def _remove_slot_confirmed(tab: Any, meta: Any, slot: int) -> None:
     until the caller's rebuild drops them."""
     col = _MASK + (slot >> 6)
     bit = _bit(slot)
-    words = tab.shape[1] - _MASK
     for r in range(tab.shape[0]):
         if tab[r, 0] == _NIL or (tab[r, col] & bit) == _NIL:
             continue
         tab[r, col] ^= bit
-        empty = True
-        for w in range(words):
-            if tab[r, _MASK + w] != _NIL:
-                empty = False
-                break
-        if empty:
+        if not _held(tab, r, _MASK):
             meta[_M_LIVE] -= 1
 
 
@@ -316,16 +312,10 @@ def _remove_slot_confirmed(tab: Any, meta: Any, slot: int) -> None:
 def _drop_empty(old: Any, new: Any) -> int:
     """Copy the rows of ``old`` with some worker bit into ``new``."""
     n = 0
-    words = old.shape[1] - _MASK
     for r in range(old.shape[0]):
         if old[r, 0] == _NIL:
             continue
-        live = False
-        for w in range(words):
-            if old[r, _MASK + w] != _NIL:
-                live = True
-                break
-        if not live:
+        if not _held(old, r, _MASK):
             continue
         i = -_find(new, old[r, 0]) - 1
         for c in range(old.shape[1]):
@@ -421,12 +411,7 @@ def _evict(tab: Any, meta: Any, counts: Any, target: int) -> int:
         pr = _find(tab, parent)
         if pr < 0:
             continue
-        held = False
-        for w in range(words):
-            if tab[pr, _MASK + w] != _NIL:
-                held = True
-                break
-        if not held:
+        if not _held(tab, pr, _MASK):
             continue
         children[pr] -= 1
         if children[pr]:
@@ -658,7 +643,6 @@ def _pred_add(
         return out
     col = _PBITS + (slot >> 6)
     bit = _bit(slot)
-    pwords = ptab.shape[1] - _PBITS
     pmeta[_P_MARK] += 1
     mark = np.uint64(pmeta[_P_MARK])
     for j in range(count):
@@ -670,12 +654,7 @@ def _pred_add(
             r = -r - 1
             ptab[r, 0] = k
             pmeta[_P_ROWS] += 1
-        was = False
-        for w in range(pwords):
-            if ptab[r, _PBITS + w] != _NIL:
-                was = True
-                break
-        if not was:
+        if not _held(ptab, r, _PBITS):
             until[r] = deadline
             pmeta[_P_LIVE] += 1
         elif deadline > until[r]:
@@ -696,7 +675,6 @@ def _pred_release(
 ) -> None:
     """End one hold on each distinct probe; those no request holds any more live until
     the later of their deadline and ``deadline`` (an expiry record each)."""
-    pwords = ptab.shape[1] - _PBITS
     pmeta[_P_MARK] += 1
     mark = np.uint64(pmeta[_P_MARK])
     for j in range(probes.shape[0]):
@@ -712,12 +690,7 @@ def _pred_release(
         ptab[r, _PHELD] = held
         if held != _NIL:
             continue
-        live = False
-        for w in range(pwords):
-            if ptab[r, _PBITS + w] != _NIL:
-                live = True
-                break
-        if not live:  # forgotten by remove_slot while held
+        if not _held(ptab, r, _PBITS):  # forgotten by remove_slot while held
             _delete_pred(ptab, until, r)
             pmeta[_P_ROWS] -= 1
             continue
@@ -731,18 +704,12 @@ def _pred_refresh(
     ptab: Any, until: Any, pmeta: Any, rd: Any, rk: Any, keys: Any, stride: int, deadline: float
 ) -> None:
     """Extend the deadline of the predicted probes of ``keys`` (an expiry record each)."""
-    pwords = ptab.shape[1] - _PBITS
     for pos in range(stride - 1, keys.shape[0], stride):
         k = _key(keys[pos])
         r = _find(ptab, k)
         if r < 0:
             continue
-        live = False
-        for w in range(pwords):
-            if ptab[r, _PBITS + w] != _NIL:
-                live = True
-                break
-        if not live:
+        if not _held(ptab, r, _PBITS):
             continue
         if deadline > until[r]:
             until[r] = deadline
@@ -756,7 +723,6 @@ def _pred_expire(ptab: Any, until: Any, pmeta: Any, rd: Any, rk: Any, now: float
     size = pmeta[_P_HEAP]
     head = pmeta[_P_HEAD]
     tail = pmeta[_P_TAIL]
-    pwords = ptab.shape[1] - _PBITS
     dropped = 0
     while True:
         if head < tail and rd[1, head] <= now:
@@ -770,12 +736,7 @@ def _pred_expire(ptab: Any, until: Any, pmeta: Any, rd: Any, rk: Any, now: float
         r = _find(ptab, k)
         if r < 0 or ptab[r, _PHELD] != _NIL:
             continue  # gone, or held: release() records it again
-        live = False
-        for w in range(pwords):
-            if ptab[r, _PBITS + w] != _NIL:
-                live = True
-                break
-        if not live:
+        if not _held(ptab, r, _PBITS):
             continue
         if until[r] > now:  # a later deadline came with its own record
             continue
@@ -798,7 +759,6 @@ def _pred_remove_slot(ptab: Any, until: Any, pmeta: Any, slot: int) -> None:
     if col >= ptab.shape[1]:
         return
     bit = _bit(slot)
-    pwords = ptab.shape[1] - _PBITS
     r = 0
     cap = ptab.shape[0]
     # deleting moves later rows back into r: revisit r; a run wrapping past the end is
@@ -809,12 +769,7 @@ def _pred_remove_slot(ptab: Any, until: Any, pmeta: Any, slot: int) -> None:
             r += 1
             continue
         ptab[r, col] ^= bit
-        live = False
-        for w in range(pwords):
-            if ptab[r, _PBITS + w] != _NIL:
-                live = True
-                break
-        if live:
+        if _held(ptab, r, _PBITS):
             r += 1
             continue
         pmeta[_P_LIVE] -= 1
