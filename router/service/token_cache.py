@@ -75,20 +75,24 @@ def _pre_tokenizer_kind(spec: Any) -> str | None:
 _CUT = re.compile(r"(?<=\S) (?=[A-Za-z0-9])")
 
 
+def piece_end(text: str, start: int, chunk_chars: int) -> int:
+    """Where the piece of ``text`` that begins at ``start`` (0 or a cut) ends: the first
+    single space at or after ``start + chunk_chars`` between a non-space and an ASCII letter
+    or digit, else the end of the text."""
+    pos = start + chunk_chars
+    if pos >= len(text):
+        return len(text)
+    m = _CUT.search(text, pos)
+    return len(text) if m is None else m.start()
+
+
 def cut_points(text: str, chunk_chars: int) -> list[int]:
-    """Positions (of a space) where ``text`` is cut: the first single space at or after
-    each multiple of ``chunk_chars`` (from the previous cut) between a non-space and an
-    ASCII letter or digit."""
+    """Positions (of a space) where ``text`` is cut (:func:`piece_end`, piece after piece)."""
     cuts: list[int] = []
-    search = _CUT.search
-    pos = chunk_chars
-    while pos < len(text):
-        m = search(text, pos)
-        if m is None:
-            break
-        i = m.start()
-        cuts.append(i)
-        pos = i + chunk_chars
+    end = piece_end(text, 0, chunk_chars)
+    while end < len(text):
+        cuts.append(end)
+        end = piece_end(text, end, chunk_chars)
     return cuts
 
 
@@ -254,21 +258,13 @@ class CachedTokenizer:
             return np.asarray(whole, dtype=np.uint32), ""
         specials = inner.add_special_tokens if add_special_tokens is None else add_special_tokens
         chunks = self._chunks
-        # pieces are cut as they are reached (cut_points' rule): a tail left as text is
-        # never cut up
-        search, size, n = _CUT.search, self.chunk_chars, len(text)
-
-        def piece_end(start: int) -> int:
-            if start + size >= n:
-                return n
-            m = search(text, start + size)
-            return n if m is None else m.start()
-
+        # pieces are cut as they are reached (piece_end): a tail left as text is never cut up
+        size, n = self.chunk_chars, len(text)
         parts = [self._prefix_ids] if specials else []
         start, batch = 0, 1
         ask = False  # the first new chunk is tokenized without asking
         while start < n:
-            end = piece_end(start)
+            end = piece_end(text, start, size)
             piece = text[start:end]
             got = chunks.pop(piece, None)  # re-inserted: LRU order
             if got is not None:
@@ -282,7 +278,7 @@ class CachedTokenizer:
             ask = True
             new = [piece]  # a batch of consecutive chunks the cache does not hold
             while end < n and len(new) < batch:
-                after = piece_end(end)
+                after = piece_end(text, end, size)
                 nxt = text[end:after]
                 if nxt in chunks:
                     break
