@@ -7,29 +7,13 @@ import json
 
 import numpy as np
 import pytest
+from sim_traces import BS, tiny_config, two_prefix_trace
 
 from bench.replay.cli import main
 from bench.replay.sim import FleetSim, SimConfig, simulate
 from bench.replay.trace import TokenExpander, TraceRecord, write_trace
 from worker.engine.sim_executor import H100_LLAMA3_8B_WEIGHT_READ_S, SimCostModel, SimExecutor
 from worker.engine.types import ForwardItem, SamplingParams
-
-BS = 64  # trace block size of the tiny traces
-
-
-def two_prefix_trace(num_requests: int = 24, gap_ms: float = 500.0) -> list[TraceRecord]:
-    """Prefixes A (ids 0-3) and B (ids 10-13) in the order A A B B A A B B ...; each request
-    adds one unique block. Requests are far apart, so each finishes before the next."""
-    records = []
-    for i in range(num_requests):
-        prefix = (0, 1, 2, 3) if (i // 2) % 2 == 0 else (10, 11, 12, 13)
-        ids = (*prefix, 1000 + i)
-        records.append(TraceRecord(i * gap_ms, len(ids) * BS, 4, ids))
-    return records
-
-
-def tiny_config(**kw) -> SimConfig:
-    return SimConfig(num_workers=2, kv_capacity_tokens=20_000, **kw)
 
 
 def _item(rid: str = "r", n: int = 1, start: int = 0) -> ForwardItem:
