@@ -14,6 +14,7 @@ import numpy as np
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto.errors import ContractError
 from kvroute_proto.events import (
+    DEFAULT_PARTITION,
     AllCleared,
     BlockRemoved,
     BlockStored,
@@ -26,6 +27,7 @@ from kvroute_proto.events import (
 
 _HASH_DT = np.dtype("<u8")
 _U64_MAX = 2**64 - 1
+_CLEARED = AllCleared()
 
 
 # ---- encoding --------------------------------------------------------------------------
@@ -112,39 +114,60 @@ def encode_stream_message(item: EventBatch | Snapshot) -> bytes:
 # ---- decoding --------------------------------------------------------------------------
 
 
-def _decode_hashes(data: bytes, where: str) -> tuple[int, ...]:
+class PackedHashes(tuple[int, ...]):
+    """Block hashes decoded from the wire: a tuple of ints, as the event types hold them,
+    that also keeps the wire's little-endian uint64 words as a read-only array
+    (:attr:`array`, a view of the received bytes), so an index that works on arrays
+    (router.index_nb) takes them without converting the ints back. Equal to (and hashes
+    as) the plain tuple of the same ints."""
+
+    array: np.ndarray
+
+
+def _decode_hashes(data: bytes, where: str, i: int) -> PackedHashes:
+    """``where.format(i)`` names the message in errors (formatted only on an error)."""
     if len(data) == 0 or len(data) % 8:
         raise ContractError(
-            f"{where}.block_hashes must be a non-empty multiple of 8 bytes, got {len(data)}"
+            f"{where.format(i)}.block_hashes must be a non-empty multiple of 8 bytes, "
+            f"got {len(data)}"
         )
-    return tuple(np.frombuffer(data, dtype=_HASH_DT).tolist())
+    array = np.frombuffer(data, dtype=_HASH_DT)
+    hashes = PackedHashes(array.tolist())
+    hashes.array = array
+    return hashes
 
 
 def partition_from_pb(msg: pb.Partition) -> Partition:
-    return Partition(cache_salt=msg.cache_salt, extra_key=msg.extra_key)
+    salt, extra = msg.cache_salt, msg.extra_key
+    if not salt and not extra:  # the common case: one shared object, not a new one
+        return DEFAULT_PARTITION
+    return Partition(cache_salt=salt, extra_key=extra)
 
 
-def _stored_from_pb(msg: pb.BlockStored, block_size: int, where: str) -> BlockStored:
-    hashes = _decode_hashes(msg.block_hashes, where)
+def _stored_from_pb(msg: pb.BlockStored, block_size: int, where: str, i: int) -> BlockStored:
+    hashes = _decode_hashes(msg.block_hashes, where, i)
+    tokens = msg.token_ids
     expected = len(hashes) * block_size * 4
-    if len(msg.token_ids) != expected:
+    if len(tokens) != expected:
         raise ContractError(
-            f"{where}.token_ids must hold block_size={block_size} uint32 ids for each of "
-            f"{len(hashes)} blocks ({expected} bytes), got {len(msg.token_ids)} bytes"
+            f"{where.format(i)}.token_ids must hold block_size={block_size} uint32 ids for "
+            f"each of {len(hashes)} blocks ({expected} bytes), got {len(tokens)} bytes"
         )
     parent = msg.parent_hash if msg.has_parent else None
-    return BlockStored(hashes, parent, msg.token_ids, partition_from_pb(msg.partition))
+    return BlockStored(hashes, parent, tokens, partition_from_pb(msg.partition))
 
 
-def _event_from_pb(msg: pb.KvEvent, block_size: int, where: str) -> KvEvent:
+def _event_from_pb(msg: pb.KvEvent, block_size: int, i: int) -> KvEvent:
     kind = msg.WhichOneof("kind")
     if kind == "stored":
-        return _stored_from_pb(msg.stored, block_size, f"{where}.stored")
+        return _stored_from_pb(msg.stored, block_size, "EventBatch.events[{}].stored", i)
     if kind == "removed":
-        return BlockRemoved(_decode_hashes(msg.removed.block_hashes, f"{where}.removed"))
+        return BlockRemoved(
+            _decode_hashes(msg.removed.block_hashes, "EventBatch.events[{}].removed", i)
+        )
     if kind == "cleared":
-        return AllCleared()
-    raise ContractError(f"{where} has no event kind set")
+        return _CLEARED
+    raise ContractError(f"EventBatch.events[{i}] has no event kind set")
 
 
 def _check_header(worker_id: str, epoch: int, seq: int, block_size: int, what: str) -> None:
@@ -169,23 +192,21 @@ def load_from_pb(msg: pb.LoadReport) -> LoadReport:
 
 def batch_from_pb(msg: pb.EventBatch) -> EventBatch:
     """Decode and validate an EventBatch; raises ContractError when malformed."""
-    _check_header(msg.worker_id, msg.epoch, msg.seq, msg.block_size, "EventBatch")
-    if msg.seq == 0:
+    worker_id, epoch, seq, block_size = msg.worker_id, msg.epoch, msg.seq, msg.block_size
+    _check_header(worker_id, epoch, seq, block_size, "EventBatch")
+    if seq == 0:
         raise ContractError("EventBatch.seq must be >= 1, got 0")
-    events = tuple(
-        _event_from_pb(ev, msg.block_size, f"EventBatch.events[{i}]")
-        for i, ev in enumerate(msg.events)
-    )
+    events = tuple(_event_from_pb(ev, block_size, i) for i, ev in enumerate(msg.events))
     load = load_from_pb(msg.load) if msg.HasField("load") else None
-    return EventBatch(msg.worker_id, msg.epoch, msg.seq, msg.block_size, events, load)
+    return EventBatch(worker_id, epoch, seq, block_size, events, load)
 
 
 def snapshot_from_pb(msg: pb.Snapshot) -> Snapshot:
     """Decode and validate a Snapshot; raises ContractError when malformed."""
     _check_header(msg.worker_id, msg.epoch, msg.seq, msg.block_size, "Snapshot")
+    block_size = msg.block_size
     blocks = tuple(
-        _stored_from_pb(b, msg.block_size, f"Snapshot.blocks[{i}]")
-        for i, b in enumerate(msg.blocks)
+        _stored_from_pb(b, block_size, "Snapshot.blocks[{}]", i) for i, b in enumerate(msg.blocks)
     )
     return Snapshot(msg.worker_id, msg.epoch, msg.seq, msg.block_size, blocks)
 

@@ -178,6 +178,13 @@ class AppliesEvents:
 
     def apply(self, slot: int, event: KvEvent) -> None:
         """Apply one KV event of worker ``slot``. Errors are counted, never raised."""
+        kind = type(event)  # the two common kinds first, without the match's checks
+        if kind is BlockStored:
+            self.store(slot, event)
+            return
+        if kind is BlockRemoved:
+            self.remove(slot, event.block_hashes)
+            return
         match event:
             case BlockStored():
                 self.store(slot, event)

@@ -44,12 +44,13 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from typing import Any, overload
+from typing import Any, cast, overload
 
 import numba
 import numpy as np
 
-from kvroute_proto.events import BlockStored
+from kvroute_proto.codec import PackedHashes, decode_stream_message, encode_stream_message
+from kvroute_proto.events import BlockRemoved, BlockStored, EventBatch
 from router.index import _COMPACT_MIN, ERROR_KINDS, AppliesEvents, IndexConfig
 
 __all__ = ["NumbaPrefixIndex", "warm_up"]
@@ -229,12 +230,19 @@ def _holds(tab: Any, h: Any, slot: int) -> bool:
     return r >= 0 and (tab[r, _MASK + (slot >> 6)] & _bit(slot)) != _NIL
 
 
+_NO_ROOM = -1  # _store's answer when the table must grow first
+_UNKNOWN_PARENT = 1 << 40  # _store's answer: the parent was given but not held
+
+
 @_jit
-def _store(tab: Any, meta: Any, counts: Any, keys: Any, parent: Any, slot: int) -> Any:
+def _store(tab: Any, meta: Any, counts: Any, keys: Any, parent: Any, slot: int) -> int:
     """Index ``keys`` (raw hashes) for ``slot``: OR its bit in (new rows as needed), link
     each key to the previous one and the first to ``parent`` (0 = none), stamp the last.
-    The table has room (the caller grows it first). Returns the (block, slot) pairs added,
-    and whether ``parent`` was given but not held by ``slot`` before."""
+    Returns the (block, slot) pairs added, plus _UNKNOWN_PARENT when ``parent`` was given
+    but not held by ``slot`` before; or _NO_ROOM, changing nothing, when ``keys`` could
+    take the table past its load of 0.6 (the caller grows it and calls again)."""
+    if (meta[_M_LIVE] + keys.shape[0]) * 5 > tab.shape[0] * 3:
+        return _NO_ROOM
     col = _MASK + (slot >> 6)
     bit = _bit(slot)
     unknown = False
@@ -267,7 +275,7 @@ def _store(tab: Any, meta: Any, counts: Any, keys: Any, parent: Any, slot: int) 
     meta[_M_TICK] += 1
     tab[r, _STAMP] = np.uint64(meta[_M_TICK])
     counts[slot] += added
-    return added, unknown
+    return added | _UNKNOWN_PARENT if unknown else added
 
 
 @_jit
@@ -840,12 +848,15 @@ class Probes(Sequence[int]):
 
 
 _EMPTY_PROBES = Probes(np.empty(0, dtype=_U64))
+_WIRE_NATIVE = np.dtype("<u8") == np.dtype(_U64)  # the wire's uint64 is the kernels' (x86, arm)
 
 
 def _as_keys(hashes: Sequence[int] | np.ndarray) -> np.ndarray:
     """Block hashes as a C-contiguous uint64 array (raw: kernels map 0 themselves)."""
     if type(hashes) is np.ndarray and hashes.dtype == _U64 and hashes.flags.c_contiguous:
         return hashes
+    if type(hashes) is PackedHashes and _WIRE_NATIVE:  # decoded events: the wire's words
+        return cast(PackedHashes, hashes).array
     if isinstance(hashes, Probes):
         return hashes.keys
     return np.ascontiguousarray(np.asarray(hashes, dtype=_U64))
@@ -875,6 +886,15 @@ def warm_up() -> bool:
     index.snapshot(1)
     index.predicted(0)
     _ = index.num_predicted
+    # decoded events' hashes (kvroute_proto.codec.PackedHashes): read-only arrays
+    wire = decode_stream_message(
+        encode_stream_message(
+            EventBatch("w", 1, 1, 1, (BlockStored((5, 6), 4, (1, 2)), BlockRemoved((5, 6))))
+        )
+    )
+    assert isinstance(wire, EventBatch)
+    for event in wire.events:
+        index.apply(1, event)
     index.store(2, BlockStored((7, 8), None, ()))  # past the cap: evicts
     index.remove_worker(1)
     index.check_invariants()
@@ -902,6 +922,7 @@ class NumbaPrefixIndex(AppliesEvents):
             warm_up()
         self.config = config or IndexConfig()
         self._stride = self.config.predict_stride
+        self._verify_on = self.config.verify_hashes
         self._tab = np.zeros((_MIN_CAP, _MASK + 1), dtype=_U64)
         self._meta = np.zeros(8, dtype=np.int64)
         self._counts = np.zeros(64, dtype=np.int64)
@@ -1190,23 +1211,27 @@ class NumbaPrefixIndex(AppliesEvents):
         if not 0 <= slot < self._nslots:  # widen, or refuse a negative slot
             self._words_for(slot)
         parent = event.parent_hash
-        verify = self.config.verify_hashes
+        verify = self._verify_on
         if verify:  # counted before the chain is checked, as the dict index counts it
             if parent is not None and not _holds(self._tab, _U64(parent), slot):
                 self.errors["unknown_parent"] += 1
             if not self._verify(event):
                 return
         keys = _as_keys(hashes)
-        self._room(len(keys))
         # the parent as stored (0: none; a hash of 0 maps as the kernels map it)
         stored_parent = _NIL if parent is None else _U64(parent or _ZERO_INT)
-        added, unknown = _store(self._tab, self._meta, self._counts, keys, stored_parent, slot)
-        if unknown and not verify:
-            self.errors["unknown_parent"] += 1
-        if added:
-            live = int(self._meta[_M_LIVE])
+        code = _store(self._tab, self._meta, self._counts, keys, stored_parent, slot)
+        if code == _NO_ROOM:
+            self._room(len(keys))
+            code = _store(self._tab, self._meta, self._counts, keys, stored_parent, slot)
+        if code >= _UNKNOWN_PARENT:
+            code -= _UNKNOWN_PARENT
+            if not verify:
+                self.errors["unknown_parent"] += 1
+        if code:
+            live = self._meta[_M_LIVE]
             if live > self._peak:
-                self._peak = live
+                self._peak = int(live)
                 if live > self.config.max_blocks:
                     self._evict()
 

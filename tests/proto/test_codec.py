@@ -1,11 +1,13 @@
 """Codec: dataclass <-> protobuf round trips and clear errors on malformed batches."""
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto.codec import (
+    PackedHashes,
     batch_to_pb,
     decode_stream_message,
     encode_stream_message,
@@ -13,6 +15,7 @@ from kvroute_proto.codec import (
 )
 from kvroute_proto.errors import ContractError
 from kvroute_proto.events import (
+    DEFAULT_PARTITION,
     AllCleared,
     BlockRemoved,
     BlockStored,
@@ -133,3 +136,29 @@ def test_block_stored_packs_token_ids_as_little_endian_uint32():
     assert from_tuple.block_size == 4
     with pytest.raises(ValueError, match=r"token_ids\[0\]=-1"):
         BlockStored((1,), None, (-1, 0, 0, 0))
+
+
+@given(batches)
+@settings(max_examples=200, deadline=None)
+def test_decoded_hashes_keep_the_wire_words_as_an_array(batch):
+    """Decoded hashes are the tuple of ints the events hold and, alongside, the wire's
+    uint64 words as a read-only array (what router.index_nb takes without converting)."""
+    decoded = decode_stream_message(encode_stream_message(batch))
+    for ev, sent in zip(decoded.events, batch.events, strict=True):
+        if isinstance(ev, AllCleared):
+            continue
+        hashes = ev.block_hashes
+        assert isinstance(hashes, PackedHashes) and isinstance(hashes, tuple)
+        assert hashes == sent.block_hashes and hash(hashes) == hash(sent.block_hashes)
+        assert hashes.array.dtype == np.dtype("<u8") and not hashes.array.flags.writeable
+        assert hashes.array.tolist() == list(sent.block_hashes)
+
+
+def test_default_partition_is_shared_and_others_decoded():
+    ev = BlockStored((1,), None, (1, 2, 3, 4))
+    salted = BlockStored((2,), None, (1, 2, 3, 4), Partition("tenant", ""))
+    decoded = decode_stream_message(
+        encode_stream_message(EventBatch("w", 1, 1, BLOCK, (ev, salted)))
+    )
+    assert decoded.events[0].partition is DEFAULT_PARTITION
+    assert decoded.events[1].partition == Partition("tenant", "")

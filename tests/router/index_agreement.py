@@ -17,7 +17,8 @@ from typing import Any
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvroute_proto.events import AllCleared, BlockRemoved, BlockStored
+from kvroute_proto.codec import decode_stream_message, encode_stream_message
+from kvroute_proto.events import AllCleared, BlockRemoved, BlockStored, EventBatch, KvEvent
 from kvroute_proto.hashing import block_hash_list
 from router.index import IndexConfig, PrefixIndex
 
@@ -29,6 +30,17 @@ TOKENS = st.lists(st.integers(0, 1), min_size=B, max_size=7 * B)
 
 def hashes_of(tokens: list[int]) -> list[int]:
     return block_hash_list(tokens, B, 0)
+
+
+def maybe_wire(event: KvEvent, data: st.DataObject) -> KvEvent:
+    """The event itself, or (as drawn) as the router receives it: encoded into an
+    EventBatch's wire bytes and decoded (hashes as kvroute_proto.codec.PackedHashes, whose
+    array an index may take as it is)."""
+    if not data.draw(st.booleans()):
+        return event
+    batch = decode_stream_message(encode_stream_message(EventBatch("w", 1, 1, B, (event,))))
+    assert isinstance(batch, EventBatch)
+    return batch.events[0]
 
 
 class IndexAgreement(RuleBasedStateMachine):
@@ -71,7 +83,7 @@ class IndexAgreement(RuleBasedStateMachine):
         parent = chain[start - 1] if start else data.draw(st.sampled_from([None, None, 0, 7]))
         event = BlockStored(tuple(part), parent, (0,) * (B * len(part)))
         ref.apply(w, event)
-        other.apply(w, event)
+        other.apply(w, maybe_wire(event, data))
 
     @rule(w=WORKERS, data=st.data())
     def store_raw(self, w: int, data: st.DataObject) -> None:
@@ -81,7 +93,7 @@ class IndexAgreement(RuleBasedStateMachine):
         self.chains.append(part)
         event = BlockStored(tuple(part), None, (0,) * (B * len(part)))
         ref.apply(w, event)
-        other.apply(w, event)
+        other.apply(w, maybe_wire(event, data))
 
     @rule(w=WORKERS, data=st.data())
     def remove(self, w: int, data: st.DataObject) -> None:
@@ -89,7 +101,7 @@ class IndexAgreement(RuleBasedStateMachine):
         universe = sorted({h for c in self.chains for h in c} | {12345})
         victims = tuple(data.draw(st.lists(st.sampled_from(universe), min_size=1, max_size=6)))
         ref.apply(w, BlockRemoved(victims))
-        other.apply(w, BlockRemoved(victims))
+        other.apply(w, maybe_wire(BlockRemoved(victims), data))
 
     @rule(w=WORKERS)
     def clear(self, w: int) -> None:

@@ -15,9 +15,10 @@ import numpy as np
 from hypothesis import HealthCheck, settings
 from index_agreement import IndexAgreement
 
-from kvroute_proto.events import BlockStored
+from kvroute_proto.codec import PackedHashes, decode_stream_message, encode_stream_message
+from kvroute_proto.events import BlockRemoved, BlockStored, EventBatch
 from router.index import IndexConfig, PrefixIndex
-from router.index_nb import NumbaPrefixIndex, warm_up
+from router.index_nb import NumbaPrefixIndex, _as_keys, warm_up
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -250,3 +251,21 @@ def test_traced_memory_returns_after_removals_and_remove_worker() -> None:
             assert tracemalloc.get_traced_memory()[0] - baseline < 20_000, f"round {rnd}"
     finally:
         tracemalloc.stop()
+
+
+def test_decoded_events_hashes_go_to_the_kernels_unconverted() -> None:
+    """Events decoded from wire bytes carry their hashes' uint64 words (PackedHashes):
+    the index hands that array to its kernels as it is, with the same answers."""
+    chain = tuple(range(1, 9))
+    batch = EventBatch("w", 1, 1, 1, (BlockStored(chain, None, chain), BlockRemoved(chain[4:])))
+    decoded = decode_stream_message(encode_stream_message(batch))
+    assert isinstance(decoded, EventBatch)
+    stored = decoded.events[0]
+    assert isinstance(stored, BlockStored) and isinstance(stored.block_hashes, PackedHashes)
+    assert _as_keys(stored.block_hashes) is stored.block_hashes.array
+    ref, nb = _pair()
+    for ev in decoded.events:
+        ref.apply(3, ev)
+        nb.apply(3, ev)
+    assert nb.find_matches(list(chain)) == ref.find_matches(list(chain)) == {3: 4}
+    _assert_same(ref, nb, [3])
