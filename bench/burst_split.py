@@ -15,6 +15,7 @@ from collections import Counter, defaultdict
 
 import numpy as np
 
+from bench.replay.cli import MULTI_ROUTER_LOAD_INTERVAL_S
 from bench.replay.sim import FleetSim, SimConfig
 from bench.replay.trace import TokenExpander, read_trace
 
@@ -26,10 +27,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=4, help="default %(default)s")
     p.add_argument("--burst-size", type=int, default=64, help="default %(default)s")
     p.add_argument("--show", type=int, default=6, help="bursts to print (default %(default)s)")
+    p.add_argument(
+        "--routers", type=int, default=1, help="router replicas (SimConfig.num_routers), default 1"
+    )
     p.add_argument("policy", nargs="+", help="routing policies")
     args = p.parse_args(argv)
     records = read_trace(args.trace, args.trace_block_size)
-    config = SimConfig(num_workers=args.workers)
+    interval = 1.0 if args.routers == 1 else MULTI_ROUTER_LOAD_INTERVAL_S  # as kvroute replay
+    config = SimConfig(num_workers=args.workers, num_routers=args.routers, load_interval_s=interval)
     for policy in args.policy:
         expander = TokenExpander(args.trace_block_size, config.vocab_size, config.seed)
         sim = FleetSim(records, policy, config, expander)
