@@ -62,3 +62,35 @@ def test_main_prints_tables_and_reports_bad_input(tmp_path, capsys):
     assert "**1.50 s**" in capsys.readouterr().out
     assert markdown.main([str(tmp_path / "missing.json")]) == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_routers_table_compares_each_policy_with_its_own_one_router_run(tmp_path, capsys):
+    one = _report(
+        [_policy("cache_aware", 0.7, 0.30), _policy("sglang", 0.69, 0.40)],
+        pooled_reference_hit_rate=0.8,
+    )
+    four = _report([_policy("cache_aware", 0.68, 0.33), _policy("sglang", 0.6, 0.30)])
+    four["setup"]["routers"] = 4
+    text = markdown.routers_table([four, one])
+    lines = text.splitlines()
+    assert lines[0] == "**8 workers** — pooled reference 80.0%"
+    rows = [line for line in lines if line.startswith("| cache_aware") or "| sglang" in line]
+    assert rows == [
+        "| cache_aware | 1 | 70.0% | 87.5% | 50 ms | 300 ms | +0% | 1.04 | 1.20 | 0 |",
+        "| cache_aware | 4 | 68.0% | 85.0% | 50 ms | 330 ms | +10% | 1.04 | 1.20 | 0 |",
+        "| sglang | 1 | 69.0% | 86.2% | 50 ms | 400 ms | +0% | 1.04 | 1.20 | 0 |",
+        "| sglang | 4 | 60.0% | 75.0% | 50 ms | 300 ms | -25% | 1.04 | 1.20 | 0 |",
+    ]
+    with pytest.raises(ValueError, match="no report with one router"):
+        markdown.routers_table([four])
+    with pytest.raises(ValueError, match="two reports with 4 router"):
+        markdown.routers_table([one, four, four])
+    paths = []
+    for i, report in enumerate((one, four)):
+        path = tmp_path / f"r{i}.json"
+        path.write_text(json.dumps(report))
+        paths.append(str(path))
+    assert markdown.main(["--by-routers", *paths]) == 0
+    assert "| sglang | 4 |" in capsys.readouterr().out
+    assert markdown.main(["--by-routers", paths[1]]) == 2
+    assert "no report with one router" in capsys.readouterr().err
