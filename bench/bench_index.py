@@ -13,6 +13,11 @@ event per sequence, handed to the index as encoded wire bytes (decoding is timed
 * ``find_partial_q_s``: probes sharing the prefix plus 64 tokens, then diverging, queries/s.
 * ``remove_blocks_s``: removing every sequence's suffix blocks (one removed event per
   sequence, as wire bytes, decoding timed), blocks/s.
+* ``ingest_service_blocks_s`` / ``remove_service_blocks_s``: the same with the decoding the
+  router service does today: gRPC's deserializer parses each message
+  (``KvStreamMessage.FromString``), then ``codec.stream_message_from_pb`` decodes it.
+  With ``--backend numba`` the decoding is the router's compiled scan
+  (``codec.enable_compiled_decode``, which RouterCore turns on with that index).
 * ``hash_seq_s``: ``block_hashes`` of a 2,000-token sequence, sequences/s (with the numba
   backend the compiled chain, ``kvroute_proto.hashing.enable_compiled``, as the router uses
   with that index; with ``dict`` the numpy form).
@@ -94,8 +99,14 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from bench.bpe import english_like_text, train_bpe
-from kvroute_proto.codec import decode_stream_message, encode_stream_message
-from kvroute_proto.events import DEFAULT_PARTITION, BlockRemoved, BlockStored, EventBatch
+from kvroute_proto import kvroute_pb2 as pb
+from kvroute_proto.codec import (
+    decode_stream_message,
+    enable_compiled_decode,
+    encode_stream_message,
+    stream_message_from_pb,
+)
+from kvroute_proto.events import DEFAULT_PARTITION, BlockRemoved, BlockStored, EventBatch, Snapshot
 from kvroute_proto.hashing import block_hashes, enable_compiled
 from kvroute_proto.tokenizer import HFTokenizer
 from router.core import RouterConfig, RouterCore, RouteRequest
@@ -202,24 +213,34 @@ def bench_comparable(cfg: ComparableConfig, backend: str = "dict") -> dict[str, 
     results: dict[str, float] = {}
     make = BACKENDS[backend]
     index = make()
+    if backend == "numba":  # as the router does with that index (RouterCore)
+        enable_compiled_decode()
 
-    def ingest() -> float:
+    def wire(data: bytes) -> EventBatch | Snapshot:
+        return decode_stream_message(data)
+
+    def service(data: bytes) -> EventBatch | Snapshot:
+        """What the router service does with a stream message: gRPC's deserializer parses
+        it (KvStreamMessage.FromString), then router.service.worker_conn decodes it."""
+        return stream_message_from_pb(pb.KvStreamMessage.FromString(data))
+
+    def ingest(decode: Callable[[bytes], EventBatch | Snapshot] = wire) -> float:
         nonlocal index
         index = make()
         gc.collect()
         t0 = time.perf_counter()
         for w, data in stored_msgs:
-            msg = decode_stream_message(data)
+            msg = decode(data)
             for ev in msg.events:
                 index.apply(w, ev)
         return time.perf_counter() - t0
 
-    def remove() -> float:
-        ingest()
+    def remove(decode: Callable[[bytes], EventBatch | Snapshot] = wire) -> float:
+        ingest(decode)
         gc.collect()
         t0 = time.perf_counter()
         for w, data in removed_msgs:
-            msg = decode_stream_message(data)
+            msg = decode(data)
             for ev in msg.events:
                 index.apply(w, ev)
         elapsed = time.perf_counter() - t0
@@ -250,6 +271,8 @@ def bench_comparable(cfg: ComparableConfig, backend: str = "dict") -> dict[str, 
         results["find_full_array_q_s"] = len(hashes) / _best(find(full_arrays), cfg.repeats)
         results["find_partial_array_q_s"] = len(probes) / _best(find(probe_arrays), cfg.repeats)
     results["remove_blocks_s"] = num_removed / _best(remove, cfg.repeats)
+    results["ingest_service_blocks_s"] = num_stored / _best(lambda: ingest(service), cfg.repeats)
+    results["remove_service_blocks_s"] = num_removed / _best(lambda: remove(service), cfg.repeats)
 
     seq = seqs[0]
     n = 2000 if cfg.num_seqs >= 100 else 200

@@ -9,6 +9,9 @@ numpy decodes them in one call, which keeps event ingestion cheap at the router.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, overload
+
 import numpy as np
 
 from kvroute_proto import kvroute_pb2 as pb
@@ -114,14 +117,61 @@ def encode_stream_message(item: EventBatch | Snapshot) -> bytes:
 # ---- decoding --------------------------------------------------------------------------
 
 
-class PackedHashes(tuple[int, ...]):
-    """Block hashes decoded from the wire: a tuple of ints, as the event types hold them,
-    that also keeps the wire's little-endian uint64 words as a read-only array
-    (:attr:`array`, a view of the received bytes), so an index that works on arrays
-    (router.index_nb) takes them without converting the ints back. Equal to (and hashes
-    as) the plain tuple of the same ints."""
+class PackedHashes(Sequence[int]):
+    """Block hashes decoded from the wire: the wire's little-endian uint64 words as a
+    read-only array (:attr:`array`), read as a sequence of ints. An index that works on
+    arrays (router.index_nb) takes the array as it is; the ints are made only when someone
+    reads them (once, then kept). Equal to -- and hashes as -- the tuple of the same ints,
+    so events holding it compare equal to events built with tuples."""
 
-    array: np.ndarray
+    __slots__ = ("_ints", "array")
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array
+        self._ints: tuple[int, ...] | None = None
+
+    def ints(self) -> tuple[int, ...]:
+        """The hashes as a tuple of Python ints."""
+        if self._ints is None:
+            self._ints = tuple(self.array.tolist())
+        return self._ints
+
+    def __len__(self) -> int:
+        return len(self.array)
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+    @overload
+    def __getitem__(self, i: slice) -> tuple[int, ...]: ...
+    def __getitem__(self, i: int | slice) -> int | tuple[int, ...]:
+        return self.ints()[i]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.ints())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, PackedHashes):
+            return np.array_equal(self.array, other.array)
+        if isinstance(other, tuple):
+            return self.ints() == other
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.ints())
+
+    def __repr__(self) -> str:
+        return f"PackedHashes({self.ints()!r})"
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        array = self.array if dtype is None else self.array.astype(dtype, copy=False)
+        return array.copy() if copy else array
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_unpickle_hashes, (self.array.tobytes(),))
+
+
+def _unpickle_hashes(data: bytes) -> PackedHashes:
+    return PackedHashes(np.frombuffer(data, dtype=_HASH_DT))
 
 
 def _decode_hashes(data: bytes, where: str, i: int) -> PackedHashes:
@@ -131,10 +181,7 @@ def _decode_hashes(data: bytes, where: str, i: int) -> PackedHashes:
             f"{where.format(i)}.block_hashes must be a non-empty multiple of 8 bytes, "
             f"got {len(data)}"
         )
-    array = np.frombuffer(data, dtype=_HASH_DT)
-    hashes = PackedHashes(array.tolist())
-    hashes.array = array
-    return hashes
+    return PackedHashes(np.frombuffer(data, dtype=_HASH_DT))
 
 
 def partition_from_pb(msg: pb.Partition) -> Partition:
@@ -212,6 +259,20 @@ def snapshot_from_pb(msg: pb.Snapshot) -> Snapshot:
 
 
 def stream_message_from_pb(msg: pb.KvStreamMessage) -> EventBatch | Snapshot:
+    """Decode and validate a parsed stream message (what the router's gRPC stream yields).
+    With the compiled decode enabled, a batch is decoded from its bytes again (serialising
+    costs less than reading each field through the protobuf runtime)."""
+    kind = msg.WhichOneof("kind")
+    if kind == "batch":
+        scan = _SCAN
+        if scan is not None:
+            batch = _scanned_batch(msg.SerializeToString(), scan)
+            if batch is not None:
+                return batch
+    return _from_pb(msg)
+
+
+def _from_pb(msg: pb.KvStreamMessage) -> EventBatch | Snapshot:
     kind = msg.WhichOneof("kind")
     if kind == "batch":
         return batch_from_pb(msg.batch)
@@ -220,11 +281,158 @@ def stream_message_from_pb(msg: pb.KvStreamMessage) -> EventBatch | Snapshot:
     raise ContractError("KvStreamMessage has neither batch nor snapshot set")
 
 
+_SCAN: Callable[[bytes], np.ndarray] | None = None  # enable_compiled_decode()
+
+
+def enable_compiled_decode() -> bool:
+    """Decode event batches with the compiled scan (``kvroute_proto.wire_nb``, numba) from
+    now on in this process: the same events, or the same error, with fewer Python objects
+    built on the way. The router calls it (its index compiles numba kernels anyway);
+    False, and nothing changes, where numba cannot be imported."""
+    global _SCAN
+    if _SCAN is None:
+        try:
+            from kvroute_proto import wire_nb
+        except ImportError:
+            return False
+        wire_nb.warm_up()
+        _SCAN = wire_nb.scan_batch
+    return True
+
+
+# Constructors of the frozen event classes that set their slots directly: a frozen
+# dataclass's __init__ sets each field through object.__setattr__, half of what building a
+# decoded batch costs otherwise. Only for values __init__ would store as they are (token ids
+# as bytes: BlockStored.__post_init__ has nothing to pack); tests/proto/test_codec.py
+# checks they build equal objects and that the classes' fields are still these.
+_new = object.__new__
+_eb_set = tuple(
+    getattr(EventBatch, f).__set__
+    for f in ("worker_id", "epoch", "seq", "block_size", "events", "load")
+)
+_bs_set = tuple(
+    getattr(BlockStored, f).__set__
+    for f in ("block_hashes", "parent_hash", "token_ids", "partition")
+)
+_br_set = vars(BlockRemoved)["block_hashes"].__set__
+
+
+def _event_batch(
+    worker_id: str,
+    epoch: int,
+    seq: int,
+    block_size: int,
+    events: tuple[KvEvent, ...],
+    load: LoadReport | None,
+) -> EventBatch:
+    obj = _new(EventBatch)
+    w, e, s, b, v, lo = _eb_set
+    w(obj, worker_id)
+    e(obj, epoch)
+    s(obj, seq)
+    b(obj, block_size)
+    v(obj, events)
+    lo(obj, load)
+    return obj
+
+
+def _block_stored(
+    hashes: PackedHashes, parent: int | None, token_ids: bytes, partition: Partition
+) -> BlockStored:
+    obj = _new(BlockStored)
+    h, p, t, q = _bs_set
+    h(obj, hashes)
+    p(obj, parent)
+    t(obj, token_ids)
+    q(obj, partition)
+    return obj
+
+
+_ph_array = vars(PackedHashes)["array"].__set__
+_ph_ints = vars(PackedHashes)["_ints"].__set__
+
+
+def _packed(array: np.ndarray) -> PackedHashes:
+    """PackedHashes(array), its two slots set directly."""
+    obj = _new(PackedHashes)
+    _ph_array(obj, array)
+    _ph_ints(obj, None)
+    return obj
+
+
+def _block_removed(hashes: PackedHashes) -> BlockRemoved:
+    obj = _new(BlockRemoved)
+    _br_set(obj, hashes)
+    return obj
+
+
+def _string(data: bytes, start: int, length: int) -> str | None:
+    try:
+        return data[start : start + length].decode()
+    except UnicodeDecodeError:
+        return None
+
+
+def _scanned_batch(data: bytes, scan: Callable[[bytes], np.ndarray]) -> EventBatch | None:
+    """The EventBatch in ``data`` from the compiled scan (kvroute_proto.wire_nb: a layout,
+    then every event's hashes decoded into one uint64 array); None when the scan or a check
+    here declines it: the caller then decodes with protobuf, which raises the contract's
+    error naming the field (or accepts what the scan does not take)."""
+    out = scan(data)
+    if not len(out):
+        return None
+    n = int(out[12])  # wire_nb.NUM_EVENTS
+    o = out[: 16 + 12 * n].tolist()
+    worker_id = _string(data, o[0], o[1])
+    epoch, seq, block_size = o[2], o[3], o[4]
+    if not worker_id or not epoch or not seq or not block_size:
+        return None
+    decoded: list[KvEvent] = []
+    for base in range(16, 16 + 12 * n, 12):
+        kind = o[base]
+        if kind == 3:
+            decoded.append(_CLEARED)
+            continue
+        start, size = o[base + 1], o[base + 2]
+        hashes = _packed(out[start : start + size])
+        if kind == 2:
+            decoded.append(_block_removed(hashes))
+            continue
+        start, length = o[base + 5], o[base + 6]
+        if length != size * block_size * 4:
+            return None
+        if o[base + 8] or o[base + 10]:
+            salt = _string(data, o[base + 7], o[base + 8])
+            extra = _string(data, o[base + 9], o[base + 10])
+            if salt is None or extra is None:
+                return None
+            partition = Partition(salt, extra)
+        else:
+            partition = DEFAULT_PARTITION
+        parent = o[base + 4] if o[base + 3] else None
+        decoded.append(_block_stored(hashes, parent, data[start : start + length], partition))
+    load = LoadReport(*o[6:12]) if o[5] else None
+    return _event_batch(worker_id, epoch, seq, block_size, tuple(decoded), load)
+
+
 def decode_stream_message(data: bytes) -> EventBatch | Snapshot:
-    """Parse and validate wire bytes of a stream message."""
+    """Parse and validate wire bytes of a stream message (a batch with the compiled scan
+    when enabled, :func:`enable_compiled_decode`: the same answer or the same error as
+    :func:`decode_with_protobuf`)."""
+    scan = _SCAN
+    if scan is not None and type(data) is bytes:
+        batch = _scanned_batch(data, scan)
+        if batch is not None:
+            return batch
+    return decode_with_protobuf(data)
+
+
+def decode_with_protobuf(data: bytes) -> EventBatch | Snapshot:
+    """Parse and validate wire bytes of a stream message with the protobuf runtime (the
+    reference decode; the compiled scan hands it whatever it declines)."""
     msg = pb.KvStreamMessage()
     try:
         msg.ParseFromString(data)
     except Exception as exc:  # protobuf raises DecodeError, a private subclass
         raise ContractError(f"KvStreamMessage does not parse: {exc}") from None
-    return stream_message_from_pb(msg)
+    return _from_pb(msg)

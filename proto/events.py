@@ -57,7 +57,7 @@ class BlockStored:
     :attr:`token_array` views it as a numpy array.
     """
 
-    block_hashes: tuple[BlockHash, ...]
+    block_hashes: Sequence[BlockHash]  # a tuple, or decoded: kvroute_proto.codec.PackedHashes
     parent_hash: BlockHash | None
     token_ids: bytes
     partition: Partition = DEFAULT_PARTITION
@@ -80,7 +80,7 @@ class BlockStored:
 class BlockRemoved:
     """These blocks are no longer held."""
 
-    block_hashes: tuple[BlockHash, ...]
+    block_hashes: Sequence[BlockHash]  # a tuple, or decoded: kvroute_proto.codec.PackedHashes
 
 
 @dataclass(frozen=True, slots=True)

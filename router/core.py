@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvroute_proto.codec import enable_compiled_decode
 from kvroute_proto.events import EventBatch, Partition, Snapshot
 from kvroute_proto.hashing import as_token_array, block_hashes, enable_compiled
 from router.core_types import (  # the API's value types live there; re-exported here
@@ -145,8 +146,9 @@ class RouterCore:
         )
         # a query's hashes as the index takes them fastest: a uint64 array, or a list of ints
         self._hash_arrays = bool(getattr(self._index, "takes_arrays", False))
-        if self._hash_arrays:  # numba is at hand: hash prompts with its compiled chain too
-            enable_compiled()
+        if self._hash_arrays:  # numba is at hand: hash prompts with its compiled chain too,
+            enable_compiled()  # and decode event batches with its compiled scan
+            enable_compiled_decode()
         self._sync_config = SyncConfig(max_pending_batches=config.max_pending_batches)
         self._block_size = config.block_size
         self._workers: dict[str, _Worker] = {}

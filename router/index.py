@@ -62,6 +62,7 @@ from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
+from kvroute_proto.codec import PackedHashes
 from kvroute_proto.events import AllCleared, BlockRemoved, BlockStored, KvEvent
 from kvroute_proto.hashing import block_hashes, unfmix64
 from router.predicted import PredictedEntries, bits_of
@@ -392,6 +393,8 @@ class PrefixIndex(AppliesEvents):
     def store(self, slot: int, event: BlockStored) -> None:
         """Index a stored chain for ``slot``."""
         hashes = event.block_hashes
+        if type(hashes) is PackedHashes:  # decoded: its ints, for the dicts' C-level calls
+            hashes = hashes.ints()
         if not hashes:
             return
         masks = self._masks
@@ -435,6 +438,8 @@ class PrefixIndex(AppliesEvents):
 
     def remove(self, slot: int, hashes: Sequence[int]) -> None:
         """Withdraw blocks from ``slot``; blocks nobody holds any more are deleted."""
+        if type(hashes) is PackedHashes:
+            hashes = cast(PackedHashes, hashes).ints()
         masks = self._masks
         bit = self._bit(slot)
         n = len(hashes)
