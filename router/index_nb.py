@@ -49,6 +49,7 @@ from typing import Any, cast, overload
 import numba
 import numpy as np
 
+from kvroute_proto import wire_nb
 from kvroute_proto.codec import PackedHashes, decode_stream_message, encode_stream_message
 from kvroute_proto.events import BlockRemoved, BlockStored, EventBatch
 from router.index import _COMPACT_MIN, ERROR_KINDS, AppliesEvents, IndexConfig
@@ -867,7 +868,8 @@ _warm = False
 
 def warm_up() -> bool:
     """Compile (or load from numba's disk cache) every kernel with the argument types the
-    index passes, once per process; True when this call did it."""
+    index passes, and the router's compiled event decoding (kvroute_proto.wire_nb), once
+    per process; True when this call did it."""
     global _warm
     if _warm:
         return False
@@ -900,6 +902,7 @@ def warm_up() -> bool:
     index.check_invariants()
     # the rebuilds a growing table runs
     _rehash(index._tab, np.zeros_like(index._tab))
+    wire_nb.warm_up()  # the router's compiled event decoding (codec.enable_compiled_decode)
     _rehash_pred(index._ptab, index._until, np.zeros_like(index._ptab), np.zeros_like(index._until))
     _warm = True
     return True
