@@ -22,6 +22,13 @@ same machine. ``steps`` / ``parity`` / ``decode_full_batch_tokens_s`` are the fi
 backend's (what ``SimCostModel.from_bench_gpu`` fits); ``*_by_attention`` hold every
 backend's, side by side in the printed table.
 
+``--cuda-graphs`` adds, after each paged option, its decode steps with CUDA graphs
+(``TorchExecutor(cuda_graphs=True)``: a decode step is one graph replay per batch/context
+bucket) as the column ``<option>+graphs``; only the decode steps and the parity run are
+measured for it (its prefill is the option's own). Off CUDA (``--smoke`` on the CPU) that
+column runs the same padded static-shape decode path eagerly (``static_decode``): it checks
+the script, not the speed. ``decode_path`` in the JSON says which ran.
+
 ``--smoke`` runs the same code on the project's tiny model with small sizes on the CPU (or
 ``--device``): seconds, for tests and for a machine without a GPU. The numbers it prints are
 of no interest; that every figure is produced is.
@@ -34,6 +41,7 @@ Usage::
     python -m bench.bench_gpu --json OUT            # CUDA, Llama-3-8B shape
     python -m bench.bench_gpu --smoke --json OUT    # anywhere, tiny model
     python -m bench.bench_gpu --attention gather,paged-triton --json OUT
+    python -m bench.bench_gpu --cuda-graphs --json OUT   # + the paged decode as CUDA graphs
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ import numpy as np
 import torch
 
 from worker.engine.engine import Engine, EngineConfig
+from worker.engine.kv_pool import KVPool, KVPoolConfig
 from worker.engine.model import LlamaConfig, LlamaForCausalLM, build_tiny_model
 from worker.engine.paged_attention import ATTENTION_CHOICES
 from worker.engine.torch_executor import TorchExecutor
@@ -295,6 +304,11 @@ def _measure(
 
 
 GREEDY = SamplingParams(max_new_tokens=1)
+GRAPHS_SUFFIX = "+graphs"  # the label of a paged option's CUDA-graph decode column
+
+
+def is_graph_variant(label: str) -> bool:
+    return label.endswith(GRAPHS_SUFFIX)
 
 
 def _item(rid: str, tokens: np.ndarray, start: int, slots: np.ndarray) -> ForwardItem:
@@ -311,7 +325,9 @@ def run_steps(
 ) -> list[Measurement]:
     """Cold prefill, cached prefill and decode steps on the executors' shared pool, each
     step timed for every executor in turn (``targets``: attach issue 14's targets, which
-    are for the full-size model only). Measurements step by step, executors in order."""
+    are for the full-size model only). Measurements step by step, executors in order.
+    A ``+graphs`` executor differs from its option only in decode steps, so it is timed in
+    those only."""
     first = next(iter(executors.values()))
     rng = np.random.default_rng(seed)
     vocab = first.vocab_size
@@ -326,7 +342,10 @@ def run_steps(
         contexts: list[int],
         rate_tokens: int,
     ) -> None:
-        by_name = time_alternating(executors, prefill, decode, sizes.repeats)
+        timed = executors
+        if prefill:
+            timed = {k: ex for k, ex in executors.items() if not is_graph_variant(k)}
+        by_name = time_alternating(timed, prefill, decode, sizes.repeats)
         for attention, times in by_name.items():
             m = _measure(
                 name, attention, times, shape, specs, new_tokens, contexts, rate_tokens, targets
@@ -424,7 +443,10 @@ def run(
     hbm_gbps: float | None = None,
     peak_tflops: float | None = None,
     attention: tuple[str, ...] = ("gather", "paged"),
+    cuda_graphs: bool = False,
 ) -> dict:
+    """Every figure as a dict (what ``--json`` writes). ``cuda_graphs``: also each paged
+    option's decode with CUDA graphs (the static decode path run eagerly off CUDA)."""
     sizes = SMOKE_SIZES if smoke else Sizes()
     start = time.perf_counter()
     if smoke:
@@ -439,10 +461,37 @@ def run(
         max(sizes.cold),
         2 * (sizes.parity_prefix + 8 + sizes.parity_new_tokens),
     )
-    first = TorchExecutor.create(model, num_slots, seed=seed, attention=attention[0])
-    executors = {attention[0]: first}
-    for name in attention[1:]:  # the same model and KV pool
-        executors[name] = TorchExecutor(model, first.kv_pool, device, seed=seed, attention=name)
+    cfg = model.config
+    pool = KVPool(
+        KVPoolConfig(
+            num_slots=num_slots,
+            num_layers=cfg.num_hidden_layers,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+            dtype=next(model.parameters()).dtype,
+            device=str(device),
+            scratch_slot=cuda_graphs,  # the graph path's padding rows write there
+        )
+    )
+    executors: dict[str, TorchExecutor] = {}
+    decode_path: dict[str, str] = {}
+    for name in attention:  # the same model and KV pool
+        executors[name] = TorchExecutor(model, pool, device, seed=seed, attention=name)
+        decode_path[name] = "regular"
+        if cuda_graphs and name != "gather":
+            label = name + GRAPHS_SUFFIX
+            on_cuda = device.type == "cuda"
+            executors[label] = TorchExecutor(
+                model,
+                pool,
+                device,
+                seed=seed,
+                attention=name,
+                cuda_graphs=on_cuda,
+                static_decode=not on_cuda,
+            )
+            decode_path[label] = "cuda-graphs" if on_cuda else "static-eager"
+    labels = tuple(executors)
     shape = Shape.of(model)
     specs = device_specs(device, hbm_gbps, peak_tflops)
     steps = run_steps(executors, shape, specs, sizes, seed, targets=not smoke)
@@ -450,7 +499,12 @@ def run(
     full_name = f"decode_b{max(sizes.decode_batches)}"
     full = {m.attention: m.tokens_per_s for m in steps if m.name == full_name}
     cold = [p["cold_tokens"] for p in parity.values()]
-    by_attention = {name: [asdict(m) for m in steps if m.attention == name] for name in attention}
+    by_attention = {name: [asdict(m) for m in steps if m.attention == name] for name in labels}
+    graphs = {
+        label: sorted(ex.decode_graphs.buckets)
+        for label, ex in executors.items()
+        if ex.decode_graphs is not None
+    }
     return {
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "mode": "smoke" if smoke else "llama3-8b-shape",
@@ -462,8 +516,10 @@ def run(
         "num_kv_slots": num_slots,
         "specs": asdict(specs),
         "build_s": round(build_s, 3),
-        "attention": list(attention),
+        "attention": list(labels),
         "attention_impl": {name: ex.attention_impl for name, ex in executors.items()},
+        "decode_path": decode_path,
+        "graph_buckets": {k: [list(key) for key in v] for k, v in graphs.items()},
         "steps": by_attention[attention[0]],
         "steps_by_attention": by_attention,
         "decode_context": sizes.decode_context,
@@ -482,7 +538,12 @@ def print_report(result: dict, stream: TextIO | None = None) -> None:
     attention backend's median and its multiple of the roofline, side by side."""
     stream = stream or sys.stdout
     names = result["attention"]
-    impls = ", ".join(f"{n} = {result['attention_impl'][n]}" for n in names)
+    paths = result.get("decode_path", {})
+    impls = ", ".join(
+        f"{n} = {result['attention_impl'][n]}"
+        + (f" ({paths[n]} decode)" if paths.get(n, "regular") != "regular" else "")
+        for n in names
+    )
     print(
         f"{result['mode']} on {result['device']} (torch {result['torch']}, {result['dtype']}), "
         f"roofline specs: {result['specs']['source']}; attention: {impls}",
@@ -490,13 +551,19 @@ def print_report(result: dict, stream: TextIO | None = None) -> None:
     )
     cols = "".join(f" {n[:12] + ' ms':>15} {'x roof':>7}" for n in names)
     print(f"{'step':<32} {'roofline ms':>12}{cols} {'target ms':>10}", file=stream)
-    by_attention = result["steps_by_attention"]
-    for i, m in enumerate(by_attention[names[0]]):
+    by_attention = {
+        name: {m["name"]: m for m in steps} for name, steps in result["steps_by_attention"].items()
+    }
+    for m in result["steps_by_attention"][names[0]]:
         roof = m["roofline_s"]
         roof_ms = f"{roof * 1e3:12.2f}" if roof else "           -"
         row = f"{m['name']:<32} {roof_ms}"
         for name in names:
-            median = by_attention[name][i]["median_s"]
+            other = by_attention[name].get(m["name"])
+            if other is None:  # a +graphs column times decode steps only
+                row += f" {'-':>15} {'-':>7}"
+                continue
+            median = other["median_s"]
             ratio = f"{median / roof:7.1f}" if roof else "      -"
             row += f" {median * 1e3:15.2f} {ratio}"
         target = f"{m['target_s'] * 1e3:10.1f}" if m["target_s"] else "         -"
@@ -552,6 +619,12 @@ def main(argv: list[str] | None = None) -> int:
         f"gather,paged; choices {', '.join(ATTENTION_CHOICES)}); the first is what the "
         "steps/parity fields and a cost profile fitted from --json describe",
     )
+    p.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="also time each paged option's decode steps with CUDA graphs (column "
+        "'<option>+graphs'; off CUDA the same static-shape path runs eagerly)",
+    )
     args = p.parse_args(argv)
     attention = tuple(a.strip() for a in args.attention.split(",") if a.strip())
     bad = [a for a in attention if a not in ATTENTION_CHOICES]
@@ -560,6 +633,8 @@ def main(argv: list[str] | None = None) -> int:
             f"--attention: give distinct options of {', '.join(ATTENTION_CHOICES)}, "
             f"got {args.attention!r}"
         )
+    if args.cuda_graphs and all(a == "gather" for a in attention):
+        p.error("--cuda-graphs: needs a paged --attention option (the graphs use paged decode)")
     device = torch.device(args.device or ("cpu" if args.smoke else "cuda"))
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error("CUDA is not available: run on a GPU machine, or use --smoke for the CPU check")
@@ -574,6 +649,7 @@ def main(argv: list[str] | None = None) -> int:
         hbm_gbps=args.hbm_gbps,
         peak_tflops=args.peak_tflops,
         attention=attention,
+        cuda_graphs=args.cuda_graphs,
     )
     print_report(result)
     if args.json:

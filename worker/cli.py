@@ -121,6 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
         "tables on CUDA, their torch reference elsewhere), paged-torch, paged-triton",
     )
     model.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="torch on CUDA: run decode-only steps as CUDA graph replays, one graph per "
+        "batch-size and context bucket, captured on first use (needs paged attention; "
+        "--attention defaults to paged with it); an error on a non-CUDA device",
+    )
+    model.add_argument(
         "--kv-memory-fraction",
         type=float,
         default=None,
@@ -252,6 +259,8 @@ def config_from_args(args: argparse.Namespace) -> WorkerServerConfig:
         raise ValueError(f"--torch-threads must be >= 0, got {args.torch_threads}")
     if args.kv_memory_fraction is not None and args.executor != "torch":
         raise ValueError("--kv-memory-fraction applies to --executor torch only")
+    if args.cuda_graphs and args.executor != "torch":
+        raise ValueError("--cuda-graphs applies to --executor torch only")
     if args.default_max_new_tokens < 1:
         raise ValueError(
             f"--default-max-new-tokens must be >= 1, got {args.default_max_new_tokens}"
@@ -320,6 +329,7 @@ def build_server(args: argparse.Namespace) -> WorkerServer:
         kv_memory_fraction=args.kv_memory_fraction,
         sim_max_context_tokens=args.sim_max_context_tokens,
         attention=args.attention,
+        cuda_graphs=args.cuda_graphs,
     )
     num_slots = getattr(executor, "num_kv_slots", config.engine.num_kv_slots)
     if num_slots != config.engine.num_kv_slots:  # sized from GPU memory

@@ -49,11 +49,17 @@ def build_executor(
     kv_memory_fraction: float | None = None,
     sim_max_context_tokens: int | None = None,
     attention: str | None = None,
+    cuda_graphs: bool = False,
 ) -> tuple[Executor, Tokenizer]:
     """An Executor and the Tokenizer that matches its vocab.
 
     ``attention`` (torch only): how the model attends over the paged KV pool (one of
-    ``paged_attention.ATTENTION_CHOICES``; None: "gather", the default).
+    ``paged_attention.ATTENTION_CHOICES``; None: "gather", the default, or "paged" with
+    ``cuda_graphs``).
+
+    ``cuda_graphs`` (torch on CUDA only): decode-only steps replay CUDA graphs captured per
+    batch-size and context bucket (``TorchExecutor(cuda_graphs=True)``); ValueError on a
+    device that is not CUDA, or with ``attention="gather"``.
 
     ``sim_max_context_tokens`` (sim only): the simulated model's context length (default
     8,192, Llama-3-8B's); trace replays with long prompts raise it.
@@ -72,12 +78,20 @@ def build_executor(
         raise ValueError("sim_max_context_tokens: only the 'sim' executor takes it")
     if attention is not None and kind != "torch":
         raise ValueError("attention: only the 'torch' executor takes it")
+    if cuda_graphs and kind != "torch":
+        raise ValueError("cuda_graphs: only the 'torch' executor takes it")
     if kv_memory_fraction is not None and not 0.0 < kv_memory_fraction <= 1.0:
         raise ValueError(f"kv_memory_fraction must be in (0, 1], got {kv_memory_fraction}")
     match kind:
         case "torch":
             return _build_torch(
-                model_dir, num_kv_slots, device, seed, kv_memory_fraction, attention or "gather"
+                model_dir,
+                num_kv_slots,
+                device,
+                seed,
+                kv_memory_fraction,
+                attention or ("paged" if cuda_graphs else "gather"),
+                cuda_graphs,
             )
         case "sim":
             if model_dir is not None:
@@ -94,12 +108,15 @@ def _build_torch(
     seed: int,
     kv_memory_fraction: float | None,
     attention: str,
+    cuda_graphs: bool = False,
 ) -> tuple[Executor, Tokenizer]:
     from worker.engine.kv_pool import cuda_slots_for_memory_fraction
     from worker.engine.loader import load_model
     from worker.engine.torch_executor import TorchExecutor
 
     dev = device or default_device()
+    if cuda_graphs and not dev.startswith("cuda"):  # before loading a model for nothing
+        raise ValueError(f"cuda_graphs: CUDA graphs need a CUDA device, got {dev!r}")
     tokenizer: Tokenizer
     if model_dir is None:
         model = build_tiny_default(seed, dev)
@@ -121,7 +138,10 @@ def _build_torch(
             raise ValueError(
                 f"kv_memory_fraction: {kv_memory_fraction} of free GPU memory holds no KV slot"
             )
-    return TorchExecutor.create(model, num_kv_slots, seed=seed, attention=attention), tokenizer
+    executor = TorchExecutor.create(
+        model, num_kv_slots, seed=seed, attention=attention, cuda_graphs=cuda_graphs
+    )
+    return executor, tokenizer
 
 
 def _build_sim(max_context_tokens: int | None) -> tuple[Executor, Tokenizer]:

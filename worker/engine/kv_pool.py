@@ -25,6 +25,9 @@ class KVPoolConfig:
     head_dim: int
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
+    # One extra row past the last slot that no allocator hands out: padding rows of a
+    # static-shape decode step (CUDA graphs) write and read it, never a real slot.
+    scratch_slot: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_slots", "num_layers", "num_kv_heads", "head_dim"):
@@ -73,11 +76,13 @@ def cuda_slots_for_memory_fraction(
 
 
 class KVPool:
-    """Per-layer K and V tensors of shape [num_slots, num_kv_heads, head_dim] on one device."""
+    """Per-layer K and V tensors of shape [num_slots, num_kv_heads, head_dim] on one device
+    (one row more, ``scratch_slot``, when the config asks for it)."""
 
     def __init__(self, config: KVPoolConfig) -> None:
         self.config = config
-        shape = (config.num_slots, config.num_kv_heads, config.head_dim)
+        rows = config.num_slots + (1 if config.scratch_slot else 0)
+        shape = (rows, config.num_kv_heads, config.head_dim)
         device = torch.device(config.device)
         # Inference tensors: the executor only ever touches them under torch.inference_mode.
         with torch.inference_mode():
@@ -95,13 +100,19 @@ class KVPool:
         return self.config.num_slots
 
     @property
+    def scratch_slot(self) -> int | None:
+        """The index of the scratch row (``num_slots``), or None when the pool has none."""
+        return self.config.num_slots if self.config.scratch_slot else None
+
+    @property
     def device(self) -> torch.device:
         return self.k[0].device
 
     @property
     def nbytes(self) -> int:
-        """Memory the pool occupies."""
-        return self.config.num_slots * self.config.bytes_per_slot
+        """Memory the pool occupies (the scratch row included)."""
+        rows = self.config.num_slots + (1 if self.config.scratch_slot else 0)
+        return rows * self.config.bytes_per_slot
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V rows ([n, num_kv_heads, head_dim]) at ``slots`` (int64 [n]) of ``layer``."""

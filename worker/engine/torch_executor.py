@@ -6,6 +6,12 @@ layout; ``attention`` picks how a layer attends: "gather", the default, or "page
 ``torch.inference_mode``, samples one token per item that
 asks for one, and records the wall time of the pass for ``step_cost_s``. It reads
 ``time.perf_counter`` on purpose: it measures real compute, it is not a sans-I/O core.
+
+``cuda_graphs=True`` (CUDA, paged attention) runs every decode-only step of at most 128
+requests as the replay of a CUDA graph captured per (batch, context) bucket
+(``decode_graph``); ``static_decode=True`` runs that same padded static-shape path eagerly,
+on any device (what the CPU tests compare with the regular path). Steps with a prefill item,
+and larger decode batches, always run the regular way.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import numpy as np
 import torch
 
 from worker.engine import paged_attention
+from worker.engine.decode_graph import DEFAULT_BATCH_BUCKETS, DecodeGraphRunner
 from worker.engine.kv_pool import KVPool, KVPoolConfig
 from worker.engine.model import DecodeGroup, LlamaForCausalLM, PagedBatch, PrefillSeq
 from worker.engine.sampling import Sampler
@@ -33,6 +40,9 @@ class TorchExecutor:
         *,
         seed: int = 0,
         attention: str = "gather",
+        cuda_graphs: bool = False,
+        static_decode: bool = False,
+        graph_batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS,
     ) -> None:
         cfg = model.config
         pool_cfg = kv_pool.config
@@ -66,9 +76,32 @@ class TorchExecutor:
         self.attention = attention
         # "gather", "torch" or "triton" (raises for an unknown option or Triton off CUDA).
         self.attention_impl = paged_attention.resolve(attention, self.device)
+        if cuda_graphs and self.device.type != "cuda":
+            raise ValueError(
+                f"cuda_graphs: CUDA graphs need a CUDA device, got {self.device.type!r} "
+                "(static_decode=True runs the same padded decode path eagerly)"
+            )
         self._sm_count = 132
         if self.device.type == "cuda":
             self._sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.cuda_graphs = cuda_graphs
+        # The static-shape decode path (captured with cuda_graphs, eager with static_decode).
+        self.decode_graphs: DecodeGraphRunner | None = None
+        if cuda_graphs or static_decode:
+            if self.attention_impl == "gather":
+                raise ValueError(
+                    "cuda_graphs / static_decode run paged attention: give attention='paged', "
+                    "'paged-torch' or 'paged-triton', not 'gather'"
+                )
+            self.decode_graphs = DecodeGraphRunner(
+                model,
+                kv_pool,
+                self.device,
+                self.attention_impl,
+                capture=cuda_graphs,
+                sm_count=self._sm_count,
+                batch_buckets=graph_batch_buckets,
+            )
 
     @classmethod
     def create(
@@ -78,8 +111,11 @@ class TorchExecutor:
         *,
         seed: int = 0,
         attention: str = "gather",
+        cuda_graphs: bool = False,
+        static_decode: bool = False,
     ) -> TorchExecutor:
-        """An executor with a fresh pool of ``num_kv_slots`` on the model's device/dtype."""
+        """An executor with a fresh pool of ``num_kv_slots`` on the model's device/dtype
+        (plus a scratch slot for the static decode path's padding rows when it is on)."""
         param = next(model.parameters())
         cfg = model.config
         pool = KVPool(
@@ -90,9 +126,18 @@ class TorchExecutor:
                 head_dim=cfg.head_dim,
                 dtype=param.dtype,
                 device=str(param.device),
+                scratch_slot=cuda_graphs or static_decode,
             )
         )
-        return cls(model, pool, param.device, seed=seed, attention=attention)
+        return cls(
+            model,
+            pool,
+            param.device,
+            seed=seed,
+            attention=attention,
+            cuda_graphs=cuda_graphs,
+            static_decode=static_decode,
+        )
 
     # -- Executor protocol -------------------------------------------------------------
 
@@ -100,7 +145,7 @@ class TorchExecutor:
         """One token per item, prefill items first then decode (-1 where sample=False)."""
         start = time.perf_counter()
         items = [*prefill, *decode]
-        logits = self.forward_logits(prefill, decode)
+        logits = self._logits(prefill, decode)
         wanted = [i for i, item in enumerate(items) if item.sample]
         tokens = [-1] * len(items)
         if wanted:
@@ -125,9 +170,32 @@ class TorchExecutor:
     def forward_logits(self, prefill: list[ForwardItem], decode: list[ForwardItem]) -> torch.Tensor:
         """Float32 logits [len(prefill) + len(decode), vocab] at each item's last new token.
         Writes every new token's K/V into its slot."""
+        logits = self._logits(prefill, decode)
+        # The static path's output is a buffer the next step overwrites.
+        return logits.clone() if self._static_step(prefill, decode) else logits
+
+    def _static_step(self, prefill: list[ForwardItem], decode: list[ForwardItem]) -> bool:
+        """Whether this step runs the static decode path (decode-only, fits a bucket)."""
+        runner = self.decode_graphs
+        return runner is not None and not prefill and 0 < len(decode) <= runner.max_batch
+
+    def _logits(self, prefill: list[ForwardItem], decode: list[ForwardItem]) -> torch.Tensor:
+        if self._static_step(prefill, decode):
+            return self._static_logits(decode)
         batch = self._build_batch(prefill, decode, all_positions=False)
         with torch.inference_mode():
             return self.model(batch, self.kv_pool)
+
+    def _static_logits(self, decode: list[ForwardItem]) -> torch.Tensor:
+        """A decode-only step through ``decode_graphs`` (same checks as the regular path)."""
+        assert self.decode_graphs is not None
+        checked = [self._check_item(item, "decode") for item in decode]
+        token_ids = np.array([tokens[0] for tokens, _ in checked], dtype=np.int64)
+        positions = np.array([item.start_pos for item in decode], dtype=np.int64)
+        writes = np.array([slots[-1] for _, slots in checked], dtype=np.int64)
+        if len(np.unique(writes)) != len(writes):
+            raise ValueError("forward: two new tokens in one step write the same KV slot")
+        return self.decode_graphs.run(token_ids, positions, [slots for _, slots in checked])
 
     def prompt_logits(self, item: ForwardItem) -> torch.Tensor:
         """Float32 logits [len(item.token_ids), vocab] at every new position of one prefill."""

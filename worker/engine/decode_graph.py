@@ -1,0 +1,290 @@
+"""Decode steps with static shapes, replayed as CUDA graphs (one per bucket).
+
+A decode-only step of n requests runs in a bucket (B, W): B the smallest batch bucket >= n
+(``DEFAULT_BATCH_BUCKETS``), W the smallest context bucket >= its longest context (powers of
+two from ``min_context_bucket`` up to the model's context length). Each bucket owns
+preallocated buffers -- token ids [B], positions [B] and the slot table [B, W], views of one
+int64 device tensor that one host-to-device copy fills -- and a forward that reads only
+them: row b writes its new K/V at ``table[b, positions[b]]`` and attends to the first
+``positions[b] + 1`` slots of its row through the paged decode attention (the Triton kernel
+on CUDA reads K/V by slot index; nothing is gathered into a tensor whose shape follows the
+step). Rows n .. B-1 are padding: token 0 at position 0 whose one slot is the pool's scratch
+slot, so they write and read that slot only, never a real one. The logits come out of the
+bucket's static output [B, vocab]; its first n rows are the step's.
+
+With ``capture`` (CUDA only) the first step in a bucket warms the forward up on a side
+stream (compiling the Triton kernels), then captures it into a ``torch.cuda.CUDAGraph``
+(all buckets share one memory pool: only one graph ever replays at a time); every step in
+the bucket is then one copy of the inputs and one replay. Without capture (the CPU, and the
+eager side of the GPU tests) the same forward runs eagerly over the same buffers, which is
+what the CPU tests compare with the regular decode path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from worker.engine import paged_attention
+from worker.engine.kv_pool import KVPool
+from worker.engine.model import DecodeGroup, LlamaForCausalLM, PagedBatch
+
+DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+DEFAULT_MIN_CONTEXT_BUCKET = 256
+# Eager passes on a side stream before a capture (Triton compiles, cuBLAS sets up).
+WARMUP_PASSES = 2
+
+
+def context_buckets(max_context: int, floor: int = DEFAULT_MIN_CONTEXT_BUCKET) -> tuple[int, ...]:
+    """Slot-table widths: floor, 2 * floor, ... below ``max_context``, then ``max_context``."""
+    if max_context < 1 or floor < 1:
+        raise ValueError(
+            f"context_buckets: need max_context, floor >= 1, got {max_context}, {floor}"
+        )
+    widths = []
+    width = floor
+    while width < max_context:
+        widths.append(width)
+        width *= 2
+    widths.append(max_context)
+    return tuple(widths)
+
+
+def bucket_of(n: int, buckets: Sequence[int]) -> int | None:
+    """The smallest bucket >= n (None when n is above the largest)."""
+    return next((b for b in buckets if b >= n), None)
+
+
+class Graph(Protocol):
+    def replay(self) -> None: ...
+
+
+class Capturer(Protocol):
+    """Turns a forward that reads only static buffers into a replayable graph."""
+
+    def capture(self, forward: Callable[[], torch.Tensor]) -> tuple[Graph, torch.Tensor]:
+        """(graph, its static output): each ``graph.replay()`` recomputes ``forward`` from
+        the buffers' current contents into that output."""
+        ...
+
+
+class CudaGraphCapturer:
+    """Captures into ``torch.cuda.CUDAGraph``s sharing one memory pool (only one of them
+    ever replays at a time), after warm-up passes on a side stream."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._pool = torch.cuda.graph_pool_handle()
+
+    def capture(self, forward: Callable[[], torch.Tensor]) -> tuple[Graph, torch.Tensor]:
+        current = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_PASSES):
+                forward()
+        current.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = forward()
+        return graph, out
+
+
+@dataclass(eq=False, slots=True)
+class Bucket:
+    """One (batch, width) bucket: its input buffers, static output and graph."""
+
+    batch: int
+    width: int
+    num_splits: int
+    host: torch.Tensor  # int64 [2B + B*W]: ids, positions, table; pinned on CUDA
+    device_buf: torch.Tensor  # the same on the device (``host`` itself off CUDA)
+    input_ids: torch.Tensor  # int64 [B] (a view of device_buf)
+    positions: torch.Tensor  # int64 [B]
+    table: torch.Tensor  # int64 [B, W]
+    rows: torch.Tensor  # int64 [B]: 0 .. B-1, the rows whose logits come out
+    logits: torch.Tensor | None = None  # float32 [B, vocab]: the last pass's output
+    graph: Graph | None = None  # a torch.cuda.CUDAGraph once captured
+    steps: int = 0
+
+
+class DecodeGraphRunner:
+    """Runs decode-only steps of ``model`` over ``pool`` in static-shape buckets."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        pool: KVPool,
+        device: torch.device,
+        impl: str,
+        *,
+        capture: bool,
+        sm_count: int = 132,
+        batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
+        min_context_bucket: int = DEFAULT_MIN_CONTEXT_BUCKET,
+        capturer: Capturer | None = None,
+    ) -> None:
+        """``capture``: replay graphs made by ``capturer`` (default: CUDA graphs, which need
+        a CUDA device); else run every step eagerly."""
+        if pool.scratch_slot is None:
+            raise ValueError(
+                "kv_pool: static decode needs a pool with a scratch slot for its padding rows "
+                "(KVPoolConfig(scratch_slot=True); TorchExecutor.create makes one)"
+            )
+        if impl not in ("torch", "triton"):
+            raise ValueError(
+                f"static decode runs paged attention ('torch' or 'triton'), got {impl!r}"
+            )
+        if capture and capturer is None and device.type != "cuda":
+            raise ValueError(f"cuda_graphs: CUDA graphs need a CUDA device, got {device.type!r}")
+        buckets = tuple(sorted(set(batch_buckets)))
+        if not buckets or buckets[0] < 1:
+            raise ValueError(f"batch_buckets: need sizes >= 1, got {tuple(batch_buckets)}")
+        self.model = model
+        self.pool = pool
+        self.device = device
+        self.impl = impl
+        self.capture = capture
+        self.sm_count = sm_count
+        self.batch_buckets = buckets
+        self.context_buckets = context_buckets(
+            model.config.max_position_embeddings, min_context_bucket
+        )
+        self.scratch_slot: int = pool.scratch_slot
+        self._buckets: dict[tuple[int, int], Bucket] = {}
+        self._capturer = capturer
+        if capture and capturer is None:
+            self._capturer = CudaGraphCapturer(device)
+        self._copied: torch.cuda.Event | None = None  # the last host-to-device input copy
+
+    @property
+    def max_batch(self) -> int:
+        return self.batch_buckets[-1]
+
+    @property
+    def buckets(self) -> dict[tuple[int, int], Bucket]:
+        """The buckets made so far, by (batch, width)."""
+        return self._buckets
+
+    @property
+    def num_graphs(self) -> int:
+        return sum(b.graph is not None for b in self._buckets.values())
+
+    def bucket_key(self, n: int, max_len: int) -> tuple[int, int] | None:
+        """(batch, width) for n rows whose longest context is ``max_len``; None when n is
+        above the largest batch bucket (the executor runs that step the regular way)."""
+        batch = bucket_of(n, self.batch_buckets)
+        width = bucket_of(max_len, self.context_buckets)
+        if batch is None or width is None or n < 1:
+            return None
+        return batch, width
+
+    # -- one step ------------------------------------------------------------------------
+
+    def run(
+        self, token_ids: np.ndarray, positions: np.ndarray, slots: Sequence[np.ndarray]
+    ) -> torch.Tensor:
+        """Float32 logits [n, vocab] of n decode rows: row r is token ``token_ids[r]`` at
+        ``positions[r]`` over the context ``slots[r]`` (``positions[r] + 1`` slots, the last
+        one its write slot; the caller validated them). A view of the bucket's static
+        output: valid until the next step in that bucket."""
+        n = len(token_ids)
+        key = self.bucket_key(n, int(positions.max()) + 1)
+        if key is None:
+            raise ValueError(f"static decode: {n} rows do not fit a bucket of {self.batch_buckets}")
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            bucket = self._buckets[key] = self._new_bucket(*key)
+        with torch.inference_mode():
+            if self.capture and bucket.graph is None:
+                self._capture(bucket)
+            self._load(bucket, token_ids, positions, slots)
+            if bucket.graph is not None:
+                bucket.graph.replay()
+            else:
+                bucket.logits = self._forward(bucket)
+        bucket.steps += 1
+        assert bucket.logits is not None
+        return bucket.logits[:n]
+
+    def _new_bucket(self, batch: int, width: int) -> Bucket:
+        size = 2 * batch + batch * width
+        cuda = self.device.type == "cuda"
+        with torch.inference_mode():
+            host = torch.zeros(size, dtype=torch.int64, pin_memory=cuda)
+            host[2 * batch :] = self.scratch_slot  # every table entry a valid slot from the start
+            dev = host.to(self.device) if cuda else host
+            kv_heads = self.pool.config.num_kv_heads
+            return Bucket(
+                batch=batch,
+                width=width,
+                num_splits=paged_attention.decode_splits(
+                    batch, kv_heads, width, sm_count=self.sm_count
+                ),
+                host=host,
+                device_buf=dev,
+                input_ids=dev[:batch],
+                positions=dev[batch : 2 * batch],
+                table=dev[2 * batch :].view(batch, width),
+                rows=torch.arange(batch, dtype=torch.int64, device=self.device),
+            )
+
+    def _load(
+        self,
+        bucket: Bucket,
+        token_ids: np.ndarray,
+        positions: np.ndarray,
+        slots: Sequence[np.ndarray],
+    ) -> None:
+        """Write the step into the bucket's host buffer and copy it to the device. Rows past
+        n become padding; table entries past a row's context keep old (valid) slots, which
+        the attention never reads (its length masks them)."""
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous copy has read the pinned buffer
+        batch, n = bucket.batch, len(token_ids)
+        host = bucket.host.numpy()
+        host[:n] = token_ids
+        host[n:batch] = 0
+        host[batch : batch + n] = positions
+        host[batch + n : 2 * batch] = 0
+        table = host[2 * batch :].reshape(batch, bucket.width)
+        for row, ctx in enumerate(slots):
+            table[row, : len(ctx)] = ctx
+        table[n:, 0] = self.scratch_slot
+        if bucket.host is not bucket.device_buf:
+            bucket.device_buf.copy_(bucket.host, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def _forward(self, bucket: Bucket) -> torch.Tensor:
+        """The step's forward, reading only the bucket's buffers (what a graph captures)."""
+        lens = (bucket.positions + 1).to(torch.int32)
+        write_slots = torch.gather(bucket.table, 1, bucket.positions[:, None]).view(-1)
+        batch = PagedBatch(
+            input_ids=bucket.input_ids,
+            positions=bucket.positions,
+            write_slots=write_slots,
+            prefill=(),
+            decode=DecodeGroup(
+                token_offset=0,
+                ctx_slots=bucket.table,
+                ctx_mask=None,
+                ctx_lens=lens,
+                num_splits=bucket.num_splits,
+            ),
+            logit_rows=bucket.rows,
+            attention=self.impl,
+        )
+        return self.model(batch, self.pool)
+
+    def _capture(self, bucket: Bucket) -> None:
+        """Capture the bucket's forward with every row padding (so the warm-up passes write
+        the scratch slot only); the step's own inputs are loaded after."""
+        assert self._capturer is not None
+        empty = np.empty(0, dtype=np.int64)
+        self._load(bucket, empty, empty, [])
+        bucket.graph, bucket.logits = self._capturer.capture(lambda: self._forward(bucket))
