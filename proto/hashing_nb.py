@@ -33,12 +33,28 @@ def _jit(fn: Any) -> Any:
 
 @_jit
 def _chain(tokens: Any, block_size: int, num_blocks: int, seed: Any, out: Any) -> None:
-    s = seed
-    k = 0
+    """The chain s <- s * A + (token ^ XOR) * MUL, hashed (fmix64) at each block's end, in
+    two passes (the same values mod 2**64): each block's own polynomial first,
+    t_b = sum_j (t_j ^ XOR) * MUL * A**(B-1-j) -- a dot product with fixed weights, no
+    multiply waiting on another, which the compiler turns into SIMD multiplies --, then
+    s_b = s_(b-1) * A**B + t_b, one dependent step per block."""
+    weights = np.empty(block_size, dtype=np.uint64)
+    w = _UMUL
+    for j in range(block_size - 1, -1, -1):
+        weights[j] = w
+        w *= _UA
+    a_block = np.uint64(1)
+    for _ in range(block_size):
+        a_block *= _UA
     for b in range(num_blocks):
-        for _ in range(block_size):
-            s = s * _UA + (np.uint64(tokens[k]) ^ _UXOR) * _UMUL
-            k += 1
+        base = b * block_size
+        t = np.uint64(0)
+        for j in range(block_size):
+            t += (np.uint64(tokens[base + j]) ^ _UXOR) * weights[j]
+        out[b] = t
+    s = seed
+    for b in range(num_blocks):
+        s = s * a_block + out[b]
         h = s ^ (s >> _U33)
         h = h * _UF1
         h = h ^ (h >> _U33)
