@@ -932,6 +932,7 @@ class NumbaPrefixIndex(AppliesEvents):
         self._nslots = 64  # worker slots the tables' words hold
         # find_matches' scratch (a bitset row per walked block and probe) and answer rows
         self._run = np.zeros((1024, 1), dtype=_U64)
+        self._set_run_fits()
         self._outbuf = np.zeros((4, 64), dtype=np.int64)
         self._ptab = np.zeros((_MIN_CAP, _PBITS + 1), dtype=_U64)
         self._until = np.zeros(_MIN_CAP, dtype=np.float64)
@@ -978,7 +979,16 @@ class NumbaPrefixIndex(AppliesEvents):
         while rows <= n + n // self._stride:
             rows *= 2
         self._run = np.zeros((rows, self._run.shape[1]), dtype=_U64)
+        self._set_run_fits()
         return self._run
+
+    def _set_run_fits(self) -> None:
+        """The longest query the scratch rows hold (n + n // stride < rows)."""
+        rows, stride = len(self._run), self._stride
+        n = rows
+        while n and n + n // stride >= rows:
+            n -= 1
+        self._run_fits = n
 
     def _room(self, n: int) -> None:
         """Grow the confirmed table so ``n`` more keys keep its load under 0.6."""
@@ -1088,24 +1098,27 @@ class NumbaPrefixIndex(AppliesEvents):
         """Matched prefix length in blocks per worker slot (slots matching 0 are absent),
         as :meth:`router.index.PrefixIndex.find_matches`. ``hashes``: a uint64 array is
         fastest."""
-        keys = _as_keys(hashes)
-        if keys is not hashes:  # a list: predict() is likely to get the same one next
-            self._query = (hashes, keys)
+        if type(hashes) is np.ndarray and hashes.dtype == _U64 and hashes.flags.c_contiguous:
+            keys = hashes  # the route's case: block_hashes' array
+        else:
+            keys = _as_keys(hashes)
+            if keys is not hashes:  # a list: predict() is likely to get the same one next
+                self._query = (hashes, keys)
         run = self._run
-        if len(keys) + len(keys) // self._stride >= len(run):
+        if len(keys) > self._run_fits:
             run = self._grow_run(len(keys))
         out = self._outbuf
         code = _find_matches(
             self._tab, self._ptab, self._meta, keys, run, out, self._stride, touch, True
         )
         nc = code & _COUNT
-        c = out[:2, :nc].tolist()
-        confirmed = dict(zip(c[0], c[1], strict=True))
+        # slots and depths, zipped (same lengths by construction)
+        confirmed = dict(zip(out[0, :nc].tolist(), out[1, :nc].tolist()))  # noqa: B905
         self.last_confirmed = confirmed
         if code & _SAME:
             return confirmed
-        r = out[2:, : code >> 21 & _COUNT].tolist()
-        return dict(zip(r[0], r[1], strict=True))
+        nr = code >> 21 & _COUNT
+        return dict(zip(out[2, :nr].tolist(), out[3, :nr].tolist()))  # noqa: B905
 
     def find_matches_by_source(
         self, hashes: Sequence[int] | np.ndarray
@@ -1114,7 +1127,7 @@ class NumbaPrefixIndex(AppliesEvents):
         :meth:`router.index.PrefixIndex.find_matches_by_source`. Touches nothing."""
         keys = _as_keys(hashes)
         run = self._run
-        if len(keys) + len(keys) // self._stride >= len(run):
+        if len(keys) > self._run_fits:
             run = self._grow_run(len(keys))
         out = self._outbuf
         code = _find_matches(
