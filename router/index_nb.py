@@ -1265,7 +1265,11 @@ class NumbaPrefixIndex(AppliesEvents):
         if removed < n:
             self.errors["unknown_block"] += n - removed
         if removed:
-            self._maybe_compact()
+            # what _maybe_compact acts on implies one of these (checked here first: it
+            # is called after every removal)
+            live = self._meta.item(_M_LIVE)
+            if live * 4 <= self._peak or live * 16 < self._tab.shape[0]:
+                self._maybe_compact()
 
     def remove_worker(self, slot: int, predictions: bool = True) -> int:
         """Drop every confirmed entry of ``slot``, and its predictions unless
