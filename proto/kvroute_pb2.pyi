@@ -299,3 +299,53 @@ class ExplainResponse(_message.Message):
     chosen_worker_id: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerScore]
     def __init__(self, policy: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., chosen_worker_id: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerScore, _Mapping]]] = ...) -> None: ...
+
+class ReplicaRouted(_message.Message):
+    __slots__ = ("request_id", "worker_id", "prompt_tokens", "matched_tokens", "block_hashes")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    worker_id: str
+    prompt_tokens: int
+    matched_tokens: int
+    block_hashes: bytes
+    def __init__(self, request_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., block_hashes: _Optional[bytes] = ...) -> None: ...
+
+class ReplicaFirstToken(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class ReplicaFinished(_message.Message):
+    __slots__ = ("request_id", "generated_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    generated_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., generated_tokens: _Optional[int] = ...) -> None: ...
+
+class ReplicaEvent(_message.Message):
+    __slots__ = ("routed", "first_token", "finished")
+    ROUTED_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    routed: ReplicaRouted
+    first_token: ReplicaFirstToken
+    finished: ReplicaFinished
+    def __init__(self, routed: _Optional[_Union[ReplicaRouted, _Mapping]] = ..., first_token: _Optional[_Union[ReplicaFirstToken, _Mapping]] = ..., finished: _Optional[_Union[ReplicaFinished, _Mapping]] = ...) -> None: ...
+
+class ReplicaBatch(_message.Message):
+    __slots__ = ("router_id", "seq", "events", "leaving")
+    ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_FIELD_NUMBER: _ClassVar[int]
+    router_id: str
+    seq: int
+    events: _containers.RepeatedCompositeFieldContainer[ReplicaEvent]
+    leaving: bool
+    def __init__(self, router_id: _Optional[str] = ..., seq: _Optional[int] = ..., events: _Optional[_Iterable[_Union[ReplicaEvent, _Mapping]]] = ..., leaving: _Optional[bool] = ...) -> None: ...

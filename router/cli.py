@@ -146,6 +146,13 @@ def build_parser() -> argparse.ArgumentParser:
         "several routers)",
     )
     p.add_argument(
+        "--replica-sync",
+        action="store_true",
+        help="router replicas publish their picks, first tokens and finishes to each other on "
+        "the --redis-url Redis (channel <redis-prefix>replica), so each counts the others' "
+        "requests in flight a round trip after they are placed; use with --replicas R",
+    )
+    p.add_argument(
         "--index-backend",
         choices=("dict", "numba"),
         default=RouterConfig().index_backend,
@@ -261,7 +268,11 @@ def config_from_args(
         port=args.port,
         workers=tuple(args.worker),
         registry=RegistryConfig(
-            args.redis_url, args.redis_prefix, args.redis_poll_s, args.registry_grace_s
+            args.redis_url,
+            args.redis_prefix,
+            args.redis_poll_s,
+            args.registry_grace_s,
+            replica_sync=args.replica_sync,
         ),
         core=RouterConfig(
             policy=args.policy,

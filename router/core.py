@@ -34,7 +34,7 @@ import random
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -44,6 +44,10 @@ from kvroute_proto.hashing import as_token_array, block_hashes, enable_compiled
 from router.core_types import (  # the API's value types live there; re-exported here
     Action,
     Explanation,
+    ReplicaEvent,
+    ReplicaFinished,
+    ReplicaFirstToken,
+    ReplicaRouted,
     Resubscribe,
     RouteDecision,
     RouterConfig,
@@ -159,6 +163,10 @@ class RouterCore:
         self._table = WorkerTable(weights=config.weights)
         self._healthy_set = CandidateSet.of(self._healthy, self._table)
         self._inflight: dict[str, _Inflight] = {}
+        # replica sync: other routers' requests, by (router id, request id), and who hears
+        # of this router's own picks (set_replica_listener)
+        self._replica_inflight: dict[tuple[str, str], _Inflight] = {}
+        self._replica_listener: Callable[[ReplicaEvent], None] | None = None
         self._num_routed = 0
         # recent prefill per worker decays as exp(-t / window); views hold it scaled by
         # exp((t - t0) / window) so that a route touches one view, not all (see _recent_scale)
@@ -224,6 +232,8 @@ class RouterCore:
         now = self._clock()
         for request_id in [r for r, f in self._inflight.items() if f.view is worker.view]:
             self._release(self._inflight.pop(request_id), now)
+        for key in [k for k, f in self._replica_inflight.items() if f.view is worker.view]:
+            self._release(self._replica_inflight.pop(key), now)
         self._refresh_healthy()
 
     def set_health(self, worker_id: str, healthy: bool) -> None:
@@ -398,6 +408,16 @@ class RouterCore:
             # held until the first token: however long it queues there, the worker will
             # write these blocks, and its events confirm them soon after
             flight.held = index.predict(view.slot, hashes, deadline, start=depth, hold=True)
+        if self._replica_listener is not None:
+            self._replica_listener(
+                ReplicaRouted(
+                    req.request_id,
+                    view.worker_id,
+                    query.prompt_tokens,
+                    matched_tokens,
+                    hashes if self._policy.uses_matches else (),
+                )
+            )
         return RouteDecision(
             req.request_id,
             view.worker_id,
@@ -520,15 +540,24 @@ class RouterCore:
         if request_id in self._inflight:
             self.on_finished(request_id)
         self._account(request_id, view, max(0, prompt_tokens - matched_tokens))
+        if self._replica_listener is not None:
+            self._replica_listener(
+                ReplicaRouted(request_id, worker_id, prompt_tokens, matched_tokens)
+            )
 
     def on_first_token(self, request_id: str) -> None:
         """Prefill of ``request_id`` is done: its tokens leave the queued-prefill estimate."""
         flight = self._inflight.get(request_id)
         if flight is not None and flight.prefilling:
-            self._release(flight, self._clock())
-            flight.prefilling = False
-            flight.view.inflight_prefill_tokens -= flight.prefill_tokens
-            flight.view.refresh()
+            self._first_token(flight)
+            if self._replica_listener is not None:
+                self._replica_listener(ReplicaFirstToken(request_id))
+
+    def _first_token(self, flight: _Inflight) -> None:
+        self._release(flight, self._clock())
+        flight.prefilling = False
+        flight.view.inflight_prefill_tokens -= flight.prefill_tokens
+        flight.view.refresh()
 
     def on_finished(self, request_id: str, generated_tokens: int = 0) -> None:
         """The request ended (finished, aborted or failed). Unknown ids are ignored.
@@ -539,6 +568,11 @@ class RouterCore:
         flight = self._inflight.pop(request_id, None)
         if flight is None:
             return
+        self._finish(flight, generated_tokens)
+        if self._replica_listener is not None:
+            self._replica_listener(ReplicaFinished(request_id, generated_tokens))
+
+    def _finish(self, flight: _Inflight, generated_tokens: int) -> None:
         now = self._clock()
         self._release(flight, now)
         if generated_tokens > 0 and self._recent_decode_ratio:
@@ -548,6 +582,70 @@ class RouterCore:
             flight.view.inflight_prefill_tokens -= flight.prefill_tokens
         flight.view.num_active -= 1
         flight.view.refresh()
+
+    # ---- replica sync ----------------------------------------------------------------------
+
+    def set_replica_listener(self, listener: Callable[[ReplicaEvent], None] | None) -> None:
+        """Call ``listener`` with every pick, first token and finish of this router's own
+        requests (:class:`ReplicaRouted` from :meth:`route` and :meth:`on_routed`,
+        :class:`ReplicaFirstToken`, :class:`ReplicaFinished`), so the other router replicas
+        can count them (:meth:`apply_replica`); None stops. The listener must not block:
+        it runs inside every route."""
+        self._replica_listener = listener
+
+    def apply_replica(self, router_id: str, event: ReplicaEvent) -> bool:
+        """Another router replica (``router_id``) placed, started or ended a request.
+
+        Counted as this router's own picks are, once (not ``replicas`` times: it is what
+        happened, not an anticipation): a placed request's uncached tokens queue on the
+        worker until its :class:`ReplicaFirstToken`, it counts as active until its
+        :class:`ReplicaFinished`, adds to the worker's recent work, and its full blocks are
+        predicted there (held until the first token, then kept for the TTL) -- so a burst
+        that one router started on a worker is seen as cached there by the others before
+        any KV event arrives. Returns False, changing nothing, for a worker this router
+        does not know, a request it already counts, or an end it never saw begin."""
+        key = (router_id, event.request_id)
+        if isinstance(event, ReplicaRouted):
+            worker = self._workers.get(event.worker_id)
+            if worker is None or key in self._replica_inflight:
+                return False
+            view = worker.view
+            now = self._clock()
+            uncached = max(0, event.prompt_tokens - event.matched_tokens)
+            flight = self._replica_inflight[key] = _Inflight(view, uncached)
+            view.inflight_prefill_tokens += uncached
+            view.num_active += 1
+            view.recent_prefill += uncached * self._recent_scale(now)
+            view.refresh()
+            array = np.asarray(event.block_hashes, dtype=np.uint64)
+            if len(array) and self._policy.uses_matches and self._block_size is not None:
+                # the numba index takes the array; the dict index keys on ints
+                hashes = cast(Sequence[int], array) if self._hash_arrays else array.tolist()
+                self._index.expire(now)
+                start = min(event.matched_tokens // self._block_size, len(array))
+                flight.held = self._index.predict(
+                    view.slot, hashes, now + self._ttl, start=start, hold=True
+                )
+            return True
+        if isinstance(event, ReplicaFirstToken):
+            started = self._replica_inflight.get(key)
+            if started is None or not started.prefilling:
+                return False
+            self._first_token(started)
+            return True
+        ended = self._replica_inflight.pop(key, None)
+        if ended is None:
+            return False
+        self._finish(ended, event.generated_tokens)
+        return True
+
+    def drop_replica(self, router_id: str) -> int:
+        """End every request router ``router_id`` placed (it left, restarted or went
+        silent: their ends will never be heard); how many there were."""
+        keys = [k for k in self._replica_inflight if k[0] == router_id]
+        for key in keys:
+            self._finish(self._replica_inflight.pop(key), 0)
+        return len(keys)
 
     # ---- introspection -------------------------------------------------------------------
 
@@ -568,6 +666,7 @@ class RouterCore:
             sync_counters=dict(counters),
             num_evicted_blocks=index.num_evicted,
             index_bytes=index.approx_bytes(),
+            num_replica_inflight=len(self._replica_inflight),
         )
 
     def worker_stats(self) -> list[WorkerStats]:

@@ -194,6 +194,8 @@ class RouterStats:
     sync_counters: dict[str, int]
     num_evicted_blocks: int = 0  # confirmed blocks dropped by the index's size cap
     index_bytes: int = 0  # estimate of the index's memory (PrefixIndex.approx_bytes)
+    # replica sync: requests other router replicas placed and this router counts in flight
+    num_replica_inflight: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,3 +220,37 @@ class WorkerStats:
     seconds_since_message: float | None
     sync_counters: dict[str, int]
     load: LoadReport | None
+
+
+# ---- replica sync: what one router replica tells the others ---------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaRouted:
+    """This router placed ``request_id`` on ``worker_id``: ``prompt_tokens`` long, of which
+    it expects ``matched_tokens`` cached there; ``block_hashes``: the prompt's full blocks
+    (the router's block size and hash key; empty when it did not hash them)."""
+
+    request_id: str
+    worker_id: str
+    prompt_tokens: int
+    matched_tokens: int
+    block_hashes: Sequence[int] | np.ndarray = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaFirstToken:
+    """The worker produced the first token of ``request_id`` (its prefill is done)."""
+
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaFinished:
+    """``request_id`` ended (finished, aborted or failed) after ``generated_tokens``."""
+
+    request_id: str
+    generated_tokens: int = 0
+
+
+ReplicaEvent = ReplicaRouted | ReplicaFirstToken | ReplicaFinished

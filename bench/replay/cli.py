@@ -132,6 +132,14 @@ def build_parser() -> argparse.ArgumentParser:
         "each router counts its own picks once",
     )
     p.add_argument(
+        "--replica-sync-delay-s",
+        type=float,
+        default=None,
+        help="sim mode, --routers > 1: replica sync -- each router's picks, first tokens and "
+        "finishes reach the other routers this many seconds later (what kvroute router "
+        "--replica-sync does through Redis); default: no sync",
+    )
+    p.add_argument(
         "--flush-interval-s",
         type=float,
         default=0.0,
@@ -423,6 +431,7 @@ def _sim_config(args: argparse.Namespace):  # -> SimConfig
         router_assignment=args.router_assignment,
         affinity_blocks=args.affinity_blocks,
         router_replicas=args.router_replicas,
+        replica_sync_delay_s=args.replica_sync_delay_s,
         flush_interval_s=args.flush_interval_s,
     )
 
@@ -447,6 +456,7 @@ def _run_sim(args, records, policies, setup, progress) -> ReplayReport:
             routers=config.num_routers,
             router_assignment=config.router_assignment,
             router_replicas=config.router_replicas or config.num_routers,
+            replica_sync_delay_s=config.replica_sync_delay_s,
         )
     setup.update(strict_settings(args))
     report = ReplayReport(setup=setup)

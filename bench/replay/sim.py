@@ -56,7 +56,9 @@ the router that asked only. Each core is told how many replicas there are
 (``RouterConfig.replicas``, ``router_replicas``): its own picks then count R times in a
 worker's queued-prefill estimate, since the others, seeing the same state, are likely
 placing the same burst alike. First token and finish are reported to the router that routed
-the request.
+the request. With replica sync (``replica_sync_delay_s``) each router's picks, first tokens
+and finishes also reach every other router that much later (``RouterCore.apply_replica``, as
+``kvroute router --replica-sync`` does through Redis), which count them once.
 
 References: :func:`simulate_reference` runs one engine with N times the KV capacity and N
 times the speed (a wrapper divides the step cost by N) under the same scheduler -- the
@@ -76,6 +78,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import TextIO
 
 from bench.replay.progress import Progress
@@ -84,6 +87,7 @@ from bench.replay.trace import TokenExpander, TraceRecord
 from kvroute_proto.events import EventBatch, Snapshot
 from router.core import (
     NoWorkerAvailable,
+    ReplicaEvent,
     Resubscribe,
     RouterConfig,
     RouterCore,
@@ -101,12 +105,13 @@ class _Kind(enum.IntEnum):
     arrivals, so the router sees what the fleet knew "at" an instant before routing then."""
 
     DELIVER = 0
-    LOAD_TICK = 1
-    STEP_DONE = 2
-    ADMIT = 3  # a routed request reaches its worker (after decision time + network delay)
-    ROUTER_FREE = 4  # a router finished a decision; the next one queued at it starts
-    FLUSH = 5  # the next worker in turn drops its cache
-    ARRIVE = 6
+    REPLICA = 1  # replica sync: another router's pick / first token / finish reaches a router
+    LOAD_TICK = 2
+    STEP_DONE = 3
+    ADMIT = 4  # a routed request reaches its worker (after decision time + network delay)
+    ROUTER_FREE = 5  # a router finished a decision; the next one queued at it starts
+    FLUSH = 6  # the next worker in turn drops its cache
+    ARRIVE = 7
 
 
 ROUTER_ASSIGNMENTS = ("round_robin", "random", "prefix")
@@ -144,6 +149,9 @@ class SimConfig:
     network_delay_s: float = 0.0  # router -> worker: a routed request arrives this later
     event_loss: float = 0.0  # probability that an event batch never reaches a router
     flush_interval_s: float = 0.0  # > 0: every this often one worker (in turn) drops its cache
+    # replica sync (num_routers > 1): each router's picks, first tokens and finishes reach
+    # the other routers this much later (RouterCore.apply_replica); None: no sync
+    replica_sync_delay_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
@@ -173,6 +181,10 @@ class SimConfig:
             raise ValueError(f"event_delay_s must be >= 0, got {self.event_delay_s}")
         if self.load_interval_s < 0:
             raise ValueError(f"load_interval_s must be >= 0, got {self.load_interval_s}")
+        if self.replica_sync_delay_s is not None and not self.replica_sync_delay_s >= 0:
+            raise ValueError(
+                f"replica_sync_delay_s must be >= 0 or None, got {self.replica_sync_delay_s}"
+            )
 
 
 class _ScaledExecutor:
@@ -253,6 +265,10 @@ class FleetSim:
             for k in range(config.num_routers)
         ]
         self.router = self.routers[0]
+        self.num_replica_events = 0
+        if config.num_routers > 1 and config.replica_sync_delay_s is not None:
+            for k, router in enumerate(self.routers):
+                router.set_replica_listener(partial(self._tell_replicas, k))
         self._assign_rng = random.Random(config.seed + 104_729)
         self._owner: dict[str, RouterCore] = {}  # request id -> the router that routed it
         # a router decides one request at a time: with a decision time, arrivals queue
@@ -356,6 +372,8 @@ class FleetSim:
                 self._router_free(payload)  # type: ignore[arg-type]
             case _Kind.FLUSH:
                 self._flush()
+            case _Kind.REPLICA:
+                self._replica(payload)  # type: ignore[arg-type]
 
     def _router_for(self, index: int) -> int:
         n = len(self.routers)
@@ -535,6 +553,18 @@ class FleetSim:
         if self.num_finished < len(self.records):
             self._push(self.now + self.config.flush_interval_s, _Kind.FLUSH, None)
 
+    def _tell_replicas(self, sender: int, event: ReplicaEvent) -> None:
+        """Router ``sender``'s pick, first token or finish, on its way to the others."""
+        at = self.now + (self.config.replica_sync_delay_s or 0.0)
+        for k in range(len(self.routers)):
+            if k != sender:
+                self._push(at, _Kind.REPLICA, (k, sender, event))
+
+    def _replica(self, payload: tuple[int, int, ReplicaEvent]) -> None:
+        to, sender, event = payload
+        self.num_replica_events += 1
+        self.routers[to].apply_replica(f"router-{sender}", event)
+
     def _load_tick(self, worker: _Worker) -> None:
         batch = worker.publisher.publish(worker.engine.take_events(), worker.engine.load_report())
         if batch is not None:
@@ -554,6 +584,7 @@ class FleetSim:
             "routers": len(self.routers),
             "route_decision_s_total": round(self.route_decision_s_total, 6),
             "event_batches_lost": self.num_lost_batches,
+            "replica_events": self.num_replica_events,
             # steps that ran something, and those the weight-read floor made longer
             "steps": sum(_executor(w).num_steps for w in self.workers.values()),
             "steps_at_weight_floor": sum(

@@ -40,6 +40,7 @@ from kvroute_proto.registry import (
 )
 from kvroute_proto.tls import RedisAuth, ServerTls, add_port
 from router.core import RouterConfig, RouterCore
+from router.replica_sync import ReplicaSync
 from router.service.auth import ApiKeys
 from router.service.frontend import Frontend, FrontendConfig, TextTokenizer
 from router.service.pool import WorkerPool
@@ -61,8 +62,13 @@ class RegistryConfig:
     poll_s: float = 2.0
     absent_grace_s: float = DEFAULT_TTL_S  # a worker missing from the registry is kept this long
     auth: RedisAuth = field(default_factory=RedisAuth)  # rediss:// TLS and an ACL user
+    # replica sync (router/replica_sync.py) on this Redis: the router replicas publish their
+    # picks to each other
+    replica_sync: bool = False
 
     def __post_init__(self) -> None:
+        if self.replica_sync and not self.redis_url:
+            raise ValueError("--replica-sync needs --redis-url (the replicas meet on its Redis)")
         if not self.poll_s > 0:  # NaN too
             raise ValueError(f"registry poll_s (--redis-poll-s) must be > 0, got {self.poll_s}")
         if not self.absent_grace_s >= 0:
@@ -141,6 +147,7 @@ class RouterServer:
         self.servicer = RouterServicer(self.frontend, self.pool)
         self.health = HealthServicer()  # with List
         self.watcher: RedisMembershipWatcher | None = None
+        self.replica_sync: ReplicaSync | None = None
         self._server: grpc.aio.Server | None = None
         self.port: int | None = None
         self.http: HttpFront | None = None  # over the same Frontend as the gRPC servicer
@@ -181,6 +188,15 @@ class RouterServer:
                     client_options=self.config.registry.auth.client_kwargs(),
                 )
                 await self.watcher.start()
+            if self.config.registry.replica_sync:
+                assert self.config.registry.redis_url is not None  # RegistryConfig checks it
+                self.replica_sync = ReplicaSync(
+                    self.core,
+                    self.config.registry.redis_url,
+                    prefix=self.config.registry.prefix,
+                    client_options=self.config.registry.auth.client_kwargs(),
+                )
+                await self.replica_sync.start()
             await server.start()
             grpc_started = True
             if self.config.http is not None:
@@ -200,6 +216,9 @@ class RouterServer:
         except BaseException:  # a bad Redis URL, a failed bind: leave no task or channel behind
             if grpc_started:  # the HTTP bind failed
                 await server.stop(None)
+            if self.replica_sync is not None:
+                await self.replica_sync.close()
+                self.replica_sync = None
             if self.watcher is not None:
                 await self.watcher.stop()
                 self.watcher = None
@@ -209,11 +228,12 @@ class RouterServer:
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self._set_ready(self.pool.num_healthy > 0)
         log.info(
-            "router listening on %s policy=%s workers=%s redis=%s",
+            "router listening on %s policy=%s workers=%s redis=%s replica_sync=%s",
             self.address,
             self.core.policy_name,
             ",".join(self.config.workers) or "-",
             self.config.registry.redis_url or "-",
+            self.replica_sync.router_id if self.replica_sync is not None else "off",
         )
         return port
 
@@ -230,6 +250,8 @@ class RouterServer:
             )
             await asyncio.gather(http_stopped, grpc_stopped)
         finally:
+            if self.replica_sync is not None:  # after the in-flight requests' finishes
+                await self.replica_sync.close()
             if self.watcher is not None:
                 await self.watcher.stop()
             await self.pool.close()

@@ -66,6 +66,24 @@ def test_approx_tree_routers_know_only_their_own_history():
     assert aware.cached_tokens == (24 - 2) * 4 * BS
 
 
+def test_replica_sync_shares_each_routers_picks_with_the_others():
+    # approx_tree again, 24 routers, but each pick, first token and finish reaches the other
+    # routers 1 ms later: every router now knows where the others put each prefix
+    records = two_prefix_trace(24)
+    sim = run(records, "approx_tree", tiny_config(num_routers=24, replica_sync_delay_s=0.001))
+    synced = sim.report("approx_tree")
+    assert synced.extra["router_predicted_hit_rate"] > 0
+    assert synced.cached_tokens == (24 - 2) * 4 * BS
+    sim.settle(0.01)  # the last finish's messages were still on their way when run() ended
+    # 24 requests x (routed, first token, finished) x 23 other routers
+    assert sim.num_replica_events == 24 * 3 * 23
+    for router in sim.routers:  # nothing counted forever: every end reached every router
+        assert router.stats().num_replica_inflight == 0
+        assert all(router.worker_view(w).num_active == 0 for w in sim.workers)
+    with pytest.raises(ValueError, match="replica_sync_delay_s must be >= 0 or None"):
+        SimConfig(replica_sync_delay_s=-1.0)
+
+
 def test_random_assignment_is_seeded_and_covers_every_router():
     records = two_prefix_trace(40)
     a = run(records, "round_robin", tiny_config(num_routers=4, router_assignment="random"))
@@ -112,6 +130,11 @@ def test_cli_routers(tmp_path, capsys):
     assert json.loads(out.read_text())["setup"]["load_interval_s"] == 1.0
     assert main([*base, "--no-reference", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["setup"]["load_interval_s"] == 1.0
+    sync = ["--routers", "2", "--replica-sync-delay-s", "0.0005", "--no-reference"]
+    assert main([*base, *sync, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["setup"]["replica_sync_delay_s"] == 0.0005
+    assert report["policies"][0]["extra"]["replica_events"] > 0
 
 
 # ---- the stricter simulation ---------------------------------------------------------------

@@ -109,6 +109,16 @@ def test_bad_worker_address_is_a_usage_error(bad, capsys):
     assert "HOST:PORT" in capsys.readouterr().err
 
 
+def test_replica_sync_maps_to_the_registry_and_needs_redis(capsys):
+    args = cli.build_parser().parse_args(["--redis-url", "redis://r:6379/0", "--replica-sync"])
+    assert cli.config_from_args(args).registry.replica_sync
+    assert not cli.config_from_args(
+        cli.build_parser().parse_args(["--worker", "h:1"])
+    ).registry.replica_sync
+    assert cli.main(["--worker", "h:1", "--replica-sync"]) == 2
+    assert "--replica-sync needs --redis-url" in capsys.readouterr().err
+
+
 def test_router_needs_a_worker_or_redis(capsys):
     assert cli.main([]) == 2
     assert "--worker or --redis-url" in capsys.readouterr().err

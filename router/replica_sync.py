@@ -1,0 +1,401 @@
+"""Replica sync: router replicas tell each other what they place, through Redis pub/sub.
+
+Production runs several router replicas behind one load balancer. Each sees every worker's
+KV events and load reports, but only its own routing decisions, so in the tens of
+milliseconds between two load reports it cannot see the requests the others just sent
+(BENCHMARKS.md, "Several routers"). With ``kvroute router --replica-sync`` every replica
+publishes its own picks, first tokens and finishes (:class:`~router.core_types.ReplicaEvent`,
+from :meth:`RouterCore.set_replica_listener`) on the Redis channel ``<prefix>replica`` of the
+registry it already uses, and applies everybody else's (:meth:`RouterCore.apply_replica`):
+their queued prefill, active requests and predicted prefixes then count at every router
+about a Redis round trip after the pick.
+
+Wire: one :class:`ReplicaBatch` protobuf per message (``kvroute.proto``): the publisher's
+random ``router_id``, a sequence number, the events, and ``leaving`` on shutdown. Nothing is
+ever retried or blocked for: routing never waits on Redis.
+
+* Publishing: events queue in memory (at most ``max_pending``; past that new ones are
+  dropped and counted) and go out in batches as soon as the event loop runs the publisher,
+  or as an empty heartbeat every ``heartbeat_s``. A batch Redis refuses is lost (counted);
+  its sequence number is spent, so the peers see the gap.
+* Receiving: a gap in a peer's sequence numbers means lost events (a finish among them would
+  leave a request counted forever), so the peer's requests are all dropped
+  (:meth:`RouterCore.drop_replica`) and counting starts again from what arrives next; the same
+  when a peer is silent for ``peer_timeout_s`` (it died), when it says it is leaving, and for
+  every peer when this router's own subscription broke. Malformed batches are counted and
+  ignored (field and limit logged), as are events for workers this router does not know.
+
+The channel carries request ids, worker ids and prompt block hashes: it is as sensitive as
+the registry, and protected the same way (the registry's Redis URL, ACL user and TLS).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from kvroute_proto import kvroute_pb2 as pb
+from kvroute_proto.registry import DEFAULT_PREFIX
+from router.core import RouterCore
+from router.core_types import ReplicaEvent, ReplicaFinished, ReplicaFirstToken, ReplicaRouted
+
+log = logging.getLogger("kvroute.router.replica_sync")
+
+MAX_EVENTS_PER_BATCH = 1024
+MAX_ID_CHARS = 256  # request and worker ids
+MAX_BLOCKS = 65_536  # block hashes of one routed request (1M tokens at block size 16)
+DEFAULT_HEARTBEAT_S = 1.0
+DEFAULT_PEER_TIMEOUT_S = 5.0
+DEFAULT_MAX_PENDING = 100_000
+
+
+class ReplicaDecodeError(ValueError):
+    """A replica batch that is not what a kvroute router publishes (names the field)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaBatchMessage:
+    """A decoded :class:`ReplicaBatch`."""
+
+    router_id: str
+    seq: int
+    events: tuple[ReplicaEvent, ...]
+    leaving: bool = False
+
+
+def encode_batch(
+    router_id: str, seq: int, events: Sequence[ReplicaEvent], *, leaving: bool = False
+) -> bytes:
+    """The wire form of one batch."""
+    out = pb.ReplicaBatch(router_id=router_id, seq=seq, leaving=leaving)
+    for event in events:
+        item = out.events.add()
+        if isinstance(event, ReplicaRouted):
+            hashes = np.asarray(event.block_hashes, dtype="<u8").tobytes()
+            item.routed.CopyFrom(
+                pb.ReplicaRouted(
+                    request_id=event.request_id,
+                    worker_id=event.worker_id,
+                    prompt_tokens=event.prompt_tokens,
+                    matched_tokens=event.matched_tokens,
+                    block_hashes=hashes,
+                )
+            )
+        elif isinstance(event, ReplicaFirstToken):
+            item.first_token.request_id = event.request_id
+        else:
+            item.finished.request_id = event.request_id
+            item.finished.generated_tokens = event.generated_tokens
+    return out.SerializeToString()
+
+
+def _check_id(value: str, field: str) -> str:
+    if not value:
+        raise ReplicaDecodeError(f"{field} is empty")
+    if len(value) > MAX_ID_CHARS:
+        raise ReplicaDecodeError(f"{field} has {len(value)} characters, limit {MAX_ID_CHARS}")
+    return value
+
+
+def decode_batch(data: bytes) -> ReplicaBatchMessage:
+    """Parse and check one batch; :class:`ReplicaDecodeError` names what is wrong."""
+    msg = pb.ReplicaBatch()
+    try:
+        msg.ParseFromString(data)
+    except Exception as exc:  # protobuf's DecodeError, or a type error for non-bytes
+        raise ReplicaDecodeError(f"not a ReplicaBatch: {exc}") from None
+    router_id = _check_id(msg.router_id, "router_id")
+    if msg.seq < 1:
+        raise ReplicaDecodeError(f"seq must be >= 1, got {msg.seq}")
+    if len(msg.events) > MAX_EVENTS_PER_BATCH:
+        raise ReplicaDecodeError(
+            f"events has {len(msg.events)} entries, limit {MAX_EVENTS_PER_BATCH}"
+        )
+    events: list[ReplicaEvent] = []
+    for i, item in enumerate(msg.events):
+        kind = item.WhichOneof("kind")
+        where = f"events[{i}]"
+        if kind == "routed":
+            r = item.routed
+            raw = r.block_hashes
+            if len(raw) % 8:
+                raise ReplicaDecodeError(
+                    f"{where}.routed.block_hashes has {len(raw)} bytes, not a multiple of 8"
+                )
+            if len(raw) // 8 > MAX_BLOCKS:
+                raise ReplicaDecodeError(
+                    f"{where}.routed.block_hashes has {len(raw) // 8} blocks, limit {MAX_BLOCKS}"
+                )
+            if r.matched_tokens > r.prompt_tokens:
+                raise ReplicaDecodeError(
+                    f"{where}.routed.matched_tokens {r.matched_tokens} > prompt_tokens "
+                    f"{r.prompt_tokens}"
+                )
+            events.append(
+                ReplicaRouted(
+                    _check_id(r.request_id, f"{where}.routed.request_id"),
+                    _check_id(r.worker_id, f"{where}.routed.worker_id"),
+                    r.prompt_tokens,
+                    r.matched_tokens,
+                    np.frombuffer(raw, dtype="<u8").astype(np.uint64),
+                )
+            )
+        elif kind == "first_token":
+            rid = _check_id(item.first_token.request_id, f"{where}.first_token.request_id")
+            events.append(ReplicaFirstToken(rid))
+        elif kind == "finished":
+            f = item.finished
+            rid = _check_id(f.request_id, f"{where}.finished.request_id")
+            events.append(ReplicaFinished(rid, f.generated_tokens))
+        else:
+            raise ReplicaDecodeError(f"{where} has no event (routed, first_token or finished)")
+    return ReplicaBatchMessage(router_id, msg.seq, tuple(events), msg.leaving)
+
+
+@dataclass(slots=True)
+class _Peer:
+    last_seq: int
+    last_seen: float
+
+
+class ReplicaSync:
+    """One router's side of replica sync (module docstring): :meth:`start`, :meth:`close`."""
+
+    def __init__(
+        self,
+        core: RouterCore,
+        redis_url: str,
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        router_id: str | None = None,
+        client_options: Mapping[str, Any] | None = None,
+        heartbeat_s: float = DEFAULT_HEARTBEAT_S,
+        peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S,
+        max_pending: int = DEFAULT_MAX_PENDING,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not heartbeat_s > 0:
+            raise ValueError(f"replica sync heartbeat_s must be > 0, got {heartbeat_s}")
+        if not peer_timeout_s > heartbeat_s:
+            raise ValueError(
+                f"replica sync peer_timeout_s ({peer_timeout_s}) must be > heartbeat_s "
+                f"({heartbeat_s}): a live peer would be dropped between its heartbeats"
+            )
+        if max_pending < 1:
+            raise ValueError(f"replica sync max_pending must be >= 1, got {max_pending}")
+        self.core = core
+        self.channel = f"{prefix}replica"
+        self.router_id = router_id or secrets.token_hex(8)
+        self._heartbeat_s = heartbeat_s
+        self._peer_timeout_s = peer_timeout_s
+        self._max_pending = max_pending
+        self._clock = clock
+        options = dict(client_options or {})
+        timeout = max(heartbeat_s, 1.0)
+        self._pub = aioredis.Redis.from_url(
+            redis_url, socket_timeout=timeout, socket_connect_timeout=timeout, **options
+        )
+        # the subscription reads with its own timeout (get_message); no socket timeout
+        self._sub = aioredis.Redis.from_url(redis_url, socket_connect_timeout=timeout, **options)
+        self._pending: deque[ReplicaEvent] = deque()
+        self._wake = asyncio.Event()
+        self._seq = 0
+        self._peers: dict[str, _Peer] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self.subscribed = asyncio.Event()  # set while the subscription is live
+        self._publish_down = False
+        self._subscribe_down = False
+        self.counters: dict[str, int] = dict.fromkeys(
+            (
+                "batches_published",
+                "events_published",
+                "events_dropped",  # queue full, or Redis refused the batch
+                "batches_received",
+                "events_applied",
+                "events_ignored",  # unknown worker, a request already counted, an unseen end
+                "batches_malformed",
+                "gaps",
+                "peers_dropped",
+                "requests_dropped",  # peers' requests forgotten (gap, silence, leaving)
+            ),
+            0,
+        )
+
+    @property
+    def peers(self) -> list[str]:
+        """The other routers heard from (and not dropped since)."""
+        return list(self._peers)
+
+    async def start(self) -> None:
+        """Start publishing this router's events and applying the others'."""
+        if self._tasks:
+            raise RuntimeError("replica sync already started")
+        self.core.set_replica_listener(self._on_local)
+        self._tasks = [
+            asyncio.create_task(self._subscribe_loop(), name="replica-subscribe"),
+            asyncio.create_task(self._publish_loop(), name="replica-publish"),
+        ]
+        log.info("replica sync: router %s on channel %s", self.router_id, self.channel)
+
+    async def close(self, timeout_s: float = 1.0) -> None:
+        """Stop listening; publish what is queued and a ``leaving`` batch (best effort,
+        within ``timeout_s``), forget every peer's requests, close the connections."""
+        self.core.set_replica_listener(None)
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._tasks:
+            with contextlib.suppress(TimeoutError, RedisError, OSError):
+                async with asyncio.timeout(timeout_s):
+                    await self._flush()
+                    await self._publish((), leaving=True)
+        self._tasks = []
+        for router_id in list(self._peers):
+            self._drop(router_id, "this router is stopping")
+        await self._pub.aclose()
+        await self._sub.aclose()
+
+    # ---- publishing ------------------------------------------------------------------------
+
+    def _on_local(self, event: ReplicaEvent) -> None:
+        """The core's listener: runs inside route(), so it only queues."""
+        if len(self._pending) >= self._max_pending:
+            self.counters["events_dropped"] += 1
+            return
+        self._pending.append(event)
+        self._wake.set()
+
+    async def _publish_loop(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._heartbeat_s):
+                    await self._wake.wait()
+            self._wake.clear()
+            try:
+                if self._pending:
+                    await self._flush()
+                else:
+                    await self._publish(())  # heartbeat: peers know this router is alive
+            except (RedisError, OSError):
+                await asyncio.sleep(min(self._heartbeat_s, 0.5))  # _publish logged it
+
+    async def _flush(self) -> None:
+        while self._pending:
+            n = min(len(self._pending), MAX_EVENTS_PER_BATCH)
+            events = [self._pending.popleft() for _ in range(n)]
+            await self._publish(events)
+
+    async def _publish(self, events: Sequence[ReplicaEvent], *, leaving: bool = False) -> None:
+        self._seq += 1  # spent even if the batch is lost: the peers must see the gap
+        data = encode_batch(self.router_id, self._seq, events, leaving=leaving)
+        try:
+            await self._pub.publish(self.channel, data)
+        except (RedisError, OSError) as exc:
+            self.counters["events_dropped"] += len(events)
+            if not self._publish_down:
+                log.warning("replica sync: cannot publish to Redis (%s); events are dropped", exc)
+            self._publish_down = True
+            raise
+        if self._publish_down:
+            log.info("replica sync: publishing again")
+        self._publish_down = False
+        self.counters["batches_published"] += 1
+        self.counters["events_published"] += len(events)
+
+    # ---- receiving -------------------------------------------------------------------------
+
+    async def _subscribe_loop(self) -> None:
+        while True:
+            try:
+                async with self._sub.pubsub() as pubsub:
+                    await pubsub.subscribe(self.channel)
+                    if self._subscribe_down:
+                        log.info("replica sync: subscribed again")
+                    self._subscribe_down = False
+                    self.subscribed.set()
+                    while True:
+                        msg = await pubsub.get_message(
+                            ignore_subscribe_messages=True, timeout=self._heartbeat_s
+                        )
+                        if msg is not None and msg.get("type") == "message":
+                            self.on_message(msg["data"])
+                        self.expire_peers()
+            except (RedisError, OSError) as exc:
+                self.subscribed.clear()
+                if not self._subscribe_down:
+                    log.warning(
+                        "replica sync: subscription to Redis lost (%s); the other routers' "
+                        "requests are forgotten until it is back",
+                        exc,
+                    )
+                self._subscribe_down = True
+                for router_id in list(self._peers):  # their events went past us
+                    self._drop(router_id, "this router's subscription broke")
+                await asyncio.sleep(min(self._heartbeat_s, 1.0))
+
+    def on_message(self, data: bytes) -> None:
+        """Apply one published batch (the subscription calls it; tests may too)."""
+        try:
+            batch = decode_batch(data)
+        except ReplicaDecodeError as exc:
+            self.counters["batches_malformed"] += 1
+            log.warning("replica sync: ignoring a malformed batch: %s", exc)
+            return
+        if batch.router_id == self.router_id:
+            return  # our own, echoed by the channel
+        self.counters["batches_received"] += 1
+        peer = self._peers.get(batch.router_id)
+        if batch.leaving:
+            if peer is not None:
+                self._drop(batch.router_id, "it is stopping")
+            return
+        now = self._clock()
+        if peer is None:
+            peer = self._peers[batch.router_id] = _Peer(batch.seq - 1, now)
+            log.info("replica sync: router %s joined", batch.router_id)
+        if batch.seq <= peer.last_seq:
+            return  # a duplicate
+        if batch.seq != peer.last_seq + 1:
+            self.counters["gaps"] += 1
+            n = self.core.drop_replica(batch.router_id)
+            self.counters["requests_dropped"] += n
+            log.warning(
+                "replica sync: %d batch(es) from router %s lost; forgot its %d request(s)",
+                batch.seq - peer.last_seq - 1,
+                batch.router_id,
+                n,
+            )
+        peer.last_seq = batch.seq
+        peer.last_seen = now
+        for event in batch.events:
+            if self.core.apply_replica(batch.router_id, event):
+                self.counters["events_applied"] += 1
+            else:
+                self.counters["events_ignored"] += 1
+
+    def expire_peers(self) -> None:
+        """Forget peers silent for longer than ``peer_timeout_s`` (they died)."""
+        now = self._clock()
+        for router_id, peer in list(self._peers.items()):
+            if now - peer.last_seen > self._peer_timeout_s:
+                self._drop(router_id, f"silent for {now - peer.last_seen:.1f} s")
+
+    def _drop(self, router_id: str, why: str) -> None:
+        del self._peers[router_id]
+        n = self.core.drop_replica(router_id)
+        self.counters["peers_dropped"] += 1
+        self.counters["requests_dropped"] += n
+        log.info("replica sync: forgot router %s (%s) and its %d request(s)", router_id, why, n)

@@ -1,0 +1,200 @@
+"""router.replica_sync: the batch codec, what a router does with its peers' batches, and two
+routers syncing through the real Redis at 127.0.0.1:6379."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import uuid
+
+import numpy as np
+import pytest
+
+from kvroute_proto import kvroute_pb2 as pb
+from router.core import RouterConfig, RouterCore, RouteRequest
+from router.core_types import ReplicaFinished, ReplicaFirstToken, ReplicaRouted
+from router.replica_sync import (
+    MAX_BLOCKS,
+    MAX_EVENTS_PER_BATCH,
+    ReplicaDecodeError,
+    ReplicaSync,
+    decode_batch,
+    encode_batch,
+)
+
+B = 16
+NOWHERE = "redis://127.0.0.1:1/0"  # never connected to by the tests that use it
+
+
+def make_core(seed: int = 0) -> RouterCore:
+    core = RouterCore(RouterConfig(block_size=B), clock=lambda: 0.0, rng=random.Random(seed))
+    for i in range(3):
+        core.add_worker(f"w{i}", block_size=B)
+    return core
+
+
+def test_a_batch_survives_the_wire():
+    hashes = np.array([1, 2**64 - 1, 12345], dtype=np.uint64)
+    events = (
+        ReplicaRouted("r1", "w0", 100, 32, hashes),
+        ReplicaFirstToken("r1"),
+        ReplicaFinished("r1", 9),
+        ReplicaRouted("r2", "w1", 5, 0),
+    )
+    batch = decode_batch(encode_batch("me", 7, events))
+    assert (batch.router_id, batch.seq, batch.leaving) == ("me", 7, False)
+    routed = batch.events[0]
+    assert isinstance(routed, ReplicaRouted)
+    assert routed.block_hashes.tolist() == hashes.tolist()  # type: ignore[union-attr]
+    assert batch.events[1:3] == events[1:3]
+    assert len(batch.events[3].block_hashes) == 0  # type: ignore[union-attr]
+    assert decode_batch(encode_batch("me", 8, (), leaving=True)).leaving
+
+
+def _batch(**fields) -> pb.ReplicaBatch:
+    return pb.ReplicaBatch(router_id=fields.pop("router_id", "peer"), seq=fields.pop("seq", 1))
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda b: setattr(b, "router_id", ""), "router_id is empty"),
+        (lambda b: setattr(b, "router_id", "x" * 257), "router_id has 257 characters, limit 256"),
+        (lambda b: setattr(b, "seq", 0), "seq must be >= 1"),
+        (lambda b: b.events.add(), r"events\[0\] has no event"),
+        (
+            lambda b: b.events.add().routed.CopyFrom(
+                pb.ReplicaRouted(request_id="r", worker_id="w", block_hashes=b"123")
+            ),
+            r"events\[0\]\.routed\.block_hashes has 3 bytes, not a multiple of 8",
+        ),
+        (
+            lambda b: b.events.add().routed.CopyFrom(
+                pb.ReplicaRouted(
+                    request_id="r", worker_id="w", block_hashes=bytes(8 * (MAX_BLOCKS + 1))
+                )
+            ),
+            rf"block_hashes has {MAX_BLOCKS + 1} blocks, limit {MAX_BLOCKS}",
+        ),
+        (
+            lambda b: b.events.add().routed.CopyFrom(
+                pb.ReplicaRouted(request_id="r", worker_id="w", prompt_tokens=4, matched_tokens=5)
+            ),
+            r"matched_tokens 5 > prompt_tokens 4",
+        ),
+        (
+            lambda b: b.events.add().routed.CopyFrom(pb.ReplicaRouted(request_id="r")),
+            r"events\[0\]\.routed\.worker_id is empty",
+        ),
+        (
+            lambda b: b.events.add().first_token.CopyFrom(pb.ReplicaFirstToken()),
+            r"events\[0\]\.first_token\.request_id is empty",
+        ),
+        (
+            lambda b: [
+                b.events.add().finished.CopyFrom(pb.ReplicaFinished(request_id="r"))
+                for _ in range(MAX_EVENTS_PER_BATCH + 1)
+            ],
+            rf"events has {MAX_EVENTS_PER_BATCH + 1} entries, limit {MAX_EVENTS_PER_BATCH}",
+        ),
+    ],
+)
+def test_a_malformed_batch_is_refused_naming_the_field(mutate, message):
+    batch = _batch()
+    mutate(batch)
+    with pytest.raises(ReplicaDecodeError, match=message):
+        decode_batch(batch.SerializeToString())
+
+
+def test_bytes_that_are_no_batch_are_refused():
+    with pytest.raises(ReplicaDecodeError, match="not a ReplicaBatch"):
+        decode_batch(b"\xff\xff\xff")
+
+
+async def test_a_peers_batches_are_applied_in_sequence_and_a_gap_forgets_its_requests():
+    core = make_core()
+    now = [0.0]
+    sync = ReplicaSync(core, NOWHERE, router_id="me", clock=lambda: now[0], peer_timeout_s=5)
+    try:
+        view = core.worker_view("w0")
+        sync.on_message(encode_batch("me", 1, (ReplicaRouted("own", "w0", 10, 0),)))
+        assert view.num_active == 0  # our own batch, echoed by the channel
+        sync.on_message(encode_batch("p", 4, (ReplicaRouted("a", "w0", 100, 0),)))
+        assert sync.peers == ["p"] and view.num_active == 1  # a new peer, from any seq
+        sync.on_message(encode_batch("p", 4, (ReplicaRouted("dup", "w0", 1, 0),)))
+        assert view.num_active == 1  # a duplicate batch
+        sync.on_message(encode_batch("p", 5, (ReplicaRouted("b", "w0", 50, 0),)))
+        assert view.num_active == 2 and view.inflight_prefill_tokens == 150
+        sync.on_message(encode_batch("p", 7, (ReplicaRouted("c", "w1", 30, 0),)))
+        # batch 6 was lost (it may have ended a or b): forget what p had, keep what came
+        assert sync.counters["gaps"] == 1 and sync.counters["requests_dropped"] == 2
+        assert view.num_active == 0 and core.worker_view("w1").num_active == 1
+        sync.on_message(encode_batch("p", 8, (ReplicaFinished("c"), ReplicaFinished("zz"))))
+        assert core.worker_view("w1").num_active == 0
+        assert sync.counters["events_ignored"] == 1  # zz was never placed
+        sync.on_message(b"garbage")
+        assert sync.counters["batches_malformed"] == 1
+        sync.on_message(encode_batch("q", 1, (ReplicaRouted("d", "w2", 10, 0),)))
+        now[0] = 3.0
+        sync.on_message(encode_batch("p", 9, ()))  # p's heartbeat
+        now[0] = 6.0
+        sync.expire_peers()  # q silent for 6 s > 5 s: dead; p heard 3 s ago
+        assert sync.peers == ["p"] and core.worker_view("w2").num_active == 0
+        sync.on_message(encode_batch("p", 10, (ReplicaRouted("e", "w1", 10, 0),)))
+        sync.on_message(encode_batch("p", 11, (), leaving=True))
+        assert sync.peers == [] and core.worker_view("w1").num_active == 0
+    finally:
+        await sync.close(timeout_s=0.1)
+
+
+async def test_settings_that_would_drop_live_peers_are_refused():
+    with pytest.raises(ValueError, match=r"peer_timeout_s \(1.0\) must be > heartbeat_s"):
+        ReplicaSync(make_core(), NOWHERE, heartbeat_s=1.0, peer_timeout_s=1.0)
+    with pytest.raises(ValueError, match="max_pending must be >= 1"):
+        ReplicaSync(make_core(), NOWHERE, max_pending=0)
+
+
+async def test_a_full_queue_drops_new_events_and_never_blocks_routing():
+    core = make_core()
+    sync = ReplicaSync(core, NOWHERE, max_pending=2)
+    core.set_replica_listener(sync._on_local)  # as start() does, without the Redis tasks
+    for i in range(3):
+        core.route(RouteRequest(f"r{i}", np.arange(32, dtype=np.uint32)))
+    assert sync.counters["events_dropped"] == 1
+    await sync.close(timeout_s=0.1)
+    core.route(RouteRequest("after", np.arange(32, dtype=np.uint32)))  # listener removed
+
+
+async def _wait(predicate, timeout_s: float = 5.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not predicate():
+            await asyncio.sleep(0.01)
+
+
+async def test_two_routers_sync_through_redis(redis_url):
+    prefix = f"kvroute-test-{uuid.uuid4().hex[:8]}:"
+    a, b = make_core(1), make_core(2)
+    sa = ReplicaSync(a, redis_url, prefix=prefix, heartbeat_s=0.2, peer_timeout_s=2)
+    sb = ReplicaSync(b, redis_url, prefix=prefix, heartbeat_s=0.2, peer_timeout_s=2)
+    await sa.start()
+    await sb.start()
+    try:
+        await _wait(lambda: sa.subscribed.is_set() and sb.subscribed.is_set())
+        d = a.route(RouteRequest("x", np.arange(320, dtype=np.uint32)))
+        view = b.worker_view(d.worker_id)
+        await _wait(lambda: view.num_active == 1)
+        assert view.inflight_prefill_tokens == 320
+        a.on_first_token("x")
+        await _wait(lambda: view.inflight_prefill_tokens == 0)
+        a.on_finished("x", 3)
+        await _wait(lambda: view.num_active == 0)
+        b.route(RouteRequest("y", np.arange(64, dtype=np.uint32)))
+        await _wait(lambda: b.stats().num_routed == 1 and a.stats().num_replica_inflight == 1)
+        assert sb.peers == [sa.router_id] and sa.peers == [sb.router_id]
+    finally:
+        await sb.close()
+    # b said it was leaving: a forgets b's request at once
+    await _wait(lambda: a.stats().num_replica_inflight == 0)
+    await sa.close()
+    assert sa.counters["batches_malformed"] == sb.counters["batches_malformed"] == 0
+    assert sa.counters["gaps"] == 0
