@@ -118,7 +118,7 @@ def test_k8s_pods_expose_the_metrics_port_they_serve() -> None:
                 continue
             template = doc["spec"]["template"]
             (container,) = template["spec"]["containers"]
-            args = dict(a.split("=", 1) for a in container["args"])
+            args = dict(a.split("=", 1) for a in container["args"] if "=" in a)
             port = int(args["--metrics-port"])
             assert {"name": "metrics", "containerPort": port} in container["ports"]
             annotations = template["metadata"]["annotations"]
@@ -137,3 +137,35 @@ def test_the_router_image_ships_its_compiled_kernels() -> None:
     assert "enable_compiled()" in text
     assert text.index(env) < warm < text.index(user)
     assert f'chown -R {user.split()[1]} "$NUMBA_CACHE_DIR"' in text and cache.startswith("/")
+
+
+def test_router_replicas_are_told_how_many_they_are_and_sync_through_redis() -> None:
+    """Each router's --replicas matches the replicas deployed, --replica-sync has the Redis it
+    needs, the workers report load every 50 ms, and the real parsers accept every flag."""
+    from router import cli as router_cli
+    from worker import cli as worker_cli
+
+    services = _compose()["services"]
+    routers = [s for name, s in services.items() if name.startswith("router-")]
+    for svc in routers:
+        args = router_cli.build_parser().parse_args(svc["command"])
+        assert args.replicas == len(routers) and args.replica_sync and args.redis_url
+        assert router_cli.config_from_args(args).registry.replica_sync
+    for name, svc in services.items():
+        if name.startswith("worker-"):
+            assert worker_cli.build_parser().parse_args(svc["command"]).load_interval_s == 0.05
+    (router,) = [
+        d
+        for d in yaml.safe_load_all((DEPLOY / "k8s" / "router.yaml").read_text())
+        if d and d["kind"] == "Deployment"
+    ]
+    (container,) = router["spec"]["template"]["spec"]["containers"]
+    args = router_cli.build_parser().parse_args(container["args"])
+    assert args.replicas == router["spec"]["replicas"] and args.replica_sync and args.redis_url
+    (worker,) = [
+        d
+        for d in yaml.safe_load_all((DEPLOY / "k8s" / "worker.yaml").read_text())
+        if d and d["kind"] in ("Deployment", "StatefulSet")
+    ]
+    (container,) = worker["spec"]["template"]["spec"]["containers"]
+    assert "--load-interval-s=0.05" in container["args"]
