@@ -663,7 +663,14 @@ def simulate_reference(
         case _:
             raise ValueError(f"kind must be 'pooled' or 'infinite', got {kind!r}")
     e = config.engine
-    one = replace(config, num_workers=1, kv_capacity_tokens=capacity)
+    # flushes: the fleet loses one worker's cache (1/n of what it holds) every interval; the
+    # one big cache loses all of it every n intervals -- the same share per second
+    one = replace(
+        config,
+        num_workers=1,
+        kv_capacity_tokens=capacity,
+        flush_interval_s=config.flush_interval_s * n,
+    )
 
     def engine_config(worker_id: str) -> EngineConfig:
         return replace(

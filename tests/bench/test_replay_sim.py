@@ -54,6 +54,19 @@ def test_cache_flushes_reach_the_routers_through_events_only():
         tiny_config(flush_interval_s=-1.0)
 
 
+def test_the_pooled_reference_loses_its_cache_as_often_as_the_fleet_does():
+    """A fleet of n loses one worker's cache (1/n of it) every interval; the pooled cache
+    all of it every n intervals: the same share per second, not n times more."""
+    records = two_prefix_trace()
+    ex = TokenExpander(BS, 128_256, seed=0)
+    config = tiny_config(flush_interval_s=1.7)
+    pooled = simulate_reference(records, "pooled", config, ex, trace_block_size=BS)
+    fleet = simulate(records, "cache_aware", config, ex)
+    n = config.num_workers
+    assert n > 1 and fleet.extra["cache_flushes"] == 6
+    assert pooled.extra["cache_flushes"] == fleet.extra["cache_flushes"] // n
+
+
 def test_support_agent_in_miniature_keeps_its_hits_and_balances_prefill():
     # 245 requests on 4 workers far below saturation: conversations stay where their history
     # is cached, and the one-off RAG prefills spread instead of piling onto the workers that
