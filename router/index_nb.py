@@ -12,9 +12,12 @@ histories and asserts they agree after every step). Only the storage differs::
     _tab[row, 3 + w]  uint64  bit s % 64 of word w = s // 64: worker slot s holds the block
 
 One row holds a block's key, parent, stamp and worker bitset words side by side, so a find
-step touches one cache line. Rows are deleted by backward shift (no tombstones), and the
-table is rebuilt at a load of 0.6 (growing) or 1/16 (shrinking, so memory returns after
-removals). Worker slots past 63 widen every row by a word (a 1,024-worker fleet pays 16
+step touches one cache line. A row nobody holds any more keeps its key with all-zero words
+(a dead row: a walk stops there as at a missing key; a store of that key makes it live again
+with no parent or stamp, as a new row); rebuilds drop dead rows. The table is rebuilt when
+its rows with a key, dead ones included, pass a load of 0.6 (growing, unless dropping the
+dead rows makes room) and when its live rows fall under 1/16 (shrinking, so memory returns
+after removals). Worker slots past 63 widen every row by a word (a 1,024-worker fleet pays 16
 words a row).
 
 Predicted entries (``router.predicted``'s semantics, in a table of their own)::
@@ -71,6 +74,7 @@ _PHELD, _PMARK, _PBITS = 1, 2, 3  # predicted table columns (0: key)
 # size, a mark for deduplicating within a call, records' FIFO head and tail
 _M_LIVE, _M_TICK = 0, 1
 _P_ROWS, _P_LIVE, _P_HEAP, _P_MARK, _P_HEAD, _P_TAIL = 2, 3, 4, 5, 6, 7
+_M_USED = 8  # confirmed rows with a key: the live ones and those nobody holds any more
 _MIN_CAP = 1 << 10
 _MIN_RECORDS = 1 << 10
 _GROW_LOAD = 0.6  # a table grows past this load
@@ -135,26 +139,6 @@ def _find(tab: Any, k: Any) -> int:
 
 
 @_jit
-def _delete(tab: Any, i: int) -> None:
-    """Empty row ``i``, moving later rows of its probe run back (no tombstones)."""
-    mask = tab.shape[0] - 1
-    ncol = tab.shape[1]
-    j = i
-    while True:
-        j = (j + 1) & mask
-        k = tab[j, 0]
-        if k == _NIL:
-            break
-        h = _home(k, mask)
-        if ((j - h) & mask) >= ((j - i) & mask):  # row i lies on k's probe path
-            for c in range(ncol):
-                tab[i, c] = tab[j, c]
-            i = j
-    for c in range(ncol):
-        tab[i, c] = _NIL
-
-
-@_jit
 def _delete_pred(tab: Any, until: Any, i: int) -> None:
     """As _delete, moving the deadlines along."""
     mask = tab.shape[0] - 1
@@ -174,23 +158,6 @@ def _delete_pred(tab: Any, until: Any, i: int) -> None:
     for c in range(ncol):
         tab[i, c] = _NIL
     until[i] = 0.0
-
-
-@_jit
-def _rehash(old: Any, new: Any) -> int:
-    """Copy the rows of ``old`` with a key and a nonzero first data column group into
-    ``new`` (any width up to old's); returns the rows copied."""
-    n = 0
-    wcol = min(old.shape[1], new.shape[1])
-    for r in range(old.shape[0]):
-        k = old[r, 0]
-        if k == _NIL:
-            continue
-        i = -_find(new, k) - 1
-        for c in range(wcol):
-            new[i, c] = old[r, c]
-        n += 1
-    return n
 
 
 @_jit
@@ -242,7 +209,7 @@ def _store(tab: Any, meta: Any, counts: Any, keys: Any, parent: Any, slot: int) 
     Returns the (block, slot) pairs added, plus _UNKNOWN_PARENT when ``parent`` was given
     but not held by ``slot`` before; or _NO_ROOM, changing nothing, when ``keys`` could
     take the table past its load of 0.6 (the caller grows it and calls again)."""
-    if (meta[_M_LIVE] + keys.shape[0]) * 5 > tab.shape[0] * 3:
+    if (meta[_M_USED] + keys.shape[0]) * 5 > tab.shape[0] * 3:
         return _NO_ROOM
     col = _MASK + (slot >> 6)
     bit = _bit(slot)
@@ -258,13 +225,20 @@ def _store(tab: Any, meta: Any, counts: Any, keys: Any, parent: Any, slot: int) 
     for i in range(n):
         k = _key(keys[i])
         r = _find(tab, k)
+        m = _NIL
         if r < 0:
             r = -r - 1
             tab[r, 0] = k
             meta[_M_LIVE] += 1
+            meta[_M_USED] += 1
+        else:
+            m = tab[r, col]
+            if m == _NIL and not _held(tab, r, _MASK):  # a dead row: live again, as new
+                tab[r, _PAR] = _NIL
+                tab[r, _STAMP] = _NIL
+                meta[_M_LIVE] += 1
         if i == 0:
             first = r
-        m = tab[r, col]
         if (m & bit) == _NIL:
             tab[r, col] = m | bit
             added += 1
@@ -281,8 +255,10 @@ def _store(tab: Any, meta: Any, counts: Any, keys: Any, parent: Any, slot: int) 
 
 @_jit
 def _remove(tab: Any, meta: Any, counts: Any, keys: Any, slot: int) -> int:
-    """Withdraw ``keys`` from ``slot``; rows nobody holds are deleted. Returns the pairs
-    removed (the rest of ``keys`` were unknown)."""
+    """Withdraw ``keys`` from ``slot``; rows nobody holds any more stay as dead rows (their
+    key, all-zero words) until a rebuild drops them -- deleting in place (a backward shift
+    of the probe run) cost as much again as the lookups. Returns the pairs removed (the
+    rest of ``keys`` were unknown)."""
     col = _MASK + (slot >> 6)
     bit = _bit(slot)
     removed = 0
@@ -297,7 +273,6 @@ def _remove(tab: Any, meta: Any, counts: Any, keys: Any, slot: int) -> int:
         m ^= bit
         tab[r, col] = m
         if m == _NIL and not _held(tab, r, _MASK):
-            _delete(tab, r)
             meta[_M_LIVE] -= 1
     counts[slot] -= removed
     return removed
@@ -380,8 +355,8 @@ def _evict(tab: Any, meta: Any, counts: Any, target: int) -> int:
     cap = tab.shape[0]
     words = tab.shape[1] - _MASK
     children = np.zeros(cap, dtype=np.int64)
-    for r in range(cap):
-        if tab[r, 0] != _NIL and tab[r, _PAR] != _NIL:
+    for r in range(cap):  # dead rows (no holder) are neither children nor leaves
+        if tab[r, 0] != _NIL and tab[r, _PAR] != _NIL and _held(tab, r, _MASK):
             pr = _find(tab, tab[r, _PAR])
             if pr >= 0:
                 children[pr] += 1
@@ -390,7 +365,7 @@ def _evict(tab: Any, meta: Any, counts: Any, target: int) -> int:
     hashes = np.empty(live + 1, dtype=np.uint64)
     size = 0
     for r in range(cap):
-        if tab[r, 0] != _NIL and children[r] == 0:
+        if tab[r, 0] != _NIL and children[r] == 0 and _held(tab, r, _MASK):
             size = _heap_push(stamps, hashes, size, tab[r, _STAMP], _unkey(tab[r, 0]))
     evicted = 0
     while live > target and size > 0:
@@ -577,17 +552,18 @@ def _slot_rows(tab: Any, col: int, bit: Any) -> Any:
 
 
 @_jit
-def _check(tab: Any, counts: Any, live: int) -> int:
-    """0 if the table is consistent (every key found from its home, no row without a
-    worker, per-slot counts right, ``live`` rows), else an error code."""
+def _check(tab: Any, counts: Any, live: int, used: int) -> int:
+    """0 if the table is consistent (every key found from its home, ``used`` rows with a
+    key, ``live`` of them held, per-slot counts right), else an error code."""
     words = tab.shape[1] - _MASK
     seen = np.zeros(counts.shape[0], dtype=np.int64)
     n = 0
+    keyed = 0
     for r in range(tab.shape[0]):
         k = tab[r, 0]
         if k == _NIL:
             continue
-        n += 1
+        keyed += 1
         if _find(tab, k) != r:
             return 1
         any_bit = False
@@ -599,10 +575,12 @@ def _check(tab: Any, counts: Any, live: int) -> int:
                 low = m & (~m + _ONE)
                 seen[64 * w + _popcount(low - _ONE)] += 1
                 m ^= low
-        if not any_bit:
-            return 2
+        if any_bit:
+            n += 1
     if n != live:
         return 3
+    if keyed != used:
+        return 5
     for s in range(counts.shape[0]):
         if seen[s] != counts[s]:
             return 4
@@ -901,7 +879,7 @@ def warm_up() -> bool:
     index.remove_worker(1)
     index.check_invariants()
     # the rebuilds a growing table runs
-    _rehash(index._tab, np.zeros_like(index._tab))
+    _drop_empty(index._tab, np.zeros_like(index._tab))
     wire_nb.warm_up()  # the router's compiled event decoding (codec.enable_compiled_decode)
     _rehash_pred(index._ptab, index._until, np.zeros_like(index._ptab), np.zeros_like(index._until))
     _warm = True
@@ -927,7 +905,7 @@ class NumbaPrefixIndex(AppliesEvents):
         self._stride = self.config.predict_stride
         self._verify_on = self.config.verify_hashes
         self._tab = np.zeros((_MIN_CAP, _MASK + 1), dtype=_U64)
-        self._meta = np.zeros(8, dtype=np.int64)
+        self._meta = np.zeros(9, dtype=np.int64)
         self._counts = np.zeros(64, dtype=np.int64)
         self._nslots = 64  # worker slots the tables' words hold
         # find_matches' scratch (a bitset row per walked block and probe) and answer rows
@@ -991,11 +969,12 @@ class NumbaPrefixIndex(AppliesEvents):
         self._run_fits = n
 
     def _room(self, n: int) -> None:
-        """Grow the confirmed table so ``n`` more keys keep its load under 0.6."""
+        """Rebuild the confirmed table (dropping dead rows, growing as needed) so ``n``
+        more keys keep its load under 0.6."""
         cap = self._tab.shape[0]
-        need = int(self._meta[_M_LIVE]) + n
+        need = int(self._meta[_M_USED]) + n
         if need > cap * _GROW_LOAD:
-            self._resize(need)
+            self._resize(int(self._meta[_M_LIVE]) + n)
 
     @staticmethod
     def _capacity(live: int) -> int:
@@ -1007,17 +986,15 @@ class NumbaPrefixIndex(AppliesEvents):
         return cap
 
     def _resize(self, live: int) -> None:
+        """Rebuild the confirmed table with rows for ``live`` keys, its dead rows dropped."""
         cap = self._capacity(live)
         new = np.zeros((cap, self._tab.shape[1]), dtype=_U64)
-        _rehash(self._tab, new)
+        self._meta[_M_USED] = _drop_empty(self._tab, new)
         self._tab = new
 
     def _rebuild(self) -> None:
-        """Drop rows left without a worker (eviction, remove_worker) and resize."""
-        cap = self._capacity(int(self._meta[_M_LIVE]))
-        new = np.zeros((cap, self._tab.shape[1]), dtype=_U64)
-        _drop_empty(self._tab, new)
-        self._tab = new
+        """Drop rows left without a worker (removals, eviction, remove_worker) and resize."""
+        self._resize(int(self._meta[_M_LIVE]))
 
     def _maybe_shrink(self) -> None:
         cap = self._tab.shape[0]
@@ -1305,9 +1282,10 @@ class NumbaPrefixIndex(AppliesEvents):
 
     def check_invariants(self) -> None:
         """Assert the internal invariants (for tests; O(size))."""
-        code = _check(self._tab, self._counts, self.size())
+        used = int(self._meta[_M_USED])
+        code = _check(self._tab, self._counts, self.size(), used)
         assert code == 0, f"confirmed table inconsistent (code {code})"
-        assert self._tab.shape[0] * _GROW_LOAD >= self.size()
+        assert self._tab.shape[0] * _GROW_LOAD >= used >= self.size()
         assert (self._counts >= 0).all()
         ptab = self._ptab
         rows = np.flatnonzero(ptab[:, 0])

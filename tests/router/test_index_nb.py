@@ -269,3 +269,39 @@ def test_decoded_events_hashes_go_to_the_kernels_unconverted() -> None:
         nb.apply(3, ev)
     assert nb.find_matches(list(chain)) == ref.find_matches(list(chain)) == {3: 4}
     _assert_same(ref, nb, [3])
+
+
+def test_dead_rows_come_back_as_new_blocks() -> None:
+    """A block all its holders removed stays in the numba table as a dead row; stored again,
+    it is a new block, as in the dict index: no parent unless the event gives one, no stamp
+    unless it is the event's last -- which the size cap's eviction order (leaves, stamps)
+    shows, with one eviction and with two."""
+    for cap in (6, 5):
+        ref, nb = _pair(max_blocks=cap)
+        for index in (ref, nb):
+            index.store(0, BlockStored((1,), None, ()))
+            index.store(0, BlockStored((2, 3), 1, ()))  # 2's parent: 1
+            index.store(0, BlockStored((9,), None, ()))  # 9 stamped
+            index.remove(0, (2, 3, 9))  # dead rows in the numba table
+            index.store(1, BlockStored((2,), None, ()))  # 2 again: a root now
+            index.store(1, BlockStored((9, 10), None, ()))  # 9 again: not stamped
+            index.remove(1, (10,))  # 9 a leaf, never stamped since it came back
+            index.store(2, BlockStored((20, 21, 22, 23), None, ()))  # past the cap
+        assert ref.num_evicted == nb.num_evicted == 7 - (cap - cap // 16)
+        _assert_same(ref, nb, [0, 1, 2])
+
+
+def test_dead_rows_do_not_pile_up() -> None:
+    """Stores and removals that leave dead rows rebuild the table (dropping them) instead
+    of growing it: its rows stay bounded by the live blocks."""
+    rng = random.Random(5)
+    ref, nb = _pair()
+    for _ in range(400):
+        chain = tuple(rng.getrandbits(64) for _ in range(50))
+        for index in (ref, nb):
+            index.store(rng.randrange(3), BlockStored(chain, None, ()))
+            index.remove(0, chain)
+            index.remove(1, chain)
+            index.remove(2, chain)
+    _assert_same(ref, nb, [0, 1, 2])
+    assert nb.size() == 0 and nb._tab.shape[0] <= 1024
