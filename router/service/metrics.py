@@ -301,11 +301,15 @@ class RouterSnapshot:
     # the text tokenizer's chunk cache (token_cache.CachedTokenizer), when the router has one
     chunks: tuple[int, int] = (0, 0)  # chunks taken from the cache, chunks tokenized
     text_prompts: tuple[int, int] = (0, 0)  # tokenized whole, head only (tail to the worker)
+    # replica sync (router/replica_sync.py): its counters and live peers; None when off
+    replica: dict[str, int] | None = None
+    replica_peers: int = 0
 
 
 def take_snapshot(server: RouterServer) -> RouterSnapshot:
     """Read the router's state (call on its event loop)."""
     frontend = server.frontend
+    sync = server.replica_sync
     conns = tuple(
         ConnectionStats(
             c.address,
@@ -328,6 +332,8 @@ def take_snapshot(server: RouterServer) -> RouterSnapshot:
         num_ejections=frontend.ejector.num_ejections,
         num_retries=frontend.num_retries,
         num_inflight=frontend.num_inflight,
+        replica=None if sync is None else dict(sync.counters),
+        replica_peers=0 if sync is None else len(sync.peers),
         **_tokenizer_counts(frontend.tokenizer),
     )
 
@@ -378,6 +384,7 @@ class RouterStateCollector(Collector):
         yield from self._workers(snap)
         yield from self._events(snap)
         yield from self._frontend(snap)
+        yield from self._replica(snap)
 
     def _index(self, snap: RouterSnapshot) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         s = snap.stats
@@ -562,6 +569,45 @@ class RouterStateCollector(Collector):
         prompts.add_metric(["whole"], snap.text_prompts[0])
         prompts.add_metric(["head"], snap.text_prompts[1])
         yield from (inflight, info, chunks, prompts)
+
+    def _replica(self, snap: RouterSnapshot) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        inflight = _gauge(
+            "kvroute_router_replica_inflight_requests",
+            "Requests other router replicas placed that this router counts in flight "
+            "(replica sync; 0 without it)",
+        )
+        inflight.add_metric([], snap.stats.num_replica_inflight)
+        yield inflight
+        c = snap.replica
+        if c is None:
+            return
+        peers = _gauge("kvroute_router_replica_peers", "Other router replicas heard from")
+        peers.add_metric([], snap.replica_peers)
+        events = _counter(
+            "kvroute_router_replica_events",
+            "Replica sync events: this router's published or dropped (queue full, Redis "
+            "down), the others' applied or ignored (unknown worker, already counted)",
+            ("result",),
+        )
+        for result in ("published", "dropped", "applied", "ignored"):
+            events.add_metric([result], c[f"events_{result}"])
+        batches = _counter(
+            "kvroute_router_replica_batches",
+            "Replica sync batches published, received from peers, or refused as malformed",
+            ("result",),
+        )
+        batches.add_metric(["published"], c["batches_published"])
+        batches.add_metric(["received"], c["batches_received"])
+        batches.add_metric(["malformed"], c["batches_malformed"])
+        forgot = _counter(
+            "kvroute_router_replica_requests_forgotten",
+            "Peers' requests dropped uncounted (a gap in a peer's batches, its silence or "
+            "shutdown, this router's broken subscription)",
+        )
+        forgot.add_metric([], c["requests_dropped"])
+        gaps = _counter("kvroute_router_replica_gaps", "Gaps in a peer's batch sequence numbers")
+        gaps.add_metric([], c["gaps"])
+        yield from (peers, events, batches, forgot, gaps)
 
 
 class DecisionCollector(Collector):

@@ -6,9 +6,11 @@ from __future__ import annotations
 import uuid
 
 import pytest
+from metrics_scrape import scrape
 from router_harness import router_config, running_router, sim_worker
 
 from router.client import GenerateOptions
+from router.service.metrics import RouterMetricsEndpoint
 from router.service.server import RegistryConfig
 
 OPTS = GenerateOptions(max_new_tokens=2)
@@ -32,6 +34,16 @@ async def test_a_request_served_by_one_replica_is_seen_by_the_other(redis_url):
             assert rb.server.core.stats().num_replica_inflight == 0
             assert result.worker_id in ("w0", "w1")
             assert sb.peers == [sa.router_id]
+            endpoint = RouterMetricsEndpoint(rb.server, "127.0.0.1", 0)
+            endpoint.start()
+            try:
+                metrics = await scrape(endpoint.url)
+            finally:
+                endpoint.stop()
+            assert metrics.get("kvroute_router_replica_peers") == 1
+            assert metrics.get("kvroute_router_replica_inflight_requests") == 0
+            assert metrics.get("kvroute_router_replica_events_total", result="applied") >= 3
+            assert metrics.get("kvroute_router_replica_batches_total", result="malformed") == 0
         # the routers stopped: their sync tasks and connections are gone with them
         assert sa.counters["batches_malformed"] == 0 and sa.counters["gaps"] == 0
 
