@@ -13,11 +13,13 @@ event per sequence, handed to the index as encoded wire bytes (decoding is timed
 * ``find_partial_q_s``: probes sharing the prefix plus 64 tokens, then diverging, queries/s.
 * ``remove_blocks_s``: removing every sequence's suffix blocks (one removed event per
   sequence, as wire bytes, decoding timed), blocks/s.
-* ``ingest_service_blocks_s`` / ``remove_service_blocks_s``: the same with the decoding the
-  router service does today: gRPC's deserializer parses each message
-  (``KvStreamMessage.FromString``), then ``codec.stream_message_from_pb`` decodes it.
+  The router service decodes exactly so: its event stream hands each message's raw bytes
+  to ``decode_stream_message`` (``router.service.worker_conn``, no gRPC deserializer).
   With ``--backend numba`` the decoding is the router's compiled scan
   (``codec.enable_compiled_decode``, which RouterCore turns on with that index).
+* ``ingest_service_blocks_s`` / ``remove_service_blocks_s``: the same with the decoding the
+  router service did before it took raw bytes: gRPC's deserializer parsed each message
+  (``KvStreamMessage.FromString``), then ``codec.stream_message_from_pb`` decoded it.
 * ``hash_seq_s``: ``block_hashes`` of a 2,000-token sequence, sequences/s (with the numba
   backend the compiled chain, ``kvroute_proto.hashing.enable_compiled``, as the router uses
   with that index; with ``dict`` the numpy form).
@@ -220,8 +222,9 @@ def bench_comparable(cfg: ComparableConfig, backend: str = "dict") -> dict[str, 
         return decode_stream_message(data)
 
     def service(data: bytes) -> EventBatch | Snapshot:
-        """What the router service does with a stream message: gRPC's deserializer parses
-        it (KvStreamMessage.FromString), then router.service.worker_conn decodes it."""
+        """What the router service did with a stream message before it took the stream's
+        raw bytes: gRPC's deserializer parsed it (KvStreamMessage.FromString), then
+        codec.stream_message_from_pb decoded it (serialising a batch again to scan it)."""
         return stream_message_from_pb(pb.KvStreamMessage.FromString(data))
 
     def ingest(decode: Callable[[bytes], EventBatch | Snapshot] = wire) -> float:

@@ -50,6 +50,9 @@ log = logging.getLogger(__name__)
 # Largest event-stream message accepted from a worker (a Snapshot of ~40M blocks)
 MAX_SNAPSHOT_BYTES = 1 << 30
 
+# The Worker service's event stream (kvroute.proto), called with raw response bytes
+SUBSCRIBE_METHOD = "/kvroute.v1.Worker/SubscribeKvEvents"
+
 
 @dataclass(frozen=True, slots=True)
 class ConnectionConfig:
@@ -142,6 +145,15 @@ class WorkerConnection:
             interceptors=bearer_interceptors(config.token) if config.token else None,
         )
         self.stub = pb_grpc.WorkerStub(self.channel)
+        # the event stream without gRPC's deserializer: each message arrives as its wire
+        # bytes and goes to codec.decode_stream_message as they are (the router's compiled
+        # scan reads them directly; anything it declines is parsed by protobuf, as before)
+        # instead of being parsed into a KvStreamMessage and serialised again to be scanned
+        self._subscribe = self.channel.unary_stream(
+            SUBSCRIBE_METHOD,
+            request_serializer=pb.SubscribeRequest.SerializeToString,
+            response_deserializer=None,
+        )
         self.worker_id: str | None = None
         self.info: pb.WorkerInfo | None = None
         self.healthy = False
@@ -227,11 +239,11 @@ class WorkerConnection:
         req = pb.SubscribeRequest(
             epoch=epoch, after_seq=after_seq, subscriber_id=self.config.subscriber_id
         )
-        call = self.stub.SubscribeKvEvents(req)
+        call = self._subscribe(req)
         self._call = call
         try:
-            async for msg in call:
-                decoded = codec.stream_message_from_pb(msg)
+            async for data in call:
+                decoded = codec.decode_stream_message(data)
                 if decoded.worker_id != worker_id:
                     raise ContractError(
                         f"stream message worker_id={decoded.worker_id!r} but the worker at "
