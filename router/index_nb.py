@@ -292,19 +292,33 @@ def _remove_slot_confirmed(tab: Any, meta: Any, slot: int) -> None:
             meta[_M_LIVE] -= 1
 
 
+_CHUNK = 2048  # rows _drop_empty sorts out at a time
+
+
 @_jit
 def _drop_empty(old: Any, new: Any) -> int:
-    """Copy the rows of ``old`` with some worker bit into ``new``."""
+    """Copy the rows of ``old`` with some worker bit into ``new``. Chunk by chunk: first
+    the rows to copy are listed without a branch (whether a row is empty, dead or live is
+    random: a branch on it mispredicts about as often as not, which cost more than the
+    copying), then copied."""
+    cap = old.shape[0]
+    cols = old.shape[1]
+    rows = np.empty(_CHUNK, dtype=np.int64)
     n = 0
-    for r in range(old.shape[0]):
-        if old[r, 0] == _NIL:
-            continue
-        if not _held(old, r, _MASK):
-            continue
-        i = -_find(new, old[r, 0]) - 1
-        for c in range(old.shape[1]):
-            new[i, c] = old[r, c]
-        n += 1
+    for start in range(0, cap, _CHUNK):
+        m = 0
+        for r in range(start, min(start + _CHUNK, cap)):
+            bits = old[r, _MASK]
+            for c in range(_MASK + 1, cols):
+                bits |= old[r, c]
+            rows[m] = r
+            m += np.int64(bits != _NIL)  # a row with a worker bit has a key
+        for j in range(m):
+            r = rows[j]
+            i = -_find(new, old[r, 0]) - 1
+            for c in range(cols):
+                new[i, c] = old[r, c]
+        n += m
     return n
 
 
