@@ -312,7 +312,7 @@ def _drop_empty(old: Any, new: Any) -> int:
             for c in range(_MASK + 1, cols):
                 bits |= old[r, c]
             rows[m] = r
-            m += np.int64(bits != _NIL)  # a row with a worker bit has a key
+            m += int(bits != _NIL)  # a row with a worker bit has a key
         for j in range(m):
             r = rows[j]
             i = -_find(new, old[r, 0]) - 1
@@ -320,6 +320,68 @@ def _drop_empty(old: Any, new: Any) -> int:
                 new[i, c] = old[r, c]
         n += m
     return n
+
+
+@_jit
+def _grow_in_place(tab: Any, old_cap: int) -> int:
+    """Re-place the rows of a table grown in place: its first ``old_cap`` rows hold a table
+    of that size, the rows after them are zero. Rows without a worker bit are dropped.
+    Returns the rows kept.
+
+    A row's home in the larger table is its old home plus a multiple of ``old_cap`` (the
+    same low bits), so rows either stay in the old part, at or before where they were, or
+    move to the new part, which holds only rows already placed. Taking the old rows in
+    order from just after an empty one (each probe run from its start), a row never lands
+    past a row still to be taken, so no lookup finds a gap later -- except a probe that
+    wraps past the table's end into the old part: those rows wait and are placed last."""
+    cap = tab.shape[0]
+    cols = tab.shape[1]
+    e = 0
+    while tab[e, 0] != _NIL:  # an empty row (the table is at most 0.6 full)
+        e += 1
+    rows = np.empty(_CHUNK, dtype=np.int64)
+    row = np.empty(cols, dtype=np.uint64)
+    side = np.empty((16, cols), dtype=np.uint64)
+    nside = 0
+    kept = 0
+    for start in range(1, old_cap + 1, _CHUNK):
+        m = 0
+        for j in range(start, min(start + _CHUNK, old_cap + 1)):  # listed without a branch
+            p = e + j
+            if p >= old_cap:
+                p -= old_cap
+            rows[m] = p
+            m += int(tab[p, 0] != _NIL)
+        for j in range(m):
+            p = rows[j]
+            k = tab[p, 0]
+            bits = _NIL
+            for c in range(cols):
+                row[c] = tab[p, c]
+                tab[p, c] = _NIL
+                if c >= _MASK:
+                    bits |= row[c]
+            if bits == _NIL:  # nobody holds it: dropped
+                continue
+            kept += 1
+            i = _home(k, cap - 1)
+            while i < cap and tab[i, 0] != _NIL:
+                i += 1
+            if i == cap:  # would wrap into rows still to be taken: placed last
+                if nside == side.shape[0]:
+                    more = np.empty((2 * nside, cols), dtype=np.uint64)
+                    more[:nside] = side
+                    side = more
+                side[nside] = row
+                nside += 1
+                continue
+            for c in range(cols):
+                tab[i, c] = row[c]
+    for j in range(nside):
+        i = -_find(tab, side[j, 0]) - 1
+        for c in range(cols):
+            tab[i, c] = side[j, c]
+    return kept
 
 
 @_jit
@@ -894,6 +956,9 @@ def warm_up() -> bool:
     index.check_invariants()
     # the rebuilds a growing table runs
     _drop_empty(index._tab, np.zeros_like(index._tab))
+    grown = np.zeros((2 * len(index._tab), index._tab.shape[1]), dtype=_U64)
+    grown[: len(index._tab)] = index._tab
+    _grow_in_place(grown, len(index._tab))
     wire_nb.warm_up()  # the router's compiled event decoding (codec.enable_compiled_decode)
     _rehash_pred(index._ptab, index._until, np.zeros_like(index._ptab), np.zeros_like(index._until))
     _warm = True
@@ -1000,8 +1065,20 @@ class NumbaPrefixIndex(AppliesEvents):
         return cap
 
     def _resize(self, live: int) -> None:
-        """Rebuild the confirmed table with rows for ``live`` keys, its dead rows dropped."""
+        """Rebuild the confirmed table with rows for ``live`` keys, its dead rows dropped.
+        A table that grows is grown in place (``ndarray.resize``: realloc, which moves a
+        large block's pages without copying them), so only the added rows are new memory
+        to fault in, and its rows are re-placed where they are (_grow_in_place)."""
         cap = self._capacity(live)
+        old_cap = self._tab.shape[0]
+        if cap > old_cap:
+            try:
+                self._tab.resize((cap, self._tab.shape[1]), refcheck=True)
+            except ValueError:  # something else holds the table: into a new one instead
+                pass
+            else:
+                self._meta[_M_USED] = _grow_in_place(self._tab, old_cap)
+                return
         new = np.zeros((cap, self._tab.shape[1]), dtype=_U64)
         self._meta[_M_USED] = _drop_empty(self._tab, new)
         self._tab = new

@@ -187,6 +187,52 @@ def test_tables_grow_and_shrink_back() -> None:
     assert nb.size() == 0 and nb.approx_bytes() == empty_bytes
 
 
+def test_tables_grown_in_place_keep_every_row_findable() -> None:
+    """Growth re-places rows in the enlarged table itself: probe runs that wrap past the old
+    table's end, runs that would wrap past the new one's (their rows are placed last), rows
+    nobody holds (dropped on the way), growth by more than a doubling in one store, and a
+    table someone else holds a reference to (grown into a new table instead)."""
+    rng = random.Random(11)
+    ref, nb = _pair()
+    # homes 1023 / 2047 / 4095 in tables of 1024 / 2048 / 4096 rows: runs at the end of
+    # each table; homes 0 and 1: the rows wrapped runs run into
+    crowd = _same_home(1023, 9) + _same_home(2047, 9) + _same_home(4095, 9)
+    crowd += _same_home(0, 4) + _same_home(1, 4)
+    dead = [rng.getrandbits(64) for _ in range(150)]
+    for index in (ref, nb):
+        index.store(0, BlockStored(tuple(crowd), None, ()))
+        index.store(1, BlockStored(tuple(dead), None, ()))
+        index.remove(1, dead)  # dead rows in the table when it grows
+    _assert_same(ref, nb, range(3))
+    chains = [crowd]
+    sizes = {len(nb._tab)}
+    for i in range(120):
+        c = [rng.getrandbits(64) for _ in range(rng.randrange(1, 40))]
+        chains.append(c)
+        for index in (ref, nb):
+            index.store(i % 3, BlockStored(tuple(c), None, ()))
+        if len(nb._tab) not in sizes:
+            sizes.add(len(nb._tab))
+            _assert_same(ref, nb, range(3))
+            for q in chains:
+                assert nb.find_matches(q, False) == ref.find_matches(q, False)
+    assert len(sizes) >= 3  # grown at least twice
+    long = [rng.getrandbits(64) for _ in range(20_000)]  # more than doubles the table
+    before = len(nb._tab)
+    held = nb._tab  # a reference held elsewhere: the table is not resized under it
+    copy = held.copy()
+    for index in (ref, nb):
+        index.store(2, BlockStored(tuple(long), None, ()))
+    assert len(nb._tab) >= 8 * before and np.array_equal(held, copy)
+    del held
+    more = [rng.getrandbits(64) for _ in range(60_000)]
+    for index in (ref, nb):
+        index.store(1, BlockStored(tuple(more), None, ()))
+    _assert_same(ref, nb, range(3))
+    for q in [*chains, long, more, long[::-1]]:
+        assert nb.find_matches(q, False) == ref.find_matches(q, False)
+
+
 def test_array_hashes_answer_as_lists() -> None:
     """uint64 arrays (what block_hashes returns) are taken as they are, 0 included."""
     nb = NumbaPrefixIndex(IndexConfig(predict_stride=2))
