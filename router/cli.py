@@ -168,6 +168,15 @@ def build_parser() -> argparse.ArgumentParser:
         "cache miss double; 0 turns it off (default %(default)s)",
     )
     p.add_argument(
+        "--spread-weight",
+        type=float,
+        default=0.0,
+        help="cost per running request on a worker for a request that starts something "
+        "sticky (a conversation's first turn on a prompt several workers share): spreads "
+        "conversations by decode load; trades TTFT p99 for busy-time balance and e2e p99 "
+        "(router/policy.py, BENCHMARKS.md); default %(default)s: off",
+    )
+    p.add_argument(
         "--block-size",
         type=int,
         default=None,
@@ -280,6 +289,7 @@ def config_from_args(
             weights=CostWeights.parse(args.cost_weights) if args.cost_weights else CostWeights(),
             recent_window_s=args.recent_window_s,
             backlog_tokens=args.backlog_tokens,
+            spread_weight=args.spread_weight,
             recent_decode_ratio=args.recent_decode_ratio,
             replicas=args.replicas,
             index_backend=args.index_backend,

@@ -136,7 +136,12 @@ class RouterCore:
         self._rng = rng
         self._policy = make_policy(
             config.policy,
-            PolicyConfig(config.weights, config.prefix_hash_blocks, config.backlog_tokens),
+            PolicyConfig(
+                config.weights,
+                config.prefix_hash_blocks,
+                config.backlog_tokens,
+                config.spread_weight,
+            ),
         )
         self._use_events = self._policy.uses_events
         self._ttl = config.predicted_ttl_s if self._use_events else config.approx_ttl_s

@@ -78,12 +78,15 @@ class RouterConfig:
     recent_decode_ratio: float = DEFAULT_RECENT_DECODE_RATIO
     replicas: int = 1
     index_backend: str = "numba"
+    spread_weight: float = 0.0  # the cost's spread term (router.policy; 0: off)
 
     def __post_init__(self) -> None:
         if self.index_backend not in ("dict", "numba"):
             raise ValueError(f"index_backend must be dict or numba, got {self.index_backend!r}")
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+        if not 0 <= self.spread_weight < float("inf"):  # NaN too
+            raise ValueError(f"spread_weight must be finite and >= 0, got {self.spread_weight}")
         if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"block_size must be >= 1 or None, got {self.block_size}")
         if not self.recent_window_s > 0:

@@ -53,6 +53,17 @@ replay on 4 saturated workers: from 92.6% to 95.5% of the pooled reference hit r
 p99 from 17.8 s to 15.8 s; support-agent at 4 workers, queued in bursts: TTFT p99 344 ->
 354 ms; the 8- and 16-worker runs barely change. BENCHMARKS.md.)
 
+The spread term is off by default (``PolicyConfig.spread_weight`` 0). A request whose
+longest match covers at least half of its prompt, held whole by two or more workers, starts
+something that sticks where it lands -- a conversation's first turn on a shared system
+prompt: its later turns follow their cached history. Such a request then pays
+``spread_weight`` per running request on each candidate, so new conversations go to the
+workers with the fewest decodes instead of piling onto the first holders of their prompt.
+It trades one target for another (support-agent replay at 16 workers, BENCHMARKS.md): at
+1,000 busy-time imbalance 1.43 -> 1.05 and e2e p99 -21%, but TTFT p99 +8%, because keeping
+the decode-heavy conversations on a few workers leaves the others free to prefill
+(``kvroute router --spread-weight``).
+
 Baselines share the interface: round_robin, random, least_load, power_of_two, and
 approx_tree (cache_aware over the router's own routing history only: the core gives it
 matches from predicted entries and never applies events for it -- SGLang's approximate
@@ -147,17 +158,22 @@ class PolicyConfig:
 
     ``backlog_tokens``: the cost's backlog factor (module docstring): the smallest queued
     prefill among the candidates at which a miss counts double; 0 turns the factor off.
+    ``spread_weight``: the cost's spread term (module docstring), token equivalents per
+    running request for a request that starts something sticky; 0 (default) turns it off.
     """
 
     weights: CostWeights = field(default_factory=CostWeights)
     prefix_hash_blocks: int = 4
     backlog_tokens: float = DEFAULT_BACKLOG_TOKENS
+    spread_weight: float = 0.0
 
     def __post_init__(self) -> None:
         if self.prefix_hash_blocks < 1:
             raise ValueError(f"prefix_hash_blocks must be >= 1, got {self.prefix_hash_blocks}")
         if not self.backlog_tokens >= 0:  # NaN too
             raise ValueError(f"backlog_tokens must be >= 0, got {self.backlog_tokens}")
+        if not 0 <= self.spread_weight < math.inf:  # NaN too
+            raise ValueError(f"spread_weight must be finite and >= 0, got {self.spread_weight}")
 
 
 class WorkerView:
@@ -456,6 +472,16 @@ class CacheAware(Policy):
         bs = query.block_size
         # the prefill term of the (few) matched workers; everyone else pays ``full``
         get = {s: wp * max(prompt - d * bs, 0) for s, d in matched.items()}.get
+        ws = self._spread_weight(query, matched)
+        if ws:  # as select_set adds it: after the recent term, before the prefill term
+            return [
+                wq * c.queued_prefill_tokens
+                + wd * c.num_running
+                + wr * c.recent_prefill
+                + ws * c.num_running
+                + get(c.slot, full)
+                for c in candidates
+            ]
         return [
             wq * c.queued_prefill_tokens
             + wd * c.num_running
@@ -463,6 +489,19 @@ class CacheAware(Policy):
             + get(c.slot, full)
             for c in candidates
         ]
+
+    def _spread_weight(self, query: RouteQuery, matched: dict[int, int]) -> float:
+        """The spread term's weight for this request: ``spread_weight`` when its longest
+        match covers at least half of the prompt and two or more workers hold all of it (a
+        shared start: a conversation's first turn on a common system prompt), else 0."""
+        ws = self.config.spread_weight
+        if not ws or len(matched) < 2:
+            return 0.0
+        depths = list(matched.values())
+        top = max(depths)
+        if 2 * top * query.block_size < query.prompt_tokens or depths.count(top) < 2:
+            return 0.0
+        return ws
 
     def select_set(
         self,
@@ -493,6 +532,10 @@ class CacheAware(Policy):
             load = fields[0] * w.queued_prefill
             load += fields[1] * w.decode
             cost += load
+        if matched:
+            ws = self._spread_weight(query, matched)
+            if ws:
+                cost += fields[1] * ws
         prompt = query.prompt_tokens
         total = cost + wp * prompt
         if matched:

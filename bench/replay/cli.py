@@ -189,6 +189,13 @@ def build_parser() -> argparse.ArgumentParser:
         "double; 0: off (default: the router's)",
     )
     p.add_argument(
+        "--spread-weight",
+        type=float,
+        default=None,
+        help="the cost's spread term per running request for a request starting something "
+        "sticky (router/policy.py; default: the router's, 0 = off)",
+    )
+    p.add_argument(
         "--prefix-hash-blocks",
         type=int,
         default=None,
@@ -380,7 +387,7 @@ def _run_fronts(args, records, fronts, config, report, progress) -> None:
 
 # RouterConfig fields with a replay option of the same name (None: the router's default);
 # LiveConfig has the same fields and passes them to the router process
-_ROUTER_OPTIONS = ("recent_window_s", "backlog_tokens", "recent_decode_ratio")
+_ROUTER_OPTIONS = ("recent_window_s", "backlog_tokens", "recent_decode_ratio", "spread_weight")
 
 
 def _router_overrides(args: argparse.Namespace) -> dict[str, Any]:

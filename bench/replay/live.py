@@ -63,6 +63,7 @@ class LiveConfig:
     recent_window_s: float | None = None  # in trace seconds (None: the router's default)
     backlog_tokens: float | None = None  # the router's --backlog-tokens (None: its default)
     recent_decode_ratio: float | None = None  # --recent-decode-ratio (None: its default)
+    spread_weight: float | None = None  # --spread-weight (None: its default)
     startup_timeout_s: float = 60.0  # each process, and readiness
     python: str = sys.executable
 
@@ -230,6 +231,8 @@ class LiveFleet:
             router_args += ["--backlog-tokens", repr(c.backlog_tokens)]
         if c.recent_decode_ratio is not None:
             router_args += ["--recent-decode-ratio", repr(c.recent_decode_ratio)]
+        if c.spread_weight is not None:
+            router_args += ["--spread-weight", repr(c.spread_weight)]
         return router_args
 
     async def stop(self) -> None:

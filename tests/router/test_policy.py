@@ -103,6 +103,37 @@ def test_backlog_factor_weighs_a_miss_more_only_when_every_worker_is_queued() ->
     assert pick(10_000) == ([7500 + 4000, 8000], 1)
 
 
+def test_spread_term_sends_a_shared_start_to_the_worker_with_fewer_decodes() -> None:
+    ws = views(3)
+    for w, running in zip(ws, (12, 2, 0), strict=True):
+        w.num_active = running
+        w.refresh()
+    weights = CostWeights(1.0, 0.25, 16.0, 0.0)
+    spread = make_policy("cache_aware", PolicyConfig(weights, spread_weight=200.0))
+    plain = make_policy("cache_aware", PolicyConfig(weights))
+    # a first turn: 2,048 of its 2,200 tokens held whole by workers 0 and 1 (a shared start)
+    first, held = query(2200), {0: 128, 1: 128}
+    assert plain.costs(first, ws, held) == [152 + 16 * 12, 152 + 16 * 2, 2200]
+    assert spread.costs(first, ws, held) == [
+        152 + 16 * 12 + 200 * 12,
+        152 + 16 * 2 + 200 * 2,
+        2200,
+    ]
+    assert plain.select(first, ws, held, random.Random(0))[0] == 1
+    ws[1].num_active = 12  # both holders busy decoding: a cold worker takes the conversation
+    ws[1].refresh()
+    assert plain.select(first, ws, held, random.Random(0))[0] in (0, 1)  # a busy holder
+    assert spread.select(first, ws, held, random.Random(0))[0] == 2
+    # not a shared start: the longest match is one worker's (a later turn), or it covers
+    # less than half of the prompt (a long document after a short system prompt)
+    for q, matched in ((query(2200), {0: 128, 1: 100}), (query(2200), {0: 32, 1: 32})):
+        assert spread.costs(q, ws, matched) == plain.costs(q, ws, matched)
+    with pytest.raises(ValueError, match="spread_weight must be finite and >= 0"):
+        PolicyConfig(spread_weight=-1.0)
+    with pytest.raises(ValueError, match="spread_weight must be finite and >= 0"):
+        PolicyConfig(spread_weight=float("nan"))
+
+
 def test_cost_weights_parse() -> None:
     assert CostWeights.parse("1,0.5,8") == CostWeights(1.0, 0.5, 8.0, CostWeights().recent_prefill)
     assert CostWeights.parse(" 2, 0, 4 ,0.3") == CostWeights(2.0, 0.0, 4.0, 0.3)

@@ -109,12 +109,16 @@ def test_bad_worker_address_is_a_usage_error(bad, capsys):
     assert "HOST:PORT" in capsys.readouterr().err
 
 
-def test_replica_sync_maps_to_the_registry_and_needs_redis(capsys):
+def test_replica_sync_and_spread_weight_map_to_the_config(capsys):
     args = cli.build_parser().parse_args(["--redis-url", "redis://r:6379/0", "--replica-sync"])
     assert cli.config_from_args(args).registry.replica_sync
     assert not cli.config_from_args(
         cli.build_parser().parse_args(["--worker", "h:1"])
     ).registry.replica_sync
+    spread = cli.build_parser().parse_args(["--worker", "h:1", "--spread-weight", "500"])
+    assert cli.config_from_args(spread).core.spread_weight == 500.0
+    assert cli.main(["--worker", "h:1", "--spread-weight", "-1"]) == 2
+    assert "spread_weight must be finite and >= 0" in capsys.readouterr().err
     assert cli.main(["--worker", "h:1", "--replica-sync"]) == 2
     assert "--replica-sync needs --redis-url" in capsys.readouterr().err
 
