@@ -51,6 +51,9 @@ from typing import Any, cast, overload
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic
 
 from kvroute_proto import wire_nb
 from kvroute_proto.codec import PackedHashes, decode_stream_message, encode_stream_message
@@ -189,6 +192,39 @@ def _bit(slot: int) -> Any:
     return _ONE << np.uint64(slot & 63)
 
 
+def _prefetch_typed(typingctx: Any, tab: Any, row: Any) -> Any:
+    """Ask the CPU to bring row ``row`` of the 2-d table ``tab`` into cache (llvm.prefetch:
+    a hint; no fault, no value, nothing waits for it)."""
+    sig = types.void(tab, row)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        aryty = signature.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        zero = context.get_constant(types.intp, 0)
+        ptr = cgutils.get_item_pointer2(
+            context,
+            builder,
+            ary.data,
+            cgutils.unpack_tuple(builder, ary.shape),
+            cgutils.unpack_tuple(builder, ary.strides),
+            aryty.layout,
+            [args[1], zero],
+        )
+        i8p = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+        # write intent, high locality, data cache
+        builder.call(fn, [builder.bitcast(ptr, i8p), i32(1), i32(3), i32(1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+_prefetch: Any = intrinsic(_prefetch_typed)  # _prefetch(tab, row) in a kernel
+_AHEAD = 8  # keys whose home row is prefetched ahead of the walk
+
+
 # ---- confirmed entries -------------------------------------------------------------------
 
 
@@ -222,7 +258,12 @@ def _store(tab: Any, meta: Any, counts: Any, keys: Any, parent: Any, slot: int) 
     prev = _NIL
     r = 0
     first = 0
+    mask = tab.shape[0] - 1
+    for i in range(min(n, _AHEAD)):
+        _prefetch(tab, _home(_key(keys[i]), mask))
     for i in range(n):
+        if i + _AHEAD < n:
+            _prefetch(tab, _home(_key(keys[i + _AHEAD]), mask))
         k = _key(keys[i])
         r = _find(tab, k)
         m = _NIL
@@ -262,7 +303,13 @@ def _remove(tab: Any, meta: Any, counts: Any, keys: Any, slot: int) -> int:
     col = _MASK + (slot >> 6)
     bit = _bit(slot)
     removed = 0
-    for i in range(keys.shape[0]):
+    n = keys.shape[0]
+    mask = tab.shape[0] - 1
+    for i in range(min(n, _AHEAD)):
+        _prefetch(tab, _home(_key(keys[i]), mask))
+    for i in range(n):
+        if i + _AHEAD < n:
+            _prefetch(tab, _home(_key(keys[i + _AHEAD]), mask))
         r = _find(tab, _key(keys[i]))
         if r < 0:
             continue
@@ -541,7 +588,12 @@ def _find_matches(
     n = keys.shape[0]
     depth = 0
     last_row = -1
+    mask = tab.shape[0] - 1
+    for i in range(min(n, _AHEAD)):
+        _prefetch(tab, _home(_key(keys[i]), mask))
     for i in range(n):
+        if i + _AHEAD < n:
+            _prefetch(tab, _home(_key(keys[i + _AHEAD]), mask))
         r = _find(tab, _key(keys[i]))
         if r < 0:
             break
