@@ -40,6 +40,8 @@ from worker.service.server import DEFAULT_MODEL_NAME, WorkerServer, WorkerServer
 
 # worker.engine.paged_attention.ATTENTION_CHOICES, without importing torch for --help
 ATTENTION_CHOICES = ("gather", "paged", "paged-torch", "paged-triton")
+# worker.engine.fused_ops.FUSED_CHOICES, likewise
+FUSED_CHOICES = ("off", "torch", "triton")
 
 log = logging.getLogger("kvroute.worker")
 
@@ -126,6 +128,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch on CUDA: run decode-only steps as CUDA graph replays, one graph per "
         "batch-size and context bucket, captured on first use (needs paged attention; "
         "--attention defaults to paged with it); an error on a non-CUDA device",
+    )
+    model.add_argument(
+        "--fused-kernels",
+        choices=FUSED_CHOICES,  # fused_ops' (a test checks)
+        default=None,
+        help="torch: each layer's residual add fused into its RMSNorm and RoPE over q and k "
+        "in one pass: off (default), triton (Triton kernels; CUDA only), torch (the same "
+        "structure with torch ops)",
     )
     model.add_argument(
         "--kv-memory-fraction",
@@ -261,6 +271,8 @@ def config_from_args(args: argparse.Namespace) -> WorkerServerConfig:
         raise ValueError("--kv-memory-fraction applies to --executor torch only")
     if args.cuda_graphs and args.executor != "torch":
         raise ValueError("--cuda-graphs applies to --executor torch only")
+    if args.fused_kernels is not None and args.executor != "torch":
+        raise ValueError("--fused-kernels applies to --executor torch only")
     if args.default_max_new_tokens < 1:
         raise ValueError(
             f"--default-max-new-tokens must be >= 1, got {args.default_max_new_tokens}"
@@ -330,6 +342,7 @@ def build_server(args: argparse.Namespace) -> WorkerServer:
         sim_max_context_tokens=args.sim_max_context_tokens,
         attention=args.attention,
         cuda_graphs=args.cuda_graphs,
+        fused=args.fused_kernels,
     )
     num_slots = getattr(executor, "num_kv_slots", config.engine.num_kv_slots)
     if num_slots != config.engine.num_kv_slots:  # sized from GPU memory

@@ -127,9 +127,11 @@ class DecodeGraphRunner:
         batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
         min_context_bucket: int = DEFAULT_MIN_CONTEXT_BUCKET,
         capturer: Capturer | None = None,
+        fused: str = "off",
     ) -> None:
         """``capture``: replay graphs made by ``capturer`` (default: CUDA graphs, which need
-        a CUDA device); else run every step eagerly."""
+        a CUDA device); else run every step eagerly. ``fused``: the model's fused-ops
+        implementation (``PagedBatch.fused``)."""
         if pool.scratch_slot is None:
             raise ValueError(
                 "kv_pool: static decode needs a pool with a scratch slot for its padding rows "
@@ -148,6 +150,7 @@ class DecodeGraphRunner:
         self.pool = pool
         self.device = device
         self.impl = impl
+        self.fused = fused
         self.capture = capture
         self.sm_count = sm_count
         self.batch_buckets = buckets
@@ -278,6 +281,7 @@ class DecodeGraphRunner:
             ),
             logit_rows=bucket.rows,
             attention=self.impl,
+            fused=self.fused,
         )
         return self.model(batch, self.pool)
 

@@ -50,6 +50,7 @@ def build_executor(
     sim_max_context_tokens: int | None = None,
     attention: str | None = None,
     cuda_graphs: bool = False,
+    fused: str | None = None,
 ) -> tuple[Executor, Tokenizer]:
     """An Executor and the Tokenizer that matches its vocab.
 
@@ -60,6 +61,9 @@ def build_executor(
     ``cuda_graphs`` (torch on CUDA only): decode-only steps replay CUDA graphs captured per
     batch-size and context bucket (``TorchExecutor(cuda_graphs=True)``); ValueError on a
     device that is not CUDA, or with ``attention="gather"``.
+
+    ``fused`` (torch only): the fused residual-add + RMSNorm and RoPE passes (one of
+    ``fused_ops.FUSED_CHOICES``; None: "off", the default; "triton" needs CUDA).
 
     ``sim_max_context_tokens`` (sim only): the simulated model's context length (default
     8,192, Llama-3-8B's); trace replays with long prompts raise it.
@@ -80,6 +84,8 @@ def build_executor(
         raise ValueError("attention: only the 'torch' executor takes it")
     if cuda_graphs and kind != "torch":
         raise ValueError("cuda_graphs: only the 'torch' executor takes it")
+    if fused is not None and kind != "torch":
+        raise ValueError("fused: only the 'torch' executor takes it")
     if kv_memory_fraction is not None and not 0.0 < kv_memory_fraction <= 1.0:
         raise ValueError(f"kv_memory_fraction must be in (0, 1], got {kv_memory_fraction}")
     match kind:
@@ -92,6 +98,7 @@ def build_executor(
                 kv_memory_fraction,
                 attention or ("paged" if cuda_graphs else "gather"),
                 cuda_graphs,
+                fused or "off",
             )
         case "sim":
             if model_dir is not None:
@@ -109,7 +116,11 @@ def _build_torch(
     kv_memory_fraction: float | None,
     attention: str,
     cuda_graphs: bool = False,
+    fused: str = "off",
 ) -> tuple[Executor, Tokenizer]:
+    import torch
+
+    from worker.engine import fused_ops
     from worker.engine.kv_pool import cuda_slots_for_memory_fraction
     from worker.engine.loader import load_model
     from worker.engine.torch_executor import TorchExecutor
@@ -117,6 +128,7 @@ def _build_torch(
     dev = device or default_device()
     if cuda_graphs and not dev.startswith("cuda"):  # before loading a model for nothing
         raise ValueError(f"cuda_graphs: CUDA graphs need a CUDA device, got {dev!r}")
+    fused_ops.resolve(fused, torch.device(dev))  # likewise: a bad option fails first
     tokenizer: Tokenizer
     if model_dir is None:
         model = build_tiny_default(seed, dev)
@@ -139,7 +151,12 @@ def _build_torch(
                 f"kv_memory_fraction: {kv_memory_fraction} of free GPU memory holds no KV slot"
             )
     executor = TorchExecutor.create(
-        model, num_kv_slots, seed=seed, attention=attention, cuda_graphs=cuda_graphs
+        model,
+        num_kv_slots,
+        seed=seed,
+        attention=attention,
+        cuda_graphs=cuda_graphs,
+        fused=fused,
     )
     return executor, tokenizer
 

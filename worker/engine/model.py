@@ -18,18 +18,24 @@ into their slots, then attends. How is the batch's ``attention``:
 * "torch" / "triton" (``paged_attention``): all prefill items in one packed (varlen)
   computation described by ``batch.prefill_plan``, and the decode items in one call that
   reads K/V through their slot table (the Triton kernels never gather).
+
+The batch's ``fused`` picks how the elementwise ops around attention and MLP run: "off" (the
+default) as separate torch ops; "torch" / "triton" (``fused_ops``) as one residual-add +
+RMSNorm pass before each attention and MLP (the layers carry the residual and hand on their
+last output unadded) and one RoPE pass over q and k, with float32 cos/sin.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.engine import paged_attention
+from worker.engine import fused_ops, paged_attention
 from worker.engine.kv_pool import KVPool
 from worker.engine.paged_attention import PrefillPlan
 
@@ -146,6 +152,7 @@ class PagedBatch:
     logit_rows: torch.Tensor  # int64 [R]: rows whose logits are wanted
     attention: str = "gather"  # "gather", or a paged_attention implementation: torch, triton
     prefill_plan: PrefillPlan | None = None  # paged attention: the packed prefill items
+    fused: str = "off"  # "off", or a fused_ops implementation: torch, triton
 
 
 class RMSNorm(nn.Module):
@@ -155,10 +162,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return fused_ops.rmsnorm_torch(x, self.weight, self.eps)
 
 
 def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
@@ -237,8 +241,11 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        if batch.fused == "off":  # cos/sin [T, 1, D] in the weights' dtype
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+        else:  # cos/sin float32 [T, D / 2]; q and k rotated in place in one pass
+            fused_ops.rope_(batch.fused, q, k, cos, sin)
         # Write first, then read: every item's context (new tokens included) is in the pool.
         pool.write(self.layer_idx, batch.write_slots, k, v)
         if batch.attention == "gather":
@@ -338,6 +345,26 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, pool)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_fused(
+        self,
+        residual: torch.Tensor,
+        delta: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: PagedBatch,
+        pool: KVPool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer with its adds fused into the norms (``batch.fused`` "torch"/"triton"):
+        the stream so far is ``residual + delta`` (no delta before the first layer); returns
+        (residual, delta) after this layer, the MLP's output not yet added."""
+        impl = batch.fused
+        norm = self.input_layernorm
+        residual, h = fused_ops.add_rmsnorm(impl, residual, delta, norm.weight, norm.eps)
+        attn = self.self_attn(h, cos, sin, batch, pool)
+        norm = self.post_attention_layernorm
+        residual, h = fused_ops.add_rmsnorm(impl, residual, attn, norm.weight, norm.eps)
+        return residual, self.mlp(h)
+
 
 class LlamaBackbone(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
@@ -374,10 +401,27 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: PagedBatch, pool: KVPool) -> torch.Tensor:
         """Float32 logits [R, vocab] for ``batch.logit_rows``; writes the new tokens' K/V."""
         x = self.model.embed_tokens(batch.input_ids)
+        if batch.fused != "off":
+            return self._forward_fused(x, batch, pool)
         cos, sin = self.rope(batch.positions, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, batch, pool)
         hidden = self.model.norm(x[batch.logit_rows])
+        return self.lm_head(hidden).float()
+
+    def _forward_fused(self, x: torch.Tensor, batch: PagedBatch, pool: KVPool) -> torch.Tensor:
+        """``forward`` with the residual adds fused into the norms and RoPE in one pass."""
+        if self._inv_freq.device != x.device:
+            self._inv_freq = self._inv_freq.to(x.device)
+        cos, sin = fused_ops.rope_tables(batch.positions, self._inv_freq)
+        residual, delta = x, None
+        for layer in self.model.layers:
+            fused_layer = cast(DecoderLayer, layer)
+            residual, delta = fused_layer.forward_fused(residual, delta, cos, sin, batch, pool)
+        rows = batch.logit_rows
+        norm = self.model.norm
+        delta = None if delta is None else delta[rows]  # None only without layers
+        _, hidden = fused_ops.add_rmsnorm(batch.fused, residual[rows], delta, norm.weight, norm.eps)
         return self.lm_head(hidden).float()
 
 

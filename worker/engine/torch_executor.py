@@ -12,6 +12,10 @@ requests as the replay of a CUDA graph captured per (batch, context) bucket
 (``decode_graph``); ``static_decode=True`` runs that same padded static-shape path eagerly,
 on any device (what the CPU tests compare with the regular path). Steps with a prefill item,
 and larger decode batches, always run the regular way.
+
+``fused`` ("off", the default, "torch" or "triton"; see ``fused_ops``) runs each layer's
+residual adds fused into its RMSNorms and RoPE over q and k in one pass, on every path
+(regular, static and graph-captured decode). "triton" needs CUDA (or TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import time
 import numpy as np
 import torch
 
-from worker.engine import paged_attention
+from worker.engine import fused_ops, paged_attention
 from worker.engine.decode_graph import DEFAULT_BATCH_BUCKETS, DecodeGraphRunner
 from worker.engine.kv_pool import KVPool, KVPoolConfig
 from worker.engine.model import DecodeGroup, LlamaForCausalLM, PagedBatch, PrefillSeq
@@ -43,6 +47,7 @@ class TorchExecutor:
         cuda_graphs: bool = False,
         static_decode: bool = False,
         graph_batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS,
+        fused: str = "off",
     ) -> None:
         cfg = model.config
         pool_cfg = kv_pool.config
@@ -76,6 +81,9 @@ class TorchExecutor:
         self.attention = attention
         # "gather", "torch" or "triton" (raises for an unknown option or Triton off CUDA).
         self.attention_impl = paged_attention.resolve(attention, self.device)
+        self.fused = fused
+        # "off", "torch" or "triton" (raises for an unknown option or Triton off CUDA).
+        self.fused_impl = fused_ops.resolve(fused, self.device)
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(
                 f"cuda_graphs: CUDA graphs need a CUDA device, got {self.device.type!r} "
@@ -101,6 +109,7 @@ class TorchExecutor:
                 capture=cuda_graphs,
                 sm_count=self._sm_count,
                 batch_buckets=graph_batch_buckets,
+                fused=self.fused_impl,
             )
 
     @classmethod
@@ -113,6 +122,7 @@ class TorchExecutor:
         attention: str = "gather",
         cuda_graphs: bool = False,
         static_decode: bool = False,
+        fused: str = "off",
     ) -> TorchExecutor:
         """An executor with a fresh pool of ``num_kv_slots`` on the model's device/dtype
         (plus a scratch slot for the static decode path's padding rows when it is on)."""
@@ -137,6 +147,7 @@ class TorchExecutor:
             attention=attention,
             cuda_graphs=cuda_graphs,
             static_decode=static_decode,
+            fused=fused,
         )
 
     # -- Executor protocol -------------------------------------------------------------
@@ -318,4 +329,5 @@ class TorchExecutor:
             logit_rows=torch.tensor(logit_rows, dtype=torch.int64, device=dev),
             attention=self.attention_impl,
             prefill_plan=plan,
+            fused=self.fused_impl,
         )

@@ -1,0 +1,171 @@
+"""Fused residual-add + RMSNorm and RoPE (``fused_ops``, ``TorchExecutor(fused=...)``).
+
+The torch references run in-process; the Triton kernels run in Triton's CPU interpreter in a
+subprocess with TRITON_INTERPRET=1 (the interpreter is chosen when triton defines kernels),
+and are compiled ahead of time for sm_90 without a GPU. Tolerances: see fused_cases.py. The
+gpu-marked test runs the same checks on the compiled kernels in bfloat16 and float32
+(``python -m pytest -m gpu``; bench/gpu_session.sh runs it).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import fused_cases
+import numpy as np
+import pytest
+import torch
+
+from worker.engine import fused_ops
+from worker.engine.factory import build_executor, build_tiny_default
+from worker.engine.model import build_tiny_model, tiny_config
+from worker.engine.torch_executor import TorchExecutor
+from worker.engine.types import ForwardItem, SamplingParams
+
+CASES = Path(__file__).with_name("fused_cases.py")
+
+
+def test_references_against_float64_oracles() -> None:
+    """The torch references (what fused="torch" runs) on odd shapes, float32 and bfloat16:
+    the add-norm against the unrounded float64 formula, RoPE against a complex product."""
+    fused_cases.check_add_rmsnorm("torch", "cpu")
+    fused_cases.check_rope("torch", "cpu")
+
+
+def test_rmsnorm_reference_is_the_models() -> None:
+    """The fused path's norm is the model's RMSNorm (the unfused path runs the same code)."""
+    model = build_tiny_model(0)
+    norm = model.model.layers[0].input_layernorm
+    x = torch.randn(9, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    h = torch.randn(x.shape, generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        res, y = fused_ops.add_rmsnorm("torch", x, h, norm.weight, norm.eps)
+        assert torch.equal(res, x + h) and torch.equal(y, norm(x + h))
+
+
+def test_model_fused_torch_equals_unfused() -> None:
+    """The restructured layers (residual carried, adds fused into the norms, RoPE from
+    float32 half tables) give the unfused model's logits in float32: gather attention,
+    paged attention, and the static-shape decode path."""
+    model = build_tiny_model(0)
+    want = fused_cases.scenario(model, "gather")
+    runs = {
+        "gather": fused_cases.scenario(model, "gather", fused="torch"),
+        "paged": fused_cases.scenario(model, "paged-torch", fused="torch"),
+        "static": fused_cases.scenario(model, "paged-torch", fused="torch", static_decode=True),
+    }
+    for name, got in runs.items():
+        for step, (g, w) in enumerate(zip(got, want, strict=True)):
+            # Same float32 operations as the unfused path; paged / static attention reduce
+            # in other orders (their own tests' 1e-5).
+            atol = 0.0 if name == "gather" else 1e-5
+            torch.testing.assert_close(g, w, atol=atol, rtol=0, msg=f"{name} step {step}")
+
+
+def test_bf16_model_fused_torch_close_to_unfused() -> None:
+    """In bfloat16 the fused RoPE rounds once (the unfused one rounds cos/sin and each
+    product), so logits differ by bfloat16 noise only, and greedy choices agree."""
+    import dataclasses
+
+    cfg = dataclasses.replace(tiny_config(), dtype=torch.bfloat16)
+    model = build_tiny_model(0, config=cfg)
+    want = fused_cases.scenario(model, "gather")
+    got = fused_cases.scenario(model, "gather", fused="torch")
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(g, w, atol=0.1, rtol=0, msg=f"step {step}")
+        assert (g.argmax(-1) == w.argmax(-1)).float().mean() >= 0.9, step
+
+
+@pytest.mark.parametrize("case", ["interpret", "compile-sm90"])
+def test_triton_kernels(case: str, tmp_path: Path) -> None:
+    """interpret (TRITON_INTERPRET=1): both kernels against the torch references and float64
+    oracles on the odd shapes, float32 and bfloat16, and the tiny model's logits with
+    fused="triton" equal the unfused model's within 1e-5 (gather attention, and the static
+    decode path). compile-sm90: both kernels compile for Hopper at Llama-3-8B shapes."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if case == "interpret":
+        env["TRITON_INTERPRET"] = "1"
+    else:
+        env["TRITON_CACHE_DIR"] = str(tmp_path)  # compile for real, not from a cache
+    proc = subprocess.run(
+        [sys.executable, str(CASES), case],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=CASES.parent,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.stdout.strip().endswith(f"ok {case}")
+
+
+# ---- the option -------------------------------------------------------------------------
+
+
+def test_resolve() -> None:
+    cpu = torch.device("cpu")
+    assert fused_ops.resolve("off", cpu) == "off"
+    assert fused_ops.resolve("torch", cpu) == "torch"
+    with pytest.raises(ValueError, match="is not one of off, torch, triton"):
+        fused_ops.resolve("cuda", cpu)
+
+
+def test_triton_refused_on_the_cpu_unless_interpreted(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    model = build_tiny_model(0)
+    with pytest.raises(ValueError, match="fused='triton' needs a CUDA device, got 'cpu'"):
+        TorchExecutor.create(model, 16, fused="triton")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        build_executor("torch", num_kv_slots=16, device="cpu", fused="triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert fused_ops.resolve("triton", torch.device("cpu")) == "triton"
+
+
+def test_executor_and_factory_plumbing() -> None:
+    """``kvroute worker --fused-kernels``: the CLI's choices are fused_ops'; the factory
+    passes the option to the executor, whose batches carry it; sim refuses it."""
+    from worker import cli
+
+    assert cli.FUSED_CHOICES == fused_ops.FUSED_CHOICES
+    args = cli.build_parser().parse_args(["--executor", "torch", "--fused-kernels", "torch"])
+    assert args.fused_kernels == "torch"
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["--fused-kernels", "cuda"])
+    bad = cli.build_parser().parse_args(["--executor", "sim", "--fused-kernels", "torch"])
+    with pytest.raises(ValueError, match="--fused-kernels applies to --executor torch only"):
+        cli.config_from_args(bad)
+    with pytest.raises(ValueError, match="fused: only the 'torch' executor"):
+        build_executor("sim", num_kv_slots=16, fused="off")
+    ex, _ = build_executor("torch", num_kv_slots=32, device="cpu", fused="torch")
+    assert isinstance(ex, TorchExecutor) and ex.fused_impl == "torch"
+    default, _ = build_executor("torch", num_kv_slots=32, device="cpu")
+    assert isinstance(default, TorchExecutor) and default.fused_impl == "off"
+    item = ForwardItem("r", np.array([1, 2, 3]), 0, np.arange(3), SamplingParams(), True)
+    assert ex._build_batch([item], [], all_positions=False).fused == "torch"
+    static = TorchExecutor.create(
+        build_tiny_default(), 64, attention="paged-torch", static_decode=True, fused="torch"
+    )
+    assert static.decode_graphs is not None and static.decode_graphs.fused == "torch"
+
+
+# ---- on a GPU -----------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_fused_kernels_on_cuda() -> None:
+    """The compiled kernels: the same checks in float32 and bfloat16, the tiny model's logits
+    fused vs unfused (float32), and the static decode path captured as CUDA graphs with
+    fused="triton" against the regular unfused path. Fails, never skips, without CUDA."""
+    assert torch.cuda.is_available(), "gpu tests need CUDA: run them on a GPU machine"
+    assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+    fused_cases.check_add_rmsnorm("triton", "cuda")
+    fused_cases.check_rope("triton", "cuda")
+    model = build_tiny_model(0, device="cuda")
+    fused_cases.check_model("triton", model, atol=1e-4)
+    want = fused_cases.scenario(model, "paged")
+    got = fused_cases.scenario(model, "paged", fused="triton", cuda_graphs=True)
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=0, msg=f"graphs step {step}")

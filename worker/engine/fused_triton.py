@@ -1,0 +1,258 @@
+"""Triton kernels for ``worker.engine.fused_ops`` (imported only when they are used).
+
+Kept apart from ``fused_ops`` so that module imports without triton, and so a process decides
+whether Triton runs in its CPU interpreter (``TRITON_INTERPRET=1``) before this one is
+imported. Only long-stable ``triton.language`` is used (program_id, arange, masked
+load/store, sum, rsqrt, casts), so the kernels build with the Triton a CUDA torch ships.
+
+``_add_rmsnorm_kernel``: one program per ``BLOCK_R`` rows of the [T, N] activations (one row
+per program at Llama-3-8B's hidden size, several at small ones), each row whole in one tile:
+read x (and h), write x + h rounded to the activation dtype, and the RMS-normed row times the
+weight, rounded as ``fused_ops.rmsnorm_torch`` rounds.
+
+``_rope_kernel``: q and k in one launch. Their rows ([T * H] rows of q, then [T * KVH] of k,
+each one head of one token) are cut into blocks of ``BLOCK_R``; a program rotates one block
+in place with its tokens' cos/sin rows.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Elements of one program's tile (rows x padded row length) the launch aims for.
+TILE_ELEMENTS = 4096
+
+# Triton's interpreter casts float32 to bfloat16 by truncation (a GPU rounds to nearest
+# even); there the kernels round by hand first (``RNE``), so the CPU tests check bfloat16
+# results bit for bit against torch's rounding.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@triton.jit
+def _to(x, dtype: tl.constexpr, RNE: tl.constexpr):
+    """float32 ``x`` cast to ``dtype``; RNE: round to nearest even by hand (x's low 16 bits
+    rounded away, so the cast that follows is exact whatever its rounding)."""
+    if RNE:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + (0x7FFF + ((bits >> 16) & 1))
+        x = ((bits >> 16) << 16).to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def _add_rmsnorm_kernel(
+    x_ptr,
+    h_ptr,
+    w_ptr,
+    res_ptr,
+    y_ptr,
+    n_rows,
+    eps,
+    stride_x,
+    stride_h,
+    stride_res,
+    stride_y,
+    N: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    RNE: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_N)
+    mask_r = rows < n_rows
+    mask = mask_r[:, None] & (cols < N)[None, :]
+    rows64 = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    dtype = x.dtype
+    if HAS_DELTA:
+        h = tl.load(h_ptr + rows64[:, None] * stride_h + cols[None, :], mask=mask, other=0.0)
+        x = _to(x.to(tl.float32) + h.to(tl.float32), dtype, RNE)  # rounded as torch's x + h
+        tl.store(res_ptr + rows64[:, None] * stride_res + cols[None, :], x, mask=mask)
+    x32 = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x32 * x32, 1) / N + eps)
+    normed = _to(x32 * rstd[:, None], dtype, RNE).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    y = _to(normed * w[None, :], y_ptr.dtype.element_ty, RNE)
+    tl.store(y_ptr + rows64[:, None] * stride_y + cols[None, :], y, mask=mask)
+
+
+@triton.jit
+def _rope_rows(
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    block,
+    n_rows,
+    stride_t,
+    stride_h,
+    stride_c,
+    HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    RNE: tl.constexpr,
+):
+    """Rotate rows block * BLOCK_R ... of x (row r: token r // HEADS, head r % HEADS)."""
+    rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_HALF)
+    mask = (rows < n_rows)[:, None] & (cols < HALF)[None, :]
+    tok = (rows // HEADS).to(tl.int64)
+    head = (rows % HEADS).to(tl.int64)
+    base = x_ptr + (tok * stride_t + head * stride_h)[:, None] + cols[None, :]
+    x1 = tl.load(base, mask=mask, other=0.0)
+    x2 = tl.load(base + HALF, mask=mask, other=0.0)
+    trig = tok[:, None] * stride_c + cols[None, :]
+    c = tl.load(cos_ptr + trig, mask=mask, other=0.0)
+    s = tl.load(sin_ptr + trig, mask=mask, other=0.0)
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    tl.store(base, _to(a * c - b * s, x1.dtype, RNE), mask=mask)
+    tl.store(base + HALF, _to(b * c + a * s, x1.dtype, RNE), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(
+    q_ptr,
+    k_ptr,
+    cos_ptr,
+    sin_ptr,
+    n_q_rows,
+    n_k_rows,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_c,
+    Q_HEADS: tl.constexpr,
+    K_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    RNE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    q_blocks = tl.cdiv(n_q_rows, BLOCK_R)
+    if pid < q_blocks:
+        _rope_rows(
+            q_ptr,
+            cos_ptr,
+            sin_ptr,
+            pid,
+            n_q_rows,
+            stride_qt,
+            stride_qh,
+            stride_c,
+            Q_HEADS,
+            HALF,
+            BLOCK_R,
+            BLOCK_HALF,
+            RNE,
+        )
+    else:
+        _rope_rows(
+            k_ptr,
+            cos_ptr,
+            sin_ptr,
+            pid - q_blocks,
+            n_k_rows,
+            stride_kt,
+            stride_kh,
+            stride_c,
+            K_HEADS,
+            HALF,
+            BLOCK_R,
+            BLOCK_HALF,
+            RNE,
+        )
+
+
+def _rows_per_program(n_rows: int, block_cols: int) -> int:
+    """Rows of one tile: TILE_ELEMENTS / padded row length, at most the rows there are."""
+    return max(1, min(TILE_ELEMENTS // block_cols, triton.next_power_of_2(max(n_rows, 1))))
+
+
+def _rne(dtype: torch.dtype) -> bool:
+    return _INTERPRET and dtype == torch.bfloat16
+
+
+def _warps(tile: int) -> int:
+    return 4 if tile <= 2048 else 8
+
+
+def add_rmsnorm_triton(
+    residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fused_ops.add_rmsnorm_torch``'s contract on rows of [..., N] (unit stride over N)."""
+    n = residual.shape[-1]
+    x = residual.reshape(-1, n)
+    h = delta.reshape(-1, n) if delta is not None else x
+    if x.stride(-1) != 1 or h.stride(-1) != 1 or weight.stride(-1) != 1:
+        x, h, weight = x.contiguous(), h.contiguous(), weight.contiguous()
+    rows = x.shape[0]
+    out = torch.empty_like(x)
+    new_res = torch.empty_like(x) if delta is not None else x
+    if rows:
+        block_n = triton.next_power_of_2(n)
+        block_r = _rows_per_program(rows, block_n)
+        _add_rmsnorm_kernel[(triton.cdiv(rows, block_r),)](
+            x,
+            h,
+            weight,
+            new_res,
+            out,
+            rows,
+            float(eps),
+            x.stride(0),
+            h.stride(0),
+            new_res.stride(0),
+            out.stride(0),
+            N=n,
+            HAS_DELTA=delta is not None,
+            BLOCK_R=block_r,
+            BLOCK_N=block_n,
+            RNE=_rne(x.dtype),
+            num_warps=_warps(block_r * block_n),
+        )
+    shape = residual.shape
+    return (new_res.view(shape) if delta is not None else residual), out.view(shape)
+
+
+def rope_triton_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """``fused_ops.rope_torch_``'s contract (q [T, H, D], k [T, KVH, D] rotated in place;
+    cos/sin float32 [T, D / 2]); the head_dim axis of q and k must be contiguous."""
+    if q.stride(2) != 1 or k.stride(2) != 1:
+        raise ValueError("rope_triton_: q and k need a contiguous head_dim axis")
+    if cos.stride(1) != 1 or sin.stride() != cos.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    tokens, q_heads, dim = q.shape
+    k_heads = k.shape[1]
+    if tokens == 0:
+        return
+    half = dim // 2
+    block_half = triton.next_power_of_2(half)
+    block_r = _rows_per_program(tokens * q_heads, block_half)
+    grid = triton.cdiv(tokens * q_heads, block_r) + triton.cdiv(tokens * k_heads, block_r)
+    _rope_kernel[(grid,)](
+        q,
+        k,
+        cos,
+        sin,
+        tokens * q_heads,
+        tokens * k_heads,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        cos.stride(0),
+        Q_HEADS=q_heads,
+        K_HEADS=k_heads,
+        HALF=half,
+        BLOCK_R=block_r,
+        BLOCK_HALF=block_half,
+        RNE=_rne(q.dtype),
+        num_warps=_warps(block_r * block_half),
+    )
