@@ -29,6 +29,12 @@ measured for it (its prefill is the option's own). Off CUDA (``--smoke`` on the 
 column runs the same padded static-shape decode path eagerly (``static_decode``): it checks
 the script, not the speed. ``decode_path`` in the JSON says which ran.
 
+``--fused`` adds, after each paged column (``paged``, ``paged+graphs``), the same executor
+with ``fused="triton"`` (``worker.engine.fused_ops``: each layer's residual add fused into its
+RMSNorm, RoPE over q and k in one pass) as ``<column>+fused``; off CUDA it runs
+``fused="torch"`` (the same structure in torch ops: it checks the script, not the speed).
+``fused_impl`` in the JSON says which ran. A ``+graphs+fused`` column times decode steps only.
+
 ``--smoke`` runs the same code on the project's tiny model with small sizes on the CPU (or
 ``--device``): seconds, for tests and for a machine without a GPU. The numbers it prints are
 of no interest; that every figure is produced is.
@@ -42,6 +48,7 @@ Usage::
     python -m bench.bench_gpu --smoke --json OUT    # anywhere, tiny model
     python -m bench.bench_gpu --attention gather,paged-triton --json OUT
     python -m bench.bench_gpu --cuda-graphs --json OUT   # + the paged decode as CUDA graphs
+    python -m bench.bench_gpu --cuda-graphs --fused --json OUT   # + fused RMSNorm/RoPE columns
 """
 
 from __future__ import annotations
@@ -305,10 +312,11 @@ def _measure(
 
 GREEDY = SamplingParams(max_new_tokens=1)
 GRAPHS_SUFFIX = "+graphs"  # the label of a paged option's CUDA-graph decode column
+FUSED_SUFFIX = "+fused"  # a column with the fused RMSNorm/RoPE kernels
 
 
 def is_graph_variant(label: str) -> bool:
-    return label.endswith(GRAPHS_SUFFIX)
+    return GRAPHS_SUFFIX in label
 
 
 def _item(rid: str, tokens: np.ndarray, start: int, slots: np.ndarray) -> ForwardItem:
@@ -444,9 +452,12 @@ def run(
     peak_tflops: float | None = None,
     attention: tuple[str, ...] = ("gather", "paged"),
     cuda_graphs: bool = False,
+    fused: bool = False,
 ) -> dict:
     """Every figure as a dict (what ``--json`` writes). ``cuda_graphs``: also each paged
-    option's decode with CUDA graphs (the static decode path run eagerly off CUDA)."""
+    option's decode with CUDA graphs (the static decode path run eagerly off CUDA).
+    ``fused``: also each paged column with the fused RMSNorm/RoPE kernels (their torch
+    reference off CUDA)."""
     sizes = SMOKE_SIZES if smoke else Sizes()
     start = time.perf_counter()
     if smoke:
@@ -475,22 +486,28 @@ def run(
     )
     executors: dict[str, TorchExecutor] = {}
     decode_path: dict[str, str] = {}
+    on_cuda = device.type == "cuda"
+    fused_impl = "triton" if on_cuda else "torch"
     for name in attention:  # the same model and KV pool
-        executors[name] = TorchExecutor(model, pool, device, seed=seed, attention=name)
-        decode_path[name] = "regular"
+        variants = [(name, False)]
         if cuda_graphs and name != "gather":
-            label = name + GRAPHS_SUFFIX
-            on_cuda = device.type == "cuda"
-            executors[label] = TorchExecutor(
-                model,
-                pool,
-                device,
-                seed=seed,
-                attention=name,
-                cuda_graphs=on_cuda,
-                static_decode=not on_cuda,
-            )
-            decode_path[label] = "cuda-graphs" if on_cuda else "static-eager"
+            variants.append((name + GRAPHS_SUFFIX, True))
+        for base, static in variants:
+            for fuse in (False, True) if fused and name != "gather" else (False,):
+                label = base + (FUSED_SUFFIX if fuse else "")
+                executors[label] = TorchExecutor(
+                    model,
+                    pool,
+                    device,
+                    seed=seed,
+                    attention=name,
+                    cuda_graphs=static and on_cuda,
+                    static_decode=static and not on_cuda,
+                    fused=fused_impl if fuse else "off",
+                )
+                decode_path[label] = (
+                    ("cuda-graphs" if on_cuda else "static-eager") if static else "regular"
+                )
     labels = tuple(executors)
     shape = Shape.of(model)
     specs = device_specs(device, hbm_gbps, peak_tflops)
@@ -518,6 +535,7 @@ def run(
         "build_s": round(build_s, 3),
         "attention": list(labels),
         "attention_impl": {name: ex.attention_impl for name, ex in executors.items()},
+        "fused_impl": {name: ex.fused_impl for name, ex in executors.items()},
         "decode_path": decode_path,
         "graph_buckets": {k: [list(key) for key in v] for k, v in graphs.items()},
         "steps": by_attention[attention[0]],
@@ -539,9 +557,11 @@ def print_report(result: dict, stream: TextIO | None = None) -> None:
     stream = stream or sys.stdout
     names = result["attention"]
     paths = result.get("decode_path", {})
+    fused = result.get("fused_impl", {})
     impls = ", ".join(
         f"{n} = {result['attention_impl'][n]}"
         + (f" ({paths[n]} decode)" if paths.get(n, "regular") != "regular" else "")
+        + (f" (fused {fused[n]})" if fused.get(n, "off") != "off" else "")
         for n in names
     )
     print(
@@ -549,7 +569,7 @@ def print_report(result: dict, stream: TextIO | None = None) -> None:
         f"roofline specs: {result['specs']['source']}; attention: {impls}",
         file=stream,
     )
-    cols = "".join(f" {n[:12] + ' ms':>15} {'x roof':>7}" for n in names)
+    cols = "".join(f" {n[:18] + ' ms':>21} {'x roof':>7}" for n in names)
     print(f"{'step':<32} {'roofline ms':>12}{cols} {'target ms':>10}", file=stream)
     by_attention = {
         name: {m["name"]: m for m in steps} for name, steps in result["steps_by_attention"].items()
@@ -561,11 +581,11 @@ def print_report(result: dict, stream: TextIO | None = None) -> None:
         for name in names:
             other = by_attention[name].get(m["name"])
             if other is None:  # a +graphs column times decode steps only
-                row += f" {'-':>15} {'-':>7}"
+                row += f" {'-':>21} {'-':>7}"
                 continue
             median = other["median_s"]
             ratio = f"{median / roof:7.1f}" if roof else "      -"
-            row += f" {median * 1e3:15.2f} {ratio}"
+            row += f" {median * 1e3:21.2f} {ratio}"
         target = f"{m['target_s'] * 1e3:10.1f}" if m["target_s"] else "         -"
         print(f"{row} {target}", file=stream)
     for name in names:
@@ -625,6 +645,12 @@ def main(argv: list[str] | None = None) -> int:
         help="also time each paged option's decode steps with CUDA graphs (column "
         "'<option>+graphs'; off CUDA the same static-shape path runs eagerly)",
     )
+    p.add_argument(
+        "--fused",
+        action="store_true",
+        help="also time each paged column with the fused RMSNorm/RoPE kernels (column "
+        "'<column>+fused'; off CUDA their torch reference runs)",
+    )
     args = p.parse_args(argv)
     attention = tuple(a.strip() for a in args.attention.split(",") if a.strip())
     bad = [a for a in attention if a not in ATTENTION_CHOICES]
@@ -635,6 +661,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.cuda_graphs and all(a == "gather" for a in attention):
         p.error("--cuda-graphs: needs a paged --attention option (the graphs use paged decode)")
+    if args.fused and all(a == "gather" for a in attention):
+        p.error("--fused: needs a paged --attention option (fused columns are paged ones)")
     device = torch.device(args.device or ("cpu" if args.smoke else "cuda"))
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error("CUDA is not available: run on a GPU machine, or use --smoke for the CPU check")
@@ -650,6 +678,7 @@ def main(argv: list[str] | None = None) -> int:
         peak_tflops=args.peak_tflops,
         attention=attention,
         cuda_graphs=args.cuda_graphs,
+        fused=args.fused,
     )
     print_report(result)
     if args.json:

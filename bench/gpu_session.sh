@@ -33,14 +33,16 @@ python -m pip install --quiet --no-deps --no-build-isolation -e . || exit 1
 
 # the GPU-marked tests (Triton kernels against their torch references on CUDA; CUDA-graph
 # decode captured and replayed against the eager static path and the regular one,
-# tests/worker/engine/test_decode_graph.py)
+# tests/worker/engine/test_decode_graph.py; the fused RMSNorm/RoPE kernels in bf16 and fp32,
+# tests/worker/engine/test_fused_ops.py)
 step timeout 240 python -m pytest -m gpu -q -p no:cacheprovider tests/worker/engine \
   >"$OUT/pytest_gpu.txt" 2>&1
-# decode at batch 1/8/32/128 and both prefills, gather and paged side by side, and paged's
-# decode steps again as CUDA graph replays (column paged+graphs)
-step timeout 300 python -m bench.bench_gpu --cuda-graphs --json "$OUT/bench_gpu.json" \
+# decode at batch 1/8/32/128 and both prefills, gather and paged side by side, paged's
+# decode steps again as CUDA graph replays (column paged+graphs), and both paged columns
+# with the fused RMSNorm/RoPE kernels (paged+fused: every step; paged+graphs+fused: decode)
+step timeout 300 python -m bench.bench_gpu --cuda-graphs --fused --json "$OUT/bench_gpu.json" \
   >"$OUT/bench_gpu.txt" 2>&1
 
 tail -5 "$OUT/pytest_gpu.txt"
-tail -40 "$OUT/bench_gpu.txt"
+tail -45 "$OUT/bench_gpu.txt"
 exit "$status"
