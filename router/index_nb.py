@@ -1342,7 +1342,12 @@ class NumbaPrefixIndex(AppliesEvents):
     def store(self, slot: int, event: BlockStored) -> None:
         """Index a stored chain for ``slot``."""
         hashes = event.block_hashes
-        if not hashes:
+        keys: np.ndarray | None = None
+        if type(hashes) is PackedHashes and _WIRE_NATIVE:  # decoded events: the array
+            keys = cast(PackedHashes, hashes).array
+            if not len(keys):
+                return
+        elif not hashes:
             return
         if not 0 <= slot < self._nslots:  # widen, or refuse a negative slot
             self._words_for(slot)
@@ -1353,7 +1358,8 @@ class NumbaPrefixIndex(AppliesEvents):
                 self.errors["unknown_parent"] += 1
             if not self._verify(event):
                 return
-        keys = _as_keys(hashes)
+        if keys is None:
+            keys = _as_keys(hashes)
         # the parent as stored (0: none; a hash of 0 maps as the kernels map it)
         stored_parent = _NIL if parent is None else _U64(parent or _ZERO_INT)
         code = _store(self._tab, self._meta, self._counts, keys, stored_parent, slot)
@@ -1365,9 +1371,9 @@ class NumbaPrefixIndex(AppliesEvents):
             if not verify:
                 self.errors["unknown_parent"] += 1
         if code:
-            live = self._meta[_M_LIVE]
+            live = self._meta.item(_M_LIVE)
             if live > self._peak:
-                self._peak = int(live)
+                self._peak = live
                 if live > self.config.max_blocks:
                     self._evict()
 
@@ -1375,13 +1381,20 @@ class NumbaPrefixIndex(AppliesEvents):
         """Withdraw blocks from ``slot``; blocks nobody holds any more are deleted."""
         if slot < 0:
             raise ValueError(f"worker slot must be >= 0, got {slot}")
-        n = len(hashes)
+        keys: np.ndarray | None = None
+        if type(hashes) is PackedHashes and _WIRE_NATIVE:  # decoded events: the array
+            keys = cast(PackedHashes, hashes).array
+            n = len(keys)
+        else:
+            n = len(hashes)
         if not n:
             return
         if slot >= len(self._counts):
             self.errors["unknown_block"] += n
             return
-        removed = _remove(self._tab, self._meta, self._counts, _as_keys(hashes), slot)
+        if keys is None:
+            keys = _as_keys(hashes)
+        removed = _remove(self._tab, self._meta, self._counts, keys, slot)
         if removed < n:
             self.errors["unknown_block"] += n - removed
         if removed:
