@@ -113,6 +113,9 @@ def add_rmsnorm(
     if weight.shape != residual.shape[-1:]:
         raise ValueError(f"add_rmsnorm: weight {weight.shape} for rows of {residual.shape}")
     if impl == "triton":
+        dtypes = {residual.dtype, weight.dtype} | ({delta.dtype} if delta is not None else set())
+        if len(dtypes) > 1:  # the kernel writes the activations' dtype
+            raise ValueError(f"add_rmsnorm: the Triton kernel needs one dtype, got {dtypes}")
         from worker.engine import fused_triton
 
         return fused_triton.add_rmsnorm_triton(residual, delta, weight, eps)

@@ -113,6 +113,21 @@ def test_resolve() -> None:
         fused_ops.resolve("cuda", cpu)
 
 
+def test_bad_inputs_are_refused() -> None:
+    x = torch.zeros(3, 8)
+    with pytest.raises(ValueError, match="the Triton kernel needs one dtype"):
+        fused_ops.add_rmsnorm("triton", x, None, torch.ones(8, dtype=torch.bfloat16), 1e-5)
+    with pytest.raises(ValueError, match="weight"):
+        fused_ops.add_rmsnorm("torch", x, None, torch.ones(7), 1e-5)
+    with pytest.raises(ValueError, match="delta"):
+        fused_ops.add_rmsnorm("torch", x, torch.zeros(3, 7), torch.ones(8), 1e-5)
+    q, k = torch.zeros(2, 4, 8), torch.zeros(2, 2, 8)
+    with pytest.raises(ValueError, match=r"cos/sin must be \[2, 4\]"):
+        fused_ops.rope_("torch", q, k, torch.zeros(2, 8), torch.zeros(2, 8))
+    with pytest.raises(ValueError, match="need q"):
+        fused_ops.rope_("torch", q, torch.zeros(3, 2, 8), torch.zeros(2, 4), torch.zeros(2, 4))
+
+
 def test_triton_refused_on_the_cpu_unless_interpreted(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     model = build_tiny_model(0)
