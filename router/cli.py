@@ -173,8 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="cost per running request on a worker for a request that starts something "
         "sticky (a conversation's first turn on a prompt several workers share): spreads "
-        "conversations by decode load; trades TTFT p99 for busy-time balance and e2e p99 "
-        "(router/policy.py, BENCHMARKS.md); default %(default)s: off",
+        "conversations by decode load; trades TTFT p99 for busy-time balance and e2e p99, "
+        "and hurts traffic whose shared starts are not conversations (hot tenants, bursts): "
+        "router/policy.py, BENCHMARKS.md; default %(default)s: off",
     )
     p.add_argument(
         "--block-size",

@@ -62,7 +62,9 @@ workers with the fewest decodes instead of piling onto the first holders of thei
 It trades one target for another (support-agent replay at 16 workers, BENCHMARKS.md): at
 1,000 busy-time imbalance 1.43 -> 1.05 and e2e p99 -21%, but TTFT p99 +8%, because keeping
 the decode-heavy conversations on a few workers leaves the others free to prefill
-(``kvroute router --spread-weight``).
+It also does harm where shared starts are not conversations: zipf-tenants at 4 workers
+TTFT p99 296 -> 808 ms, cold-bursts at 16 workers 9 points of hit rate lost. Opt-in
+(``kvroute router --spread-weight``), for conversation-heavy fleets.
 
 Baselines share the interface: round_robin, random, least_load, power_of_two, and
 approx_tree (cache_aware over the router's own routing history only: the core gives it
