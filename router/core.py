@@ -644,6 +644,11 @@ class RouterCore:
         self._finish(ended, event.generated_tokens)
         return True
 
+    @property
+    def num_replica_inflight(self) -> int:
+        """Requests of other router replicas this router counts in flight."""
+        return len(self._replica_inflight)
+
     def drop_replica(self, router_id: str) -> int:
         """End every request router ``router_id`` placed (it left, restarted or went
         silent: their ends will never be heard); how many there were."""

@@ -23,7 +23,9 @@ ever retried or blocked for: routing never waits on Redis.
   (:meth:`RouterCore.drop_replica`) and counting starts again from what arrives next; the same
   when a peer is silent for ``peer_timeout_s`` (it died), when it says it is leaving, and for
   every peer when this router's own subscription broke. Malformed batches are counted and
-  ignored (field and limit logged), as are events for workers this router does not know.
+  ignored (field and limit logged), as are events for workers this router does not know;
+  at most ``max_peer_requests`` of the others' requests are counted at once (a peer that
+  never reports its ends cannot grow this router without bound).
 
 The channel carries request ids, worker ids and prompt block hashes: it is as sensitive as
 the registry, and protected the same way (the registry's Redis URL, ACL user and TLS).
@@ -58,6 +60,7 @@ MAX_BLOCKS = 65_536  # block hashes of one routed request (1M tokens at block si
 DEFAULT_HEARTBEAT_S = 1.0
 DEFAULT_PEER_TIMEOUT_S = 5.0
 DEFAULT_MAX_PENDING = 100_000
+DEFAULT_MAX_PEER_REQUESTS = 100_000  # the others' requests counted at once, at most
 
 
 class ReplicaDecodeError(ValueError):
@@ -183,6 +186,7 @@ class ReplicaSync:
         heartbeat_s: float = DEFAULT_HEARTBEAT_S,
         peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S,
         max_pending: int = DEFAULT_MAX_PENDING,
+        max_peer_requests: int = DEFAULT_MAX_PEER_REQUESTS,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not heartbeat_s > 0:
@@ -194,6 +198,11 @@ class ReplicaSync:
             )
         if max_pending < 1:
             raise ValueError(f"replica sync max_pending must be >= 1, got {max_pending}")
+        if max_peer_requests < 1:
+            raise ValueError(
+                f"replica sync max_peer_requests must be >= 1, got {max_peer_requests}"
+            )
+        self._max_peer_requests = max_peer_requests
         self.core = core
         self.channel = f"{prefix}replica"
         self.router_id = router_id or secrets.token_hex(8)
@@ -224,6 +233,7 @@ class ReplicaSync:
                 "batches_received",
                 "events_applied",
                 "events_ignored",  # unknown worker, a request already counted, an unseen end
+                "events_over_limit",  # a peer's pick past max_peer_requests: not counted
                 "batches_malformed",
                 "gaps",
                 "peers_dropped",
@@ -381,6 +391,19 @@ class ReplicaSync:
         peer.last_seq = batch.seq
         peer.last_seen = now
         for event in batch.events:
+            if (
+                isinstance(event, ReplicaRouted)
+                and self.core.num_replica_inflight >= self._max_peer_requests
+            ):
+                # a peer that never ends its requests must not grow this router without bound
+                if not self.counters["events_over_limit"]:
+                    log.warning(
+                        "replica sync: %d of the other routers' requests counted, the limit; "
+                        "further picks are not counted until some end",
+                        self._max_peer_requests,
+                    )
+                self.counters["events_over_limit"] += 1
+                continue
             if self.core.apply_replica(batch.router_id, event):
                 self.counters["events_applied"] += 1
             else:

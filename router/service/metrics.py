@@ -586,10 +586,11 @@ class RouterStateCollector(Collector):
         events = _counter(
             "kvroute_router_replica_events",
             "Replica sync events: this router's published or dropped (queue full, Redis "
-            "down), the others' applied or ignored (unknown worker, already counted)",
+            "down), the others' applied, ignored (unknown worker, already counted) or "
+            "over_limit (past max_peer_requests)",
             ("result",),
         )
-        for result in ("published", "dropped", "applied", "ignored"):
+        for result in ("published", "dropped", "applied", "ignored", "over_limit"):
             events.add_metric([result], c[f"events_{result}"])
         batches = _counter(
             "kvroute_router_replica_batches",

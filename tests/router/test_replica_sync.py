@@ -147,6 +147,22 @@ async def test_a_peers_batches_are_applied_in_sequence_and_a_gap_forgets_its_req
         await sync.close(timeout_s=0.1)
 
 
+async def test_a_peer_cannot_grow_this_router_without_bound():
+    core = make_core()
+    sync = ReplicaSync(core, NOWHERE, max_peer_requests=2)
+    try:
+        events = tuple(ReplicaRouted(f"r{i}", "w0", 10, 0) for i in range(3))
+        sync.on_message(encode_batch("p", 1, events))
+        assert core.num_replica_inflight == 2 and sync.counters["events_over_limit"] == 1
+        sync.on_message(encode_batch("p", 2, (ReplicaFinished("r0"), events[2])))
+        assert core.num_replica_inflight == 2  # one ended, so the next pick counts
+        assert sync.counters["events_over_limit"] == 1
+    finally:
+        await sync.close(timeout_s=0.1)
+    with pytest.raises(ValueError, match="max_peer_requests must be >= 1"):
+        ReplicaSync(make_core(), NOWHERE, max_peer_requests=0)
+
+
 async def test_settings_that_would_drop_live_peers_are_refused():
     with pytest.raises(ValueError, match=r"peer_timeout_s \(1.0\) must be > heartbeat_s"):
         ReplicaSync(make_core(), NOWHERE, heartbeat_s=1.0, peer_timeout_s=1.0)
