@@ -403,6 +403,10 @@ def _sim_config(args: argparse.Namespace):  # -> SimConfig
         raise ValueError("--routers needs --mode sim")
     if args.flush_interval_s and args.mode != "sim":
         raise ValueError("--flush-interval-s needs --mode sim")
+    if args.replica_sync_delay_s is not None and args.routers < 2:
+        raise ValueError(
+            "--replica-sync-delay-s needs --routers 2 or more (sync is between routers)"
+        )
     if args.cost_weights is not None:
         from router.policy import CostWeights
 

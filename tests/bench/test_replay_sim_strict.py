@@ -130,6 +130,8 @@ def test_cli_routers(tmp_path, capsys):
     assert json.loads(out.read_text())["setup"]["load_interval_s"] == 1.0
     assert main([*base, "--no-reference", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["setup"]["load_interval_s"] == 1.0
+    assert main([*base, "--replica-sync-delay-s", "0.001", "--no-reference"]) == 2
+    assert "--replica-sync-delay-s needs --routers 2 or more" in capsys.readouterr().err
     sync = ["--routers", "2", "--replica-sync-delay-s", "0.0005", "--no-reference"]
     assert main([*base, *sync, "--json", str(out)]) == 0
     report = json.loads(out.read_text())
