@@ -6,7 +6,8 @@ Comparable section -- 2,000 sequences of 2,000 tokens that share a 512-token pre
 seed), block size 16 (125 blocks each); sequence i is stored on worker i % 16, each worker's
 first sequence whole and the later ones as their suffix after the shared prefix; one stored
 event per sequence, handed to the index as encoded wire bytes (decoding is timed:
-``kvroute_proto.codec.decode_stream_message``):
+``kvroute_proto.codec.decode_stream_lazy``, then applied as RouterCore applies it: a plain
+batch from its scanned layout by the numba index, ``apply_wire``; otherwise the events):
 
 * ``ingest_blocks_s``: stored blocks per second (decode + apply).
 * ``find_full_q_s``: find_matches of every stored sequence's block hashes, queries/s.
@@ -14,9 +15,14 @@ event per sequence, handed to the index as encoded wire bytes (decoding is timed
 * ``remove_blocks_s``: removing every sequence's suffix blocks (one removed event per
   sequence, as wire bytes, decoding timed), blocks/s.
   The router service decodes exactly so: its event stream hands each message's raw bytes
-  to ``decode_stream_message`` (``router.service.worker_conn``, no gRPC deserializer).
+  to ``decode_stream_lazy`` (``router.service.worker_conn``, no gRPC deserializer) and
+  ``RouterCore.on_stream_message`` applies the result (the bench leaves out the core's
+  per-worker sequencing and bookkeeping, for every path alike).
   With ``--backend numba`` the decoding is the router's compiled scan
   (``codec.enable_compiled_decode``, which RouterCore turns on with that index).
+* ``ingest_events_blocks_s`` / ``remove_events_blocks_s``: the same decoded into event
+  objects (``decode_stream_message``) applied one by one: the service's path before
+  batches were applied from their layout.
 * ``ingest_service_blocks_s`` / ``remove_service_blocks_s``: the same with the decoding the
   router service did before it took raw bytes: gRPC's deserializer parsed each message
   (``KvStreamMessage.FromString``), then ``codec.stream_message_from_pb`` decoded it.
@@ -103,12 +109,14 @@ from prometheus_client import CollectorRegistry
 from bench.bpe import english_like_text, train_bpe
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto.codec import (
+    WireBatch,
+    decode_stream_lazy,
     decode_stream_message,
     enable_compiled_decode,
     encode_stream_message,
     stream_message_from_pb,
 )
-from kvroute_proto.events import DEFAULT_PARTITION, BlockRemoved, BlockStored, EventBatch, Snapshot
+from kvroute_proto.events import DEFAULT_PARTITION, BlockRemoved, BlockStored, EventBatch
 from kvroute_proto.hashing import block_hashes, enable_compiled
 from kvroute_proto.tokenizer import HFTokenizer
 from router.core import RouterConfig, RouterCore, RouteRequest
@@ -125,6 +133,7 @@ if TYPE_CHECKING:
     from router.index_nb import NumbaPrefixIndex
 
 AnyIndex: TypeAlias = "PrefixIndex | VecPrefixIndex | NumbaPrefixIndex"
+Feed: TypeAlias = Callable[[int, bytes], None]  # decode one stream message and apply it
 
 
 def _numba_index(config: IndexConfig | None = None) -> NumbaPrefixIndex:
@@ -218,34 +227,47 @@ def bench_comparable(cfg: ComparableConfig, backend: str = "dict") -> dict[str, 
     if backend == "numba":  # as the router does with that index (RouterCore)
         enable_compiled_decode()
 
-    def wire(data: bytes) -> EventBatch | Snapshot:
-        return decode_stream_message(data)
+    wire_apply = hasattr(index, "apply_wire")  # as RouterCore decides (no verify_hashes)
 
-    def service(data: bytes) -> EventBatch | Snapshot:
+    def wire(w: int, data: bytes) -> None:
+        """The router service's path: codec.decode_stream_lazy, then RouterCore applies a
+        plain batch (codec.WireBatch) from its scanned layout (NumbaPrefixIndex.apply_wire)
+        and any other batch's decoded events one by one."""
+        msg = decode_stream_lazy(data)
+        if wire_apply and type(msg) is WireBatch:
+            index.apply_wire(w, msg.layout)  # type: ignore[union-attr]
+        else:
+            for ev in msg.events:
+                index.apply(w, ev)
+
+    def events(w: int, data: bytes) -> None:
+        """The path before batches were applied from their layout: decode_stream_message
+        builds the event objects, each applied one by one."""
+        for ev in decode_stream_message(data).events:
+            index.apply(w, ev)
+
+    def service(w: int, data: bytes) -> None:
         """What the router service did with a stream message before it took the stream's
         raw bytes: gRPC's deserializer parsed it (KvStreamMessage.FromString), then
         codec.stream_message_from_pb decoded it (serialising a batch again to scan it)."""
-        return stream_message_from_pb(pb.KvStreamMessage.FromString(data))
+        for ev in stream_message_from_pb(pb.KvStreamMessage.FromString(data)).events:
+            index.apply(w, ev)
 
-    def ingest(decode: Callable[[bytes], EventBatch | Snapshot] = wire) -> float:
+    def ingest(feed: Feed = wire) -> float:
         nonlocal index
         index = make()
         gc.collect()
         t0 = time.perf_counter()
         for w, data in stored_msgs:
-            msg = decode(data)
-            for ev in msg.events:
-                index.apply(w, ev)
+            feed(w, data)
         return time.perf_counter() - t0
 
-    def remove(decode: Callable[[bytes], EventBatch | Snapshot] = wire) -> float:
-        ingest(decode)
+    def remove(feed: Feed = wire) -> float:
+        ingest(feed)
         gc.collect()
         t0 = time.perf_counter()
         for w, data in removed_msgs:
-            msg = decode(data)
-            for ev in msg.events:
-                index.apply(w, ev)
+            feed(w, data)
         elapsed = time.perf_counter() - t0
         assert index.size() == prefix_blocks, index.size()
         return elapsed
@@ -274,6 +296,8 @@ def bench_comparable(cfg: ComparableConfig, backend: str = "dict") -> dict[str, 
         results["find_full_array_q_s"] = len(hashes) / _best(find(full_arrays), cfg.repeats)
         results["find_partial_array_q_s"] = len(probes) / _best(find(probe_arrays), cfg.repeats)
     results["remove_blocks_s"] = num_removed / _best(remove, cfg.repeats)
+    results["ingest_events_blocks_s"] = num_stored / _best(lambda: ingest(events), cfg.repeats)
+    results["remove_events_blocks_s"] = num_removed / _best(lambda: remove(events), cfg.repeats)
     results["ingest_service_blocks_s"] = num_stored / _best(lambda: ingest(service), cfg.repeats)
     results["remove_service_blocks_s"] = num_removed / _best(lambda: remove(service), cfg.repeats)
 

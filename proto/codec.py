@@ -378,15 +378,29 @@ def _scanned_batch(data: bytes, scan: Callable[[bytes], np.ndarray]) -> EventBat
     then every event's hashes decoded into one uint64 array); None when the scan or a check
     here declines it: the caller then decodes with protobuf, which raises the contract's
     error naming the field (or accepts what the scan does not take)."""
-    out = scan(data)
+    return _batch_from_layout(data, scan(data))
+
+
+def _batch_from_layout(data: bytes, out: np.ndarray) -> EventBatch | None:
     if not len(out):
         return None
-    n = int(out[12])  # wire_nb.NUM_EVENTS
-    o = out[: 16 + 12 * n].tolist()
+    o = out[:12].tolist()
     worker_id = _string(data, o[0], o[1])
     epoch, seq, block_size = o[2], o[3], o[4]
     if not worker_id or not epoch or not seq or not block_size:
         return None
+    events = _events_from_layout(data, out, block_size)
+    if events is None:
+        return None
+    load = LoadReport(*o[6:12]) if o[5] else None
+    return _event_batch(worker_id, epoch, seq, block_size, events, load)
+
+
+def _events_from_layout(
+    data: bytes, out: np.ndarray, block_size: int
+) -> tuple[KvEvent, ...] | None:
+    n = int(out[12])  # wire_nb.NUM_EVENTS
+    o = out[: 16 + 12 * n].tolist()
     decoded: list[KvEvent] = []
     for base in range(16, 16 + 12 * n, 12):
         kind = o[base]
@@ -411,8 +425,93 @@ def _scanned_batch(data: bytes, scan: Callable[[bytes], np.ndarray]) -> EventBat
             partition = DEFAULT_PARTITION
         parent = o[base + 4] if o[base + 3] else None
         decoded.append(_block_stored(hashes, parent, data[start : start + length], partition))
-    load = LoadReport(*o[6:12]) if o[5] else None
-    return _event_batch(worker_id, epoch, seq, block_size, tuple(decoded), load)
+    return tuple(decoded)
+
+
+_eb_events = vars(EventBatch)["events"]
+
+
+class WireBatch(EventBatch):
+    """An EventBatch decoded lazily (:func:`decode_stream_lazy`): its header and load
+    report as values, its events as the compiled scan's ``layout`` (wire_nb's layout, the
+    hashes after it) of the wire bytes ``data``. A plain batch only (wire_nb.PLAIN: default
+    partitions, token ids of the right length), so ``events`` always builds (on first use)
+    the same events :func:`decode_stream_message` gives; router.index_nb applies the
+    layout itself (``apply_wire``) without building them."""
+
+    __slots__ = ("data", "layout")
+    layout: np.ndarray
+    data: bytes
+
+    @property  # type: ignore[override]
+    def events(self) -> tuple[KvEvent, ...]:
+        events = _eb_events.__get__(self)
+        if events is None:
+            events = _events_from_layout(self.data, self.layout, self.block_size)
+            assert events is not None  # a plain batch (checked when it was made)
+            _eb_events.__set__(self, events)
+        return events
+
+    def materialize(self) -> EventBatch:
+        """The same batch as a plain EventBatch."""
+        return _event_batch(
+            self.worker_id, self.epoch, self.seq, self.block_size, self.events, self.load
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, EventBatch):
+            return self.materialize() == (
+                other.materialize() if isinstance(other, WireBatch) else other
+            )
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.materialize())
+
+    def __repr__(self) -> str:
+        return f"WireBatch({self.materialize()!r})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_wire, (self.data,))
+
+
+def _rebuild_wire(data: bytes) -> EventBatch | Snapshot:
+    return decode_stream_lazy(data)
+
+
+_wb_layout = vars(WireBatch)["layout"].__set__
+_wb_data = vars(WireBatch)["data"].__set__
+
+
+def decode_stream_lazy(data: bytes) -> EventBatch | Snapshot:
+    """As :func:`decode_stream_message` (the same answer, the same errors), but a plain
+    batch that the compiled scan reads is returned as a :class:`WireBatch`, its events
+    left in the scan's layout (built only when something reads them)."""
+    scan = _SCAN
+    if scan is None or type(data) is not bytes:
+        return decode_with_protobuf(data)
+    out = scan(data)
+    if len(out) and out[13]:  # wire_nb.PLAIN
+        o = out[:12].tolist()
+        worker_id = _string(data, o[0], o[1])
+        epoch, seq, block_size = o[2], o[3], o[4]
+        if worker_id and epoch and seq and block_size:
+            obj = _new(WireBatch)
+            w, e, s, b, v, lo = _eb_set
+            w(obj, worker_id)
+            e(obj, epoch)
+            s(obj, seq)
+            b(obj, block_size)
+            v(obj, None)
+            lo(obj, LoadReport(*o[6:12]) if o[5] else None)
+            _wb_layout(obj, out)
+            _wb_data(obj, data)
+            return obj
+        return decode_with_protobuf(data)
+    batch = _batch_from_layout(data, out)
+    if batch is not None:
+        return batch
+    return decode_with_protobuf(data)
 
 
 def decode_stream_message(data: bytes) -> EventBatch | Snapshot:

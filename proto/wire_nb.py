@@ -15,6 +15,10 @@ Layout of ``out`` (uint64) after a scan that returned ``n`` >= 0 events::
     out[0], out[1]   worker_id: offset, length     out[2] epoch   out[3] seq
     out[4]           block_size                     out[5] 1 when a LoadReport is present
     out[6:12]        the LoadReport's six fields
+    out[12]          (scan_batch) the number of events
+    out[13]          (scan_batch) 1 when the batch is plain: every stored event's token ids
+                     are block_size uint32 ids per block and its partition is the default
+                     (no cache_salt, no extra_key) -- what router.index_nb.apply_wire takes
     out[16 + 12 * e + k], event e:
         k = 0  kind (1 stored, 2 removed, 3 cleared)
             1, 2  block_hashes: offset, length      3 has_parent   4 parent_hash
@@ -30,11 +34,12 @@ from typing import Any
 import numba
 import numpy as np
 
-__all__ = ["HEADER", "NUM_EVENTS", "PER_EVENT", "scan_batch", "warm_up"]
+__all__ = ["HEADER", "NUM_EVENTS", "PER_EVENT", "PLAIN", "scan_batch", "warm_up"]
 
 HEADER = 16
 PER_EVENT = 12
 NUM_EVENTS = 12  # where scan_batch's answer says how many events follow the header
+PLAIN = 13  # where it says whether the batch is plain (see the layout)
 IRREGULAR = -1  # not what the encoder writes: decode with the protobuf runtime
 NO_ROOM = -2  # more events than ``out`` holds: call again with a larger one
 
@@ -279,6 +284,8 @@ def scan_batch(buf: Any) -> Any:
     res = np.empty(layout + words, dtype=np.uint64)
     res[:layout] = out[:layout]
     res[NUM_EVENTS] = n
+    block_size = res[4]
+    plain = 1
     w = layout
     for e in range(n):
         base = HEADER + PER_EVENT * e
@@ -286,6 +293,12 @@ def scan_batch(buf: Any) -> Any:
         size = int(res[base + 2])
         if res[base] == np.uint64(3):
             continue
+        if res[base] == np.uint64(1) and (
+            res[base + 6] != np.uint64(size // 8) * block_size * np.uint64(4)
+            or res[base + 8] != np.uint64(0)
+            or res[base + 10] != np.uint64(0)
+        ):
+            plain = 0
         for i in range(size // 8):
             x = np.uint64(0)
             for j in range(8):
@@ -294,6 +307,7 @@ def scan_batch(buf: Any) -> Any:
         res[base + 1] = w
         res[base + 2] = size // 8
         w += size // 8
+    res[PLAIN] = plain
     return res
 
 

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
-from kvroute_proto.codec import enable_compiled_decode
+from kvroute_proto.codec import WireBatch, enable_compiled_decode
 from kvroute_proto.events import EventBatch, Partition, Snapshot
 from kvroute_proto.hashing import as_token_array, block_hashes, enable_compiled
 from router.core_types import (  # the API's value types live there; re-exported here
@@ -153,6 +153,9 @@ class RouterCore:
                 backend=config.index_backend,
             )
         )
+        # batches decoded lazily (kvroute_proto.codec.WireBatch) applied from their scanned
+        # layout, without event objects: the numba index, when it need not verify hashes
+        self._wire_apply = hasattr(self._index, "apply_wire") and not config.verify_hashes
         # a query's hashes as the index takes them fastest: a uint64 array, or a list of ints
         self._hash_arrays = bool(getattr(self._index, "takes_arrays", False))
         if self._hash_arrays:  # numba is at hand: hash prompts with its compiled chain too,
@@ -286,9 +289,12 @@ class RouterCore:
         """Feed one message of a worker's event stream; returns actions for the shell.
 
         Duplicates are dropped, gaps buffered until filled (a Resubscribe is returned), a new
-        epoch purges the worker, a Snapshot replaces its state. Bad events are counted
-        (``stats().apply_errors``), never raised. Raises BlockSizeMismatchError when the
-        message's block_size is not the fleet's and UnknownWorkerError for an unknown worker.
+        epoch purges the worker, a Snapshot replaces its state. A batch decoded lazily
+        (``codec.decode_stream_lazy``, what the service decodes) is applied by the numba
+        index from its scanned layout, without event objects, with the same outcome. Bad
+        events are counted (``stats().apply_errors``), never raised. Raises
+        BlockSizeMismatchError when the message's block_size is not the fleet's and
+        UnknownWorkerError for an unknown worker.
         """
         worker = self._get(worker_id)
         self._check_block_size(worker_id, msg.block_size)
@@ -302,8 +308,11 @@ class RouterCore:
         for item in step.apply:
             if isinstance(item, EventBatch):
                 if self._use_events:
-                    for event in item.events:
-                        index.apply(slot, event)
+                    if type(item) is WireBatch and self._wire_apply:
+                        index.apply_wire(slot, item.layout)  # type: ignore[union-attr]
+                    else:
+                        for event in item.events:
+                            index.apply(slot, event)
                 if item.load is not None:
                     view.load = item.load
                     view.refresh()

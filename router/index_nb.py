@@ -325,6 +325,60 @@ def _remove(tab: Any, meta: Any, counts: Any, keys: Any, slot: int) -> int:
     return removed
 
 
+_W_DONE, _W_GROW, _W_CLEAR, _W_EVICT, _W_COMPACT = 0, 1, 2, 3, 4  # _apply_wire's stops
+
+
+@_jit
+def _apply_wire(
+    tab: Any, meta: Any, counts: Any, out: Any, e: int, slot: int, st: Any
+) -> tuple[int, int]:
+    """Apply events ``e``, ``e + 1``, ... of a scanned batch (kvroute_proto.wire_nb's layout
+    in ``out``) for ``slot`` as PrefixIndexNB.store / remove would, one by one, until one
+    needs the Python side: returns (the event to go on with, why it stopped). ``st``
+    (int64): [0] the peak size (updated as store does), [1] max_blocks, [2] / [3]
+    unknown_parent / unknown_block errors counted here, [4] the keys a store that found
+    no room wanted (_W_GROW: the same event again after the table grew). _W_CLEAR: event
+    ``e`` is a clear (remove_worker, then ``e + 1``); _W_EVICT / _W_COMPACT: the event
+    before the one returned needs the eviction / the compaction check."""
+    n = int(out[12])
+    while e < n:
+        base = 16 + 12 * e
+        kind = out[base]
+        if kind == np.uint64(3):
+            return e, _W_CLEAR
+        start = int(out[base + 1])
+        size = int(out[base + 2])
+        keys = out[start : start + size]
+        if kind == np.uint64(1):
+            parent = _NIL
+            if out[base + 3] != _NIL:
+                parent = _key(out[base + 4])
+            code = _store(tab, meta, counts, keys, parent, slot)
+            if code == _NO_ROOM:
+                st[4] = size
+                return e, _W_GROW
+            if code >= _UNKNOWN_PARENT:
+                code -= _UNKNOWN_PARENT
+                st[2] += 1
+            e += 1
+            if code:
+                live = meta[_M_LIVE]
+                if live > st[0]:
+                    st[0] = live
+                    if live > st[1]:
+                        return e, _W_EVICT
+        else:
+            removed = _remove(tab, meta, counts, keys, slot)
+            if removed < size:
+                st[3] += size - removed
+            e += 1
+            if removed:
+                live = meta[_M_LIVE]
+                if live * 4 <= st[0] or live * 16 < tab.shape[0]:
+                    return e, _W_COMPACT
+    return e, _W_DONE
+
+
 @_jit
 def _remove_slot_confirmed(tab: Any, meta: Any, slot: int) -> None:
     """Clear ``slot``'s bit everywhere; emptied rows keep their key with all-zero words
@@ -1004,6 +1058,9 @@ def warm_up() -> bool:
     for event in wire.events:
         index.apply(1, event)
     index.store(2, BlockStored((7, 8), None, ()))  # past the cap: evicts
+    # a plain batch applied from its scanned layout (kvroute_proto.codec.WireBatch)
+    batch = EventBatch("w", 1, 1, 1, (BlockStored((9,), 8, (1,)), BlockRemoved((9,))))
+    index.apply_wire(2, wire_nb.scan_batch(encode_stream_message(batch)))
     index.remove_worker(1)
     index.check_invariants()
     # the rebuilds a growing table runs
@@ -1059,6 +1116,7 @@ class NumbaPrefixIndex(AppliesEvents):
         self._peak = 0
         self.errors: Counter[str] = Counter(dict.fromkeys(ERROR_KINDS, 0))
         self.num_evicted = 0
+        self._wire_state = np.zeros(5, dtype=np.int64)  # apply_wire's (see _apply_wire)
 
     # ---- tables --------------------------------------------------------------------------
 
@@ -1403,6 +1461,41 @@ class NumbaPrefixIndex(AppliesEvents):
             live = self._meta.item(_M_LIVE)
             if live * 4 <= self._peak or live * 16 < self._tab.shape[0]:
                 self._maybe_compact()
+
+    def apply_wire(self, slot: int, layout: np.ndarray) -> None:
+        """Apply a plain scanned batch's events (kvroute_proto.codec.WireBatch.layout:
+        default partitions, token ids of the right length) for ``slot``, in order, as
+        ``apply`` applies its decoded events one by one -- the same entries, the same
+        errors -- without building them. Not with ``verify_hashes`` (the chain is then
+        checked against the tokens: apply the events)."""
+        if self._verify_on:
+            raise ValueError("apply_wire does not verify hashes: apply the events")
+        if not 0 <= slot < self._nslots:  # widen, or refuse a negative slot
+            self._words_for(slot)
+        st = self._wire_state
+        st[0] = self._peak
+        st[1] = self.config.max_blocks
+        st[2] = st[3] = 0
+        e = 0
+        while True:
+            e, why = _apply_wire(self._tab, self._meta, self._counts, layout, e, slot, st)
+            self._peak = int(st[0])
+            if why == _W_DONE:
+                break
+            if why == _W_GROW:
+                self._room(int(st[4]))
+            elif why == _W_CLEAR:
+                self.remove_worker(slot)
+                e += 1
+            elif why == _W_EVICT:
+                self._evict()
+            else:
+                self._maybe_compact()
+            st[0] = self._peak
+        if st[2]:
+            self.errors["unknown_parent"] += int(st[2])
+        if st[3]:
+            self.errors["unknown_block"] += int(st[3])
 
     def remove_worker(self, slot: int, predictions: bool = True) -> int:
         """Drop every confirmed entry of ``slot``, and its predictions unless

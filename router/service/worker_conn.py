@@ -243,7 +243,7 @@ class WorkerConnection:
         self._call = call
         try:
             async for data in call:
-                decoded = codec.decode_stream_message(data)
+                decoded = codec.decode_stream_lazy(data)  # a plain batch's events unbuilt
                 if decoded.worker_id != worker_id:
                     raise ContractError(
                         f"stream message worker_id={decoded.worker_id!r} but the worker at "
