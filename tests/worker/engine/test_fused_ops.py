@@ -10,14 +10,13 @@ gpu-marked test runs the same checks on the compiled kernels in bfloat16 and flo
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import fused_cases
 import numpy as np
 import pytest
 import torch
+from triton_subprocess import run_case
 
 from worker.engine import fused_ops
 from worker.engine.factory import build_executor, build_tiny_default
@@ -90,16 +89,7 @@ def test_triton_kernels(case: str, tmp_path: Path) -> None:
         env["TRITON_INTERPRET"] = "1"
     else:
         env["TRITON_CACHE_DIR"] = str(tmp_path)  # compile for real, not from a cache
-    proc = subprocess.run(
-        [sys.executable, str(CASES), case],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=CASES.parent,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert proc.stdout.strip().endswith(f"ok {case}")
+    run_case(CASES, case, env)
 
 
 # ---- the option -------------------------------------------------------------------------

@@ -9,12 +9,12 @@ real kernels (``python -m pytest -m gpu``).
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from triton_subprocess import run_case
 
 CASES = Path(__file__).with_name("paged_cases.py")
 
@@ -26,16 +26,7 @@ def test_triton_kernels_in_the_interpreter(case: str) -> None:
     executor: the tiny model's logits with attention="paged-triton" equal the gather path's
     over mixed prefill + decode steps with cached prefixes."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(CASES), case],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=CASES.parent,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert proc.stdout.strip().endswith(f"ok {case}")
+    run_case(CASES, case, env)
 
 
 def test_triton_kernels_compile_for_hopper(tmp_path: Path) -> None:
@@ -44,16 +35,7 @@ def test_triton_kernels_compile_for_hopper(tmp_path: Path) -> None:
     cubin, and the bf16 ones multiply on tensor cores."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # compile for real, not from a cache
-    proc = subprocess.run(
-        [sys.executable, str(CASES), "compile-sm90"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=CASES.parent,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert proc.stdout.strip().endswith("ok compile-sm90")
+    run_case(CASES, "compile-sm90", env)
 
 
 @pytest.mark.gpu
