@@ -214,3 +214,21 @@ async def test_two_routers_sync_through_redis(redis_url):
     await sa.close()
     assert sa.counters["batches_malformed"] == sb.counters["batches_malformed"] == 0
     assert sa.counters["gaps"] == 0
+
+
+async def test_routing_goes_on_when_redis_is_down():
+    """Nothing listens at the Redis address: routing never waits, the events are dropped and
+    counted, and close() returns promptly."""
+    core = make_core()
+    sync = ReplicaSync(core, NOWHERE, heartbeat_s=0.05, peer_timeout_s=1)
+    await sync.start()
+    try:
+        for i in range(5):
+            core.route(RouteRequest(f"r{i}", np.arange(64, dtype=np.uint32)))
+            core.on_finished(f"r{i}")
+        await _wait(lambda: sync.counters["events_dropped"] >= 10, timeout_s=5)
+        assert sync.counters["batches_published"] == 0
+        assert not sync.subscribed.is_set()
+    finally:
+        async with asyncio.timeout(5):
+            await sync.close(timeout_s=0.2)
