@@ -61,6 +61,19 @@ DEFAULT_HEARTBEAT_S = 1.0
 DEFAULT_PEER_TIMEOUT_S = 5.0
 DEFAULT_MAX_PENDING = 100_000
 DEFAULT_MAX_PEER_REQUESTS = 100_000  # the others' requests counted at once, at most
+COUNTER_NAMES = (  # ReplicaSync.counters (and the /metrics families built from them)
+    "batches_published",
+    "events_published",
+    "events_dropped",  # queue full, or Redis refused the batch
+    "batches_received",
+    "events_applied",
+    "events_ignored",  # unknown worker, a request already counted, an unseen end
+    "events_over_limit",  # a peer's pick past max_peer_requests: not counted
+    "batches_malformed",
+    "gaps",
+    "peers_dropped",
+    "requests_dropped",  # peers' requests forgotten (gap, silence, leaving)
+)
 
 
 class ReplicaDecodeError(ValueError):
@@ -225,22 +238,7 @@ class ReplicaSync:
         self.subscribed = asyncio.Event()  # set while the subscription is live
         self._publish_down = False
         self._subscribe_down = False
-        self.counters: dict[str, int] = dict.fromkeys(
-            (
-                "batches_published",
-                "events_published",
-                "events_dropped",  # queue full, or Redis refused the batch
-                "batches_received",
-                "events_applied",
-                "events_ignored",  # unknown worker, a request already counted, an unseen end
-                "events_over_limit",  # a peer's pick past max_peer_requests: not counted
-                "batches_malformed",
-                "gaps",
-                "peers_dropped",
-                "requests_dropped",  # peers' requests forgotten (gap, silence, leaving)
-            ),
-            0,
-        )
+        self.counters: dict[str, int] = dict.fromkeys(COUNTER_NAMES, 0)
 
     @property
     def peers(self) -> list[str]:

@@ -36,6 +36,7 @@ from kvroute_proto.events import LoadReport
 from kvroute_proto.histogram import HistogramCounter, HistogramStats
 from kvroute_proto.metrics_http import MetricsHttpServer, call_on_loop, histogram_family
 from router.core import RouteDecision, RouterStats, WorkerStats
+from router.replica_sync import COUNTER_NAMES
 from router.service.observe import NO_OBSERVER
 from router.service.token_cache import CachedTokenizer
 
@@ -363,6 +364,9 @@ def _kv_usage(load: LoadReport) -> float:
     return max(busy, 0) / total
 
 
+_NO_REPLICA_COUNTERS: dict[str, int] = dict.fromkeys(COUNTER_NAMES, 0)
+
+
 class RouterStateCollector(Collector):
     """Gauges and counters read from a snapshot of the router's state at scrape time."""
 
@@ -578,9 +582,8 @@ class RouterStateCollector(Collector):
         )
         inflight.add_metric([], snap.stats.num_replica_inflight)
         yield inflight
-        c = snap.replica
-        if c is None:
-            return
+        # without --replica-sync every family is exported at zero (dashboards stay valid)
+        c = snap.replica if snap.replica is not None else _NO_REPLICA_COUNTERS
         peers = _gauge("kvroute_router_replica_peers", "Other router replicas heard from")
         peers.add_metric([], snap.replica_peers)
         events = _counter(

@@ -169,3 +169,27 @@ def test_router_replicas_are_told_how_many_they_are_and_sync_through_redis() -> 
     ]
     (container,) = worker["spec"]["template"]["spec"]["containers"]
     assert "--load-interval-s=0.05" in container["args"]
+
+
+def test_every_metric_the_dashboard_plots_is_documented() -> None:
+    """Each kvroute_* series a Grafana panel queries is in docs/METRICS.md (a histogram's
+    _bucket/_sum/_count by its base name): a renamed or removed metric fails here, not as an
+    empty panel."""
+    import re
+
+    dashboard = json.loads((DEPLOY / "grafana" / "kvroute.json").read_text())
+    queried = {
+        name
+        for panel in dashboard["panels"]
+        for target in panel.get("targets", [])
+        for name in re.findall(r"kvroute_[a-z0-9_]+", target["expr"])
+    }
+    docs = (DEPLOY.parent / "docs" / "METRICS.md").read_text()
+    documented = set(re.findall(r"`(kvroute_[a-z0-9_]+)[`{]", docs))
+    assert len(queried) > 40 and "kvroute_router_replica_events_total" in queried
+    missing = {
+        n
+        for n in queried
+        if n not in documented and re.sub(r"_(bucket|sum|count)$", "", n) not in documented
+    }
+    assert not missing, sorted(missing)
