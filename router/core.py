@@ -111,6 +111,14 @@ class _Inflight:
     held: Sequence[int] = ()  # predicted blocks held until the first token (index.predict)
 
 
+def _open_flight(view: WorkerView, prefill_tokens: int) -> _Inflight:
+    """A request in flight on ``view``'s worker: its prefill queued there, one more active."""
+    view.inflight_prefill_tokens += prefill_tokens
+    view.num_active += 1
+    view.refresh()
+    return _Inflight(view, prefill_tokens)
+
+
 @dataclass(slots=True)
 class _Worker:
     view: WorkerView
@@ -531,11 +539,9 @@ class RouterCore:
 
     def _account(self, request_id: str, view: WorkerView, prefill_tokens: int) -> _Inflight:
         # with R router replicas a pick counts R times (RouterConfig.replicas)
-        prefill_tokens *= self.config.replicas
-        flight = self._inflight[request_id] = _Inflight(view, prefill_tokens)
-        view.inflight_prefill_tokens += prefill_tokens
-        view.num_active += 1
-        view.refresh()
+        flight = self._inflight[request_id] = _open_flight(
+            view, prefill_tokens * self.config.replicas
+        )
         self._num_routed += 1
         return flight
 
@@ -626,11 +632,8 @@ class RouterCore:
             view = worker.view
             now = self._clock()
             uncached = max(0, event.prompt_tokens - event.matched_tokens)
-            flight = self._replica_inflight[key] = _Inflight(view, uncached)
-            view.inflight_prefill_tokens += uncached
-            view.num_active += 1
             view.recent_prefill += uncached * self._recent_scale(now)
-            view.refresh()
+            flight = self._replica_inflight[key] = _open_flight(view, uncached)
             array = np.asarray(event.block_hashes, dtype=np.uint64)
             if len(array) and self._policy.uses_matches and self._block_size is not None:
                 # the numba index takes the array; the dict index keys on ints
