@@ -23,9 +23,6 @@ batch from its scanned layout by the numba index, ``apply_wire``; otherwise the 
 * ``ingest_events_blocks_s`` / ``remove_events_blocks_s``: the same decoded into event
   objects (``decode_stream_message``) applied one by one: the service's path before
   batches were applied from their layout.
-* ``ingest_service_blocks_s`` / ``remove_service_blocks_s``: the same with the decoding the
-  router service did before it took raw bytes: gRPC's deserializer parsed each message
-  (``KvStreamMessage.FromString``), then ``codec.stream_message_from_pb`` decoded it.
 * ``hash_seq_s``: ``block_hashes`` of a 2,000-token sequence, sequences/s (with the numba
   backend the compiled chain, ``kvroute_proto.hashing.enable_compiled``, as the router uses
   with that index; with ``dict`` the numpy form).
@@ -107,14 +104,12 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from bench.bpe import english_like_text, train_bpe
-from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto.codec import (
     WireBatch,
     decode_stream_lazy,
     decode_stream_message,
     enable_compiled_decode,
     encode_stream_message,
-    stream_message_from_pb,
 )
 from kvroute_proto.events import DEFAULT_PARTITION, BlockRemoved, BlockStored, EventBatch
 from kvroute_proto.hashing import block_hashes, enable_compiled
@@ -246,13 +241,6 @@ def bench_comparable(cfg: ComparableConfig, backend: str = "dict") -> dict[str, 
         for ev in decode_stream_message(data).events:
             index.apply(w, ev)
 
-    def service(w: int, data: bytes) -> None:
-        """What the router service did with a stream message before it took the stream's
-        raw bytes: gRPC's deserializer parsed it (KvStreamMessage.FromString), then
-        codec.stream_message_from_pb decoded it (serialising a batch again to scan it)."""
-        for ev in stream_message_from_pb(pb.KvStreamMessage.FromString(data)).events:
-            index.apply(w, ev)
-
     def ingest(feed: Feed = wire) -> float:
         nonlocal index
         index = make()
@@ -298,8 +286,6 @@ def bench_comparable(cfg: ComparableConfig, backend: str = "dict") -> dict[str, 
     results["remove_blocks_s"] = num_removed / _best(remove, cfg.repeats)
     results["ingest_events_blocks_s"] = num_stored / _best(lambda: ingest(events), cfg.repeats)
     results["remove_events_blocks_s"] = num_removed / _best(lambda: remove(events), cfg.repeats)
-    results["ingest_service_blocks_s"] = num_stored / _best(lambda: ingest(service), cfg.repeats)
-    results["remove_service_blocks_s"] = num_removed / _best(lambda: remove(service), cfg.repeats)
 
     seq = seqs[0]
     n = 2000 if cfg.num_seqs >= 100 else 200

@@ -259,20 +259,8 @@ def snapshot_from_pb(msg: pb.Snapshot) -> Snapshot:
 
 
 def stream_message_from_pb(msg: pb.KvStreamMessage) -> EventBatch | Snapshot:
-    """Decode and validate a parsed stream message (what the router's gRPC stream yields).
-    With the compiled decode enabled, a batch is decoded from its bytes again (serialising
-    costs less than reading each field through the protobuf runtime)."""
-    kind = msg.WhichOneof("kind")
-    if kind == "batch":
-        scan = _SCAN
-        if scan is not None:
-            batch = _scanned_batch(msg.SerializeToString(), scan)
-            if batch is not None:
-                return batch
-    return _from_pb(msg)
-
-
-def _from_pb(msg: pb.KvStreamMessage) -> EventBatch | Snapshot:
+    """Decode and validate a parsed stream message (the router's service decodes the wire
+    bytes instead: :func:`decode_stream_lazy`)."""
     kind = msg.WhichOneof("kind")
     if kind == "batch":
         return batch_from_pb(msg.batch)
@@ -322,10 +310,11 @@ def _event_batch(
     epoch: int,
     seq: int,
     block_size: int,
-    events: tuple[KvEvent, ...],
+    events: tuple[KvEvent, ...] | None,
     load: LoadReport | None,
+    cls: type[EventBatch] = EventBatch,
 ) -> EventBatch:
-    obj = _new(EventBatch)
+    obj = _new(cls)
     w, e, s, b, v, lo = _eb_set
     w(obj, worker_id)
     e(obj, epoch)
@@ -373,26 +362,27 @@ def _string(data: bytes, start: int, length: int) -> str | None:
         return None
 
 
-def _scanned_batch(data: bytes, scan: Callable[[bytes], np.ndarray]) -> EventBatch | None:
-    """The EventBatch in ``data`` from the compiled scan (kvroute_proto.wire_nb: a layout,
-    then every event's hashes decoded into one uint64 array); None when the scan or a check
-    here declines it: the caller then decodes with protobuf, which raises the contract's
-    error naming the field (or accepts what the scan does not take)."""
-    return _batch_from_layout(data, scan(data))
-
-
-def _batch_from_layout(data: bytes, out: np.ndarray) -> EventBatch | None:
-    if not len(out):
-        return None
+def _header(data: bytes, out: np.ndarray) -> tuple[str, int, int, int, LoadReport | None] | None:
+    """A scanned batch's worker id, epoch, seq, block size and load report; None when one
+    the contract requires is missing (protobuf's decode then names it)."""
     o = out[:12].tolist()
     worker_id = _string(data, o[0], o[1])
     epoch, seq, block_size = o[2], o[3], o[4]
     if not worker_id or not epoch or not seq or not block_size:
         return None
+    return worker_id, epoch, seq, block_size, LoadReport(*o[6:12]) if o[5] else None
+
+
+def _batch_from_layout(data: bytes, out: np.ndarray) -> EventBatch | None:
+    if not len(out):
+        return None
+    header = _header(data, out)
+    if header is None:
+        return None
+    worker_id, epoch, seq, block_size, load = header
     events = _events_from_layout(data, out, block_size)
     if events is None:
         return None
-    load = LoadReport(*o[6:12]) if o[5] else None
     return _event_batch(worker_id, epoch, seq, block_size, events, load)
 
 
@@ -492,22 +482,14 @@ def decode_stream_lazy(data: bytes) -> EventBatch | Snapshot:
         return decode_with_protobuf(data)
     out = scan(data)
     if len(out) and out[13]:  # wire_nb.PLAIN
-        o = out[:12].tolist()
-        worker_id = _string(data, o[0], o[1])
-        epoch, seq, block_size = o[2], o[3], o[4]
-        if worker_id and epoch and seq and block_size:
-            obj = _new(WireBatch)
-            w, e, s, b, v, lo = _eb_set
-            w(obj, worker_id)
-            e(obj, epoch)
-            s(obj, seq)
-            b(obj, block_size)
-            v(obj, None)
-            lo(obj, LoadReport(*o[6:12]) if o[5] else None)
-            _wb_layout(obj, out)
-            _wb_data(obj, data)
-            return obj
-        return decode_with_protobuf(data)
+        header = _header(data, out)
+        if header is None:
+            return decode_with_protobuf(data)
+        worker_id, epoch, seq, block_size, load = header
+        obj = _event_batch(worker_id, epoch, seq, block_size, None, load, WireBatch)
+        _wb_layout(obj, out)
+        _wb_data(obj, data)
+        return obj
     batch = _batch_from_layout(data, out)
     if batch is not None:
         return batch
@@ -520,7 +502,9 @@ def decode_stream_message(data: bytes) -> EventBatch | Snapshot:
     :func:`decode_with_protobuf`)."""
     scan = _SCAN
     if scan is not None and type(data) is bytes:
-        batch = _scanned_batch(data, scan)
+        # the scan's layout (wire_nb), then every event's hashes in one uint64 array; None
+        # when the scan or a check here declines: protobuf's decode then names the field
+        batch = _batch_from_layout(data, scan(data))
         if batch is not None:
             return batch
     return decode_with_protobuf(data)
@@ -534,4 +518,4 @@ def decode_with_protobuf(data: bytes) -> EventBatch | Snapshot:
         msg.ParseFromString(data)
     except Exception as exc:  # protobuf raises DecodeError, a private subclass
         raise ContractError(f"KvStreamMessage does not parse: {exc}") from None
-    return _from_pb(msg)
+    return stream_message_from_pb(msg)
