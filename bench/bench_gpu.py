@@ -69,7 +69,6 @@ import numpy as np
 import torch
 
 from worker.engine.engine import Engine, EngineConfig
-from worker.engine.kv_pool import KVPool, KVPoolConfig
 from worker.engine.model import LlamaConfig, LlamaForCausalLM, build_tiny_model
 from worker.engine.paged_attention import ATTENTION_CHOICES
 from worker.engine.torch_executor import TorchExecutor
@@ -472,18 +471,8 @@ def run(
         max(sizes.cold),
         2 * (sizes.parity_prefix + 8 + sizes.parity_new_tokens),
     )
-    cfg = model.config
-    pool = KVPool(
-        KVPoolConfig(
-            num_slots=num_slots,
-            num_layers=cfg.num_hidden_layers,
-            num_kv_heads=cfg.num_key_value_heads,
-            head_dim=cfg.head_dim,
-            dtype=next(model.parameters()).dtype,
-            device=str(device),
-            scratch_slot=cuda_graphs,  # the graph path's padding rows write there
-        )
-    )
+    # the graph path's padding rows write the scratch slot
+    pool = TorchExecutor.pool_for(model, num_slots, scratch_slot=cuda_graphs)
     executors: dict[str, TorchExecutor] = {}
     decode_path: dict[str, str] = {}
     on_cuda = device.type == "cuda"

@@ -112,6 +112,24 @@ class TorchExecutor:
                 fused=self.fused_impl,
             )
 
+    @staticmethod
+    def pool_for(model: LlamaForCausalLM, num_slots: int, *, scratch_slot: bool) -> KVPool:
+        """A fresh KV pool of ``num_slots`` shaped for ``model``, on its device and dtype
+        (``scratch_slot``: the static decode path's padding row)."""
+        param = next(model.parameters())
+        cfg = model.config
+        return KVPool(
+            KVPoolConfig(
+                num_slots=num_slots,
+                num_layers=cfg.num_hidden_layers,
+                num_kv_heads=cfg.num_key_value_heads,
+                head_dim=cfg.head_dim,
+                dtype=param.dtype,
+                device=str(param.device),
+                scratch_slot=scratch_slot,
+            )
+        )
+
     @classmethod
     def create(
         cls,
@@ -126,23 +144,11 @@ class TorchExecutor:
     ) -> TorchExecutor:
         """An executor with a fresh pool of ``num_kv_slots`` on the model's device/dtype
         (plus a scratch slot for the static decode path's padding rows when it is on)."""
-        param = next(model.parameters())
-        cfg = model.config
-        pool = KVPool(
-            KVPoolConfig(
-                num_slots=num_kv_slots,
-                num_layers=cfg.num_hidden_layers,
-                num_kv_heads=cfg.num_key_value_heads,
-                head_dim=cfg.head_dim,
-                dtype=param.dtype,
-                device=str(param.device),
-                scratch_slot=cuda_graphs or static_decode,
-            )
-        )
+        pool = cls.pool_for(model, num_kv_slots, scratch_slot=cuda_graphs or static_decode)
         return cls(
             model,
             pool,
-            param.device,
+            next(model.parameters()).device,
             seed=seed,
             attention=attention,
             cuda_graphs=cuda_graphs,
