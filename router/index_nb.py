@@ -63,6 +63,7 @@ from router.index import _COMPACT_MIN, ERROR_KINDS, AppliesEvents, IndexConfig
 __all__ = ["NumbaPrefixIndex", "warm_up"]
 
 _U64 = np.uint64
+_U64_DTYPE = np.dtype(_U64)  # a singleton: compared with ``is``
 _MULT = np.uint64(0x9E3779B97F4A7C15)
 _ZERO_INT = 0x5851F42D4C957F2D  # a block hash of 0 is stored as this (0 marks an empty row)
 _ZERO = np.uint64(_ZERO_INT)
@@ -326,6 +327,7 @@ def _remove(tab: Any, meta: Any, counts: Any, keys: Any, slot: int) -> int:
 
 
 _W_DONE, _W_GROW, _W_CLEAR, _W_EVICT, _W_COMPACT = 0, 1, 2, 3, 4  # _apply_wire's stops
+_W_ERRORS = 8  # or'ed into any of them: errors were counted (in its state's [2], [3])
 
 
 @_jit
@@ -335,17 +337,20 @@ def _apply_wire(
     """Apply events ``e``, ``e + 1``, ... of a scanned batch (kvroute_proto.wire_nb's layout
     in ``out``) for ``slot`` as PrefixIndexNB.store / remove would, one by one, until one
     needs the Python side: returns (the event to go on with, why it stopped). ``st``
-    (int64): [0] the peak size (updated as store does), [1] max_blocks, [2] / [3]
-    unknown_parent / unknown_block errors counted here, [4] the keys a store that found
-    no room wanted (_W_GROW: the same event again after the table grew). _W_CLEAR: event
-    ``e`` is a clear (remove_worker, then ``e + 1``); _W_EVICT / _W_COMPACT: the event
-    before the one returned needs the eviction / the compaction check."""
+    (int64): [0] the peak size (the index's own: updated as store does), [1] max_blocks,
+    [2] / [3] unknown_parent / unknown_block errors counted here (added to; the caller
+    takes them when the answer has _W_ERRORS), [4] the keys a store that found no room
+    wanted (_W_GROW: the same event again after the table grew). _W_CLEAR: event ``e`` is
+    a clear (remove_worker, then ``e + 1``); _W_EVICT / _W_COMPACT: the event before the
+    one returned needs the eviction / the compaction check. Any stop has _W_ERRORS set
+    when this call counted an error."""
     n = int(out[12])
+    err = 0
     while e < n:
         base = 16 + 12 * e
         kind = out[base]
         if kind == np.uint64(3):
-            return e, _W_CLEAR
+            return e, _W_CLEAR | err
         start = int(out[base + 1])
         size = int(out[base + 2])
         keys = out[start : start + size]
@@ -356,27 +361,29 @@ def _apply_wire(
             code = _store(tab, meta, counts, keys, parent, slot)
             if code == _NO_ROOM:
                 st[4] = size
-                return e, _W_GROW
+                return e, _W_GROW | err
             if code >= _UNKNOWN_PARENT:
                 code -= _UNKNOWN_PARENT
                 st[2] += 1
+                err = _W_ERRORS
             e += 1
             if code:
                 live = meta[_M_LIVE]
                 if live > st[0]:
                     st[0] = live
                     if live > st[1]:
-                        return e, _W_EVICT
+                        return e, _W_EVICT | err
         else:
             removed = _remove(tab, meta, counts, keys, slot)
             if removed < size:
                 st[3] += size - removed
+                err = _W_ERRORS
             e += 1
             if removed:
                 live = meta[_M_LIVE]
                 if live * 4 <= st[0] or live * 16 < tab.shape[0]:
-                    return e, _W_COMPACT
-    return e, _W_DONE
+                    return e, _W_COMPACT | err
+    return e, _W_DONE | err
 
 
 @_jit
@@ -1113,10 +1120,21 @@ class NumbaPrefixIndex(AppliesEvents):
         self._query: tuple[object, np.ndarray] = ((), _EMPTY_PROBES.keys)
         # the dict index's eviction trigger and compaction rule, kept alike (its largest
         # size since it last compacted or evicted)
-        self._peak = 0
+        # (its peak is kept in apply_wire's state, [0]: see _peak)
+        self._wire_state = np.zeros(5, dtype=np.int64)  # apply_wire's (see _apply_wire)
+        self._wire_state[1] = self.config.max_blocks
         self.errors: Counter[str] = Counter(dict.fromkeys(ERROR_KINDS, 0))
         self.num_evicted = 0
-        self._wire_state = np.zeros(5, dtype=np.int64)  # apply_wire's (see _apply_wire)
+
+    @property
+    def _peak(self) -> int:
+        """The size the eviction trigger and the compaction rule compare with (the dict
+        index's peak), kept where apply_wire's kernel updates it."""
+        return self._wire_state.item(0)  # type: ignore[no-any-return]
+
+    @_peak.setter
+    def _peak(self, value: int) -> None:
+        self._wire_state[0] = value
 
     # ---- tables --------------------------------------------------------------------------
 
@@ -1276,8 +1294,9 @@ class NumbaPrefixIndex(AppliesEvents):
         """Matched prefix length in blocks per worker slot (slots matching 0 are absent),
         as :meth:`router.index.PrefixIndex.find_matches`. ``hashes``: a uint64 array is
         fastest."""
-        if type(hashes) is np.ndarray and hashes.dtype == _U64 and hashes.flags.c_contiguous:
-            keys = hashes  # the route's case: block_hashes' array
+        if type(hashes) is np.ndarray and hashes.dtype is _U64_DTYPE and hashes.ndim == 1:
+            keys = hashes  # the route's case: block_hashes' array (any stride: the kernel
+            # takes a strided view as it is)
         else:
             keys = _as_keys(hashes)
             if keys is not hashes:  # a list: predict() is likely to get the same one next
@@ -1289,14 +1308,17 @@ class NumbaPrefixIndex(AppliesEvents):
         code = _find_matches(
             self._tab, self._ptab, self._meta, keys, run, out, self._stride, touch, True
         )
-        nc = code & _COUNT
-        # slots and depths, zipped (same lengths by construction)
-        confirmed = dict(zip(out[0, :nc].tolist(), out[1, :nc].tolist()))  # noqa: B905
-        self.last_confirmed = confirmed
+        # slots and depths (rows 0, 1 confirmed; 2, 3 with predictions), zipped: the same
+        # lengths by construction
         if code & _SAME:
+            slots, depths = out[:2, : code & _COUNT].tolist()
+            self.last_confirmed = confirmed = dict(zip(slots, depths))  # noqa: B905
             return confirmed
+        rows = out[:, : max(code & _COUNT, code >> 21 & _COUNT)].tolist()
+        nc = code & _COUNT
+        self.last_confirmed = dict(zip(rows[0][:nc], rows[1][:nc]))  # noqa: B905
         nr = code >> 21 & _COUNT
-        return dict(zip(out[2, :nr].tolist(), out[3, :nr].tolist()))  # noqa: B905
+        return dict(zip(rows[2][:nr], rows[3][:nr]))  # noqa: B905
 
     def find_matches_by_source(
         self, hashes: Sequence[int] | np.ndarray
@@ -1472,16 +1494,16 @@ class NumbaPrefixIndex(AppliesEvents):
             raise ValueError("apply_wire does not verify hashes: apply the events")
         if not 0 <= slot < self._nslots:  # widen, or refuse a negative slot
             self._words_for(slot)
-        st = self._wire_state
-        st[0] = self._peak
-        st[1] = self.config.max_blocks
-        st[2] = st[3] = 0
-        e = 0
-        while True:
-            e, why = _apply_wire(self._tab, self._meta, self._counts, layout, e, slot, st)
-            self._peak = int(st[0])
-            if why == _W_DONE:
-                break
+        st = self._wire_state  # the peak and max_blocks live there (see _apply_wire)
+        e, why = _apply_wire(self._tab, self._meta, self._counts, layout, 0, slot, st)
+        while why:  # the common batch is one call that stops at _W_DONE
+            if why & _W_ERRORS:
+                self.errors["unknown_parent"] += int(st[2])
+                self.errors["unknown_block"] += int(st[3])
+                st[2] = st[3] = 0
+                why ^= _W_ERRORS
+                if why == _W_DONE:
+                    break
             if why == _W_GROW:
                 self._room(int(st[4]))
             elif why == _W_CLEAR:
@@ -1491,11 +1513,7 @@ class NumbaPrefixIndex(AppliesEvents):
                 self._evict()
             else:
                 self._maybe_compact()
-            st[0] = self._peak
-        if st[2]:
-            self.errors["unknown_parent"] += int(st[2])
-        if st[3]:
-            self.errors["unknown_block"] += int(st[3])
+            e, why = _apply_wire(self._tab, self._meta, self._counts, layout, e, slot, st)
 
     def remove_worker(self, slot: int, predictions: bool = True) -> int:
         """Drop every confirmed entry of ``slot``, and its predictions unless

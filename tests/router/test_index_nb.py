@@ -157,6 +157,10 @@ def test_crowded_and_wrapping_probe_runs_agree() -> None:
     _assert_same(ref, nb, range(4))
     for q in (crowd, crowd[::-1], crowd[5:], crowd[::2]):
         assert nb.find_matches(q) == ref.find_matches(q)
+        # a uint64 array taken as it is: strided and reversed views too
+        array = np.array(q, dtype=np.uint64)
+        for view in (array, array[::2], array[::-1], array[1:]):
+            assert nb.find_matches(view) == ref.find_matches(view.tolist())
     for index in (ref, nb):
         index.predict(7, crowd[::-1], 1.0, hold=True)
         index.predict(8, crowd, 2.0)
