@@ -26,7 +26,11 @@ from kvroute_proto.telemetry import configure_tracing
 from kvroute_proto.tokenizer import ChatTokenizer, TokenizerLoadError, load_tokenizer_or_bytes
 from router.admission import AdmissionConfig
 from router.core import RouterConfig
-from router.core_types import DEFAULT_RECENT_DECODE_RATIO, DEFAULT_RECENT_WINDOW_S
+from router.core_types import (
+    DEFAULT_RECENT_DECODE_RATIO,
+    DEFAULT_RECENT_WINDOW_S,
+    DEFAULT_REPLICA_COLD_FRACTION,
+)
 from router.policy import DEFAULT_BACKLOG_TOKENS, CostWeights, policy_names
 from router.security_flags import add_router_security_args, apply_router_security
 from router.service.frontend import DEFAULT_MODEL_NAME, FrontendConfig
@@ -142,8 +146,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="router replicas behind one load balancer, each seeing every worker's events but "
         "only its own picks: each pick counts this many times in its worker's queued prefill "
-        "until its first token (run the workers with --load-interval-s 0.05; BENCHMARKS.md, "
-        "several routers)",
+        "until its first token, a cold one fewer (--replica-cold-fraction; run the workers "
+        "with --load-interval-s 0.05; BENCHMARKS.md, several routers)",
+    )
+    p.add_argument(
+        "--replica-cold-fraction",
+        type=float,
+        default=DEFAULT_REPLICA_COLD_FRACTION,
+        help="with --replicas R > 1, a cold pick (nothing of its prompt cached on the chosen "
+        "worker) counts 1 + (R - 1) x this instead of R times: the other replicas' "
+        "same-instant picks there would find its prefix and add only their suffixes "
+        "(default %(default)s)",
     )
     p.add_argument(
         "--replica-sync",
@@ -293,6 +306,7 @@ def config_from_args(
             spread_weight=args.spread_weight,
             recent_decode_ratio=args.recent_decode_ratio,
             replicas=args.replicas,
+            replica_cold_fraction=args.replica_cold_fraction,
             index_backend=args.index_backend,
         ),
         service=FrontendConfig(

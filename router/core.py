@@ -421,7 +421,9 @@ class RouterCore:
         best_tokens = max(min(best * query.block_size, query.prompt_tokens), matched_tokens)
         if req.request_id in self._inflight:
             self.on_finished(req.request_id)
-        flight = self._account(req.request_id, view, query.prompt_tokens - matched_tokens)
+        flight = self._account(
+            req.request_id, view, query.prompt_tokens - matched_tokens, cold=not matched_tokens
+        )
         view.recent_prefill += (query.prompt_tokens - matched_tokens) * scale
         if len(hashes) and self._policy.uses_matches:
             deadline = now + self._ttl
@@ -537,10 +539,16 @@ class RouterCore:
         stride = self.config.predict_stride
         return best >= n // stride * stride
 
-    def _account(self, request_id: str, view: WorkerView, prefill_tokens: int) -> _Inflight:
-        # with R router replicas a pick counts R times (RouterConfig.replicas)
+    def _account(
+        self, request_id: str, view: WorkerView, prefill_tokens: int, cold: bool = False
+    ) -> _Inflight:
+        # with R router replicas a pick counts R times, a cold one 1 + (R - 1) x the cold
+        # fraction (RouterConfig.replicas, replica_cold_fraction)
+        others: float = self.config.replicas - 1
+        if others and cold:
+            others *= self.config.replica_cold_fraction
         flight = self._inflight[request_id] = _open_flight(
-            view, prefill_tokens * self.config.replicas
+            view, prefill_tokens + round(prefill_tokens * others)
         )
         self._num_routed += 1
         return flight
@@ -559,7 +567,9 @@ class RouterCore:
         view = self._get(worker_id).view
         if request_id in self._inflight:
             self.on_finished(request_id)
-        self._account(request_id, view, max(0, prompt_tokens - matched_tokens))
+        self._account(
+            request_id, view, max(0, prompt_tokens - matched_tokens), cold=not matched_tokens
+        )
         if self._replica_listener is not None:
             self._replica_listener(
                 ReplicaRouted(request_id, worker_id, prompt_tokens, matched_tokens)

@@ -42,6 +42,7 @@ def available_policies() -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     from bench.replay.sim import DEFAULT_KV_CAPACITY_TOKENS
+    from router.core_types import DEFAULT_REPLICA_COLD_FRACTION
 
     p = argparse.ArgumentParser(
         prog="kvroute replay",
@@ -130,6 +131,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="sim mode: the replica count each router is told (RouterConfig.replicas: its "
         "picks count that many times in a worker's queued prefill); default: --routers; 1: "
         "each router counts its own picks once",
+    )
+    p.add_argument(
+        "--replica-cold-fraction",
+        type=float,
+        default=None,
+        help="sim mode, --routers > 1: what a cold pick anticipates of each other router's "
+        "same-instant picks, as a fraction of its own prefill (RouterConfig."
+        f"replica_cold_fraction; default: the router's, {DEFAULT_REPLICA_COLD_FRACTION})",
     )
     p.add_argument(
         "--replica-sync-delay-s",
@@ -442,6 +451,7 @@ def _sim_config(args: argparse.Namespace):  # -> SimConfig
         router_assignment=args.router_assignment,
         affinity_blocks=args.affinity_blocks,
         router_replicas=args.router_replicas,
+        replica_cold_fraction=args.replica_cold_fraction,
         replica_sync_delay_s=args.replica_sync_delay_s,
         flush_interval_s=args.flush_interval_s,
     )
@@ -467,6 +477,11 @@ def _run_sim(args, records, policies, setup, progress) -> ReplayReport:
             routers=config.num_routers,
             router_assignment=config.router_assignment,
             router_replicas=config.router_replicas or config.num_routers,
+            replica_cold_fraction=(
+                config.replica_cold_fraction
+                if config.replica_cold_fraction is not None
+                else config.router.replica_cold_fraction
+            ),
             replica_sync_delay_s=config.replica_sync_delay_s,
         )
     setup.update(strict_settings(args))

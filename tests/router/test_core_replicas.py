@@ -1,5 +1,7 @@
 """RouterConfig.replicas: with R router replicas, each pick counts R times in the worker's
-queued-prefill estimate until its first token (the others are likely placing alike)."""
+queued-prefill estimate until its first token (the others are likely placing alike); a
+cold pick 1 + (R - 1) x replica_cold_fraction times (the others' same-instant picks would
+find its prefix predicted there)."""
 
 from __future__ import annotations
 
@@ -14,10 +16,9 @@ from router.core import RouterConfig, RouterCore, RouteRequest
 B = 16
 
 
-def make_core(replicas: int) -> RouterCore:
-    core = RouterCore(
-        RouterConfig(block_size=B, replicas=replicas), clock=lambda: 0.0, rng=random.Random(0)
-    )
+def make_core(replicas: int, cold: float = 1.0) -> RouterCore:
+    config = RouterConfig(block_size=B, replicas=replicas, replica_cold_fraction=cold)
+    core = RouterCore(config, clock=lambda: 0.0, rng=random.Random(0))
     for i in range(2):
         core.add_worker(f"w{i}", block_size=B)
     return core
@@ -33,6 +34,38 @@ def test_a_pick_counts_replicas_times_until_its_first_token():
     assert view.queued_prefill_tokens == 0
     core.on_finished("r")
     assert view.num_active == 0 and view.inflight_prefill_tokens == 0
+
+
+def test_a_cold_pick_anticipates_a_fraction_and_a_warm_one_counts_replicas_times():
+    core = make_core(replicas=4, cold=0.35)
+    shared = np.arange(320, dtype=np.uint32)
+    cold = core.route(RouteRequest("a", shared))
+    view = core.worker_view(cold.worker_id)
+    assert cold.matched_tokens == 0
+    assert view.queued_prefill_tokens == 320 + round(3 * 0.35 * 320)  # 656
+    # the next request of the burst finds the prefix predicted there: its own suffix,
+    # and each other replica's alike, count R times
+    suffix = np.arange(10_000, 10_048, dtype=np.uint32)
+    warm = core.route(RouteRequest("b", np.concatenate([shared, suffix])))
+    assert warm.worker_id == cold.worker_id and warm.matched_tokens == 320
+    assert view.queued_prefill_tokens == 656 + 4 * 48
+    core.on_first_token("a")
+    assert view.queued_prefill_tokens == 4 * 48
+    core.on_finished("b")
+    core.on_finished("a")
+    assert view.inflight_prefill_tokens == 0 and view.num_active == 0
+
+
+@pytest.mark.parametrize(("cold", "counted"), [(0.0, 320), (1.0, 3 * 320)])
+def test_the_cold_fraction_spans_once_to_replicas_times(cold, counted):
+    core = make_core(replicas=3, cold=cold)
+    d = core.route(RouteRequest("r", np.arange(320, dtype=np.uint32)))
+    assert core.worker_view(d.worker_id).queued_prefill_tokens == counted
+    # a shell's own placement (on_routed) is accounted the same way
+    core.on_routed("s", d.worker_id, prompt_tokens=100, matched_tokens=0)
+    assert core.worker_view(d.worker_id).queued_prefill_tokens == counted + round(
+        100 * (1 + 2 * cold)
+    )
 
 
 def test_one_replica_counts_each_pick_once_and_a_larger_report_wins():
@@ -52,3 +85,9 @@ def test_one_replica_counts_each_pick_once_and_a_larger_report_wins():
 def test_replicas_must_be_positive():
     with pytest.raises(ValueError, match="replicas must be >= 1"):
         RouterConfig(replicas=0)
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, float("nan")])
+def test_the_cold_fraction_must_be_a_fraction(bad):
+    with pytest.raises(ValueError, match=r"replica_cold_fraction must be in \[0, 1\]"):
+        RouterConfig(replica_cold_fraction=bad)
