@@ -29,7 +29,7 @@ from router.core import RouterConfig
 from router.core_types import (
     DEFAULT_RECENT_DECODE_RATIO,
     DEFAULT_RECENT_WINDOW_S,
-    DEFAULT_REPLICA_COLD_FRACTION,
+    DEFAULT_REPLICA_COLD_PICKS,
 )
 from router.policy import DEFAULT_BACKLOG_TOKENS, CostWeights, policy_names
 from router.security_flags import add_router_security_args, apply_router_security
@@ -146,16 +146,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="router replicas behind one load balancer, each seeing every worker's events but "
         "only its own picks: each pick counts this many times in its worker's queued prefill "
-        "until its first token, a cold one fewer (--replica-cold-fraction; run the workers "
+        "until its first token, a cold one fewer (--replica-cold-picks; run the workers "
         "with --load-interval-s 0.05; BENCHMARKS.md, several routers)",
     )
     p.add_argument(
-        "--replica-cold-fraction",
+        "--replica-cold-picks",
         type=float,
-        default=DEFAULT_REPLICA_COLD_FRACTION,
+        default=DEFAULT_REPLICA_COLD_PICKS,
         help="with --replicas R > 1, a cold pick (nothing of its prompt cached on the chosen "
-        "worker) counts 1 + (R - 1) x this instead of R times: the other replicas' "
-        "same-instant picks there would find its prefix and add only their suffixes "
+        "worker) counts min(R, this) times instead of R: the other replicas' same-instant "
+        "picks there would mostly find its prefix and add only their suffixes "
         "(default %(default)s)",
     )
     p.add_argument(
@@ -306,7 +306,7 @@ def config_from_args(
             spread_weight=args.spread_weight,
             recent_decode_ratio=args.recent_decode_ratio,
             replicas=args.replicas,
-            replica_cold_fraction=args.replica_cold_fraction,
+            replica_cold_picks=args.replica_cold_picks,
             index_backend=args.index_backend,
         ),
         service=FrontendConfig(

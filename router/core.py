@@ -542,14 +542,12 @@ class RouterCore:
     def _account(
         self, request_id: str, view: WorkerView, prefill_tokens: int, cold: bool = False
     ) -> _Inflight:
-        # with R router replicas a pick counts R times, a cold one 1 + (R - 1) x the cold
-        # fraction (RouterConfig.replicas, replica_cold_fraction)
-        others: float = self.config.replicas - 1
-        if others and cold:
-            others *= self.config.replica_cold_fraction
-        flight = self._inflight[request_id] = _open_flight(
-            view, prefill_tokens + round(prefill_tokens * others)
-        )
+        # with R router replicas a pick counts R times, a cold one at most
+        # replica_cold_picks times (RouterConfig)
+        picks: float = self.config.replicas
+        if cold and picks > self.config.replica_cold_picks:
+            picks = self.config.replica_cold_picks
+        flight = self._inflight[request_id] = _open_flight(view, round(prefill_tokens * picks))
         self._num_routed += 1
         return flight
 

@@ -31,10 +31,10 @@ __all__ = [
 
 DEFAULT_RECENT_WINDOW_S = 30.0  # decay time constant of each worker's recent prefill
 DEFAULT_RECENT_DECODE_RATIO = 0.5  # recent-sum tokens per generated token of a finished request
-# RouterConfig.replica_cold_fraction: chosen on cold-bursts seeds 100 and 104 at 4 and 16
-# workers (0.1-1.0 tried; the training workloads did not tell the values apart); reported on
-# seeds never looked at while choosing (BENCHMARKS.md, several routers)
-DEFAULT_REPLICA_COLD_FRACTION = 0.35
+# RouterConfig.replica_cold_picks: chosen on cold-bursts seeds 200-204 at 4, 8 and 16 workers
+# (two routers: R = 2 picks best of 1.35-2; four: 2.5 best of 1.75-4; the training workloads
+# did not tell the values apart); reported on other seeds (BENCHMARKS.md, several routers)
+DEFAULT_REPLICA_COLD_PICKS = 2.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,13 +62,13 @@ class RouterConfig:
     its own picks). With R > 1 each pick counts R times in the worker's queued-prefill
     estimate until its first token: the others, seeing the same events and load reports,
     are likely placing the same burst the same way; a load report showing more still wins
-    (BENCHMARKS.md, several routers). ``replica_cold_fraction``: what a cold pick (nothing
-    of its prompt cached or predicted on the chosen worker) anticipates of each other
-    replica's same-instant picks, as a fraction of its own prefill: they would find this
-    pick's prefix predicted there and add only their own suffixes, so a cold pick counts
-    1 + (R - 1) x this, a warm one R times. ``index_backend``: the prefix index's implementation,
-    "numba" (router.index_nb: compiled kernels over flat tables; the default) or "dict"
-    (router.index: pure Python, the reference implementation; same answers).
+    (BENCHMARKS.md, several routers). ``replica_cold_picks``: a cold pick (nothing of its
+    prompt cached or predicted on the chosen worker) counts min(R, this) times: the other
+    replicas' same-instant picks of that worker would mostly find its prefix there and add
+    only their suffixes, so counting it R times spread a burst over every worker.
+    ``index_backend``: the prefix index's implementation, "numba" (router.index_nb:
+    compiled kernels over flat tables; the default) or "dict" (router.index: pure Python,
+    the reference implementation; same answers).
     """
 
     policy: str = "cache_aware"
@@ -85,7 +85,7 @@ class RouterConfig:
     backlog_tokens: float = DEFAULT_BACKLOG_TOKENS
     recent_decode_ratio: float = DEFAULT_RECENT_DECODE_RATIO
     replicas: int = 1
-    replica_cold_fraction: float = DEFAULT_REPLICA_COLD_FRACTION
+    replica_cold_picks: float = DEFAULT_REPLICA_COLD_PICKS
     index_backend: str = "numba"
     spread_weight: float = 0.0  # the cost's spread term (router.policy; 0: off)
 
@@ -94,9 +94,9 @@ class RouterConfig:
             raise ValueError(f"index_backend must be dict or numba, got {self.index_backend!r}")
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
-        if not 0 <= self.replica_cold_fraction <= 1:  # NaN too
+        if not 1 <= self.replica_cold_picks < float("inf"):  # NaN too
             raise ValueError(
-                f"replica_cold_fraction must be in [0, 1], got {self.replica_cold_fraction}"
+                f"replica_cold_picks must be finite and >= 1, got {self.replica_cold_picks}"
             )
         if not 0 <= self.spread_weight < float("inf"):  # NaN too
             raise ValueError(f"spread_weight must be finite and >= 0, got {self.spread_weight}")

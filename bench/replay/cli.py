@@ -42,7 +42,7 @@ def available_policies() -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     from bench.replay.sim import DEFAULT_KV_CAPACITY_TOKENS
-    from router.core_types import DEFAULT_REPLICA_COLD_FRACTION
+    from router.core_types import DEFAULT_REPLICA_COLD_PICKS
 
     p = argparse.ArgumentParser(
         prog="kvroute replay",
@@ -133,12 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
         "each router counts its own picks once",
     )
     p.add_argument(
-        "--replica-cold-fraction",
+        "--replica-cold-picks",
         type=float,
         default=None,
-        help="sim mode, --routers > 1: what a cold pick anticipates of each other router's "
-        "same-instant picks, as a fraction of its own prefill (RouterConfig."
-        f"replica_cold_fraction; default: the router's, {DEFAULT_REPLICA_COLD_FRACTION})",
+        help="sim mode, --routers > 1: a cold pick (nothing of its prompt on the chosen "
+        "worker) counts min(router replicas, this) times in the worker's queued prefill "
+        f"(RouterConfig.replica_cold_picks; default: the router's, {DEFAULT_REPLICA_COLD_PICKS})",
     )
     p.add_argument(
         "--replica-sync-delay-s",
@@ -451,7 +451,7 @@ def _sim_config(args: argparse.Namespace):  # -> SimConfig
         router_assignment=args.router_assignment,
         affinity_blocks=args.affinity_blocks,
         router_replicas=args.router_replicas,
-        replica_cold_fraction=args.replica_cold_fraction,
+        replica_cold_picks=args.replica_cold_picks,
         replica_sync_delay_s=args.replica_sync_delay_s,
         flush_interval_s=args.flush_interval_s,
     )
@@ -477,10 +477,10 @@ def _run_sim(args, records, policies, setup, progress) -> ReplayReport:
             routers=config.num_routers,
             router_assignment=config.router_assignment,
             router_replicas=config.router_replicas or config.num_routers,
-            replica_cold_fraction=(
-                config.replica_cold_fraction
-                if config.replica_cold_fraction is not None
-                else config.router.replica_cold_fraction
+            replica_cold_picks=(
+                config.replica_cold_picks
+                if config.replica_cold_picks is not None
+                else config.router.replica_cold_picks
             ),
             replica_sync_delay_s=config.replica_sync_delay_s,
         )

@@ -144,8 +144,8 @@ class SimConfig:
     # RouterConfig.replicas of each router core: None = num_routers (each router knows how
     # many replicas share the fleet); 1 = each counts only its own picks once
     router_replicas: int | None = None
-    # RouterConfig.replica_cold_fraction of each router core (None: the router's default)
-    replica_cold_fraction: float | None = None
+    # RouterConfig.replica_cold_picks of each router core (None: the router's default)
+    replica_cold_picks: float | None = None
     route_decision_s: float = 0.0  # each routing decision takes this long (a router queue)
     measure_route_time: bool = False  # charge RouterCore.route's measured time instead
     network_delay_s: float = 0.0  # router -> worker: a routed request arrives this later
@@ -164,9 +164,9 @@ class SimConfig:
             raise ValueError(f"affinity_blocks must be >= 1, got {self.affinity_blocks}")
         if self.router_replicas is not None and self.router_replicas < 1:
             raise ValueError(f"router_replicas must be >= 1, got {self.router_replicas}")
-        cold = self.replica_cold_fraction
-        if cold is not None and not 0 <= cold <= 1:  # NaN too
-            raise ValueError(f"replica_cold_fraction must be in [0, 1] or None, got {cold}")
+        cold = self.replica_cold_picks
+        if cold is not None and not 1 <= cold < float("inf"):  # NaN too
+            raise ValueError(f"replica_cold_picks must be finite and >= 1 or None, got {cold}")
         for name in ("route_decision_s", "network_delay_s", "flush_interval_s"):
             if not getattr(self, name) >= 0:  # NaN too
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -264,10 +264,8 @@ class FleetSim:
             block_size=config.block_size,
             replicas=config.router_replicas or config.num_routers,
         )
-        if config.replica_cold_fraction is not None:
-            router_config = replace(
-                router_config, replica_cold_fraction=config.replica_cold_fraction
-            )
+        if config.replica_cold_picks is not None:
+            router_config = replace(router_config, replica_cold_picks=config.replica_cold_picks)
         # router k's tie-breaks: seed for the first (the single-router run is unchanged)
         self.routers = [
             RouterCore(router_config, clock=clock, rng=random.Random(config.seed + 7919 * k))

@@ -111,8 +111,8 @@ def test_router_config_is_checked():
         SimConfig(router_assignment="sticky")
     with pytest.raises(ValueError, match="affinity_blocks must be >= 1"):
         SimConfig(affinity_blocks=0)
-    with pytest.raises(ValueError, match=r"replica_cold_fraction must be in \[0, 1\]"):
-        SimConfig(replica_cold_fraction=-1.0)
+    with pytest.raises(ValueError, match="replica_cold_picks must be finite and >= 1"):
+        SimConfig(replica_cold_picks=0.0)
 
 
 def test_cli_routers(tmp_path, capsys):
@@ -139,11 +139,11 @@ def test_cli_routers(tmp_path, capsys):
     report = json.loads(out.read_text())
     assert report["setup"]["replica_sync_delay_s"] == 0.0005
     assert report["policies"][0]["extra"]["replica_events"] > 0
-    assert report["setup"]["replica_cold_fraction"] == 0.35  # the router's default
-    assert main([*base, *sync, "--replica-cold-fraction", "1", "--json", str(out)]) == 0
-    assert json.loads(out.read_text())["setup"]["replica_cold_fraction"] == 1.0
-    assert main([*base, *sync, "--replica-cold-fraction", "2"]) == 2
-    assert "replica_cold_fraction must be in [0, 1]" in capsys.readouterr().err
+    assert report["setup"]["replica_cold_picks"] == 2.5  # the router's default
+    assert main([*base, *sync, "--replica-cold-picks", "1", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["setup"]["replica_cold_picks"] == 1.0
+    assert main([*base, *sync, "--replica-cold-picks", "0"]) == 2
+    assert "replica_cold_picks must be finite and >= 1" in capsys.readouterr().err
 
 
 # ---- the stricter simulation ---------------------------------------------------------------

@@ -1,6 +1,6 @@
 """RouterConfig.replicas: with R router replicas, each pick counts R times in the worker's
 queued-prefill estimate until its first token (the others are likely placing alike); a
-cold pick 1 + (R - 1) x replica_cold_fraction times (the others' same-instant picks would
+cold pick at most replica_cold_picks times (the others' same-instant picks would mostly
 find its prefix predicted there)."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from router.core import RouterConfig, RouterCore, RouteRequest
 B = 16
 
 
-def make_core(replicas: int, cold: float = 1.0) -> RouterCore:
-    config = RouterConfig(block_size=B, replicas=replicas, replica_cold_fraction=cold)
+def make_core(replicas: int, cold: float = 8.0) -> RouterCore:
+    config = RouterConfig(block_size=B, replicas=replicas, replica_cold_picks=cold)
     core = RouterCore(config, clock=lambda: 0.0, rng=random.Random(0))
     for i in range(2):
         core.add_worker(f"w{i}", block_size=B)
@@ -36,19 +36,19 @@ def test_a_pick_counts_replicas_times_until_its_first_token():
     assert view.num_active == 0 and view.inflight_prefill_tokens == 0
 
 
-def test_a_cold_pick_anticipates_a_fraction_and_a_warm_one_counts_replicas_times():
-    core = make_core(replicas=4, cold=0.35)
+def test_a_cold_pick_counts_at_most_the_cold_picks_and_a_warm_one_replicas_times():
+    core = make_core(replicas=4, cold=2.5)
     shared = np.arange(320, dtype=np.uint32)
     cold = core.route(RouteRequest("a", shared))
     view = core.worker_view(cold.worker_id)
     assert cold.matched_tokens == 0
-    assert view.queued_prefill_tokens == 320 + round(3 * 0.35 * 320)  # 656
+    assert view.queued_prefill_tokens == 800  # 2.5 x 320
     # the next request of the burst finds the prefix predicted there: its own suffix,
     # and each other replica's alike, count R times
     suffix = np.arange(10_000, 10_048, dtype=np.uint32)
     warm = core.route(RouteRequest("b", np.concatenate([shared, suffix])))
     assert warm.worker_id == cold.worker_id and warm.matched_tokens == 320
-    assert view.queued_prefill_tokens == 656 + 4 * 48
+    assert view.queued_prefill_tokens == 800 + 4 * 48
     core.on_first_token("a")
     assert view.queued_prefill_tokens == 4 * 48
     core.on_finished("b")
@@ -56,15 +56,15 @@ def test_a_cold_pick_anticipates_a_fraction_and_a_warm_one_counts_replicas_times
     assert view.inflight_prefill_tokens == 0 and view.num_active == 0
 
 
-@pytest.mark.parametrize(("cold", "counted"), [(0.0, 320), (1.0, 3 * 320)])
-def test_the_cold_fraction_spans_once_to_replicas_times(cold, counted):
+@pytest.mark.parametrize(("cold", "picks"), [(1.0, 1.0), (2.5, 2.5), (8.0, 3.0)])
+def test_the_cold_picks_are_capped_by_the_replicas(cold, picks):
     core = make_core(replicas=3, cold=cold)
     d = core.route(RouteRequest("r", np.arange(320, dtype=np.uint32)))
-    assert core.worker_view(d.worker_id).queued_prefill_tokens == counted
+    assert core.worker_view(d.worker_id).queued_prefill_tokens == round(320 * picks)
     # a shell's own placement (on_routed) is accounted the same way
     core.on_routed("s", d.worker_id, prompt_tokens=100, matched_tokens=0)
-    assert core.worker_view(d.worker_id).queued_prefill_tokens == counted + round(
-        100 * (1 + 2 * cold)
+    assert core.worker_view(d.worker_id).queued_prefill_tokens == round(320 * picks) + round(
+        100 * picks
     )
 
 
@@ -87,7 +87,7 @@ def test_replicas_must_be_positive():
         RouterConfig(replicas=0)
 
 
-@pytest.mark.parametrize("bad", [-0.1, 1.5, float("nan")])
-def test_the_cold_fraction_must_be_a_fraction(bad):
-    with pytest.raises(ValueError, match=r"replica_cold_fraction must be in \[0, 1\]"):
-        RouterConfig(replica_cold_fraction=bad)
+@pytest.mark.parametrize("bad", [0.5, float("inf"), float("nan")])
+def test_the_cold_picks_must_be_at_least_one(bad):
+    with pytest.raises(ValueError, match="replica_cold_picks must be finite and >= 1"):
+        RouterConfig(replica_cold_picks=bad)

@@ -93,7 +93,7 @@ def test_router_defaults():
         ("--registry-grace-s", "-1", "(--registry-grace-s) must be >= 0, got -1.0"),
         ("--admission-window", "0", "(--admission-window) must be >= 1, got 0"),
         ("--replicas", "0", "replicas must be >= 1, got 0"),
-        ("--replica-cold-fraction", "1.5", "replica_cold_fraction must be in [0, 1], got 1.5"),
+        ("--replica-cold-picks", "0.5", "replica_cold_picks must be finite and >= 1, got 0.5"),
         ("--redis-poll-s", "0", "(--redis-poll-s) must be > 0, got 0.0"),
     ],
 )
@@ -228,6 +228,6 @@ def test_replicas_reach_the_core_config():
     assert cli.config_from_args(args).core.replicas == 3
     args = cli.build_parser().parse_args(["--worker", "h:1"])
     assert cli.config_from_args(args).core.replicas == 1
-    assert cli.config_from_args(args).core.replica_cold_fraction == 0.35
-    args = cli.build_parser().parse_args(["--worker", "h:1", "--replica-cold-fraction", "0"])
-    assert cli.config_from_args(args).core.replica_cold_fraction == 0.0
+    assert cli.config_from_args(args).core.replica_cold_picks == 2.5
+    args = cli.build_parser().parse_args(["--worker", "h:1", "--replica-cold-picks", "4"])
+    assert cli.config_from_args(args).core.replica_cold_picks == 4.0
