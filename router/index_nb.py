@@ -1297,9 +1297,13 @@ class NumbaPrefixIndex(AppliesEvents):
         if type(hashes) is np.ndarray and hashes.dtype is _U64_DTYPE and hashes.ndim == 1:
             keys = hashes  # the route's case: block_hashes' array (any stride: the kernel
             # takes a strided view as it is)
+        elif type(hashes) is list:  # Dynamo's convention; predict() is likely to get the
+            # same list next
+            keys = np.array(hashes, dtype=_U64)
+            self._query = (hashes, keys)
         else:
             keys = _as_keys(hashes)
-            if keys is not hashes:  # a list: predict() is likely to get the same one next
+            if keys is not hashes:
                 self._query = (hashes, keys)
         run = self._run
         if len(keys) > self._run_fits:
