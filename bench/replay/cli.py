@@ -425,6 +425,8 @@ def _sim_config(args: argparse.Namespace):  # -> SimConfig
         if args.prefix_hash_blocks < 1:
             raise ValueError(f"--prefix-hash-blocks must be >= 1, got {args.prefix_hash_blocks}")
         router = replace(router, prefix_hash_blocks=args.prefix_hash_blocks)
+    if args.replica_cold_picks is not None:
+        router = replace(router, replica_cold_picks=args.replica_cold_picks)
     from worker.engine.sim_executor import cost_profile
 
     strict = strict_settings(args)
@@ -451,7 +453,6 @@ def _sim_config(args: argparse.Namespace):  # -> SimConfig
         router_assignment=args.router_assignment,
         affinity_blocks=args.affinity_blocks,
         router_replicas=args.router_replicas,
-        replica_cold_picks=args.replica_cold_picks,
         replica_sync_delay_s=args.replica_sync_delay_s,
         flush_interval_s=args.flush_interval_s,
     )
@@ -476,12 +477,8 @@ def _run_sim(args, records, policies, setup, progress) -> ReplayReport:
         setup.update(
             routers=config.num_routers,
             router_assignment=config.router_assignment,
-            router_replicas=config.router_replicas or config.num_routers,
-            replica_cold_picks=(
-                config.replica_cold_picks
-                if config.replica_cold_picks is not None
-                else config.router.replica_cold_picks
-            ),
+            router_replicas=config.replicas,
+            replica_cold_picks=config.router.replica_cold_picks,
             replica_sync_delay_s=config.replica_sync_delay_s,
         )
     setup.update(strict_settings(args))

@@ -144,8 +144,6 @@ class SimConfig:
     # RouterConfig.replicas of each router core: None = num_routers (each router knows how
     # many replicas share the fleet); 1 = each counts only its own picks once
     router_replicas: int | None = None
-    # RouterConfig.replica_cold_picks of each router core (None: the router's default)
-    replica_cold_picks: float | None = None
     route_decision_s: float = 0.0  # each routing decision takes this long (a router queue)
     measure_route_time: bool = False  # charge RouterCore.route's measured time instead
     network_delay_s: float = 0.0  # router -> worker: a routed request arrives this later
@@ -154,6 +152,11 @@ class SimConfig:
     # replica sync (num_routers > 1): each router's picks, first tokens and finishes reach
     # the other routers this much later (RouterCore.apply_replica); None: no sync
     replica_sync_delay_s: float | None = None
+
+    @property
+    def replicas(self) -> int:
+        """RouterConfig.replicas of each router core (router_replicas, else num_routers)."""
+        return self.router_replicas or self.num_routers
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
@@ -164,9 +167,6 @@ class SimConfig:
             raise ValueError(f"affinity_blocks must be >= 1, got {self.affinity_blocks}")
         if self.router_replicas is not None and self.router_replicas < 1:
             raise ValueError(f"router_replicas must be >= 1, got {self.router_replicas}")
-        cold = self.replica_cold_picks
-        if cold is not None and not 1 <= cold < float("inf"):  # NaN too
-            raise ValueError(f"replica_cold_picks must be finite and >= 1 or None, got {cold}")
         for name in ("route_decision_s", "network_delay_s", "flush_interval_s"):
             if not getattr(self, name) >= 0:  # NaN too
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -262,10 +262,8 @@ class FleetSim:
             config.router,
             policy=policy,
             block_size=config.block_size,
-            replicas=config.router_replicas or config.num_routers,
+            replicas=config.replicas,
         )
-        if config.replica_cold_picks is not None:
-            router_config = replace(router_config, replica_cold_picks=config.replica_cold_picks)
         # router k's tie-breaks: seed for the first (the single-router run is unchanged)
         self.routers = [
             RouterCore(router_config, clock=clock, rng=random.Random(config.seed + 7919 * k))

@@ -111,8 +111,6 @@ def test_router_config_is_checked():
         SimConfig(router_assignment="sticky")
     with pytest.raises(ValueError, match="affinity_blocks must be >= 1"):
         SimConfig(affinity_blocks=0)
-    with pytest.raises(ValueError, match="replica_cold_picks must be finite and >= 1"):
-        SimConfig(replica_cold_picks=0.0)
 
 
 def test_cli_routers(tmp_path, capsys):
