@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_codec import BLOCK, loads, u64
 
 from kvroute_proto import codec
 from kvroute_proto import kvroute_pb2 as pb
@@ -34,9 +35,6 @@ from kvroute_proto.events import (
     Partition,
     Snapshot,
 )
-
-BLOCK = 4
-u64 = st.integers(0, 2**64 - 1)
 
 
 @pytest.fixture(autouse=True)
@@ -74,7 +72,7 @@ batches = st.builds(
     seq=st.integers(1, 2**64 - 1),
     block_size=st.just(BLOCK),
     events=st.lists(events, max_size=6).map(tuple),
-    load=st.one_of(st.none(), st.builds(LoadReport, *[st.integers(0, 2**31)] * 6)),
+    load=loads,
 )
 
 
