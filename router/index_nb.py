@@ -40,7 +40,11 @@ none is (this 2-core box; without any writable cache place, at every start).
 
 Why: a dict lookup of a 64-bit int key costs two or three dependent cache misses, about
 80 ns each at a million blocks, and numpy calls cost ~1 us each; a compiled walk of a
-prompt's 512 blocks over a flat table costs a few microseconds.
+prompt's 512 blocks over a flat table costs a few microseconds. find_matches' kernel
+(_find_dicts) keeps the GIL and goes through CPython's C API at both ends: it reads a list
+query's ints as far as its walks go, and writes its answer into the dicts it returns (no
+conversion of the whole list, no ``tolist`` and ``zip`` of the answer: ~1 and ~1.5 µs of a
+few-µs find). The other kernels release the GIL.
 """
 
 from __future__ import annotations
@@ -95,6 +99,23 @@ def _jit(fn: Any) -> Any:
     except RuntimeError:  # numba: "cannot cache function ...: no locator available"
         CACHED = False
         return numba.njit(nogil=True)(fn)
+
+
+def _jit_inline(fn: Any) -> Any:
+    """A kernel body inlined into each kernel calling it (numba IR level), so a caller's
+    constant arguments specialise it: _walk in _find_matches, with no list, drops the
+    list's reads."""
+    return numba.njit(inline="always")(fn)
+
+
+def _jit_gil(fn: Any) -> Any:
+    """_jit for a kernel that keeps the GIL (it reads Python objects: _list_u64)."""
+    global CACHED
+    try:
+        return numba.njit(cache=True)(fn)
+    except RuntimeError:
+        CACHED = False
+        return numba.njit()(fn)
 
 
 CACHED = True
@@ -224,6 +245,64 @@ def _prefetch_typed(typingctx: Any, tab: Any, row: Any) -> Any:
 
 _prefetch: Any = intrinsic(_prefetch_typed)  # _prefetch(tab, row) in a kernel
 _AHEAD = 8  # keys whose home row is prefetched ahead of the walk
+
+
+def _list_u64_typed(typingctx: Any, src: Any, i: Any) -> Any:
+    """Item ``i`` of the Python list at address ``src`` as a uint64, through CPython's C
+    API (PyList_GetItem, PyLong_AsUnsignedLongLong): all ones with a Python error set when
+    the item is missing, not an int or out of range (see _take_error). Only in a kernel
+    that holds the GIL (_jit_gil), with the list alive and unchanged for the call."""
+    sig = types.uint64(types.int64, types.int64)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        pyapi = context.get_python_api(builder)
+        item = pyapi.list_getitem(builder.inttoptr(args[0], pyapi.pyobj), args[1])
+        out = cgutils.alloca_once_value(builder, ir.Constant(ir.IntType(64), -1))
+        with builder.if_then(cgutils.is_not_null(builder, item), likely=True):
+            builder.store(pyapi.long_as_ulonglong(item), out)
+        return builder.load(out)
+
+    return sig, codegen
+
+
+def _take_error_typed(typingctx: Any) -> Any:
+    """Whether a Python error is set; clears it (the caller reports the failure)."""
+    sig = types.boolean()
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        pyapi = context.get_python_api(builder)
+        has = cgutils.is_not_null(builder, pyapi.err_occurred())
+        with builder.if_then(has):
+            pyapi.err_clear()
+        return has
+
+    return sig, codegen
+
+
+def _dict_put_typed(typingctx: Any, d: Any, key: Any, value: Any) -> Any:
+    """``d[key] = value`` on the Python dict at address ``d``, both ints (PyDict_SetItem):
+    0, or -1 with a Python error set (no memory). Only under the GIL (_jit_gil)."""
+    sig = types.int32(types.int64, types.int64, types.int64)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        pyapi = context.get_python_api(builder)
+        status = cgutils.alloca_once_value(builder, ir.Constant(ir.IntType(32), -1))
+        k = pyapi.long_from_longlong(args[1])
+        with builder.if_then(cgutils.is_not_null(builder, k), likely=True):
+            v = pyapi.long_from_longlong(args[2])
+            with builder.if_then(cgutils.is_not_null(builder, v), likely=True):
+                target = builder.inttoptr(args[0], pyapi.pyobj)
+                builder.store(pyapi.dict_setitem(target, k, v), status)
+                pyapi.decref(v)
+            pyapi.decref(k)
+        return builder.load(status)
+
+    return sig, codegen
+
+
+_list_u64: Any = intrinsic(_list_u64_typed)
+_take_error: Any = intrinsic(_take_error_typed)
+_dict_put: Any = intrinsic(_dict_put_typed)
 
 
 # ---- confirmed entries -------------------------------------------------------------------
@@ -621,32 +700,58 @@ def _depths_of(run: Any, off: int, n: int, out: Any, row: int) -> int:
 
 _SAME = 1 << 42  # _find_matches' answer: the result is the confirmed walk's
 _COUNT = (1 << 21) - 1
+_BAD_ITEM = -1  # _find_dicts' answer: an item it read is not a uint64 int
+_NO_MEMORY = -2  # _find_dicts' answer: Python could not allocate an answer's int or entry
 
 
 @_jit
-def _find_matches(
+def _fill_keys(keys: Any, src: int, have: int, upto: int) -> int:
+    """Convert items ``have .. upto - 1`` of the Python list at ``src`` into ``keys``;
+    returns ``upto``, or _BAD_ITEM (the Python error cleared) at an item that is not an
+    int in [0, 2**64)."""
+    for j in range(have, upto):
+        v = _list_u64(src, j)
+        if v == _ALL and _take_error():
+            return _BAD_ITEM
+        keys[j] = v
+    return upto
+
+
+@_jit_inline
+def _walk(
     tab: Any,
     ptab: Any,
     meta: Any,
     keys: Any,
+    n: int,
+    src: int,
     run: Any,
     out: Any,
     stride: int,
     touch: bool,
     combine: bool,
 ) -> int:
-    """The confirmed walk of ``keys`` and the predicted one.
+    """The confirmed walk of ``keys[:n]`` and the predicted one.
 
-    ``run``: scratch rows (at least len(keys) + len(keys) // stride, a row per bitset
-    word); ``out``: four rows of one column per worker slot, where it writes the confirmed
-    depths (slots in row 0, depths in row 1) and the others (rows 2 and 3): with
-    ``combine`` (find_matches) the result -- per slot the longer of its confirmed prefix
-    and stride x its predicted probes, a probe counting when predicted or covered by the
-    confirmed prefix --, without (find_matches_by_source) the walk over predicted probes
-    alone. Returns the two counts (bits 0-20 and 21-41) and, with ``combine``, _SAME when
-    the result is the confirmed depths (rows 2 and 3 then unused)."""
+    ``src``: 0 when ``keys`` holds the query; else the address of the Python list that
+    does, converted into ``keys`` as far as the walks read it (a few keys past where they
+    stop: items beyond are never read), returning _BAD_ITEM, with nothing changed, at an
+    item that is not a uint64 int (only under the GIL: _find_dicts).
+
+    ``run``: scratch rows (at least n + n // stride, a row per bitset word); ``out``: four
+    rows of one column per worker slot, where it writes the confirmed depths (slots in row
+    0, depths in row 1) and the others (rows 2 and 3): with ``combine`` (find_matches) the
+    result -- per slot the longer of its confirmed prefix and stride x its predicted
+    probes, a probe counting when predicted or covered by the confirmed prefix --, without
+    (find_matches_by_source) the walk over predicted probes alone. Returns the two counts
+    (bits 0-20 and 21-41) and, with ``combine``, _SAME when the result is the confirmed
+    depths (rows 2 and 3 then unused)."""
     words = tab.shape[1] - _MASK
-    n = keys.shape[0]
+    have = n
+    if src:
+        have = _fill_keys(keys, src, 0, min(n, _AHEAD))
+        if have < 0:
+            return _BAD_ITEM
     depth = 0
     last_row = -1
     mask = tab.shape[0] - 1
@@ -654,6 +759,10 @@ def _find_matches(
         _prefetch(tab, _home(_key(keys[i]), mask))
     for i in range(n):
         if i + _AHEAD < n:
+            if i + _AHEAD >= have:
+                have = _fill_keys(keys, src, have, i + _AHEAD + 1)
+                if have < 0:
+                    return _BAD_ITEM
             _prefetch(tab, _home(_key(keys[i + _AHEAD]), mask))
         r = _find(tab, _key(keys[i]))
         if r < 0:
@@ -670,9 +779,6 @@ def _find_matches(
             break
         depth = i + 1
         last_row = r
-    if depth and touch:
-        meta[_M_TICK] += 1
-        tab[last_row, _STAMP] = np.uint64(meta[_M_TICK])
     nc = _depths_of(run, 0, depth, out, 0)
     npred = 0
     pwords = ptab.shape[1] - _PBITS
@@ -681,6 +787,10 @@ def _find_matches(
         pdepth = 0
         for i in range(nprobe):
             pos = stride - 1 + i * stride
+            if pos >= have:
+                have = _fill_keys(keys, src, have, pos + 1)
+                if have < 0:
+                    return _BAD_ITEM
             pr = _find(ptab, _key(keys[pos]))
             alive = False
             for w in range(words):
@@ -700,6 +810,9 @@ def _find_matches(
         npred = _depths_of(run, n, pdepth, out, 2)
         for j in range(npred):
             out[3, j] *= stride
+    if depth and touch:  # every key read: nothing can fail past here
+        meta[_M_TICK] += 1
+        tab[last_row, _STAMP] = np.uint64(meta[_M_TICK])
     if not combine:
         return nc | (npred << 21)
     if npred == 0:
@@ -722,6 +835,57 @@ def _find_matches(
             out[3, k] = best[s]
             k += 1
     return nc | (k << 21)
+
+
+@_jit
+def _find_matches(
+    tab: Any,
+    ptab: Any,
+    meta: Any,
+    keys: Any,
+    run: Any,
+    out: Any,
+    stride: int,
+    touch: bool,
+    combine: bool,
+) -> int:
+    """_walk of the uint64 array ``keys`` (without the GIL)."""
+    return _walk(tab, ptab, meta, keys, keys.shape[0], 0, run, out, stride, touch, combine)
+
+
+@_jit_gil
+def _find_dicts(
+    tab: Any,
+    ptab: Any,
+    meta: Any,
+    keys: Any,
+    src: int,
+    n: int,
+    run: Any,
+    out: Any,
+    stride: int,
+    touch: bool,
+    confirmed: int,
+    result: int,
+) -> int:
+    """find_matches: _walk (of the array ``keys``, or of the Python list of ``n`` ints at
+    address ``src`` read into the scratch ``keys``), then its answers written into the
+    empty Python dicts at addresses ``confirmed`` (the confirmed depths) and ``result``
+    (unless the answer is _SAME: the result is the confirmed depths). Returns _walk's
+    answer, or _BAD_ITEM or _NO_MEMORY (the Python error cleared)."""
+    code = _walk(tab, ptab, meta, keys, n, src, run, out, stride, touch, True)
+    if code < 0:
+        return code
+    for j in range(code & _COUNT):
+        if _dict_put(confirmed, out[0, j], out[1, j]):
+            _take_error()
+            return _NO_MEMORY
+    if not code & _SAME:
+        for j in range(code >> 21 & _COUNT):
+            if _dict_put(result, out[2, j], out[3, j]):
+                _take_error()
+                return _NO_MEMORY
+    return code
 
 
 @_jit
@@ -1045,6 +1209,8 @@ def warm_up() -> bool:
         index.store(slot, BlockStored((1, 2, 3), None, ()))
         index.store(slot, BlockStored((4, 5), 3, ()))
     index.find_matches([1, 2, 3, 4])
+    index.find_matches(np.array([1, 2, 3, 4], dtype=_U64))
+    index.find_matches(np.array([1, 2, 3, 4], dtype=_U64)[::2])  # a strided view
     index.find_matches_by_source([1, 2, 3])
     handle = index.predict(0, [1, 2, 3, 4], 1.0, 0, True)
     index.release_predicted(handle, 2.0)
@@ -1105,6 +1271,7 @@ class NumbaPrefixIndex(AppliesEvents):
         self._nslots = 64  # worker slots the tables' words hold
         # find_matches' scratch (a bitset row per walked block and probe) and answer rows
         self._run = np.zeros((1024, 1), dtype=_U64)
+        self._keybuf = np.zeros(len(self._run), dtype=_U64)  # a list query's keys
         self._set_run_fits()
         self._outbuf = np.zeros((4, 64), dtype=np.int64)
         self._ptab = np.zeros((_MIN_CAP, _PBITS + 1), dtype=_U64)
@@ -1164,6 +1331,7 @@ class NumbaPrefixIndex(AppliesEvents):
         while rows <= n + n // self._stride:
             rows *= 2
         self._run = np.zeros((rows, self._run.shape[1]), dtype=_U64)
+        self._keybuf = np.zeros(rows, dtype=_U64)
         self._set_run_fits()
         return self._run
 
@@ -1293,36 +1461,51 @@ class NumbaPrefixIndex(AppliesEvents):
     ) -> dict[int, int]:
         """Matched prefix length in blocks per worker slot (slots matching 0 are absent),
         as :meth:`router.index.PrefixIndex.find_matches`. ``hashes``: a uint64 array is
-        fastest."""
+        fastest; of a list the kernel reads the ints as far as the walks go (a few past
+        where they stop: what lies beyond is never read, as in the dict index), and an
+        item it reads that is no int in [0, 2**64) goes through numpy's conversion, which
+        raises (OverflowError, TypeError, ValueError) or takes it (numpy ints)."""
+        src = 0
         if type(hashes) is np.ndarray and hashes.dtype is _U64_DTYPE and hashes.ndim == 1:
             keys = hashes  # the route's case: block_hashes' array (any stride: the kernel
             # takes a strided view as it is)
-        elif type(hashes) is list:  # Dynamo's convention; predict() is likely to get the
-            # same list next
-            keys = np.array(hashes, dtype=_U64)
-            self._query = (hashes, keys)
+            n = len(keys)
+        elif type(hashes) is list:  # Dynamo's convention: the kernel reads the ints as far
+            # as the walks go (no conversion of the whole list first)
+            n = len(hashes)
+            src = id(hashes)  # CPython: the list's address; alive and unchanged for the call
         else:
             keys = _as_keys(hashes)
             if keys is not hashes:
                 self._query = (hashes, keys)
-        run = self._run
-        if len(keys) > self._run_fits:
-            run = self._grow_run(len(keys))
-        out = self._outbuf
-        code = _find_matches(
-            self._tab, self._ptab, self._meta, keys, run, out, self._stride, touch, True
+            n = len(keys)
+        if n > self._run_fits:
+            self._grow_run(n)
+        if src:
+            keys = self._keybuf
+        confirmed: dict[int, int] = {}
+        result: dict[int, int] = {}
+        code = _find_dicts(
+            self._tab,
+            self._ptab,
+            self._meta,
+            keys,
+            src,
+            n,
+            self._run,
+            self._outbuf,
+            self._stride,
+            touch,
+            id(confirmed),  # filled by the kernel (CPython: the address)
+            id(result),
         )
-        # slots and depths (rows 0, 1 confirmed; 2, 3 with predictions), zipped: the same
-        # lengths by construction
-        if code & _SAME:
-            slots, depths = out[:2, : code & _COUNT].tolist()
-            self.last_confirmed = confirmed = dict(zip(slots, depths))  # noqa: B905
-            return confirmed
-        rows = out[:, : max(code & _COUNT, code >> 21 & _COUNT)].tolist()
-        nc = code & _COUNT
-        self.last_confirmed = dict(zip(rows[0][:nc], rows[1][:nc]))  # noqa: B905
-        nr = code >> 21 & _COUNT
-        return dict(zip(rows[2][:nr], rows[3][:nr]))  # noqa: B905
+        if code < 0:
+            if code == _BAD_ITEM:  # an item it read is no uint64 int: numpy's conversion
+                # raises (or takes numpy ints)
+                return self.find_matches(np.array(hashes, dtype=_U64), touch)
+            raise MemoryError("find_matches: no memory for the answer's dict")
+        self.last_confirmed = confirmed
+        return confirmed if code & _SAME else result
 
     def find_matches_by_source(
         self, hashes: Sequence[int] | np.ndarray

@@ -12,6 +12,7 @@ import tracemalloc
 from pathlib import Path
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, settings
 from index_agreement import IndexAgreement
 
@@ -355,3 +356,73 @@ def test_dead_rows_do_not_pile_up() -> None:
             index.remove(2, chain)
     _assert_same(ref, nb, [0, 1, 2])
     assert nb.size() == 0 and nb._tab.shape[0] <= 1024
+
+
+def test_list_queries_are_read_only_as_far_as_the_walks_go() -> None:
+    """A list query's ints are read by the kernel as the walks reach them (no conversion
+    of the whole list first): the answers are the array query's and the dict index's; an
+    item it reads that is no uint64 int raises as numpy's conversion does, with nothing
+    changed; items past where both walks stop are never read, as in the dict index."""
+    from router.index_nb import _M_TICK
+
+    ref, nb = _pair(predict_stride=4)
+    chain = list(range(1, 41))
+    for index in (ref, nb):
+        index.store(0, BlockStored(tuple(chain[:30]), None, ()))
+        index.store(1, BlockStored(tuple(chain[:10]), None, ()))
+        index.predict(2, chain, 5.0)  # slot 2: predicted along all 40 (10 probes)
+    arr = np.array(chain, dtype=np.uint64)
+    assert nb.find_matches(chain) == nb.find_matches(arr) == ref.find_matches(chain)
+    assert nb.find_matches(chain) == {0: 30, 1: 10, 2: 40}
+    # numpy ints in a list: numpy's conversion takes them
+    mixed: list[object] = [*chain[:5], np.uint64(6), *chain[6:]]
+    assert nb.find_matches(mixed) == {0: 30, 1: 10, 2: 40}  # type: ignore[arg-type]
+    tick = int(nb._meta[_M_TICK])
+    for bad, error in (
+        ([*chain[:3], -1], OverflowError),
+        ([*chain[:3], 2**64], OverflowError),
+        ([1, "x"], ValueError),
+        ([1, None], TypeError),
+        # read by the predicted walk only (the confirmed one stops at 30), after it found
+        # the confirmed depths it would stamp
+        ([*chain[:39], -1], OverflowError),
+    ):
+        with pytest.raises(error):
+            nb.find_matches(bad)  # type: ignore[arg-type]
+    assert int(nb._meta[_M_TICK]) == tick  # no stamp from a query that raised
+    # past both walks' ends (a miss at 31 with slot 2's predictions expired): never read
+    assert ref.expire(6.0) == nb.expire(6.0) == 10
+    tail: list[object] = [*chain[:30], 999, *([7] * 20), "x", None, -1]
+    assert nb.find_matches(tail) == ref.find_matches(tail) == {0: 30, 1: 10}  # type: ignore[arg-type]
+    assert int(nb._meta[_M_TICK]) == tick + 1  # touched once: the query that answered
+    # a list longer than the scratch rows grows them
+    long = [*chain[:30], *range(10_000, 15_000)]
+    assert nb.find_matches(long) == ref.find_matches(long) == {0: 30, 1: 10}
+
+
+def test_answers_written_by_the_kernel_own_their_ints() -> None:
+    """find_matches' dicts are filled by the kernel (CPython's C API): every int it makes
+    belongs to its dict, so 10,000 answers dropped leave no traced memory behind, and an
+    answer's value is held by nothing but its dict (depths past 256: no cached ints)."""
+    nb = NumbaPrefixIndex(IndexConfig(predict_stride=4))
+    chain = list(range(1, 400))
+    for w in range(20):
+        nb.store(w, BlockStored(tuple(chain[: 300 + w]), None, ()))
+    nb.predict(30, chain, 1e9)  # a second dict: confirmed and the predicted-longer answer
+    arr = np.array(chain, dtype=np.uint64)
+    answer = nb.find_matches(chain)
+    assert answer == {**{w: 300 + w for w in range(20)}, 30: 396} == nb.find_matches(arr)
+    assert nb.last_confirmed == {w: 300 + w for w in range(20)}
+    value = answer.pop(30)
+    assert sys.getrefcount(value) <= 2  # the name and getrefcount's argument
+    gc.collect()
+    tracemalloc.start()
+    try:
+        baseline = tracemalloc.get_traced_memory()[0]
+        for _ in range(5_000):
+            nb.find_matches(chain)
+            nb.find_matches(arr)
+        gc.collect()
+        assert tracemalloc.get_traced_memory()[0] - baseline < 20_000
+    finally:
+        tracemalloc.stop()
