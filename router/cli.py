@@ -29,6 +29,7 @@ from router.core import RouterConfig
 from router.core_types import (
     DEFAULT_RECENT_DECODE_RATIO,
     DEFAULT_RECENT_WINDOW_S,
+    DEFAULT_REPLICA_AFFINITY_TOKENS,
     DEFAULT_REPLICA_COLD_PICKS,
 )
 from router.policy import DEFAULT_BACKLOG_TOKENS, CostWeights, policy_names
@@ -157,6 +158,16 @@ def build_parser() -> argparse.ArgumentParser:
         "worker) counts min(R, this) times instead of R: the other replicas' same-instant "
         "picks there would mostly find its prefix and add only their suffixes "
         "(default %(default)s)",
+    )
+    p.add_argument(
+        "--replica-affinity-tokens",
+        type=float,
+        default=None,
+        help="with --replicas R > 1: the cost's affinity term, which gives replicas that "
+        "cannot see each other's picks the same order of preference among the workers "
+        "lacking a request's next block (rendezvous hashing), so a new prefix arriving at "
+        "several of them starts on the same workers; token equivalents, 0: off (default: "
+        f"{DEFAULT_REPLICA_AFFINITY_TOKENS:g} without --replica-sync, 0 with it)",
     )
     p.add_argument(
         "--replica-sync",
@@ -307,6 +318,8 @@ def config_from_args(
             recent_decode_ratio=args.recent_decode_ratio,
             replicas=args.replicas,
             replica_cold_picks=args.replica_cold_picks,
+            replica_sync=args.replica_sync,
+            replica_affinity_tokens=args.replica_affinity_tokens,
             index_backend=args.index_backend,
         ),
         service=FrontendConfig(

@@ -149,6 +149,7 @@ class RouterCore:
                 config.prefix_hash_blocks,
                 config.backlog_tokens,
                 config.spread_weight,
+                config.affinity_tokens,
             ),
         )
         self._use_events = self._policy.uses_events

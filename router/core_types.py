@@ -35,6 +35,10 @@ DEFAULT_RECENT_DECODE_RATIO = 0.5  # recent-sum tokens per generated token of a 
 # (two routers: R = 2 picks best of 1.35-2; four: 2.5 best of 1.75-4; the training workloads
 # did not tell the values apart); reported on other seeds (BENCHMARKS.md, several routers)
 DEFAULT_REPLICA_COLD_PICKS = 2.5
+# RouterConfig.replica_affinity_tokens' default for replicas without sync: chosen on
+# cold-bursts seeds 200-204 at 4, 8 and 16 workers with two and four routers (rank-graded
+# 600-1,500 and top-k variants tried; BENCHMARKS.md, the replicas' shared order)
+DEFAULT_REPLICA_AFFINITY_TOKENS = 1000.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +70,12 @@ class RouterConfig:
     prompt cached or predicted on the chosen worker) counts min(R, this) times: the other
     replicas' same-instant picks of that worker would mostly find its prefix there and add
     only their suffixes, so counting it R times spread a burst over every worker.
+    ``replica_sync``: the replicas tell each other their picks (``kvroute router
+    --replica-sync``). ``replica_affinity_tokens``: the cost's affinity term
+    (router.policy), which gives replicas that cannot see each other's picks the same
+    order of preference for a new prefix; None (default) is
+    DEFAULT_REPLICA_AFFINITY_TOKENS with R > 1 and no sync, else 0. With one router it is
+    always off (:attr:`affinity_tokens`).
     ``index_backend``: the prefix index's implementation, "numba" (router.index_nb:
     compiled kernels over flat tables; the default) or "dict" (router.index: pure Python,
     the reference implementation; same answers).
@@ -86,6 +96,8 @@ class RouterConfig:
     recent_decode_ratio: float = DEFAULT_RECENT_DECODE_RATIO
     replicas: int = 1
     replica_cold_picks: float = DEFAULT_REPLICA_COLD_PICKS
+    replica_sync: bool = False
+    replica_affinity_tokens: float | None = None
     index_backend: str = "numba"
     spread_weight: float = 0.0  # the cost's spread term (router.policy; 0: off)
 
@@ -100,6 +112,11 @@ class RouterConfig:
             )
         if not 0 <= self.spread_weight < float("inf"):  # NaN too
             raise ValueError(f"spread_weight must be finite and >= 0, got {self.spread_weight}")
+        affinity = self.replica_affinity_tokens
+        if affinity is not None and not 0 <= affinity < float("inf"):  # NaN too
+            raise ValueError(
+                f"replica_affinity_tokens must be finite and >= 0 or None, got {affinity}"
+            )
         if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"block_size must be >= 1 or None, got {self.block_size}")
         if not self.recent_window_s > 0:
@@ -109,6 +126,16 @@ class RouterConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_indexed_blocks < 1:
             raise ValueError(f"max_indexed_blocks must be >= 1, got {self.max_indexed_blocks}")
+
+    @property
+    def affinity_tokens(self) -> float:
+        """The affinity term's weight the policy gets: 0 with one router; else
+        ``replica_affinity_tokens``, or its default when None (on without sync)."""
+        if self.replicas < 2:
+            return 0.0
+        if self.replica_affinity_tokens is not None:
+            return self.replica_affinity_tokens
+        return 0.0 if self.replica_sync else DEFAULT_REPLICA_AFFINITY_TOKENS
 
 
 @dataclass(frozen=True, slots=True)

@@ -66,6 +66,20 @@ It also does harm where shared starts are not conversations: zipf-tenants at 4 w
 TTFT p99 296 -> 808 ms, cold-bursts at 16 workers 9 points of hit rate lost. Opt-in
 (``kvroute router --spread-weight``), for conversation-heavy fleets.
 
+The affinity term is for router replicas that cannot see each other's picks (``kvroute
+router --replicas R`` without ``--replica-sync``; off otherwise: ``PolicyConfig.
+affinity_tokens`` 0). Each replica sees only its own picks, so the first requests of a new
+prefix, arriving at several replicas in the same instant, went to as many different workers
+(cold-bursts, four routers, 16 workers: 5-6 points of hit rate lost against one router).
+The term gives every replica the same order of preference among the workers that lack the
+request's next block: a candidate whose match is shorter than the longest (every candidate,
+when nothing matches) pays ``affinity_tokens * rank / (m - 1)``, where its rank among the
+``m`` candidates of the same match length comes from a hash of the first block it lacks and
+of its worker id (rendezvous hashing: the same on every replica, different per prefix). So
+the replicas start a new prefix on the same worker and spill it, once that worker's queue
+outweighs its saving, to the same next ones; the load terms still decide how far each goes.
+(BENCHMARKS.md, "The replicas' shared order": chosen at 1,000 on cold-bursts seeds 200-204.)
+
 Baselines share the interface: round_robin, random, least_load, power_of_two, and
 approx_tree (cache_aware over the router's own routing history only: the core gives it
 matches from predicted entries and never applies events for it -- SGLang's approximate
@@ -81,6 +95,7 @@ import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from hashlib import blake2b
 from operator import attrgetter
 
 import numpy as np
@@ -98,8 +113,10 @@ __all__ = [
     "RouteQuery",
     "WorkerTable",
     "WorkerView",
+    "affinity_terms",
     "make_policy",
     "policy_names",
+    "worker_id_hash",
 ]
 
 
@@ -162,12 +179,15 @@ class PolicyConfig:
     prefill among the candidates at which a miss counts double; 0 turns the factor off.
     ``spread_weight``: the cost's spread term (module docstring), token equivalents per
     running request for a request that starts something sticky; 0 (default) turns it off.
+    ``affinity_tokens``: the affinity term's largest value (module docstring), for router
+    replicas without sync; 0 (default) turns it off.
     """
 
     weights: CostWeights = field(default_factory=CostWeights)
     prefix_hash_blocks: int = 4
     backlog_tokens: float = DEFAULT_BACKLOG_TOKENS
     spread_weight: float = 0.0
+    affinity_tokens: float = 0.0
 
     def __post_init__(self) -> None:
         if self.prefix_hash_blocks < 1:
@@ -176,6 +196,8 @@ class PolicyConfig:
             raise ValueError(f"backlog_tokens must be >= 0, got {self.backlog_tokens}")
         if not 0 <= self.spread_weight < math.inf:  # NaN too
             raise ValueError(f"spread_weight must be finite and >= 0, got {self.spread_weight}")
+        if not 0 <= self.affinity_tokens < math.inf:  # NaN too
+            raise ValueError(f"affinity_tokens must be finite and >= 0, got {self.affinity_tokens}")
 
 
 class WorkerView:
@@ -183,8 +205,9 @@ class WorkerView:
 
     ``inflight_prefill_tokens``: uncached prompt tokens of requests routed here that have not
     produced their first token (router-tracked). ``num_active``: requests routed here and
-    not finished. ``load``: the worker's last load report, if any. The two derived fields
-    below are what policies read; :meth:`refresh` recomputes them after any change (kept as
+    not finished. ``load``: the worker's last load report, if any. ``id_hash``: a 64-bit
+    hash of ``worker_id``, the same in every process (the affinity term's). The two derived
+    fields below are what policies read; :meth:`refresh` recomputes them after any change (kept as
     plain values because scoring 64 workers per request must not compute them):
 
     ``queued_prefill_tokens``: the router's count, or the worker's report if larger (it also
@@ -206,6 +229,7 @@ class WorkerView:
         "_table",
         "address",
         "healthy",
+        "id_hash",
         "inflight_prefill_tokens",
         "load",
         "num_active",
@@ -227,6 +251,7 @@ class WorkerView:
         recent_prefill: float = 0.0,
     ) -> None:
         self.worker_id = worker_id
+        self.id_hash = worker_id_hash(worker_id)
         self.slot = slot
         self.address = address
         self.healthy = healthy
@@ -299,12 +324,13 @@ class WorkerTable:
     ``recent_prefill`` as float64 (the values the cost's float arithmetic converts them to),
     row 3 the cost's load part under ``weights``, ``queued_prefill * queued +
     decode * running``, computed in Python as :meth:`CacheAware.costs` computes it; kept
-    current by the views themselves."""
+    current by the views themselves. ``ids``: each slot's ``WorkerView.id_hash``."""
 
-    __slots__ = ("_wd", "_wq", "fields", "weights")
+    __slots__ = ("_wd", "_wq", "fields", "ids", "weights")
 
     def __init__(self, capacity: int = 64, weights: CostWeights | None = None) -> None:
         self.fields = np.zeros((4, max(capacity, 1)))
+        self.ids = np.zeros(self.fields.shape[1], dtype=np.uint64)
         self.weights = weights = weights or CostWeights()
         self._wq, self._wd = weights.queued_prefill, weights.decode
 
@@ -322,6 +348,10 @@ class WorkerTable:
             grown = np.zeros((4, max(2 * capacity, slot + 1)))
             grown[:, :capacity] = self.fields
             self.fields = grown
+            ids = np.zeros(grown.shape[1], dtype=np.uint64)
+            ids[:capacity] = self.ids
+            self.ids = ids
+        self.ids[slot] = view.id_hash
         view._table = self
         self.fields[2, slot] = view._recent
         self.set_load(slot, view._queued, view._running)
@@ -437,6 +467,50 @@ def _argmin_random(values: list[float], rng: random.Random) -> int:
 _queued = attrgetter("queued_prefill_tokens")
 
 
+def worker_id_hash(worker_id: str) -> int:
+    """A 64-bit hash of a worker id, the same in every process and on every machine (not
+    Python's salted ``hash``): the affinity term's worker half."""
+    return int.from_bytes(blake2b(worker_id.encode(), digest_size=8).digest(), "little")
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser over a uint64 array (arithmetic mod 2**64)."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def affinity_terms(
+    block_hashes: Sequence[int] | np.ndarray, depths: np.ndarray, ids: np.ndarray, tokens: float
+) -> np.ndarray | None:
+    """The affinity term (module docstring) per candidate, from each candidate's matched
+    depth in blocks and worker id hash; None when it is 0 for every candidate.
+
+    A candidate matching less than the deepest (every one, when none matches) is ranked,
+    among the candidates of its depth, by a hash of the first block it lacks and its id,
+    highest first, and pays ``tokens * rank / (m - 1)`` (m: the group's size)."""
+    n = len(block_hashes)
+    if n == 0 or len(depths) < 2:
+        return None
+    deepest = min(int(depths.max()), n)  # past the request's blocks: it holds them all
+    at = np.flatnonzero(depths < deepest) if deepest else np.arange(len(depths))
+    if len(at) < 2:
+        return None
+    d = depths[at]
+    keys = np.asarray(block_hashes, dtype=np.uint64)[d]
+    score = _mix64(keys ^ ids[at])
+    order = np.lexsort((~score, d))  # by depth, then highest score first
+    d = d[order]
+    starts = np.flatnonzero(np.concatenate(([True], d[1:] != d[:-1])))
+    sizes = np.diff(np.append(starts, len(d)))
+    group = np.repeat(np.arange(len(starts)), sizes)
+    rank = np.arange(len(d)) - starts[group]
+    extra = np.zeros(len(depths))
+    extra[at[order]] = tokens * rank / np.maximum(sizes - 1, 1)[group]
+    return extra
+
+
 class CacheAware(Policy):
     """Lowest estimated prefill wait (see the module docstring)."""
 
@@ -467,30 +541,39 @@ class CacheAware(Policy):
         prompt = query.prompt_tokens
         full = wp * prompt
         if not matched:
-            return [
+            costs = [
                 wq * c.queued_prefill_tokens + wd * c.num_running + wr * c.recent_prefill + full
                 for c in candidates
             ]
-        bs = query.block_size
-        # the prefill term of the (few) matched workers; everyone else pays ``full``
-        get = {s: wp * max(prompt - d * bs, 0) for s, d in matched.items()}.get
-        ws = self._spread_weight(query, matched)
-        if ws:  # as select_set adds it: after the recent term, before the prefill term
-            return [
-                wq * c.queued_prefill_tokens
-                + wd * c.num_running
-                + wr * c.recent_prefill
-                + ws * c.num_running
-                + get(c.slot, full)
-                for c in candidates
-            ]
-        return [
-            wq * c.queued_prefill_tokens
-            + wd * c.num_running
-            + wr * c.recent_prefill
-            + get(c.slot, full)
-            for c in candidates
-        ]
+        else:
+            bs = query.block_size
+            # the prefill term of the (few) matched workers; everyone else pays ``full``
+            get = {s: wp * max(prompt - d * bs, 0) for s, d in matched.items()}.get
+            ws = self._spread_weight(query, matched)
+            if ws:  # as select_set adds it: after the recent term, before the prefill term
+                costs = [
+                    wq * c.queued_prefill_tokens
+                    + wd * c.num_running
+                    + wr * c.recent_prefill
+                    + ws * c.num_running
+                    + get(c.slot, full)
+                    for c in candidates
+                ]
+            else:
+                costs = [
+                    wq * c.queued_prefill_tokens
+                    + wd * c.num_running
+                    + wr * c.recent_prefill
+                    + get(c.slot, full)
+                    for c in candidates
+                ]
+        if self.config.affinity_tokens:  # last, as select_set adds it
+            depths = np.array([matched.get(c.slot, 0) for c in candidates], dtype=np.intp)
+            ids = np.array([c.id_hash for c in candidates], dtype=np.uint64)
+            extra = affinity_terms(query.block_hashes, depths, ids, self.config.affinity_tokens)
+            if extra is not None:
+                costs = [c + e for c, e in zip(costs, extra.tolist(), strict=True)]
+        return costs
 
     def _spread_weight(self, query: RouteQuery, matched: dict[int, int]) -> float:
         """The spread term's weight for this request: ``spread_weight`` when its longest
@@ -556,6 +639,21 @@ class CacheAware(Policy):
                 keep = pos >= 0
                 pos = pos[keep]
                 total[pos] = cost[pos] + np.array(terms)[keep]
+        if self.config.affinity_tokens:
+            depths = np.zeros(len(candidates.views), dtype=np.intp)
+            position = candidates.position
+            for s, d in matched.items():
+                i = position.get(s, -1)
+                if i >= 0:
+                    depths[i] = d
+            extra = affinity_terms(
+                query.block_hashes,
+                depths,
+                table.ids[candidates.columns],
+                self.config.affinity_tokens,
+            )
+            if extra is not None:
+                total += extra
         i = int(total.argmin())  # the first minimum, as select()'s list.index finds it
         best = total.item(i)
         if best != best:  # NaN (inf * 0 after an overflow): select()'s own order

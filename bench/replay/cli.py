@@ -42,7 +42,7 @@ def available_policies() -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     from bench.replay.sim import DEFAULT_KV_CAPACITY_TOKENS
-    from router.core_types import DEFAULT_REPLICA_COLD_PICKS
+    from router.core_types import DEFAULT_REPLICA_AFFINITY_TOKENS, DEFAULT_REPLICA_COLD_PICKS
 
     p = argparse.ArgumentParser(
         prog="kvroute replay",
@@ -139,6 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="sim mode, --routers > 1: a cold pick (nothing of its prompt on the chosen "
         "worker) counts min(router replicas, this) times in the worker's queued prefill "
         f"(RouterConfig.replica_cold_picks; default: the router's, {DEFAULT_REPLICA_COLD_PICKS})",
+    )
+    p.add_argument(
+        "--replica-affinity-tokens",
+        type=float,
+        default=None,
+        help="sim mode, --routers > 1: the cost's affinity term, the same order of "
+        "preference on every router for a new prefix (RouterConfig.replica_affinity_tokens; "
+        f"default: {DEFAULT_REPLICA_AFFINITY_TOKENS:g} without replica sync, 0 with it; 0: off)",
     )
     p.add_argument(
         "--replica-sync-delay-s",
@@ -427,6 +435,10 @@ def _sim_config(args: argparse.Namespace):  # -> SimConfig
         router = replace(router, prefix_hash_blocks=args.prefix_hash_blocks)
     if args.replica_cold_picks is not None:
         router = replace(router, replica_cold_picks=args.replica_cold_picks)
+    if args.replica_affinity_tokens is not None:
+        if args.routers < 2:
+            raise ValueError("--replica-affinity-tokens needs --routers 2 or more")
+        router = replace(router, replica_affinity_tokens=args.replica_affinity_tokens)
     from worker.engine.sim_executor import cost_profile
 
     strict = strict_settings(args)
@@ -479,6 +491,7 @@ def _run_sim(args, records, policies, setup, progress) -> ReplayReport:
             router_assignment=config.router_assignment,
             router_replicas=config.replicas,
             replica_cold_picks=config.router.replica_cold_picks,
+            replica_affinity_tokens=config.router_config().affinity_tokens,
             replica_sync_delay_s=config.replica_sync_delay_s,
         )
     setup.update(strict_settings(args))

@@ -158,6 +158,17 @@ class SimConfig:
         """RouterConfig.replicas of each router core (router_replicas, else num_routers)."""
         return self.router_replicas or self.num_routers
 
+    def router_config(self, policy: str | None = None) -> RouterConfig:
+        """Each router core's config: ``router`` with this fleet's block size, replica
+        count and whether the replicas sync (and ``policy``, when given)."""
+        return replace(
+            self.router,
+            policy=policy or self.router.policy,
+            block_size=self.block_size,
+            replicas=self.replicas,
+            replica_sync=self.num_routers > 1 and self.replica_sync_delay_s is not None,
+        )
+
     def __post_init__(self) -> None:
         if self.num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
@@ -258,12 +269,7 @@ class FleetSim:
         self._heap: list[tuple[float, _Kind, int, object]] = []
         self._counter = 0
         clock = self._clock
-        router_config = replace(
-            config.router,
-            policy=policy,
-            block_size=config.block_size,
-            replicas=config.replicas,
-        )
+        router_config = config.router_config(policy)
         # router k's tie-breaks: seed for the first (the single-router run is unchanged)
         self.routers = [
             RouterCore(router_config, clock=clock, rng=random.Random(config.seed + 7919 * k))

@@ -142,6 +142,16 @@ def test_cli_routers(tmp_path, capsys):
     assert json.loads(out.read_text())["setup"]["replica_cold_picks"] == 1.0
     assert main([*base, *sync, "--replica-cold-picks", "0"]) == 2
     assert "replica_cold_picks must be finite and >= 1" in capsys.readouterr().err
+    # the affinity term: on for routers without sync, off with it, or as told
+    assert report["setup"]["replica_affinity_tokens"] == 0.0
+    assert setup["replica_affinity_tokens"] == 1000.0  # --routers 2, no sync (above)
+    tokens = ["--replica-affinity-tokens", "250"]
+    assert main([*base, *sync, *tokens, "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["setup"]["replica_affinity_tokens"] == 250.0
+    assert main([*base, *tokens, "--no-reference"]) == 2
+    assert "--replica-affinity-tokens needs --routers 2 or more" in capsys.readouterr().err
+    assert main([*base, *sync, "--replica-affinity-tokens", "-1"]) == 2
+    assert "replica_affinity_tokens must be finite and >= 0" in capsys.readouterr().err
 
 
 # ---- the stricter simulation ---------------------------------------------------------------

@@ -71,15 +71,20 @@ def weights_of(w: CostWeights) -> tuple[float, ...]:
     weights=st.builds(CostWeights, weight, weight, weight, weight),
     backlog=st.sampled_from([0.0, 1.0, 50_000.0]),
     spread=st.sampled_from([0.0, 1.0, 1000.0]),
+    affinity=st.sampled_from([0.0, 1000.0, 1e-300]),
     prompt=st.integers(0, 700),
     scale=st.sampled_from([1.0, 0.5, 1e-30]),
     policy_name=st.sampled_from(["cache_aware", "approx_tree"]),
     seed=st.integers(0, 2**32),
 )
 @settings(max_examples=400, deadline=None)
-def test_select_set_equals_select(data, weights, backlog, spread, prompt, scale, policy_name, seed):
+def test_select_set_equals_select(
+    data, weights, backlog, spread, affinity, prompt, scale, policy_name, seed
+):
     table, candidates, matched = data.draw(fleets(weights))
-    config = PolicyConfig(weights, backlog_tokens=backlog, spread_weight=spread)
+    config = PolicyConfig(
+        weights, backlog_tokens=backlog, spread_weight=spread, affinity_tokens=affinity
+    )
     policy = make_policy(policy_name, config)
     query = RouteQuery("r", prompt, 16, list(range(prompt // 16)), recent_scale=scale)
     rng_ref, rng_new = random.Random(seed), random.Random(seed)

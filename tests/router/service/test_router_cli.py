@@ -94,6 +94,11 @@ def test_router_defaults():
         ("--admission-window", "0", "(--admission-window) must be >= 1, got 0"),
         ("--replicas", "0", "replicas must be >= 1, got 0"),
         ("--replica-cold-picks", "0.5", "replica_cold_picks must be finite and >= 1, got 0.5"),
+        (
+            "--replica-affinity-tokens",
+            "-1",
+            "replica_affinity_tokens must be finite and >= 0 or None, got -1.0",
+        ),
         ("--redis-poll-s", "0", "(--redis-poll-s) must be > 0, got 0.0"),
     ],
 )
@@ -231,3 +236,19 @@ def test_replicas_reach_the_core_config():
     assert cli.config_from_args(args).core.replica_cold_picks == 2.5
     args = cli.build_parser().parse_args(["--worker", "h:1", "--replica-cold-picks", "4"])
     assert cli.config_from_args(args).core.replica_cold_picks == 4.0
+
+
+def test_replica_affinity_is_on_without_sync():
+    """--replicas R alone turns the cost's affinity term on (the replicas cannot see each
+    other's picks); --replica-sync turns it off; --replica-affinity-tokens sets it."""
+    parse = cli.build_parser().parse_args
+    core = cli.config_from_args(parse(["--worker", "h:1", "--replicas", "3"])).core
+    assert core.replica_sync is False and core.affinity_tokens == 1000.0
+    sync = ["--redis-url", "redis://127.0.0.1:6379/0", "--replica-sync"]
+    core = cli.config_from_args(parse(["--worker", "h:1", "--replicas", "3", *sync])).core
+    assert core.replica_sync is True and core.affinity_tokens == 0.0
+    flag = ["--replica-affinity-tokens", "300"]
+    core = cli.config_from_args(parse(["--worker", "h:1", "--replicas", "3", *flag])).core
+    assert core.affinity_tokens == 300.0
+    core = cli.config_from_args(parse(["--worker", "h:1", *flag])).core
+    assert core.affinity_tokens == 0.0  # one router: nobody to agree with
