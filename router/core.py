@@ -71,6 +71,7 @@ from router.policy import (
     RouteQuery,
     WorkerTable,
     WorkerView,
+    affinity_terms,
     make_policy,
 )
 from router.sync import StreamSequencer, SyncConfig
@@ -152,6 +153,8 @@ class RouterCore:
                 config.affinity_tokens,
             ),
         )
+        if config.affinity_tokens:  # compile (or load) its kernel now, not on a route
+            affinity_terms([1], np.zeros(2, dtype=np.intp), np.arange(2, dtype=np.uint64), 1.0)
         self._use_events = self._policy.uses_events
         self._ttl = config.predicted_ttl_s if self._use_events else config.approx_ttl_s
         self._index = make_index(

@@ -114,6 +114,7 @@ __all__ = [
     "WorkerTable",
     "WorkerView",
     "affinity_terms",
+    "affinity_terms_reference",
     "make_policy",
     "policy_names",
     "worker_id_hash",
@@ -481,11 +482,38 @@ def _mix64(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
+_affinity_into: Callable[..., bool] | None = None
+
+
 def affinity_terms(
     block_hashes: Sequence[int] | np.ndarray, depths: np.ndarray, ids: np.ndarray, tokens: float
 ) -> np.ndarray | None:
     """The affinity term (module docstring) per candidate, from each candidate's matched
-    depth in blocks and worker id hash; None when it is 0 for every candidate.
+    depth in blocks and worker id hash; None when it is 0 for every candidate. Computed by
+    a compiled kernel (router.affinity_nb); :func:`affinity_terms_reference` is its
+    definition in numpy."""
+    global _affinity_into
+    if len(block_hashes) == 0 or len(depths) < 2:
+        return None
+    if _affinity_into is None:  # numba's compile or cache load: on first use, not at import
+        from router.affinity_nb import affinity_into
+
+        _affinity_into = affinity_into
+    kernel: Callable[..., bool] = _affinity_into
+    keys = block_hashes
+    if type(keys) is not np.ndarray or keys.dtype != np.uint64:
+        keys = np.asarray(keys, dtype=np.uint64)
+    out = np.empty(len(depths))
+    if not kernel(keys, depths.astype(np.intp, copy=False), ids, float(tokens), out):
+        return None
+    return out
+
+
+def affinity_terms_reference(
+    block_hashes: Sequence[int] | np.ndarray, depths: np.ndarray, ids: np.ndarray, tokens: float
+) -> np.ndarray | None:
+    """:func:`affinity_terms` in numpy: the definition the compiled kernel is tested
+    against.
 
     A candidate matching less than the deepest (every one, when none matches) is ranked,
     among the candidates of its depth, by a hash of the first block it lacks and its id,

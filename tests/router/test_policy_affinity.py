@@ -11,6 +11,8 @@ import sys
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvroute_proto.events import DEFAULT_PARTITION, BlockStored, Snapshot
 from kvroute_proto.hashing import block_hash_list
@@ -23,6 +25,7 @@ from router.policy import (
     WorkerTable,
     WorkerView,
     affinity_terms,
+    affinity_terms_reference,
     make_policy,
     worker_id_hash,
 )
@@ -214,3 +217,21 @@ def test_a_stored_prefix_is_not_ranked_away() -> None:
     stored = BlockStored(tuple(hashes), None, tuple(int(t) for t in tokens), DEFAULT_PARTITION)
     assert core.on_stream_message(last, Snapshot(last, 1, 1, B, (stored,))) == []
     assert core.route(RouteRequest("y", tokens)).worker_id == last
+
+
+@given(
+    hashes=st.lists(st.integers(0, 2**64 - 1), max_size=12),
+    depths=st.lists(st.sampled_from([0, 0, 1, 2, 5, 12, 14]), min_size=1, max_size=24),
+    names=st.integers(0, 2**32),
+    tokens=st.sampled_from([1000.0, 1.0, 333.3, 0.0]),
+)
+@settings(max_examples=500, deadline=None)
+def test_the_compiled_kernel_is_the_numpy_definition(hashes, depths, names, tokens) -> None:
+    """affinity_terms (router.affinity_nb's kernel) against affinity_terms_reference (numpy)
+    on generated requests and fleets: the same terms, bit for bit (None: all 0)."""
+    ids = _ids([f"w{names}-{i}" for i in range(len(depths))])
+    d = np.array(depths, dtype=np.intp)
+    got = affinity_terms(hashes, d, ids, tokens)
+    want = affinity_terms_reference(hashes, d, ids, tokens)
+    zeros = [0.0] * len(depths)
+    assert (zeros if got is None else got.tolist()) == (zeros if want is None else want.tolist())
