@@ -323,6 +323,7 @@ def bench_scale(
     metrics: RouterMetrics | None = None,
     memory: bool = True,
     backend: str = "dict",
+    replicas: int = 1,
 ) -> dict[str, float]:
     rng = np.random.default_rng(cfg.seed)
     bs = cfg.block_size
@@ -345,6 +346,7 @@ def bench_scale(
         predicted_ttl_s=5.0,
         # the router's index backends (vec is not one: its route runs the dict index)
         index_backend=backend if backend in ("dict", "numba") else "dict",
+        replicas=replicas,  # > 1: replicas without sync, the cost's affinity term on
     )
     core = RouterCore(config, clock=lambda: now[0], rng=random.Random(cfg.seed))
     for w in range(cfg.num_workers):
@@ -716,6 +718,14 @@ def main(argv: list[str] | None = None) -> int:
         help="workers of the route sections' fleet (default: 64)",
     )
     parser.add_argument(
+        "--route-replicas",
+        type=int,
+        default=1,
+        metavar="R",
+        help="the route section's router is one of R replicas without sync (R > 1: the "
+        "cost's affinity term is on) (default: 1)",
+    )
+    parser.add_argument(
         "--rss-entries",
         type=int,
         metavar="N",
@@ -755,7 +765,9 @@ def main(argv: list[str] | None = None) -> int:
         results.update(bench_comparable(comparable, args.backend))
     metrics = RouterMetrics(CollectorRegistry()) if args.route_metrics else None
     if not args.comparable_only:
-        results.update(bench_scale(scale, metrics, not args.route_only, args.backend))
+        results.update(
+            bench_scale(scale, metrics, not args.route_only, args.backend, args.route_replicas)
+        )
     if not args.no_text and not args.comparable_only:
         results.update(bench_route_text(scale, text, metrics))
     meta = {
@@ -763,6 +775,7 @@ def main(argv: list[str] | None = None) -> int:
         "route_metrics": args.route_metrics,
         "backend": args.backend,
         "route_workers": args.route_workers,
+        "route_replicas": args.route_replicas,
         "loadavg_1m": os.getloadavg()[0],
         "cpus": os.cpu_count(),
         "python": platform.python_version(),

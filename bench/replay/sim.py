@@ -112,6 +112,7 @@ class _Kind(enum.IntEnum):
     ROUTER_FREE = 5  # a router finished a decision; the next one queued at it starts
     FLUSH = 6  # the next worker in turn drops its cache
     ARRIVE = 7
+    ADMIT_REPORT = 8  # a worker's load report after arrivals (admit_report_s)
 
 
 ROUTER_ASSIGNMENTS = ("round_robin", "random", "prefix")
@@ -149,6 +150,9 @@ class SimConfig:
     network_delay_s: float = 0.0  # router -> worker: a routed request arrives this later
     event_loss: float = 0.0  # probability that an event batch never reaches a router
     flush_interval_s: float = 0.0  # > 0: every this often one worker (in turn) drops its cache
+    # > 0: a worker sends a load report this long after requests arrive (one per window):
+    # kvroute worker --admit-report-s
+    admit_report_s: float = 0.0
     # replica sync (num_routers > 1): each router's picks, first tokens and finishes reach
     # the other routers this much later (RouterCore.apply_replica); None: no sync
     replica_sync_delay_s: float | None = None
@@ -178,7 +182,7 @@ class SimConfig:
             raise ValueError(f"affinity_blocks must be >= 1, got {self.affinity_blocks}")
         if self.router_replicas is not None and self.router_replicas < 1:
             raise ValueError(f"router_replicas must be >= 1, got {self.router_replicas}")
-        for name in ("route_decision_s", "network_delay_s", "flush_interval_s"):
+        for name in ("route_decision_s", "network_delay_s", "flush_interval_s", "admit_report_s"):
             if not getattr(self, name) >= 0:  # NaN too
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.event_loss < 1:
@@ -237,6 +241,7 @@ class _Worker:
     busy: bool = False  # a step is in flight (STEP_DONE scheduled)
     num_idle_steps: int = 0
     busy_s: float = 0.0  # modelled time spent in steps (prefill + decode work)
+    report_due: bool = False  # an arrivals load report is scheduled (admit_report_s)
 
 
 def _executor(worker: _Worker) -> SimExecutor | _ScaledExecutor:
@@ -373,6 +378,8 @@ class FleetSim:
                 self._deliver(*payload)  # type: ignore[misc]
             case _Kind.LOAD_TICK:
                 self._load_tick(payload)  # type: ignore[arg-type]
+            case _Kind.ADMIT_REPORT:
+                self._admit_report(payload)  # type: ignore[arg-type]
             case _Kind.STEP_DONE:
                 self._step_done(*payload)  # type: ignore[misc]
             case _Kind.ARRIVE:
@@ -463,6 +470,9 @@ class FleetSim:
             self._fail(result, f"{type(exc).__name__}: {exc}")
             return
         self._by_request_id[request_id] = result
+        if self.config.admit_report_s > 0 and not worker.report_due:
+            worker.report_due = True
+            self._push(self.now + self.config.admit_report_s, _Kind.ADMIT_REPORT, worker)
         if not worker.busy:
             self._start_step(worker)
 
@@ -575,6 +585,13 @@ class FleetSim:
         to, sender, event = payload
         self.num_replica_events += 1
         self.routers[to].apply_replica(f"router-{sender}", event)
+
+    def _admit_report(self, worker: _Worker) -> None:
+        """The load report after arrivals (kvroute worker --admit-report-s)."""
+        worker.report_due = False
+        batch = worker.publisher.publish(worker.engine.take_events(), worker.engine.load_report())
+        if batch is not None:
+            self._send(worker, batch)
 
     def _load_tick(self, worker: _Worker) -> None:
         batch = worker.publisher.publish(worker.engine.take_events(), worker.engine.load_report())

@@ -84,6 +84,38 @@ def test_replica_sync_shares_each_routers_picks_with_the_others():
         SimConfig(replica_sync_delay_s=-1.0)
 
 
+def test_arrivals_bring_a_load_report_after_admit_report_s():
+    """SimConfig.admit_report_s (kvroute worker --admit-report-s): with the periodic reports
+    off, every router hears each worker's queue a few ms after requests arrive there -- one
+    report per worker for requests arriving together -- and never without the setting."""
+    records = [TraceRecord(0.0, 4 * BS, 4, (1, 2, 3, 4)) for _ in range(6)]  # one instant
+    heard: dict[float, list[tuple[float, int]]] = {}
+    for admit in (0.0, 0.002):
+        cfg = tiny_config(num_routers=2, load_interval_s=0.0, admit_report_s=admit)
+        sim = FleetSim(records, "cache_aware", cfg, TokenExpander(BS, cfg.vocab_size, seed=0))
+        seen: list[tuple[float, int]] = []
+        for router in sim.routers:
+            deliver = router.on_stream_message
+
+            def spy(worker_id, msg, deliver=deliver, seen=seen, sim=sim):
+                if getattr(msg, "load", None) is not None:
+                    seen.append((sim.now, msg.load.num_running + msg.load.num_waiting))
+                return deliver(worker_id, msg)
+
+            router.on_stream_message = spy  # type: ignore[method-assign]
+        sim.run()
+        heard[admit] = seen
+        used = {r.worker_id for r in sim.results}
+    assert heard[0.0] == []
+    # one report per worker that got requests, reaching both routers, 2 ms + the event delay
+    # after the instant they arrived, counting every request (by each router)
+    assert len(heard[0.002]) == 2 * len(used)
+    assert all(t == pytest.approx(0.002 + tiny_config().event_delay_s) for t, _ in heard[0.002])
+    assert sum(n for _, n in heard[0.002]) == 2 * 6
+    with pytest.raises(ValueError, match="admit_report_s must be >= 0"):
+        SimConfig(admit_report_s=-1.0)
+
+
 def test_random_assignment_is_seeded_and_covers_every_router():
     records = two_prefix_trace(40)
     a = run(records, "round_robin", tiny_config(num_routers=4, router_assignment="random"))
@@ -150,6 +182,10 @@ def test_cli_routers(tmp_path, capsys):
     assert json.loads(out.read_text())["setup"]["replica_affinity_tokens"] == 250.0
     assert main([*base, *tokens, "--no-reference"]) == 2
     assert "--replica-affinity-tokens needs --routers 2 or more" in capsys.readouterr().err
+    assert main([*base, "--routers", "2", "--admit-report-s", "0.002", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["setup"]["admit_report_s"] == 0.002
+    assert main([*base, "--admit-report-s", "0.002", "--mode", "live"]) == 2
+    assert "--admit-report-s needs --mode sim" in capsys.readouterr().err
     assert main([*base, *sync, "--replica-affinity-tokens", "-1"]) == 2
     assert "replica_affinity_tokens must be finite and >= 0" in capsys.readouterr().err
 

@@ -55,6 +55,12 @@ class SubscriberOverflowError(WorkerError):
     """A subscriber fell more than its queue size behind: gRPC RESOURCE_EXHAUSTED."""
 
 
+def _log_failure(job: concurrent.futures.Future[None]) -> None:
+    """Done-callback of a job nobody awaits: log what it raised."""
+    if not job.cancelled() and job.exception() is not None:
+        log.error("engine job failed", exc_info=job.exception())
+
+
 @dataclass(frozen=True, slots=True)
 class RunnerConfig:
     """How the engine loop runs."""
@@ -62,12 +68,19 @@ class RunnerConfig:
     pace_speedup: float = 0.0  # > 0: sleep last_step_cost_s / pace_speedup after a step
     load_interval_s: float = 1.0  # a load report batch this often (0 = never)
     subscriber_queue_size: int = 1024  # live messages a subscriber may lag before overflow
+    # > 0: a load report batch this long after a request arrives (one for every request that
+    # arrived in that window; 0 = only the load_interval_s ones). Router replicas that cannot
+    # see each other's picks then learn this worker's queue within an event delay, not a
+    # load interval (kvroute worker --admit-report-s; BENCHMARKS.md, several routers)
+    admit_report_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.pace_speedup < 0:
             raise ValueError(f"pace_speedup must be >= 0, got {self.pace_speedup}")
         if self.load_interval_s < 0:
             raise ValueError(f"load_interval_s must be >= 0, got {self.load_interval_s}")
+        if not 0 <= self.admit_report_s < float("inf"):  # NaN too
+            raise ValueError(f"admit_report_s must be finite and >= 0, got {self.admit_report_s}")
         if self.subscriber_queue_size < 1:
             raise ValueError(
                 f"subscriber_queue_size must be >= 1, got {self.subscriber_queue_size}"
@@ -187,6 +200,7 @@ class EngineRunner:
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()  # set while the loop sleeps with nothing to do
         self._tasks: list[asyncio.Task[None]] = []
+        self._admit_report: asyncio.TimerHandle | None = None  # a pending arrivals report
         self._failure: BaseException | None = None
         self._stopping = False
         self._pool_closed = False
@@ -215,6 +229,9 @@ class EngineRunner:
         if self._stopping:
             return
         self._stopping = True
+        if self._admit_report is not None:
+            self._admit_report.cancel()
+            self._admit_report = None
         self.close_subscriptions()
         for task in self._tasks:
             task.cancel()
@@ -252,7 +269,18 @@ class EngineRunner:
             raise
         self._idle.clear()  # the loop sets it again once it finds no work
         self._wake.set()
+        if self.config.admit_report_s > 0 and self._admit_report is None:
+            loop = asyncio.get_running_loop()
+            self._admit_report = loop.call_later(self.config.admit_report_s, self._report_load)
         return stream
+
+    def _report_load(self) -> None:
+        """The load report after arrivals (RunnerConfig.admit_report_s): queued on the
+        engine thread behind the adds it reports."""
+        self._admit_report = None
+        if self._stopping or self._pool_closed or self._failure is not None:
+            return
+        self._pool.submit(self._job_load).add_done_callback(_log_failure)
 
     def release(self, stream: RequestStream) -> None:
         """The caller stopped reading ``stream`` before its end (cancelled, deadline): abort

@@ -21,6 +21,7 @@ from svc_harness import (
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto.codec import stream_message_from_pb
 from kvroute_proto.events import BlockStored, EventBatch, Snapshot
+from worker.engine.sim_executor import SimCostModel
 from worker.service.engine_runner import RunnerConfig, SubscriberOverflowError, Subscription
 
 
@@ -229,3 +230,26 @@ async def test_a_subscriber_that_falls_behind_is_dropped_with_resource_exhausted
         await read_until(again, model, 100)
         assert model.seq == 100
         again.cancel()
+
+
+async def test_an_arriving_request_brings_a_load_report_after_admit_report_s() -> None:
+    """RunnerConfig.admit_report_s: with no periodic reports at all, a request's arrival
+    sends a load-only batch a few ms later that counts it (running or waiting); without the
+    setting, the same request brings no load batch."""
+    for admit in (0.002, 0.0):
+        runner = RunnerConfig(pace_speedup=1.0, load_interval_s=0, admit_report_s=admit)
+        async with running_worker(WorkerSetup(cost=SimCostModel(), runner=runner)) as w:
+            call = subscribe(w)
+            model = HeldBlocks()
+            model.apply(await read_item(call))
+            # 64 paced decode steps: still running when the report goes out, however late
+            await w.generate(token_request(prompt(1), max_new_tokens=64))
+            last_seq, _ = await settle(w)
+            items = await read_until(call, model, last_seq)
+            loads = [i for i in items if i.load is not None]
+            if admit:
+                assert len(loads) == 1 and loads[0].events == ()
+                assert loads[0].load.num_running + loads[0].load.num_waiting == 1
+            else:
+                assert loads == []
+            call.cancel()
