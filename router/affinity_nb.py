@@ -5,7 +5,8 @@ Same answers as :func:`router.policy.affinity_terms_reference` (tests/router/
 test_policy_affinity.py checks them against each other on generated inputs): per candidate
 below the deepest match (every candidate, when none matches), its rank among the
 candidates of its depth by ``splitmix64(first block it lacks ^ worker id hash)``, highest
-first, times ``tokens / (m - 1)``.
+first, times ``tokens / (m - 1)``; in a group of more than RANKED_MAX, ``tokens`` times the
+complement of the score's top 53 bits over 2**53 (no sort; the same spread on average).
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ import numpy as np
 
 from router.index_nb import _jit
 
-__all__ = ["affinity_into"]
+__all__ = ["RANKED_MAX", "affinity_into"]
 
 _C0 = np.uint64(0x9E3779B97F4A7C15)
 _C1 = np.uint64(0xBF58476D1CE4E5B9)
 _C2 = np.uint64(0x94D049BB133111EB)
-_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+_S30, _S27, _S31, _S11 = np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(11)
+_TWO53 = float(2**53)
+RANKED_MAX = 64  # larger groups: score-proportional terms (router.policy's docstring)
 
 
 @_jit
@@ -62,8 +65,12 @@ def affinity_into(hashes: Any, depths: Any, ids: Any, tokens: float, out: Any) -
                 g += 1
         if g < 2:
             continue
-        order = np.argsort(scores[:g])
-        for r in range(g):  # highest score first: rank 0
-            out[members[order[g - 1 - r]]] = tokens * r / (g - 1)
+        if g > RANKED_MAX:  # the score's place in [0, 2**64) for its rank: no sort
+            for t in range(g):
+                out[members[t]] = tokens * float(~scores[t] >> _S11) / _TWO53
+        else:
+            order = np.argsort(scores[:g])
+            for r in range(g):  # highest score first: rank 0
+                out[members[order[g - 1 - r]]] = tokens * r / (g - 1)
         ranked = True
     return ranked

@@ -78,6 +78,9 @@ when nothing matches) pays ``affinity_tokens * rank / (m - 1)``, where its rank 
 of its worker id (rendezvous hashing: the same on every replica, different per prefix). So
 the replicas start a new prefix on the same worker and spill it, once that worker's queue
 outweighs its saving, to the same next ones; the load terms still decide how far each goes.
+In a group of more than 64 candidates the rank is replaced by the hash's own place in
+[0, 2**64) (``affinity_tokens * (1 - hash / 2**64)``: no sort per route at 1,024 workers; with
+that many the two spread alike, while in small groups even steps did better than hash gaps).
 (BENCHMARKS.md, "The replicas' shared order": chosen at 1,000 on cold-bursts seeds 200-204.)
 
 Baselines share the interface: round_robin, random, least_load, power_of_two, and
@@ -483,6 +486,7 @@ def _mix64(x: np.ndarray) -> np.ndarray:
 
 
 _affinity_into: Callable[..., bool] | None = None
+_RANKED_MAX = 64  # router.affinity_nb.RANKED_MAX (not imported: that loads numba)
 
 
 def affinity_terms(
@@ -536,6 +540,10 @@ def affinity_terms_reference(
     rank = np.arange(len(d)) - starts[group]
     extra = np.zeros(len(depths))
     extra[at[order]] = tokens * rank / np.maximum(sizes - 1, 1)[group]
+    big = sizes[group] > _RANKED_MAX  # no ranks there: the score's place in [0, 2**64)
+    if big.any():
+        place = (~score[order][big] >> np.uint64(11)).astype(np.float64)
+        extra[at[order][big]] = tokens * place / float(2**53)
     return extra
 
 
@@ -651,6 +659,8 @@ class CacheAware(Policy):
                 cost += fields[1] * ws
         prompt = query.prompt_tokens
         total = cost + wp * prompt
+        affinity = self.config.affinity_tokens
+        depths = np.zeros(len(total), dtype=np.intp) if affinity else None
         if matched:
             bs = query.block_size
             position = candidates.position
@@ -660,6 +670,8 @@ class CacheAware(Policy):
                     i = position.get(s)
                     if i is not None:
                         total[i] = item(i) + wp * max(prompt - d * bs, 0)
+                        if depths is not None:
+                            depths[i] = d
             else:
                 at = [position.get(s, -1) for s in matched]
                 terms = [wp * max(prompt - d * bs, 0) for d in matched.values()]
@@ -667,18 +679,12 @@ class CacheAware(Policy):
                 keep = pos >= 0
                 pos = pos[keep]
                 total[pos] = cost[pos] + np.array(terms)[keep]
-        if self.config.affinity_tokens:
-            depths = np.zeros(len(candidates.views), dtype=np.intp)
-            position = candidates.position
-            for s, d in matched.items():
-                i = position.get(s, -1)
-                if i >= 0:
-                    depths[i] = d
+                if depths is not None:
+                    found = np.fromiter(matched.values(), dtype=np.intp, count=len(matched))
+                    depths[pos] = found[keep]
+        if depths is not None:
             extra = affinity_terms(
-                query.block_hashes,
-                depths,
-                table.ids[candidates.columns],
-                self.config.affinity_tokens,
+                query.block_hashes, depths, table.ids[candidates.columns], affinity
             )
             if extra is not None:
                 total += extra

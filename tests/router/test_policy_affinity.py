@@ -221,7 +221,8 @@ def test_a_stored_prefix_is_not_ranked_away() -> None:
 
 @given(
     hashes=st.lists(st.integers(0, 2**64 - 1), max_size=12),
-    depths=st.lists(st.sampled_from([0, 0, 1, 2, 5, 12, 14]), min_size=1, max_size=24),
+    depths=st.lists(st.sampled_from([0, 0, 1, 2, 5, 12, 14]), min_size=1, max_size=24)
+    | st.lists(st.sampled_from([0, 0, 0, 3, 12]), min_size=60, max_size=150),
     names=st.integers(0, 2**32),
     tokens=st.sampled_from([1000.0, 1.0, 333.3, 0.0]),
 )
@@ -235,3 +236,23 @@ def test_the_compiled_kernel_is_the_numpy_definition(hashes, depths, names, toke
     want = affinity_terms_reference(hashes, d, ids, tokens)
     zeros = [0.0] * len(depths)
     assert (zeros if got is None else got.tolist()) == (zeros if want is None else want.tolist())
+
+
+def test_a_large_group_is_spread_by_the_hash_without_ranks() -> None:
+    """Past 64 candidates of one depth the term is the hash's place in [0, 2**64) times
+    affinity_tokens: all different, within [0, 1,000), spread over the range, and still the
+    same on every replica (a function of block and id alone)."""
+    names = [f"worker-{i}" for i in range(1024)]
+    terms = affinity_terms([7, 8, 9], np.zeros(1024, dtype=np.intp), _ids(names), 1000.0)
+    assert terms is not None
+    assert len(set(terms.tolist())) == 1024 and terms.min() >= 0 and terms.max() < 1000
+    assert 450 < terms.mean() < 550 and terms.min() < 5 and terms.max() > 995
+    again = affinity_terms([7, 8, 9], np.zeros(3, dtype=np.intp), _ids(names[:3]), 1000.0)
+    assert again is not None and again.tolist() != terms[:3].tolist()  # 3: ranked instead
+    perm = list(range(1023, -1, -1))
+    flipped = affinity_terms(
+        [7], np.zeros(1024, dtype=np.intp), _ids([names[i] for i in perm]), 1000.0
+    )
+    first = affinity_terms([7], np.zeros(1024, dtype=np.intp), _ids(names), 1000.0)
+    assert flipped is not None and first is not None
+    assert flipped.tolist() == first[perm].tolist()
