@@ -1282,8 +1282,9 @@ class NumbaPrefixIndex(AppliesEvents):
         # the event-confirmed depths of the last find_matches (before predictions lengthened
         # any), as router.index.PrefixIndex.last_confirmed
         self.last_confirmed: dict[int, int] = {}
-        # the last list find_matches converted, and its array: the route predicts on the
-        # same list right after (a list must not change between the two calls)
+        # the last query find_matches converted whole (a sequence that is neither a list,
+        # which its kernel reads in place, nor a uint64 array), and its array: a predict on
+        # the same sequence right after reuses it
         self._query: tuple[object, np.ndarray] = ((), _EMPTY_PROBES.keys)
         # the dict index's eviction trigger and compaction rule, kept alike (its largest
         # size since it last compacted or evicted)
@@ -1543,10 +1544,11 @@ class NumbaPrefixIndex(AppliesEvents):
             return _EMPTY_PROBES
         src, keys = self._query
         if hashes is src and len(keys) == len(hashes) and hashes[-1] == keys[-1]:
-            pass  # the list find_matches converted (the route's case)
+            pass  # the sequence find_matches converted whole
         elif isinstance(hashes, np.ndarray | Probes):
             keys = _as_keys(hashes)
-        else:  # another list: convert only the probes
+        else:  # a list (find_matches reads lists in place) or another sequence: convert
+            # only the probes
             keys = _as_keys(hashes[stride - 1 :: stride][start // stride :])
             stride, start = 1, 0
         if not 0 <= slot < self._nslots:  # widen, or refuse a negative slot
