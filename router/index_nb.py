@@ -102,9 +102,8 @@ def _jit(fn: Any) -> Any:
 
 
 def _jit_inline(fn: Any) -> Any:
-    """A kernel body inlined into each kernel calling it (numba IR level), so a caller's
-    constant arguments specialise it: _walk in _find_matches, with no list, drops the
-    list's reads."""
+    """A kernel body inlined into each kernel calling it (numba IR level): _walk, shared by
+    _find_dicts (under the GIL) and _find_by_source (without it)."""
     return numba.njit(inline="always")(fn)
 
 
@@ -698,7 +697,7 @@ def _depths_of(run: Any, off: int, n: int, out: Any, row: int) -> int:
     return k
 
 
-_SAME = 1 << 42  # _find_matches' answer: the result is the confirmed walk's
+_SAME = 1 << 42  # _walk's answer: the result is the confirmed walk's
 _COUNT = (1 << 21) - 1
 _BAD_ITEM = -1  # _find_dicts' answer: an item it read is not a uint64 int
 _NO_MEMORY = -2  # _find_dicts' answer: Python could not allocate an answer's int or entry
@@ -838,19 +837,12 @@ def _walk(
 
 
 @_jit
-def _find_matches(
-    tab: Any,
-    ptab: Any,
-    meta: Any,
-    keys: Any,
-    run: Any,
-    out: Any,
-    stride: int,
-    touch: bool,
-    combine: bool,
+def _find_by_source(
+    tab: Any, ptab: Any, meta: Any, keys: Any, run: Any, out: Any, stride: int
 ) -> int:
-    """_walk of the uint64 array ``keys`` (without the GIL)."""
-    return _walk(tab, ptab, meta, keys, keys.shape[0], 0, run, out, stride, touch, combine)
+    """find_matches_by_source: _walk of the uint64 array ``keys``, the confirmed and the
+    predicted walks apart, touching nothing (without the GIL)."""
+    return _walk(tab, ptab, meta, keys, keys.shape[0], 0, run, out, stride, False, False)
 
 
 @_jit_gil
@@ -1282,10 +1274,6 @@ class NumbaPrefixIndex(AppliesEvents):
         # the event-confirmed depths of the last find_matches (before predictions lengthened
         # any), as router.index.PrefixIndex.last_confirmed
         self.last_confirmed: dict[int, int] = {}
-        # the last query find_matches converted whole (a sequence that is neither a list,
-        # which its kernel reads in place, nor a uint64 array), and its array: a predict on
-        # the same sequence right after reuses it
-        self._query: tuple[object, np.ndarray] = ((), _EMPTY_PROBES.keys)
         # the dict index's eviction trigger and compaction rule, kept alike (its largest
         # size since it last compacted or evicted)
         # (its peak is kept in apply_wire's state, [0]: see _peak)
@@ -1477,8 +1465,6 @@ class NumbaPrefixIndex(AppliesEvents):
             src = id(hashes)  # CPython: the list's address; alive and unchanged for the call
         else:
             keys = _as_keys(hashes)
-            if keys is not hashes:
-                self._query = (hashes, keys)
             n = len(keys)
         if n > self._run_fits:
             self._grow_run(n)
@@ -1518,9 +1504,7 @@ class NumbaPrefixIndex(AppliesEvents):
         if len(keys) > self._run_fits:
             run = self._grow_run(len(keys))
         out = self._outbuf
-        code = _find_matches(
-            self._tab, self._ptab, self._meta, keys, run, out, self._stride, False, False
-        )
+        code = _find_by_source(self._tab, self._ptab, self._meta, keys, run, out, self._stride)
         c = out[:2, : code & _COUNT].tolist()
         p = out[2:, : code >> 21 & _COUNT].tolist()
         return dict(zip(c[0], c[1], strict=True)), dict(zip(p[0], p[1], strict=True))
@@ -1542,13 +1526,9 @@ class NumbaPrefixIndex(AppliesEvents):
         n = len(hashes) // stride
         if n <= start // stride:
             return _EMPTY_PROBES
-        src, keys = self._query
-        if hashes is src and len(keys) == len(hashes) and hashes[-1] == keys[-1]:
-            pass  # the sequence find_matches converted whole
-        elif isinstance(hashes, np.ndarray | Probes):
+        if isinstance(hashes, np.ndarray | Probes):
             keys = _as_keys(hashes)
-        else:  # a list (find_matches reads lists in place) or another sequence: convert
-            # only the probes
+        else:  # a list or another sequence: convert only the probes
             keys = _as_keys(hashes[stride - 1 :: stride][start // stride :])
             stride, start = 1, 0
         if not 0 <= slot < self._nslots:  # widen, or refuse a negative slot
