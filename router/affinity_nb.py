@@ -1,8 +1,8 @@
 """The cost's affinity term (router.policy) compiled: one numba call per route instead of a
 dozen numpy calls on a few dozen candidates (~1 µs against 10-25 µs on the 2-core box).
 
-Same answers as :func:`router.policy.affinity_terms_reference` (tests/router/
-test_policy_affinity.py checks them against each other on generated inputs): per candidate
+Same answers as the numpy definition in tests/router/test_policy_affinity.py (checked
+against each other on generated inputs): per candidate
 below the deepest match (every candidate, when none matches), its rank among the
 candidates of its depth by ``splitmix64(first block it lacks ^ worker id hash)``, highest
 first, times ``tokens / (m - 1)``; in a group of more than RANKED_MAX, ``tokens`` times the

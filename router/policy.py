@@ -117,7 +117,6 @@ __all__ = [
     "WorkerTable",
     "WorkerView",
     "affinity_terms",
-    "affinity_terms_reference",
     "make_policy",
     "policy_names",
     "worker_id_hash",
@@ -477,16 +476,7 @@ def worker_id_hash(worker_id: str) -> int:
     return int.from_bytes(blake2b(worker_id.encode(), digest_size=8).digest(), "little")
 
 
-def _mix64(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser over a uint64 array (arithmetic mod 2**64)."""
-    x = x + np.uint64(0x9E3779B97F4A7C15)
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
 _affinity_into: Callable[..., bool] | None = None
-_RANKED_MAX = 64  # router.affinity_nb.RANKED_MAX (not imported: that loads numba)
 
 
 def affinity_terms(
@@ -494,8 +484,8 @@ def affinity_terms(
 ) -> np.ndarray | None:
     """The affinity term (module docstring) per candidate, from each candidate's matched
     depth in blocks and worker id hash; None when it is 0 for every candidate. Computed by
-    a compiled kernel (router.affinity_nb); :func:`affinity_terms_reference` is its
-    definition in numpy."""
+    a compiled kernel (router.affinity_nb: ~2 µs at 64 candidates, ~25 µs in numpy; its
+    test holds a numpy definition it is checked against)."""
     global _affinity_into
     if len(block_hashes) == 0 or len(depths) < 2:
         return None
@@ -511,40 +501,6 @@ def affinity_terms(
     if not kernel(keys, depths.astype(np.intp, copy=False), ids, float(tokens), out):
         return None
     return out
-
-
-def affinity_terms_reference(
-    block_hashes: Sequence[int] | np.ndarray, depths: np.ndarray, ids: np.ndarray, tokens: float
-) -> np.ndarray | None:
-    """:func:`affinity_terms` in numpy: the definition the compiled kernel is tested
-    against.
-
-    A candidate matching less than the deepest (every one, when none matches) is ranked,
-    among the candidates of its depth, by a hash of the first block it lacks and its id,
-    highest first, and pays ``tokens * rank / (m - 1)`` (m: the group's size)."""
-    n = len(block_hashes)
-    if n == 0 or len(depths) < 2:
-        return None
-    deepest = min(int(depths.max()), n)  # past the request's blocks: it holds them all
-    at = np.flatnonzero(depths < deepest) if deepest else np.arange(len(depths))
-    if len(at) < 2:
-        return None
-    d = depths[at]
-    keys = np.asarray(block_hashes, dtype=np.uint64)[d]
-    score = _mix64(keys ^ ids[at])
-    order = np.lexsort((~score, d))  # by depth, then highest score first
-    d = d[order]
-    starts = np.flatnonzero(np.concatenate(([True], d[1:] != d[:-1])))
-    sizes = np.diff(np.append(starts, len(d)))
-    group = np.repeat(np.arange(len(starts)), sizes)
-    rank = np.arange(len(d)) - starts[group]
-    extra = np.zeros(len(depths))
-    extra[at[order]] = tokens * rank / np.maximum(sizes - 1, 1)[group]
-    big = sizes[group] > _RANKED_MAX  # no ranks there: the score's place in [0, 2**64)
-    if big.any():
-        place = (~score[order][big] >> np.uint64(11)).astype(np.float64)
-        extra[at[order][big]] = tokens * place / float(2**53)
-    return extra
 
 
 class CacheAware(Policy):

@@ -8,6 +8,7 @@ import os
 import random
 import subprocess
 import sys
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 
 from kvroute_proto.events import DEFAULT_PARTITION, BlockStored, Snapshot
 from kvroute_proto.hashing import block_hash_list
+from router.affinity_nb import RANKED_MAX
 from router.core import RouterConfig, RouterCore, RouteRequest
 from router.core_types import DEFAULT_REPLICA_AFFINITY_TOKENS
 from router.policy import (
@@ -25,12 +27,53 @@ from router.policy import (
     WorkerTable,
     WorkerView,
     affinity_terms,
-    affinity_terms_reference,
     make_policy,
     worker_id_hash,
 )
 
 B = 16
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser over a uint64 array (arithmetic mod 2**64)."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def affinity_terms_reference(
+    block_hashes: Sequence[int] | np.ndarray, depths: np.ndarray, ids: np.ndarray, tokens: float
+) -> np.ndarray | None:
+    """router.policy.affinity_terms in numpy: the definition its compiled kernel
+    (router.affinity_nb) is checked against.
+
+    A candidate matching less than the deepest (every one, when none matches) is ranked,
+    among the candidates of its depth, by a hash of the first block it lacks and its id,
+    highest first, and pays ``tokens * rank / (m - 1)`` (m: the group's size)."""
+    n = len(block_hashes)
+    if n == 0 or len(depths) < 2:
+        return None
+    deepest = min(int(depths.max()), n)  # past the request's blocks: it holds them all
+    at = np.flatnonzero(depths < deepest) if deepest else np.arange(len(depths))
+    if len(at) < 2:
+        return None
+    d = depths[at]
+    keys = np.asarray(block_hashes, dtype=np.uint64)[d]
+    score = _mix64(keys ^ ids[at])
+    order = np.lexsort((~score, d))  # by depth, then highest score first
+    d = d[order]
+    starts = np.flatnonzero(np.concatenate(([True], d[1:] != d[:-1])))
+    sizes = np.diff(np.append(starts, len(d)))
+    group = np.repeat(np.arange(len(starts)), sizes)
+    rank = np.arange(len(d)) - starts[group]
+    extra = np.zeros(len(depths))
+    extra[at[order]] = tokens * rank / np.maximum(sizes - 1, 1)[group]
+    big = sizes[group] > RANKED_MAX  # no ranks there: the score's place in [0, 2**64)
+    if big.any():
+        place = (~score[order][big] >> np.uint64(11)).astype(np.float64)
+        extra[at[order][big]] = tokens * place / float(2**53)
+    return extra
 
 
 def _ids(names: list[str]) -> np.ndarray:
