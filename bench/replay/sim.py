@@ -586,17 +586,19 @@ class FleetSim:
         self.num_replica_events += 1
         self.routers[to].apply_replica(f"router-{sender}", event)
 
-    def _admit_report(self, worker: _Worker) -> None:
-        """The load report after arrivals (kvroute worker --admit-report-s)."""
-        worker.report_due = False
+    def _report_load(self, worker: _Worker) -> None:
+        """A batch with the worker's pending events and its load report."""
         batch = worker.publisher.publish(worker.engine.take_events(), worker.engine.load_report())
         if batch is not None:
             self._send(worker, batch)
 
+    def _admit_report(self, worker: _Worker) -> None:
+        """The load report after arrivals (kvroute worker --admit-report-s)."""
+        worker.report_due = False
+        self._report_load(worker)
+
     def _load_tick(self, worker: _Worker) -> None:
-        batch = worker.publisher.publish(worker.engine.take_events(), worker.engine.load_report())
-        if batch is not None:
-            self._send(worker, batch)
+        self._report_load(worker)
         self._push(self.now + self.config.load_interval_s, _Kind.LOAD_TICK, worker)
 
     # ---- results -------------------------------------------------------------------------
