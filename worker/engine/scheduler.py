@@ -116,6 +116,13 @@ class Scheduler:
             self.new_token_ratio = self._adaptive.init_ratio  # was idle: start cautious again
         req = Req(er, self._next_seq, max_new, self._root, eos)
         self._next_seq += 1
+        if self._track:
+            # What is cached now, so the load report counts only what this request adds
+            # (the LPM order would take the same match at the next step).
+            match = self.cache.match_prefix(req.token_buf[: req.num_tokens - 1], req.partition)
+            req.est_match = match.num_matched
+            req.est_node = match.last_node
+            req.match_version = self._changes.version
         self._reqs[er.request_id] = req
         self._waiting[er.request_id] = req
         self.counters.num_requests += 1
@@ -481,11 +488,36 @@ class Scheduler:
     # ------------------------------------------------------------------ reports
 
     def num_queued_prefill_tokens(self) -> int:
-        """Prefill tokens still to compute: waiting contexts minus their cached estimate,
-        plus the rest of the chunked prefill."""
-        total = sum(r.num_tokens - r.est_match for r in self._waiting.values())
-        if self._chunked is not None:
-            total += self._chunked.num_tokens - self._chunked.num_computed
+        """Prefill tokens still to compute: the rest of the chunked prefill, plus each waiting
+        context minus its cached estimate and minus the whole blocks it shares with a context
+        queued before it (a burst on one new prefix computes that prefix once, then each
+        request's own suffix: prefix caching, or the in-batch dedup, reuses the rest)."""
+        chunked = self._chunked
+        if not self._track:
+            total = sum(r.num_tokens - r.est_match for r in self._waiting.values())
+            if chunked is not None:
+                total += chunked.num_tokens - chunked.num_computed
+            return total
+        bs = self.config.block_size
+        # Chained hashes of the blocks an earlier context holds: cached, or computed before
+        # the later one is admitted (a later context's own estimate may predate them).
+        ahead: set[int] = set()
+        total = 0
+        if chunked is not None:
+            total += chunked.num_tokens - chunked.num_computed
+            ahead.update(chunked.context_hashes(bs).tolist())
+        for r in self._waiting.values():
+            start = r.est_match
+            hashes = r.context_hashes(bs)
+            if ahead:
+                # Chained: once a block is not ahead, no later block of r can be.
+                j = start // bs
+                n = len(hashes)
+                while j < n and int(hashes[j]) in ahead:
+                    j += 1
+                start = max(start, j * bs)
+            total += r.num_tokens - start
+            ahead.update(hashes.tolist())
         return total
 
     def num_request_owned_slots(self) -> int:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from sched_harness import (
     assert_baseline,
     check_accounting,
@@ -146,12 +148,72 @@ def test_lpm_rematch_budget_is_counted_not_silent() -> None:
     engine, _ = make_engine(
         num_kv_slots=20_000, max_running_requests=1, schedule_policy="lpm", lpm_rematch_budget=8
     )
+    shared = [300] * 32
+    engine.add_request(request("p", [*shared, 7, 7, 7, 7], max_new_tokens=1))
     for i in range(20):
-        engine.add_request(request(f"r{i}", [300 + i] * 20, max_new_tokens=1))
-    engine.step()
+        engine.add_request(request(f"r{i}", [*shared, *[400 + i] * 20], max_new_tokens=1))
+    engine.step()  # p runs and caches the shared blocks; r* were matched at add (empty tree)
+    assert engine.stats().num_lpm_rematches == 0
+    engine.step()  # the tree grew under every r*'s frontier: 8 re-matched, 12 left stale
     stats = engine.stats()
     assert stats.num_lpm_rematches == 8
     assert stats.num_lpm_stale_estimates == 12
+
+
+def test_a_new_request_is_matched_at_add() -> None:
+    engine, _ = make_engine(num_kv_slots=1000, schedule_policy="fcfs")
+    engine.add_request(request("a", PROMPT, max_new_tokens=1))
+    run(engine)
+    engine.add_request(request("b", [*PROMPT[:64], *[9] * 30], max_new_tokens=1))
+    # b's first 64 tokens are cached: the report counts only what b adds
+    assert engine.load_report().num_queued_prefill_tokens == 30
+
+
+def _lcp_blocks(a: list[int], b: list[int], bs: int) -> int:
+    n = 0
+    while (n + 1) * bs <= min(len(a), len(b)) and a[: (n + 1) * bs] == b[: (n + 1) * bs]:
+        n += 1
+    return n
+
+
+def test_queued_prefill_counts_a_burst_prefix_once() -> None:
+    rng = np.random.default_rng(0)
+    shared = [int(t) for t in rng.integers(1, 999, 2000)]
+    engine, _ = make_engine(num_kv_slots=200_000, max_running_requests=1)
+    for i in range(64):
+        engine.add_request(request(f"r{i}", [*shared, *rng.integers(1, 999, 100).tolist()]))
+    # 2,000 shared tokens (125 whole blocks) once, then each request's 100 own tokens
+    assert engine.load_report().num_queued_prefill_tokens == 2000 + 64 * 100
+    engine.add_request(request("lone", [5] * 700))
+    assert engine.load_report().num_queued_prefill_tokens == 2000 + 64 * 100 + 700
+
+
+def test_queued_prefill_counts_the_chunked_rest_and_what_shares_it() -> None:
+    rng = np.random.default_rng(1)
+    shared = [int(t) for t in rng.integers(1, 999, 1024)]
+    engine, _ = make_engine(num_kv_slots=20_000, max_running_requests=1, chunk_size=256)
+    engine.add_request(request("a", [*shared, 1, 2, 3]))
+    engine.add_request(request("b", [*shared, 4, 5, 6, 7]))
+    engine.step()  # a's first chunk: 256 of 1,027 computed
+    # a's rest (771) + b's own 4 (its 1,024 shared tokens come with a's prefill)
+    assert engine.load_report().num_queued_prefill_tokens == 771 + 4
+
+
+@given(
+    prompts=st.lists(st.lists(st.integers(1, 3), min_size=1, max_size=80), min_size=1, max_size=12)
+)
+@settings(max_examples=60, deadline=None)
+def test_queued_prefill_matches_a_brute_force_count(prompts: list[list[int]]) -> None:
+    """Empty tree: each waiting context costs its length less the whole blocks it shares with
+    some context queued before it."""
+    bs = 4
+    engine, _ = make_engine(num_kv_slots=10_000, block_size=bs, max_running_requests=1)
+    expected = 0
+    for i, p in enumerate(prompts):
+        engine.add_request(request(f"r{i}", p))
+        shared = max((_lcp_blocks(p, q, bs) for q in prompts[:i]), default=0)
+        expected += len(p) - shared * bs
+    assert engine.load_report().num_queued_prefill_tokens == expected
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "lpm"])
