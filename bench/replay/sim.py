@@ -12,7 +12,9 @@ the progress line does). Time is ``FleetSim.now``, advanced by a heap of events:
     DELIVER(w, msg)  the batch reaches the router event_delay_s after it was sent:
                      RouterCore.on_stream_message (Resubscribe -> a snapshot follows)
     LOAD_TICK(w)     every load_interval_s a batch with the worker's LoadReport (as the
-                     real worker service does)
+                     real worker service does; there the report is a job on the engine
+                     thread, behind the step in flight, so one due during a step goes out
+                     when that step ends, here too)
     FLUSH            every flush_interval_s the next worker in turn drops its cache
                      (RadixCache.reset: AllCleared, then what running requests still lock,
                      as /flush_cache or a restarted cache would): routers that read events
@@ -242,6 +244,7 @@ class _Worker:
     num_idle_steps: int = 0
     busy_s: float = 0.0  # modelled time spent in steps (prefill + decode work)
     report_due: bool = False  # an arrivals load report is scheduled (admit_report_s)
+    report_after_step: bool = False  # a load report fell due during the step in flight
 
 
 def _executor(worker: _Worker) -> SimExecutor | _ScaledExecutor:
@@ -500,9 +503,13 @@ class FleetSim:
         worker.busy = False
         for out in outputs:
             self._on_output(worker, out)
-        batch = worker.publisher.publish(worker.engine.take_events())
-        if batch is not None:
-            self._send(worker, batch)
+        if worker.report_after_step:
+            worker.report_after_step = False
+            self._report_load(worker)
+        else:
+            batch = worker.publisher.publish(worker.engine.take_events())
+            if batch is not None:
+                self._send(worker, batch)
         if worker.engine.has_work():
             self._start_step(worker)
 
@@ -587,7 +594,11 @@ class FleetSim:
         self.routers[to].apply_replica(f"router-{sender}", event)
 
     def _report_load(self, worker: _Worker) -> None:
-        """A batch with the worker's pending events and its load report."""
+        """A batch with the worker's pending events and its load report -- at the end of the
+        step in flight, if there is one (the engine thread runs one job at a time)."""
+        if worker.busy:
+            worker.report_after_step = True
+            return
         batch = worker.publisher.publish(worker.engine.take_events(), worker.engine.load_report())
         if batch is not None:
             self._send(worker, batch)

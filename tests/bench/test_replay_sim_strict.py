@@ -4,6 +4,7 @@ delay, event loss, the model's context limit (exact small cases)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -110,10 +111,43 @@ def test_arrivals_bring_a_load_report_after_admit_report_s():
     # one report per worker that got requests, reaching both routers, 2 ms + the event delay
     # after the instant they arrived, counting every request (by each router)
     assert len(heard[0.002]) == 2 * len(used)
-    assert all(t == pytest.approx(0.002 + tiny_config().event_delay_s) for t, _ in heard[0.002])
+    # (or when the step in flight at 2 ms ends: the report is a job behind it)
+    assert all(t >= 0.002 + tiny_config().event_delay_s for t, _ in heard[0.002])
     assert sum(n for _, n in heard[0.002]) == 2 * 6
     with pytest.raises(ValueError, match="admit_report_s must be >= 0"):
         SimConfig(admit_report_s=-1.0)
+
+
+def test_a_load_report_due_during_a_step_goes_out_when_the_step_ends():
+    """The worker service builds a load report on its engine thread, behind the step in
+    flight: a tick that falls inside a long prefill chunk is sent when that chunk ends and
+    reports what the step left (the prompt less the chunk computed)."""
+    records = [TraceRecord(0.0, 64 * BS, 3, tuple(range(1, 65)))]
+    cfg = replace(tiny_config(load_interval_s=0.001), num_workers=1)
+    sim = FleetSim(records, "cache_aware", cfg, TokenExpander(BS, cfg.vocab_size, seed=0))
+    steps: list[tuple[float, float]] = []  # (start, end) of every step
+    start_step, send = sim._start_step, sim._send
+
+    def spy_step(worker):
+        start_step(worker)
+        steps.append((sim.now, sim.now + worker.engine.last_step_cost_s))
+
+    sent: list[tuple[float, object]] = []
+
+    def spy_send(worker, msg, to=None):
+        if getattr(msg, "load", None) is not None:
+            sent.append((sim.now, msg.load))
+        send(worker, msg, to)
+
+    sim._start_step, sim._send = spy_step, spy_send  # type: ignore[method-assign]
+    sim.run()
+    prefill_end = steps[0][1]
+    assert prefill_end > 0.005  # the 1 ms ticks fall inside it
+    assert sent and all(not (a < t < b) for t, _ in sent for a, b in steps)
+    first_t, first = sent[0]
+    assert first_t == pytest.approx(prefill_end)
+    assert first.num_running == 1
+    assert 0 < first.num_queued_prefill_tokens == 64 * BS - cfg.engine.chunk_size
 
 
 def test_random_assignment_is_seeded_and_covers_every_router():
