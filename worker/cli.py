@@ -220,13 +220,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds between load report batches (0 = off)",
     )
     ev.add_argument(
-        "--admit-report-s",
-        type=float,
-        default=0.0,
-        help="> 0: a load report batch this many seconds after requests arrive (one per "
-        "window), so router replicas that cannot see each other's picks (kvroute router "
-        "--replicas R without --replica-sync) learn this worker's queue within an event "
-        "delay; 0.002 suits them (default: %(default)s, off)",
+        "--step-reports",
+        action="store_true",
+        help="also send a load report as a step starts, when requests arrived or the step "
+        "prefills (counting that prefill as queued), and after a step that halved the queued "
+        "prefill: router replicas that cannot see each other's picks (kvroute router "
+        "--replicas R without --replica-sync) then learn this worker's queue a step, not a "
+        "load interval, later (default: off)",
     )
     eng.add_argument(
         "--default-max-new-tokens",
@@ -322,7 +322,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerServerConfig:
         runner=RunnerConfig(
             pace_speedup=args.sim_speedup,
             load_interval_s=args.load_interval_s,
-            admit_report_s=args.admit_report_s,
+            step_reports=args.step_reports,
             subscriber_queue_size=args.subscriber_queue,
         ),
         limits=RequestLimits(default_max_new_tokens=args.default_max_new_tokens),

@@ -157,11 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--replica-sync does through Redis); default: no sync",
     )
     p.add_argument(
-        "--admit-report-s",
-        type=float,
-        default=0.0,
-        help="sim mode: each worker sends a load report this many seconds after requests "
-        "arrive (kvroute worker --admit-report-s); 0: only the periodic ones",
+        "--step-reports",
+        action="store_true",
+        help="sim mode: workers also send load reports around steps (kvroute worker "
+        "--step-reports); default: only the periodic ones",
     )
     p.add_argument(
         "--flush-interval-s",
@@ -427,8 +426,8 @@ def _sim_config(args: argparse.Namespace):  # -> SimConfig
         raise ValueError("--routers needs --mode sim")
     if args.flush_interval_s and args.mode != "sim":
         raise ValueError("--flush-interval-s needs --mode sim")
-    if args.admit_report_s and args.mode != "sim":
-        raise ValueError("--admit-report-s needs --mode sim")
+    if args.step_reports and args.mode != "sim":
+        raise ValueError("--step-reports needs --mode sim")
     if args.replica_sync_delay_s is not None and args.routers < 2:
         raise ValueError(
             "--replica-sync-delay-s needs --routers 2 or more (sync is between routers)"
@@ -476,7 +475,7 @@ def _sim_config(args: argparse.Namespace):  # -> SimConfig
         router_replicas=args.router_replicas,
         replica_sync_delay_s=args.replica_sync_delay_s,
         flush_interval_s=args.flush_interval_s,
-        admit_report_s=args.admit_report_s,
+        step_reports=args.step_reports,
     )
 
 
@@ -494,7 +493,7 @@ def _run_sim(args, records, policies, setup, progress) -> ReplayReport:
         **setup,
         "event_delay_s": args.event_delay_s,
         "load_interval_s": config.load_interval_s,
-        "admit_report_s": config.admit_report_s,
+        "step_reports": config.step_reports,
     }
     if config.num_routers > 1:
         setup.update(

@@ -86,7 +86,7 @@ from typing import TextIO
 from bench.replay.progress import Progress
 from bench.replay.report import PolicyReport, RequestResult, summarize
 from bench.replay.trace import TokenExpander, TraceRecord
-from kvroute_proto.events import EventBatch, Snapshot
+from kvroute_proto.events import EventBatch, LoadReport, Snapshot
 from router.core import (
     NoWorkerAvailable,
     ReplicaEvent,
@@ -96,6 +96,7 @@ from router.core import (
     RouteRequest,
 )
 from worker.engine.engine import Engine, EngineConfig
+from worker.engine.load_reports import StepReports
 from worker.engine.sim_executor import SimCostModel, SimExecutor, SimExecutorConfig
 from worker.engine.types import EngineRequest, ForwardItem, RequestOutput, SamplingParams
 from worker.errors import WorkerError
@@ -114,7 +115,6 @@ class _Kind(enum.IntEnum):
     ROUTER_FREE = 5  # a router finished a decision; the next one queued at it starts
     FLUSH = 6  # the next worker in turn drops its cache
     ARRIVE = 7
-    ADMIT_REPORT = 8  # a worker's load report after arrivals (admit_report_s)
 
 
 ROUTER_ASSIGNMENTS = ("round_robin", "random", "prefix")
@@ -152,9 +152,9 @@ class SimConfig:
     network_delay_s: float = 0.0  # router -> worker: a routed request arrives this later
     event_loss: float = 0.0  # probability that an event batch never reaches a router
     flush_interval_s: float = 0.0  # > 0: every this often one worker (in turn) drops its cache
-    # > 0: a worker sends a load report this long after requests arrive (one per window):
-    # kvroute worker --admit-report-s
-    admit_report_s: float = 0.0
+    # workers also send load reports around steps (worker/engine/load_reports.py):
+    # kvroute worker --step-reports
+    step_reports: bool = False
     # replica sync (num_routers > 1): each router's picks, first tokens and finishes reach
     # the other routers this much later (RouterCore.apply_replica); None: no sync
     replica_sync_delay_s: float | None = None
@@ -184,7 +184,7 @@ class SimConfig:
             raise ValueError(f"affinity_blocks must be >= 1, got {self.affinity_blocks}")
         if self.router_replicas is not None and self.router_replicas < 1:
             raise ValueError(f"router_replicas must be >= 1, got {self.router_replicas}")
-        for name in ("route_decision_s", "network_delay_s", "flush_interval_s", "admit_report_s"):
+        for name in ("route_decision_s", "network_delay_s", "flush_interval_s"):
             if not getattr(self, name) >= 0:  # NaN too
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.event_loss < 1:
@@ -243,7 +243,7 @@ class _Worker:
     busy: bool = False  # a step is in flight (STEP_DONE scheduled)
     num_idle_steps: int = 0
     busy_s: float = 0.0  # modelled time spent in steps (prefill + decode work)
-    report_due: bool = False  # an arrivals load report is scheduled (admit_report_s)
+    step_reports: StepReports | None = None  # SimConfig.step_reports
     report_after_step: bool = False  # a load report fell due during the step in flight
 
 
@@ -310,7 +310,8 @@ class FleetSim:
             publisher = EventPublisher(
                 PublisherConfig(worker_id=wid, epoch=1 + i, block_size=config.block_size)
             )
-            self.workers[wid] = _Worker(wid, engine, publisher)
+            reports = StepReports(engine) if config.step_reports else None
+            self.workers[wid] = _Worker(wid, engine, publisher, step_reports=reports)
             for router in self.routers:
                 router.add_worker(wid, address=f"sim://{wid}", block_size=config.block_size)
         self.results = [
@@ -381,8 +382,6 @@ class FleetSim:
                 self._deliver(*payload)  # type: ignore[misc]
             case _Kind.LOAD_TICK:
                 self._load_tick(payload)  # type: ignore[arg-type]
-            case _Kind.ADMIT_REPORT:
-                self._admit_report(payload)  # type: ignore[arg-type]
             case _Kind.STEP_DONE:
                 self._step_done(*payload)  # type: ignore[misc]
             case _Kind.ARRIVE:
@@ -473,9 +472,6 @@ class FleetSim:
             self._fail(result, f"{type(exc).__name__}: {exc}")
             return
         self._by_request_id[request_id] = result
-        if self.config.admit_report_s > 0 and not worker.report_due:
-            worker.report_due = True
-            self._push(self.now + self.config.admit_report_s, _Kind.ADMIT_REPORT, worker)
         if not worker.busy:
             self._start_step(worker)
 
@@ -484,7 +480,10 @@ class FleetSim:
         self.num_finished += 1
 
     def _start_step(self, worker: _Worker) -> None:
-        outputs = worker.engine.step()
+        if worker.step_reports is None:
+            outputs = worker.engine.step()
+        else:
+            outputs = worker.engine.step(partial(self._step_start_report, worker))
         cost = worker.engine.last_step_cost_s
         if outputs or cost > 0:
             worker.num_idle_steps = 0
@@ -507,9 +506,8 @@ class FleetSim:
             worker.report_after_step = False
             self._report_load(worker)
         else:
-            batch = worker.publisher.publish(worker.engine.take_events())
-            if batch is not None:
-                self._send(worker, batch)
+            load = None if worker.step_reports is None else worker.step_reports.after_step()
+            self._publish(worker, load)
         if worker.engine.has_work():
             self._start_step(worker)
 
@@ -599,14 +597,21 @@ class FleetSim:
         if worker.busy:
             worker.report_after_step = True
             return
-        batch = worker.publisher.publish(worker.engine.take_events(), worker.engine.load_report())
+        self._publish(worker, worker.engine.load_report())
+
+    def _step_start_report(self, worker: _Worker) -> None:
+        """Inside Engine.step, the batch scheduled: the step report, if one is due."""
+        load = worker.step_reports.at_step_start()  # type: ignore[union-attr]
+        if load is not None:
+            self._publish(worker, load)
+
+    def _publish(self, worker: _Worker, load: LoadReport | None) -> None:
+        """The worker's pending events (and ``load``) as its next batch, if not empty."""
+        if load is not None and worker.step_reports is not None:
+            worker.step_reports.published(load)
+        batch = worker.publisher.publish(worker.engine.take_events(), load)
         if batch is not None:
             self._send(worker, batch)
-
-    def _admit_report(self, worker: _Worker) -> None:
-        """The load report after arrivals (kvroute worker --admit-report-s)."""
-        worker.report_due = False
-        self._report_load(worker)
 
     def _load_tick(self, worker: _Worker) -> None:
         self._report_load(worker)

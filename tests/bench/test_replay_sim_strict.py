@@ -85,37 +85,34 @@ def test_replica_sync_shares_each_routers_picks_with_the_others():
         SimConfig(replica_sync_delay_s=-1.0)
 
 
-def test_arrivals_bring_a_load_report_after_admit_report_s():
-    """SimConfig.admit_report_s (kvroute worker --admit-report-s): with the periodic reports
-    off, every router hears each worker's queue a few ms after requests arrive there -- one
-    report per worker for requests arriving together -- and never without the setting."""
+def test_step_reports_reach_every_router_as_a_step_starts():
+    """SimConfig.step_reports (kvroute worker --step-reports): with the periodic reports off,
+    every router hears a worker's first step as it starts (an event delay later), with that
+    step's prefill counted as queued -- and never without the setting."""
     records = [TraceRecord(0.0, 4 * BS, 4, (1, 2, 3, 4)) for _ in range(6)]  # one instant
-    heard: dict[float, list[tuple[float, int]]] = {}
-    for admit in (0.0, 0.002):
-        cfg = tiny_config(num_routers=2, load_interval_s=0.0, admit_report_s=admit)
+    heard: dict[bool, list[tuple[float, object]]] = {}
+    for on in (False, True):
+        cfg = tiny_config(num_routers=2, load_interval_s=0.0, step_reports=on)
         sim = FleetSim(records, "cache_aware", cfg, TokenExpander(BS, cfg.vocab_size, seed=0))
-        seen: list[tuple[float, int]] = []
+        seen: list[tuple[float, object]] = []
         for router in sim.routers:
             deliver = router.on_stream_message
 
             def spy(worker_id, msg, deliver=deliver, seen=seen, sim=sim):
                 if getattr(msg, "load", None) is not None:
-                    seen.append((sim.now, msg.load.num_running + msg.load.num_waiting))
+                    seen.append((sim.now, msg.load))
                 return deliver(worker_id, msg)
 
             router.on_stream_message = spy  # type: ignore[method-assign]
         sim.run()
-        heard[admit] = seen
+        heard[on] = seen
         used = {r.worker_id for r in sim.results}
-    assert heard[0.0] == []
-    # one report per worker that got requests, reaching both routers, 2 ms + the event delay
-    # after the instant they arrived, counting every request (by each router)
-    assert len(heard[0.002]) == 2 * len(used)
-    # (or when the step in flight at 2 ms ends: the report is a job behind it)
-    assert all(t >= 0.002 + tiny_config().event_delay_s for t, _ in heard[0.002])
-    assert sum(n for _, n in heard[0.002]) == 2 * 6
-    with pytest.raises(ValueError, match="admit_report_s must be >= 0"):
-        SimConfig(admit_report_s=-1.0)
+    assert heard[False] == []
+    delay = tiny_config().event_delay_s
+    first = [load for t, load in heard[True] if t == pytest.approx(delay)]
+    assert len(first) == 2 * len(used)  # each worker that got requests, to both routers
+    assert all(load.num_running == 1 for load in first)  # type: ignore[attr-defined]
+    assert all(load.num_queued_prefill_tokens == 4 * BS for load in first)  # type: ignore[attr-defined]
 
 
 def test_a_load_report_due_during_a_step_goes_out_when_the_step_ends():
@@ -216,10 +213,10 @@ def test_cli_routers(tmp_path, capsys):
     assert json.loads(out.read_text())["setup"]["replica_affinity_tokens"] == 250.0
     assert main([*base, *tokens, "--no-reference"]) == 2
     assert "--replica-affinity-tokens needs --routers 2 or more" in capsys.readouterr().err
-    assert main([*base, "--routers", "2", "--admit-report-s", "0.002", "--json", str(out)]) == 0
-    assert json.loads(out.read_text())["setup"]["admit_report_s"] == 0.002
-    assert main([*base, "--admit-report-s", "0.002", "--mode", "live"]) == 2
-    assert "--admit-report-s needs --mode sim" in capsys.readouterr().err
+    assert main([*base, "--routers", "2", "--step-reports", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["setup"]["step_reports"] is True
+    assert main([*base, "--step-reports", "--mode", "live"]) == 2
+    assert "--step-reports needs --mode sim" in capsys.readouterr().err
     assert main([*base, *sync, "--replica-affinity-tokens", "-1"]) == 2
     assert "replica_affinity_tokens must be finite and >= 0" in capsys.readouterr().err
 

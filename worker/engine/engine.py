@@ -87,6 +87,9 @@ class Engine:
             config, self.cache, self.allocator, limits, random.Random(config.seed)
         )
         self._last_step_cost_s = 0.0
+        # the step between schedule and forward: its prefill tokens, and the requests it
+        # prefills that the scheduler counts as running only once the step is processed
+        self._step_prefill_tokens = self._step_prefill_reqs = 0
         self._clock = clock
         # request id -> clock at add_request, until its first prefill step (queue wait)
         self._arrived: dict[str, float] = {}
@@ -128,19 +131,30 @@ class Engine:
         self._waited.pop(request_id, None)
         return self.scheduler.abort(request_id)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, before_forward: Callable[[], object] | None = None) -> list[RequestOutput]:
         """One scheduling iteration + forward. Each output carries the new token(s) of one
         request; the last one of a request has ``finish_reason`` and ``usage``.
 
-        If the executor raises, the slots scheduled for this step are neither written nor
-        freed and the batch's requests are left mid-step: discard the engine (the worker
-        service treats it as fatal); ``abort`` does not repair it."""
+        ``before_forward`` runs once a non-empty batch is scheduled, before the forward pass;
+        a :meth:`load_report` taken there counts the batch's prefill as still to compute
+        (:attr:`step_prefill_tokens`), as it is until the step ends.
+
+        If ``before_forward`` or the executor raises, the slots scheduled for this step are
+        neither written nor freed and the batch's requests are left mid-step: discard the
+        engine (the worker service treats it as fatal); ``abort`` does not repair it."""
         batch = self.scheduler.schedule()
         if self._arrived and batch.prefill_reqs:
             self._record_queue_wait(batch.prefill_reqs)
         if batch.is_empty:
             self._last_step_cost_s = 0.0
             return []
+        if before_forward is not None:
+            uncounted = self.scheduler.uncounted_prefill(batch)
+            self._step_prefill_tokens, self._step_prefill_reqs = uncounted
+            try:
+                before_forward()
+            finally:
+                self._step_prefill_tokens = self._step_prefill_reqs = 0
         tokens = self.executor.forward(batch.prefill, batch.decode)
         self._last_step_cost_s = self.executor.step_cost_s(batch.prefill, batch.decode)
         outputs = self.scheduler.process(batch, tokens)
@@ -186,12 +200,19 @@ class Engine:
         """Every block the cache holds, as of (epoch, seq)."""
         return self.cache.snapshot(worker_id, epoch, seq)
 
+    @property
+    def step_prefill_tokens(self) -> int:
+        """Inside ``step(before_forward=)``: the step's prefill tokens that the scheduler's
+        queue has stopped counting (requests it admitted, a chunked prefill's last chunk);
+        else 0."""
+        return self._step_prefill_tokens
+
     def load_report(self) -> LoadReport:
         s = self.scheduler
         return LoadReport(
-            num_running=s.num_running,
+            num_running=s.num_running + self._step_prefill_reqs,
             num_waiting=s.num_waiting,
-            num_queued_prefill_tokens=s.num_queued_prefill_tokens(),
+            num_queued_prefill_tokens=s.num_queued_prefill_tokens() + self._step_prefill_tokens,
             num_free_kv_tokens=self.allocator.num_free,
             num_evictable_kv_tokens=self.cache.evictable_size(),
             num_total_kv_tokens=self.allocator.num_slots,

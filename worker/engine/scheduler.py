@@ -159,6 +159,19 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    def uncounted_prefill(self, batch: ScheduledBatch) -> tuple[int, int]:
+        """The prefill tokens and requests of ``batch``, scheduled and not yet processed,
+        that :meth:`num_queued_prefill_tokens` and :attr:`num_running` leave out until the
+        step is processed: all but a chunked prefill that continues after this step (whose
+        rest, this chunk included, both count already)."""
+        chunked = self._chunked
+        tokens = requests = 0
+        for item, r in zip(batch.prefill, batch.prefill_reqs, strict=True):
+            if r is not chunked:
+                tokens += len(item.token_ids)
+                requests += 1
+        return tokens, requests
+
     # ------------------------------------------------------------------ schedule
 
     def schedule(self) -> ScheduledBatch:

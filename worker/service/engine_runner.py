@@ -15,6 +15,10 @@ engine order::
                                        register the subscriber (it gets every later batch)
     load tick        -- load job  -->  take_events + load_report -> batch (own seq)
 
+With ``step_reports`` the step job also publishes a load report at the start of a step
+(between scheduling and the forward pass) and after it, when worker/engine/load_reports.py
+says so -- on the engine thread, like every batch.
+
 The publisher and the subscriber set are touched on the engine thread only, which is what
 makes "snapshot at seq S, then live S+1.." exact. The step loop sleeps on an asyncio.Event
 when the engine has no work. With ``pace_speedup > 0`` it sleeps ``last_step_cost_s /
@@ -34,6 +38,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto.events import EventBatch, LoadReport, Snapshot
+from worker.engine.load_reports import StepReports
 from worker.engine.types import EngineRequest, FinishReason, RequestOutput, Usage
 from worker.errors import DuplicateRequestError, WorkerError
 from worker.service import convert
@@ -55,12 +60,6 @@ class SubscriberOverflowError(WorkerError):
     """A subscriber fell more than its queue size behind: gRPC RESOURCE_EXHAUSTED."""
 
 
-def _log_failure(job: concurrent.futures.Future[None]) -> None:
-    """Done-callback of a job nobody awaits: log what it raised."""
-    if not job.cancelled() and job.exception() is not None:
-        log.error("engine job failed", exc_info=job.exception())
-
-
 @dataclass(frozen=True, slots=True)
 class RunnerConfig:
     """How the engine loop runs."""
@@ -68,19 +67,16 @@ class RunnerConfig:
     pace_speedup: float = 0.0  # > 0: sleep last_step_cost_s / pace_speedup after a step
     load_interval_s: float = 1.0  # a load report batch this often (0 = never)
     subscriber_queue_size: int = 1024  # live messages a subscriber may lag before overflow
-    # > 0: a load report batch this long after a request arrives (one for every request that
-    # arrived in that window; 0 = only the load_interval_s ones). Router replicas that cannot
-    # see each other's picks then learn this worker's queue within an event delay, not a
-    # load interval (kvroute worker --admit-report-s; BENCHMARKS.md, several routers)
-    admit_report_s: float = 0.0
+    # load reports around steps as well (worker/engine/load_reports.py): router replicas
+    # that cannot see each other's picks then learn this worker's queue as each step starts,
+    # not a load interval (and a long prefill) later (kvroute worker --step-reports)
+    step_reports: bool = False
 
     def __post_init__(self) -> None:
         if self.pace_speedup < 0:
             raise ValueError(f"pace_speedup must be >= 0, got {self.pace_speedup}")
         if self.load_interval_s < 0:
             raise ValueError(f"load_interval_s must be >= 0, got {self.load_interval_s}")
-        if not 0 <= self.admit_report_s < float("inf"):  # NaN too
-            raise ValueError(f"admit_report_s must be finite and >= 0, got {self.admit_report_s}")
         if self.subscriber_queue_size < 1:
             raise ValueError(
                 f"subscriber_queue_size must be >= 1, got {self.subscriber_queue_size}"
@@ -200,7 +196,7 @@ class EngineRunner:
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()  # set while the loop sleeps with nothing to do
         self._tasks: list[asyncio.Task[None]] = []
-        self._admit_report: asyncio.TimerHandle | None = None  # a pending arrivals report
+        self._step_reports = StepReports(engine) if config.step_reports else None
         self._failure: BaseException | None = None
         self._stopping = False
         self._pool_closed = False
@@ -229,9 +225,6 @@ class EngineRunner:
         if self._stopping:
             return
         self._stopping = True
-        if self._admit_report is not None:
-            self._admit_report.cancel()
-            self._admit_report = None
         self.close_subscriptions()
         for task in self._tasks:
             task.cancel()
@@ -269,18 +262,7 @@ class EngineRunner:
             raise
         self._idle.clear()  # the loop sets it again once it finds no work
         self._wake.set()
-        if self.config.admit_report_s > 0 and self._admit_report is None:
-            loop = asyncio.get_running_loop()
-            self._admit_report = loop.call_later(self.config.admit_report_s, self._report_load)
         return stream
-
-    def _report_load(self) -> None:
-        """The load report after arrivals (RunnerConfig.admit_report_s): queued on the
-        engine thread behind the adds it reports."""
-        self._admit_report = None
-        if self._stopping or self._pool_closed or self._failure is not None:
-            return
-        self._pool.submit(self._job_load).add_done_callback(_log_failure)
 
     def release(self, stream: RequestStream) -> None:
         """The caller stopped reading ``stream`` before its end (cancelled, deadline): abort
@@ -441,16 +423,29 @@ class EngineRunner:
         self._loop.call_soon_threadsafe(fn, *args)
 
     def _publish(self, load: LoadReport | None = None) -> None:
+        if load is not None and self._step_reports is not None:
+            self._step_reports.published(load)
         batch = self.publisher.publish(self.engine.take_events(), load)
         if batch is not None and self._subscribers:
             self._post(self._fan_out, batch, tuple(self._subscribers))
 
     def _job_step(self) -> tuple[bool, float]:
-        outputs = self.engine.step()
+        reports = self._step_reports
+        if reports is None:
+            outputs = self.engine.step()
+            load = None
+        else:
+            outputs = self.engine.step(self._report_step_start)
+            load = reports.after_step()
         if outputs:
             self._post(self._dispatch, outputs)
-        self._publish()
+        self._publish(load)
         return self.engine.has_work(), self.engine.last_step_cost_s
+
+    def _report_step_start(self) -> None:
+        load = self._step_reports.at_step_start()  # type: ignore[union-attr]
+        if load is not None:
+            self._publish(load)
 
     def _job_abort(self, request_id: str) -> bool:
         found = self.engine.abort(request_id)

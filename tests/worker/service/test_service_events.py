@@ -8,6 +8,7 @@ import asyncio
 import grpc
 import pytest
 from svc_harness import (
+    BYTE_VOCAB,
     HeldBlocks,
     WorkerSetup,
     read_item,
@@ -21,7 +22,7 @@ from svc_harness import (
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto.codec import stream_message_from_pb
 from kvroute_proto.events import BlockStored, EventBatch, Snapshot
-from worker.engine.sim_executor import SimCostModel
+from worker.engine.sim_executor import SimCostModel, SimExecutorConfig
 from worker.service.engine_runner import RunnerConfig, SubscriberOverflowError, Subscription
 
 
@@ -232,24 +233,31 @@ async def test_a_subscriber_that_falls_behind_is_dropped_with_resource_exhausted
         again.cancel()
 
 
-async def test_an_arriving_request_brings_a_load_report_after_admit_report_s() -> None:
-    """RunnerConfig.admit_report_s: with no periodic reports at all, a request's arrival
-    sends a load-only batch a few ms later that counts it (running or waiting); without the
-    setting, the same request brings no load batch."""
-    for admit in (0.002, 0.0):
-        runner = RunnerConfig(pace_speedup=1.0, load_interval_s=0, admit_report_s=admit)
-        async with running_worker(WorkerSetup(cost=SimCostModel(), runner=runner)) as w:
+async def test_step_reports_tell_a_prefill_as_it_starts_and_ends() -> None:
+    """RunnerConfig.step_reports: with no periodic reports at all, a request's prefill step
+    sends a load-only batch before its KV events that counts the prompt as queued, then one
+    with the step's events once the queue it reported has drained; without the setting, the
+    same request brings no load batch."""
+    tokens = [1 + i % 200 for i in range(2048)]  # one chunk, a drop past the 1,024 floor
+    for on in (True, False):
+        runner = RunnerConfig(pace_speedup=1.0, load_interval_s=0, step_reports=on)
+        sim = SimExecutorConfig(vocab_size=BYTE_VOCAB, max_context_tokens=4096)
+        setup = WorkerSetup(sim=sim, cost=SimCostModel(), runner=runner)
+        async with running_worker(setup) as w:
             call = subscribe(w)
             model = HeldBlocks()
             model.apply(await read_item(call))
-            # 64 paced decode steps: still running when the report goes out, however late
-            await w.generate(token_request(prompt(1), max_new_tokens=64))
+            await w.generate(token_request(tokens, max_new_tokens=4))
             last_seq, _ = await settle(w)
             items = await read_until(call, model, last_seq)
             loads = [i for i in items if i.load is not None]
-            if admit:
-                assert len(loads) == 1 and loads[0].events == ()
-                assert loads[0].load.num_running + loads[0].load.num_waiting == 1
+            if on:
+                start, drained = loads[:2]
+                assert start.events == () and start.load.num_running == 1
+                assert start.load.num_queued_prefill_tokens == len(tokens)
+                assert drained.load.num_queued_prefill_tokens == 0
+                assert drained.events  # the prefill's stored blocks travel with it
+                assert drained.seq == start.seq + 1
             else:
                 assert loads == []
             call.cancel()
