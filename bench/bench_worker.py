@@ -6,7 +6,9 @@ Keys written with ``--json OUT``:
   finish with the simulated executor at zero cost -- pure scheduling + cache overhead.
   Short prompts (a shared 16-token system prompt + a unique tail), a few output tokens each,
   with the waiting queue kept topped up (closed loop). Default engine config (LPM policy);
-  ``sched_req_s_fcfs`` is the same with FCFS.
+  ``sched_req_s_fcfs`` is the same with FCFS; ``sched_req_s_step_reports`` the same with the
+  step reports a ``--step-reports`` worker builds (worker/engine/load_reports.py: a load report
+  at a step's start and after it, when due; built, not sent).
 * ``prefill_cold_s`` / ``prefill_cached_s``: time to first token of a 2,048-token shared
   prefix + 64-token suffix on the torch executor's tiny default model, cold and then with the
   prefix cached (another suffix).
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from worker.engine.engine import Engine, EngineConfig
+from worker.engine.load_reports import StepReports
 from worker.engine.sim_executor import SimCostModel, SimExecutor, SimExecutorConfig
 from worker.engine.types import EngineRequest, SamplingParams
 
@@ -42,6 +45,7 @@ class SchedBenchConfig:
     queue_depth: int = 512  # waiting requests kept topped up
     schedule_policy: str = "lpm"
     seed: int = 0
+    step_reports: bool = False
 
 
 def bench_sched(cfg: SchedBenchConfig) -> dict[str, float]:
@@ -60,6 +64,13 @@ def bench_sched(cfg: SchedBenchConfig) -> dict[str, float]:
         executor,
         clock=time.monotonic,
     )
+    reports = StepReports(engine) if cfg.step_reports else None
+
+    def at_start() -> None:
+        load = reports.at_step_start()  # type: ignore[union-attr]
+        if load is not None:
+            reports.published(load)  # type: ignore[union-attr]
+
     finished = 0
     next_i = 0
     steps = 0
@@ -69,9 +80,11 @@ def bench_sched(cfg: SchedBenchConfig) -> dict[str, float]:
         while next_i < cfg.num_requests and engine.num_waiting < cfg.queue_depth:
             engine.add_request(EngineRequest(f"r{next_i}", prompts[next_i], sampling))
             next_i += 1
-        for out in engine.step():
+        for out in engine.step() if reports is None else engine.step(at_start):
             if out.finish_reason is not None:
                 finished += 1
+        if reports is not None and (load := reports.after_step()) is not None:
+            reports.published(load)
         steps += 1
     elapsed = time.perf_counter() - t0
     cpu = time.process_time() - c0
@@ -153,9 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     n = 2_000 if args.quick else 20_000
     lpm = bench_sched(SchedBenchConfig(num_requests=n))
     fcfs = bench_sched(SchedBenchConfig(num_requests=n, schedule_policy="fcfs"))
+    reported = bench_sched(SchedBenchConfig(num_requests=n, step_reports=True))
     results: dict[str, object] = {
         "sched_req_s": lpm["req_s"],
         "sched_req_s_fcfs": fcfs["req_s"],
+        "sched_req_s_step_reports": reported["req_s"],
         "sched_req_per_cpu_s": lpm["req_per_cpu_s"],
         "sched_tokens_s": lpm["tokens_s"],
         "sched_num_requests": n,
@@ -181,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [
         ("sched_req_s (lpm, zero-cost sim)", results["sched_req_s"], "req/s"),
         ("sched_req_s_fcfs", results["sched_req_s_fcfs"], "req/s"),
+        ("sched_req_s_step_reports (lpm)", results["sched_req_s_step_reports"], "req/s"),
         ("sched_req_per_cpu_s (lpm, CPU time)", results["sched_req_per_cpu_s"], "req/s"),
         ("sched_tokens_s (lpm)", results["sched_tokens_s"], "tok/s"),
         ("prefill_cold_s (torch tiny)", results["prefill_cold_s"], "s"),

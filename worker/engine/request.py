@@ -59,6 +59,7 @@ class Req:
         "partition_seed",
         "priority",
         "prompt_len",
+        "queue_shared",
         "request_id",
         "requeued",
         "routing_key",
@@ -113,6 +114,9 @@ class Req:
         self.est_match = 0
         self.est_node: object = root  # the deepest matched node of that estimate
         self.match_version = -1
+        # Whole-block tokens shared with contexts queued ahead of it when it (re)joined the
+        # waiting queue: computed before it is admitted (the queued-prefill report).
+        self.queue_shared = 0
         self._hashes: np.ndarray | None = None
         self._hashes_len = -1
 

@@ -89,6 +89,8 @@ class Scheduler:
         self._chunked: Req | None = None
         self._next_seq = 0
         self._changes = TreeChangeLog(config.block_size)  # what the tree gained / lost
+        # chained hash -> how many waiting contexts hold that block (_enter_queue)
+        self._ahead: dict[int, int] = {}
         self._track = config.enable_cache
         self._rematch_cursor = 0
         self._warned_stale = False
@@ -123,6 +125,7 @@ class Scheduler:
             req.est_match = match.num_matched
             req.est_node = match.last_node
             req.match_version = self._changes.version
+            self._enter_queue(req)
         self._reqs[er.request_id] = req
         self._waiting[er.request_id] = req
         self.counters.num_requests += 1
@@ -267,6 +270,8 @@ class Scheduler:
         req.match_version = -1
         self._num_requeued += 1
         self._waiting[req.request_id] = req
+        if self._track:
+            self._enter_queue(req)
         self.counters.num_retractions += 1
         logger.debug("retracted %s after %d generated tokens", req.request_id, len(req.output_ids))
 
@@ -430,6 +435,14 @@ class Scheduler:
 
     def _remove_waiting(self, r: Req) -> None:
         del self._waiting[r.request_id]
+        if self._track:
+            ahead = self._ahead
+            for h in r.context_hashes(self.config.block_size).tolist():
+                n = ahead[h] - 1
+                if n:
+                    ahead[h] = n
+                else:
+                    del ahead[h]
         if r.requeued:
             r.requeued = False
             self._num_requeued -= 1
@@ -502,36 +515,34 @@ class Scheduler:
 
     def num_queued_prefill_tokens(self) -> int:
         """Prefill tokens still to compute: the rest of the chunked prefill, plus each waiting
-        context minus its cached estimate and minus the whole blocks it shares with a context
-        queued before it (a burst on one new prefix computes that prefix once, then each
-        request's own suffix: prefix caching, or the in-batch dedup, reuses the rest)."""
-        chunked = self._chunked
-        if not self._track:
-            total = sum(r.num_tokens - r.est_match for r in self._waiting.values())
-            if chunked is not None:
-                total += chunked.num_tokens - chunked.num_computed
-            return total
-        bs = self.config.block_size
-        # Chained hashes of the blocks an earlier context holds: cached, or computed before
-        # the later one is admitted (a later context's own estimate may predate them).
-        ahead: set[int] = set()
+        context less its cached estimate or, if more, the whole blocks it shared with the
+        contexts queued ahead of it when it joined the queue (a burst on one new prefix
+        computes that prefix once, then each request's own suffix: prefix caching, or the
+        in-batch dedup, reuses the rest)."""
         total = 0
+        chunked = self._chunked
         if chunked is not None:
             total += chunked.num_tokens - chunked.num_computed
-            ahead.update(chunked.context_hashes(bs).tolist())
         for r in self._waiting.values():
-            start = r.est_match
-            hashes = r.context_hashes(bs)
-            if ahead:
-                # Chained: once a block is not ahead, no later block of r can be.
-                j = start // bs
-                n = len(hashes)
-                while j < n and int(hashes[j]) in ahead:
-                    j += 1
-                start = max(start, j * bs)
-            total += r.num_tokens - start
-            ahead.update(hashes.tolist())
+            total += r.num_tokens - max(r.est_match, r.queue_shared)
         return total
+
+    def _enter_queue(self, r: Req) -> None:
+        """``r`` joins the waiting queue: how many of its leading blocks the contexts ahead
+        (waiting, or the chunked prefill) hold, then count its blocks in."""
+        bs = self.config.block_size
+        hashes = r.context_hashes(bs).tolist()
+        ahead = self._ahead
+        chunked = self._chunked
+        theirs: list[int] = [] if chunked is None else chunked.context_hashes(bs).tolist()
+        j = r.est_match // bs
+        n = len(hashes)
+        # Chained hashes: once a block is not ahead, no later block of r can be.
+        while j < n and (hashes[j] in ahead or (j < len(theirs) and theirs[j] == hashes[j])):
+            j += 1
+        r.queue_shared = j * bs
+        for h in hashes:
+            ahead[h] = ahead.get(h, 0) + 1
 
     def num_request_owned_slots(self) -> int:
         """KV slots running requests own outside the tree (for leak checks: between steps,

@@ -142,6 +142,7 @@ def assert_baseline(engine: Engine) -> None:
     """Idle engine: nothing locked; after reset every slot is free again."""
     assert not engine.has_work()
     assert engine.cache.protected_size() == 0
+    assert engine.scheduler._ahead == {}  # every block a waiting context counted is gone
     check_accounting(engine)
     engine.cache.reset()
     assert engine.allocator.num_free == engine.config.num_kv_slots

@@ -5,6 +5,7 @@ tokens equal to the deterministic sim stream (retractions and all)."""
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 
 import numpy as np
 from hypothesis import HealthCheck, settings
@@ -120,6 +121,17 @@ class EngineMachine(RuleBasedStateMachine):
         check_accounting(self.engine)
         self.engine.cache.check_invariants()
         assert self.engine.num_running <= self.engine.config.max_running_requests
+        # the queued-prefill report's block counts are exactly the waiting contexts' blocks,
+        # and what it reports lies between nothing and every waiting token
+        s = self.engine.scheduler
+        held_ahead: Counter[int] = Counter()
+        for r in s._waiting.values():
+            held_ahead.update(r.context_hashes(s.config.block_size).tolist())
+        assert s._ahead == dict(held_ahead)
+        chunked = s._chunked
+        rest = 0 if chunked is None else chunked.num_tokens - chunked.num_computed
+        queued = s.num_queued_prefill_tokens()
+        assert rest <= queued <= rest + sum(r.num_tokens for r in s._waiting.values())
         self._drain_events()
         snapshot = self.engine.snapshot("w", 1, 0)
         assert self.held == {h for b in snapshot.blocks for h in b.block_hashes}
@@ -137,6 +149,7 @@ class EngineMachine(RuleBasedStateMachine):
             assert engine.abort(rid)
         assert not engine.has_work()
         assert engine.cache.protected_size() == 0
+        assert engine.scheduler._ahead == {}
         check_accounting(engine)
         engine.cache.reset()
         assert engine.allocator.num_free == engine.config.num_kv_slots
