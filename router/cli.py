@@ -148,8 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="router replicas behind one load balancer, each seeing every worker's events but "
         "only its own picks: each pick counts this many times in its worker's queued prefill "
         "until its first token, a cold one fewer (--replica-cold-picks; run the workers "
-        "with --load-interval-s 0.05, and without --replica-sync also with --admit-report-s "
-        "0.002; BENCHMARKS.md, several routers)",
+        "with --load-interval-s 0.05, and without --replica-sync also with --step-reports; "
+        "BENCHMARKS.md, several routers)",
     )
     p.add_argument(
         "--replica-cold-picks",

@@ -14,7 +14,9 @@ the progress line does). Time is ``FleetSim.now``, advanced by a heap of events:
     LOAD_TICK(w)     every load_interval_s a batch with the worker's LoadReport (as the
                      real worker service does; there the report is a job on the engine
                      thread, behind the step in flight, so one due during a step goes out
-                     when that step ends, here too)
+                     when that step ends, here too); with step_reports (kvroute worker
+                     --step-reports) also as a step starts and after it, when
+                     worker/engine/load_reports.py says so
     FLUSH            every flush_interval_s the next worker in turn drops its cache
                      (RadixCache.reset: AllCleared, then what running requests still lock,
                      as /flush_cache or a restarted cache would): routers that read events
