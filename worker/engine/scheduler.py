@@ -29,6 +29,8 @@ import logging
 import random
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from worker.cache.allocator import SlotAllocator
 from worker.cache.base import PrefixCache
 from worker.engine.engine_config import EngineConfig
@@ -48,6 +50,7 @@ MAX_SKIPS_PER_STEP = 256
 _WAITING = ReqStatus.WAITING
 _PREFILLING = ReqStatus.PREFILLING
 _DECODING = ReqStatus.DECODING
+_NO_HASHES = np.empty(0, dtype=np.uint64)
 
 
 @dataclass(slots=True)
@@ -121,10 +124,7 @@ class Scheduler:
         if self._track:
             # What is cached now, so the load report counts only what this request adds
             # (the LPM order would take the same match at the next step).
-            match = self.cache.match_prefix(req.token_buf[: req.num_tokens - 1], req.partition)
-            req.est_match = match.num_matched
-            req.est_node = match.last_node
-            req.match_version = self._changes.version
+            self._estimate(req)
             self._enter_queue(req)
         self._reqs[er.request_id] = req
         self._waiting[er.request_id] = req
@@ -397,16 +397,21 @@ class Scheduler:
             if self._dedup and extend >= min_dedup:
                 inflight.add(r)
 
+    def _estimate(self, r: Req) -> None:
+        """Match ``r``'s context against the tree now: its cached-prefix estimate."""
+        match = self.cache.match_prefix(r.token_buf[: r.num_tokens - 1], r.partition)
+        r.est_match = match.num_matched
+        r.est_node = match.last_node
+        r.match_version = self._changes.version
+
     def _refresh_estimates(self, waiting: list[Req]) -> None:
         """Re-match waiting requests whose estimate predates the last tree change, at most
         ``lpm_rematch_budget`` per step, rotating so every request is refreshed in turn."""
         n = len(waiting)
         changes = self._changes
-        version = changes.version
         budget = self.config.lpm_rematch_budget
         start = self._rematch_cursor % n
         stale = 0
-        cache = self.cache
         for i in range(n):
             r = waiting[(start + i) % n]
             if not changes.may_have_changed(r):
@@ -415,10 +420,7 @@ class Scheduler:
                 stale += 1
                 continue
             budget -= 1
-            match = cache.match_prefix(r.token_buf[: r.num_tokens - 1], r.partition)
-            r.est_match = match.num_matched
-            r.est_node = match.last_node
-            r.match_version = version
+            self._estimate(r)
         used = self.config.lpm_rematch_budget - budget
         self.counters.num_lpm_rematches += used
         self._rematch_cursor = start + used
@@ -534,11 +536,11 @@ class Scheduler:
         hashes = r.context_hashes(bs).tolist()
         ahead = self._ahead
         chunked = self._chunked
-        theirs: list[int] = [] if chunked is None else chunked.context_hashes(bs).tolist()
+        theirs = _NO_HASHES if chunked is None else chunked.context_hashes(bs)
         j = r.est_match // bs
         n = len(hashes)
         # Chained hashes: once a block is not ahead, no later block of r can be.
-        while j < n and (hashes[j] in ahead or (j < len(theirs) and theirs[j] == hashes[j])):
+        while j < n and (hashes[j] in ahead or (j < len(theirs) and int(theirs[j]) == hashes[j])):
             j += 1
         r.queue_shared = j * bs
         for h in hashes:
