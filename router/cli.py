@@ -31,6 +31,7 @@ from router.core_types import (
     DEFAULT_RECENT_WINDOW_S,
     DEFAULT_REPLICA_AFFINITY_TOKENS,
     DEFAULT_REPLICA_COLD_PICKS,
+    INITIAL_REPLICA_SYNC_WINDOW_S,
 )
 from router.policy import DEFAULT_BACKLOG_TOKENS, CostWeights, policy_names
 from router.security_flags import add_router_security_args, apply_router_security
@@ -178,6 +179,17 @@ def build_parser() -> argparse.ArgumentParser:
         "requests in flight a round trip after they are placed; use with --replicas R",
     )
     p.add_argument(
+        "--replica-sync-window-s",
+        type=_window,
+        default=None,
+        metavar="SECONDS|auto",
+        help="with --replica-sync: each own pick counts --replicas times in its worker's "
+        "queued prefill only this long, then once, the others' picks of the same moment "
+        "having arrived through Redis by then; auto (default) follows the sync's delivery "
+        "time, measured on this router's own messages as Redis echoes them (starting at "
+        f"{INITIAL_REPLICA_SYNC_WINDOW_S:g} s); a number fixes it; inf: until the first token",
+    )
+    p.add_argument(
         "--index-backend",
         choices=("dict", "numba"),
         default=RouterConfig().index_backend,
@@ -320,6 +332,7 @@ def config_from_args(
             replicas=args.replicas,
             replica_cold_picks=args.replica_cold_picks,
             replica_sync=args.replica_sync,
+            replica_sync_window_s=args.replica_sync_window_s,
             replica_affinity_tokens=args.replica_affinity_tokens,
             index_backend=args.index_backend,
         ),
@@ -385,6 +398,21 @@ async def serve(
         if endpoint is not None:
             endpoint.stop()
         await server.stop()
+
+
+def _window(value: str) -> float | None:
+    """--replica-sync-window-s: "auto" (None) or seconds >= 0 (inf allowed)."""
+    if value.strip().lower() == "auto":
+        return None
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be auto or a number of seconds, got {value!r}"
+        ) from None
+    if not x >= 0:
+        raise argparse.ArgumentTypeError(f"must be auto or >= 0, got {value}")
+    return x
 
 
 def main(argv: list[str]) -> int:

@@ -31,7 +31,7 @@ import copy
 import heapq
 import math
 import random
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
@@ -42,6 +42,8 @@ from kvroute_proto.codec import WireBatch, enable_compiled_decode
 from kvroute_proto.events import EventBatch, Partition, Snapshot
 from kvroute_proto.hashing import as_token_array, block_hashes, enable_compiled
 from router.core_types import (  # the API's value types live there; re-exported here
+    INITIAL_REPLICA_SYNC_WINDOW_S,
+    REPLICA_SYNC_WINDOW_DECAY,
     Action,
     Explanation,
     ReplicaEvent,
@@ -187,6 +189,19 @@ class RouterCore:
         # of this router's own picks (set_replica_listener)
         self._replica_inflight: dict[tuple[str, str], _Inflight] = {}
         self._replica_listener: Callable[[ReplicaEvent], None] | None = None
+        # with replica sync, own picks count R times only for replica_sync_window_s (or,
+        # None, the sync's measured delivery time): (when the window ends, request id, its
+        # flight, the extra tokens to take off then), in the order placed; settled by the
+        # next route (_settle_picks)
+        self._sync_window_auto = config.replica_sync_window_s is None
+        self._sync_window_s = (
+            math.inf
+            if not (config.replica_sync and config.replicas > 1)
+            else INITIAL_REPLICA_SYNC_WINDOW_S
+            if config.replica_sync_window_s is None
+            else config.replica_sync_window_s
+        )
+        self._unsettled: deque[tuple[float, str, _Inflight, int]] = deque()
         self._num_routed = 0
         # recent prefill per worker decays as exp(-t / window); views hold it scaled by
         # exp((t - t0) / window) so that a route touches one view, not all (see _recent_scale)
@@ -404,6 +419,8 @@ class RouterCore:
         if not candidates:
             raise self._no_worker(req)
         now = self._clock()
+        if self._unsettled:
+            self._settle_picks(now)
         scale = self._recent_scale(now)
         query = self._query(req, 1.0 / scale)
         index = self._index
@@ -472,6 +489,8 @@ class RouterCore:
         stateful policies (round_robin) are consulted on a copy.
         """
         now = self._clock()
+        if self._unsettled:  # as route() would see the fleet
+            self._settle_picks(now)
         unscale = 1.0 / self._recent_scale(now)
         query = self._query(req, unscale)
         hashes = query.block_hashes
@@ -551,9 +570,50 @@ class RouterCore:
         picks: float = self.config.replicas
         if cold and picks > self.config.replica_cold_picks:
             picks = self.config.replica_cold_picks
-        flight = self._inflight[request_id] = _open_flight(view, round(prefill_tokens * picks))
+        counted = round(prefill_tokens * picks)
+        flight = self._inflight[request_id] = _open_flight(view, counted)
         self._num_routed += 1
+        if counted > prefill_tokens and self._sync_window_s != math.inf:
+            # with replica sync the others' picks arrive and count themselves: R times only
+            # until they can have (RouterConfig.replica_sync_window_s)
+            due = self._clock() + self._sync_window_s
+            self._unsettled.append((due, request_id, flight, counted - prefill_tokens))
         return flight
+
+    @property
+    def replica_sync_window_s(self) -> float:
+        """How long an own pick counts R times (inf: until its first token; the window of
+        RouterConfig.replica_sync_window_s, measured when that is None)."""
+        return self._sync_window_s
+
+    def observe_replica_sync_delay(self, delay_s: float) -> None:
+        """The sync delivered a message ``delay_s`` after it was queued (replica sync times
+        its own messages' echo). With an auto window (RouterConfig.replica_sync_window_s
+        None) the window rises to a longer delay at once and falls toward shorter ones by
+        REPLICA_SYNC_WINDOW_DECAY of the difference; otherwise nothing changes. Negative
+        or non-finite delays are ignored."""
+        if not self._sync_window_auto or self._sync_window_s == math.inf:
+            return
+        if not 0 <= delay_s < math.inf:
+            return
+        window = self._sync_window_s
+        if delay_s >= window:
+            self._sync_window_s = delay_s
+        else:
+            self._sync_window_s = window + (delay_s - window) * REPLICA_SYNC_WINDOW_DECAY
+
+    def _settle_picks(self, now: float) -> None:
+        """Own picks whose sync window has ended count once from now on."""
+        unsettled = self._unsettled
+        inflight = self._inflight
+        while unsettled and unsettled[0][0] < now:
+            _, request_id, flight, extra = unsettled.popleft()
+            # still the same request, still queued for prefill (a finish or first token
+            # already took off all it counted)
+            if flight.prefilling and inflight.get(request_id) is flight:
+                flight.prefill_tokens -= extra
+                flight.view.inflight_prefill_tokens -= extra
+                flight.view.refresh()
 
     def _release(self, flight: _Inflight, now: float) -> None:
         """End the hold on the request's predicted blocks: their TTL starts ``now``."""

@@ -39,6 +39,15 @@ DEFAULT_REPLICA_COLD_PICKS = 2.5
 # cold-bursts seeds 200-204 at 4, 8 and 16 workers with two and four routers (rank-graded
 # 600-1,500 and top-k variants tried; BENCHMARKS.md, the replicas' shared order)
 DEFAULT_REPLICA_AFFINITY_TOKENS = 1000.0
+# RouterConfig.replica_sync_window_s None (auto): the window follows the sync's measured
+# delivery time (RouterCore.observe_replica_sync_delay; the replay sim: its sync delay);
+# this is where it starts before the first measurement. Chosen on cold-bursts seeds
+# 200-204 with the --strict sim (BENCHMARKS.md, "Replica sync and the router's decision
+# time"): a window short of the delivery time herds, a longer one spreads bursts
+INITIAL_REPLICA_SYNC_WINDOW_S = 0.005
+# how an auto window follows the measured delays: up at once to a longer one, down by this
+# share of the difference per measurement (a sync that was slow lately may be again)
+REPLICA_SYNC_WINDOW_DECAY = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +80,15 @@ class RouterConfig:
     replicas' same-instant picks of that worker would mostly find its prefix there and add
     only their suffixes, so counting it R times spread a burst over every worker.
     ``replica_sync``: the replicas tell each other their picks (``kvroute router
-    --replica-sync``). ``replica_affinity_tokens``: the cost's affinity term
+    --replica-sync``). ``replica_sync_window_s``: with sync, an own pick counts R times
+    (as above) only this long after it is placed, then once: by then the other replicas'
+    picks of the same moment have arrived through the sync and count themselves, so
+    counting it R times too would count the burst twice and spread it over too many
+    workers, while a window shorter than the sync's delivery time lets the replicas herd
+    in between. None (default): the sync's own measured delivery time
+    (:meth:`RouterCore.observe_replica_sync_delay`), INITIAL_REPLICA_SYNC_WINDOW_S until
+    it is measured; inf keeps the R times until the first token (as without sync).
+    ``replica_affinity_tokens``: the cost's affinity term
     (router.policy), which gives replicas that cannot see each other's picks the same
     order of preference for a new prefix; None (default) is
     DEFAULT_REPLICA_AFFINITY_TOKENS with R > 1 and no sync, else 0. With one router it is
@@ -97,6 +114,7 @@ class RouterConfig:
     replicas: int = 1
     replica_cold_picks: float = DEFAULT_REPLICA_COLD_PICKS
     replica_sync: bool = False
+    replica_sync_window_s: float | None = None
     replica_affinity_tokens: float | None = None
     index_backend: str = "numba"
     spread_weight: float = 0.0  # the cost's spread term (router.policy; 0: off)
@@ -110,6 +128,9 @@ class RouterConfig:
             raise ValueError(
                 f"replica_cold_picks must be finite and >= 1, got {self.replica_cold_picks}"
             )
+        window = self.replica_sync_window_s
+        if window is not None and not window >= 0:  # NaN too; inf allowed
+            raise ValueError(f"replica_sync_window_s must be >= 0 or None, got {window}")
         if not 0 <= self.spread_weight < float("inf"):  # NaN too
             raise ValueError(f"spread_weight must be finite and >= 0, got {self.spread_weight}")
         affinity = self.replica_affinity_tokens

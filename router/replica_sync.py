@@ -18,6 +18,10 @@ ever retried or blocked for: routing never waits on Redis.
   dropped and counted) and go out in batches as soon as the event loop runs the publisher,
   or as an empty heartbeat every ``heartbeat_s``. A batch Redis refuses is lost (counted);
   its sequence number is spent, so the peers see the gap.
+* Timing: Redis echoes each batch to its publisher too. The time from queueing a batch's
+  oldest event to its echo is about what the peers wait for it, and sets how long this
+  router's own picks count ``replicas`` times (``RouterCore.observe_replica_sync_delay``;
+  the auto ``--replica-sync-window-s``).
 * Receiving: a gap in a peer's sequence numbers means lost events (a finish among them would
   leave a request counted forever), so the peer's requests are all dropped
   (:meth:`RouterCore.drop_replica`) and counting starts again from what arrives next; the same
@@ -61,6 +65,7 @@ DEFAULT_HEARTBEAT_S = 1.0
 DEFAULT_PEER_TIMEOUT_S = 5.0
 DEFAULT_MAX_PENDING = 100_000
 DEFAULT_MAX_PEER_REQUESTS = 100_000  # the others' requests counted at once, at most
+MAX_TIMED_BATCHES = 1024  # own batches awaiting their echo, at most
 COUNTER_NAMES = (  # ReplicaSync.counters (and the /metrics families built from them)
     "batches_published",
     "events_published",
@@ -230,7 +235,12 @@ class ReplicaSync:
         )
         # the subscription reads with its own timeout (get_message); no socket timeout
         self._sub = aioredis.Redis.from_url(redis_url, socket_connect_timeout=timeout, **options)
-        self._pending: deque[ReplicaEvent] = deque()
+        # this router's events not yet published, with when each was queued
+        self._pending: deque[tuple[ReplicaEvent, float]] = deque()
+        # when each recent batch's oldest event was queued, by sequence number: the echo
+        # of a batch times the sync's delivery (RouterCore.observe_replica_sync_delay)
+        self._sent: dict[int, float] = {}
+        self.last_delivery_s: float | None = None  # the last echo's delay
         self._wake = asyncio.Event()
         self._seq = 0
         self._peers: dict[str, _Peer] = {}
@@ -283,7 +293,7 @@ class ReplicaSync:
         if len(self._pending) >= self._max_pending:
             self.counters["events_dropped"] += 1
             return
-        self._pending.append(event)
+        self._pending.append((event, self._clock()))
         self._wake.set()
 
     async def _publish_loop(self) -> None:
@@ -303,11 +313,21 @@ class ReplicaSync:
     async def _flush(self) -> None:
         while self._pending:
             n = min(len(self._pending), MAX_EVENTS_PER_BATCH)
-            events = [self._pending.popleft() for _ in range(n)]
-            await self._publish(events)
+            items = [self._pending.popleft() for _ in range(n)]
+            await self._publish([event for event, _ in items], queued_at=items[0][1])
 
-    async def _publish(self, events: Sequence[ReplicaEvent], *, leaving: bool = False) -> None:
+    async def _publish(
+        self,
+        events: Sequence[ReplicaEvent],
+        *,
+        leaving: bool = False,
+        queued_at: float | None = None,
+    ) -> None:
         self._seq += 1  # spent even if the batch is lost: the peers must see the gap
+        sent = self._sent
+        sent[self._seq] = self._clock() if queued_at is None else queued_at
+        if len(sent) > MAX_TIMED_BATCHES:  # echoes lost with a broken subscription
+            del sent[next(iter(sent))]
         data = encode_batch(self.router_id, self._seq, events, leaving=leaving)
         try:
             await self._pub.publish(self.channel, data)
@@ -362,8 +382,12 @@ class ReplicaSync:
             self.counters["batches_malformed"] += 1
             log.warning("replica sync: ignoring a malformed batch: %s", exc)
             return
-        if batch.router_id == self.router_id:
-            return  # our own, echoed by the channel
+        if batch.router_id == self.router_id:  # our own, echoed by the channel: it took
+            queued_at = self._sent.pop(batch.seq, None)  # about as long to reach the peers
+            if queued_at is not None:
+                self.last_delivery_s = delay = self._clock() - queued_at
+                self.core.observe_replica_sync_delay(delay)
+            return
         self.counters["batches_received"] += 1
         peer = self._peers.get(batch.router_id)
         if batch.leaving:

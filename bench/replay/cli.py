@@ -42,7 +42,10 @@ def available_policies() -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     from bench.replay.sim import DEFAULT_KV_CAPACITY_TOKENS
-    from router.core_types import DEFAULT_REPLICA_AFFINITY_TOKENS, DEFAULT_REPLICA_COLD_PICKS
+    from router.core_types import (
+        DEFAULT_REPLICA_AFFINITY_TOKENS,
+        DEFAULT_REPLICA_COLD_PICKS,
+    )
 
     p = argparse.ArgumentParser(
         prog="kvroute replay",
@@ -155,6 +158,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="sim mode, --routers > 1: replica sync -- each router's picks, first tokens and "
         "finishes reach the other routers this many seconds later (what kvroute router "
         "--replica-sync does through Redis); default: no sync",
+    )
+    p.add_argument(
+        "--replica-sync-window-s",
+        type=float,
+        default=None,
+        help="sim mode, with --replica-sync-delay-s: how long each router counts an own pick "
+        "--router-replicas times before counting it once (the others' picks have arrived by "
+        "then; RouterConfig.replica_sync_window_s; default: the sync delay, as a live "
+        "router measures it; inf: until its first token)",
     )
     p.add_argument(
         "--step-reports",
@@ -432,6 +444,14 @@ def _sim_config(args: argparse.Namespace):  # -> SimConfig
         raise ValueError(
             "--replica-sync-delay-s needs --routers 2 or more (sync is between routers)"
         )
+    if args.replica_sync_window_s is not None:
+        if args.replica_sync_delay_s is None:
+            raise ValueError("--replica-sync-window-s needs --replica-sync-delay-s")
+        if not args.replica_sync_window_s >= 0:
+            raise ValueError(
+                f"--replica-sync-window-s must be >= 0, got {args.replica_sync_window_s}"
+            )
+        router = replace(router, replica_sync_window_s=args.replica_sync_window_s)
     if args.cost_weights is not None:
         from router.policy import CostWeights
 
@@ -504,6 +524,9 @@ def _run_sim(args, records, policies, setup, progress) -> ReplayReport:
             replica_affinity_tokens=config.router_config().affinity_tokens,
             replica_sync_delay_s=config.replica_sync_delay_s,
         )
+        if config.replica_sync_delay_s is not None:
+            window = config.router_config().replica_sync_window_s
+            setup["replica_sync_window_s"] = window if window != float("inf") else "inf"
     setup.update(strict_settings(args))
     report = ReplayReport(setup=setup)
     expander = TokenExpander(args.trace_block_size, config.vocab_size, args.seed)

@@ -168,13 +168,20 @@ class SimConfig:
 
     def router_config(self, policy: str | None = None) -> RouterConfig:
         """Each router core's config: ``router`` with this fleet's block size, replica
-        count and whether the replicas sync (and ``policy``, when given)."""
+        count and whether the replicas sync (and ``policy``, when given). With sync and an
+        auto window (``router.replica_sync_window_s`` None) the window is the sync delay:
+        what a live router measures of its own sync (RouterCore.observe_replica_sync_delay)."""
+        sync = self.num_routers > 1 and self.replica_sync_delay_s is not None
+        window = self.router.replica_sync_window_s
+        if sync and window is None:
+            window = self.replica_sync_delay_s
         return replace(
             self.router,
             policy=policy or self.router.policy,
             block_size=self.block_size,
             replicas=self.replicas,
-            replica_sync=self.num_routers > 1 and self.replica_sync_delay_s is not None,
+            replica_sync=sync,
+            replica_sync_window_s=window,
         )
 
     def __post_init__(self) -> None:

@@ -85,6 +85,39 @@ def test_replica_sync_shares_each_routers_picks_with_the_others():
         SimConfig(replica_sync_delay_s=-1.0)
 
 
+def test_with_sync_own_picks_stop_counting_r_times_once_the_others_picks_arrive():
+    # a 64-request burst on a cold 2,048-token prefix, two routers, 16 workers, replica sync
+    # 0.5 ms. When routing takes 0.2 ms a request, a router's burst share takes 6.4 ms, and
+    # the other router's picks arrive through the sync within it: counting each own pick
+    # twice for all that time (window inf) counts the burst twice and spreads it over twice
+    # the workers, prefilling the prefix twice as often; a 0.5 ms window keeps it on two
+    from router.core import RouterConfig
+
+    burst = [TraceRecord(0.0, 33 * BS, 4, (*range(32), 1000 + i)) for i in range(64)]
+
+    def placed(window: float, decision_s: float) -> tuple[int, float]:
+        cfg = SimConfig(
+            num_workers=16,
+            kv_capacity_tokens=200_000,
+            num_routers=2,
+            replica_sync_delay_s=0.0005,
+            route_decision_s=decision_s,
+            router=RouterConfig(replica_sync_window_s=window),
+        )
+        sim = run(burst, "cache_aware", cfg)
+        return len({r.worker_id for r in sim.results}), sim.report("x").hit_rate
+
+    (short_workers, short_hits), (inf_workers, inf_hits) = (
+        placed(0.0005, 0.0002),
+        placed(float("inf"), 0.0002),
+    )
+    assert short_workers == 2 and inf_workers == 4
+    assert short_hits > inf_hits
+    # routing in no time, a burst is placed in one instant: nothing has arrived through the
+    # sync before it is all placed, and the window changes nothing
+    assert placed(0.0005, 0.0) == placed(float("inf"), 0.0)
+
+
 def test_step_reports_reach_every_router_as_a_step_starts():
     """SimConfig.step_reports (kvroute worker --step-reports): with the periodic reports off,
     every router hears a worker's first step as it starts (an event delay later), with that
@@ -201,6 +234,14 @@ def test_cli_routers(tmp_path, capsys):
     assert report["setup"]["replica_sync_delay_s"] == 0.0005
     assert report["policies"][0]["extra"]["replica_events"] > 0
     assert report["setup"]["replica_cold_picks"] == 2.5  # the router's default
+    assert report["setup"]["replica_sync_window_s"] == 0.0005  # auto: the sync delay
+    window = ["--replica-sync-window-s", "inf", "--json", str(out)]
+    assert main([*base, *sync, *window]) == 0
+    assert json.loads(out.read_text())["setup"]["replica_sync_window_s"] == "inf"
+    assert main([*base, *sync, "--replica-sync-window-s", "-1"]) == 2
+    assert "--replica-sync-window-s must be >= 0, got -1.0" in capsys.readouterr().err
+    assert main([*base, "--routers", "2", "--replica-sync-window-s", "0.01"]) == 2
+    assert "--replica-sync-window-s needs --replica-sync-delay-s" in capsys.readouterr().err
     assert main([*base, *sync, "--replica-cold-picks", "1", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["setup"]["replica_cold_picks"] == 1.0
     assert main([*base, *sync, "--replica-cold-picks", "0"]) == 2

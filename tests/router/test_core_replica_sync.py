@@ -144,3 +144,130 @@ def test_the_burst_a_peer_started_is_where_this_router_sends_the_next_request():
     second = b.route(RouteRequest("b1", np.concatenate([shared, prompt(64, 60_000)])))
     assert second.worker_id == first.worker_id
     assert second.matched_tokens == 2048
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def synced_core(backend: str, window: float, replicas: int = 4, sync: bool = True):
+    clock = _Clock()
+    core = RouterCore(
+        RouterConfig(
+            block_size=B,
+            replicas=replicas,
+            replica_sync=sync,
+            replica_sync_window_s=window,
+            index_backend=backend,
+        ),
+        clock=clock,
+        rng=random.Random(0),
+    )
+    for i in range(4):
+        core.add_worker(f"w{i}", block_size=B)
+    return core, clock
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_with_sync_an_own_pick_counts_replicas_times_only_for_the_window(backend):
+    core, clock = synced_core(backend, window=0.005)
+    # a warm pick (its prefix predicted on the worker): R = 4 times while the others' picks
+    # of the same moment cannot have arrived yet
+    first = core.route(RouteRequest("cold", prompt(320)))
+    view = core.worker_view(first.worker_id)
+    cold_counted = view.inflight_prefill_tokens
+    assert cold_counted == round(320 * 2.5)  # a cold pick: replica_cold_picks times
+    clock.t = 0.001
+    warm = core.route(RouteRequest("warm", prompt(400)))
+    assert warm.worker_id == first.worker_id and warm.matched_tokens == 320
+    assert view.inflight_prefill_tokens == cold_counted + 4 * 80
+    # explain() sees what route() would: nothing settles before the window ends
+    clock.t = 0.0049
+    core.explain(RouteRequest("probe", prompt(16, start=10_000)))
+    assert view.inflight_prefill_tokens == cold_counted + 4 * 80
+    # past the first pick's window it counts once; the second still R times
+    clock.t = 0.0051
+    core.explain(RouteRequest("probe", prompt(16, start=10_000)))
+    assert view.inflight_prefill_tokens == 320 + 4 * 80
+    clock.t = 0.0061
+    away = frozenset({first.worker_id})
+    core.route(RouteRequest("other", prompt(16, start=20_000), exclude=away))
+    assert view.inflight_prefill_tokens == 320 + 80
+    # the first token takes off exactly what is still counted: nothing goes negative
+    core.on_first_token("cold")
+    core.on_first_token("warm")
+    assert view.inflight_prefill_tokens == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_pick_that_ended_or_started_in_its_window_is_not_settled_twice(backend):
+    core, clock = synced_core(backend, window=0.002)
+    a = core.route(RouteRequest("a", prompt(320)))
+    b = core.route(RouteRequest("b", prompt(320, start=5_000), exclude=frozenset({a.worker_id})))
+    core.on_first_token("a")  # all it counted leaves with its first token
+    core.on_finished("b")
+    # a retry reuses the id in the window: the new placement is settled, not the old one
+    c = core.route(RouteRequest("a", prompt(320, start=9_000)))
+    clock.t = 0.0021  # a's first placement and b are due but gone; c too
+    core.route(RouteRequest("d", prompt(16, start=30_000), exclude=frozenset({c.worker_id})))
+    assert core.worker_view(b.worker_id).inflight_prefill_tokens == (
+        0 if b.worker_id != c.worker_id else 320
+    )
+    assert core.worker_view(c.worker_id).inflight_prefill_tokens == 320
+    core.on_finished("a")
+    core.on_finished("d")
+    assert all(core.worker_view(f"w{i}").inflight_prefill_tokens == 0 for i in range(4))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    ("window", "sync", "replicas"), [(float("inf"), True, 4), (0.0, False, 4), (0.0, True, 1)]
+)
+def test_the_window_changes_nothing_without_sync_one_router_or_inf(backend, window, sync, replicas):
+    core, clock = synced_core(backend, window=window, replicas=replicas, sync=sync)
+    d = core.route(RouteRequest("x", prompt(320)))
+    counted = core.worker_view(d.worker_id).inflight_prefill_tokens
+    assert counted == round(320 * min(replicas, 2.5))
+    clock.t = 10.0
+    core.route(RouteRequest("y", prompt(16, start=7_000), exclude=frozenset({d.worker_id})))
+    assert core.worker_view(d.worker_id).inflight_prefill_tokens == counted
+
+
+def test_the_window_is_checked():
+    with pytest.raises(ValueError, match="replica_sync_window_s must be >= 0 or None, got -1"):
+        RouterConfig(replica_sync_window_s=-1.0)
+    with pytest.raises(ValueError, match="replica_sync_window_s must be >= 0 or None, got nan"):
+        RouterConfig(replica_sync_window_s=float("nan"))
+
+
+def test_an_auto_window_follows_the_measured_delivery_time():
+    from router.core_types import INITIAL_REPLICA_SYNC_WINDOW_S, REPLICA_SYNC_WINDOW_DECAY
+
+    core, clock = synced_core("numba", window=None)
+    assert core.replica_sync_window_s == INITIAL_REPLICA_SYNC_WINDOW_S
+    core.observe_replica_sync_delay(0.02)  # a slower sync: up at once
+    assert core.replica_sync_window_s == 0.02
+    core.observe_replica_sync_delay(0.0)  # a faster one: down by a share of the difference
+    assert core.replica_sync_window_s == pytest.approx(0.02 * (1 - REPLICA_SYNC_WINDOW_DECAY))
+    for bad in (-1.0, float("nan"), float("inf")):
+        core.observe_replica_sync_delay(bad)
+    assert core.replica_sync_window_s == pytest.approx(0.02 * (1 - REPLICA_SYNC_WINDOW_DECAY))
+    # the window a pick gets is the one in force when it is placed
+    d = core.route(RouteRequest("x", prompt(320)))
+    view = core.worker_view(d.worker_id)
+    clock.t = 0.018
+    core.explain(RouteRequest("probe", prompt(16, start=10_000)))
+    assert view.inflight_prefill_tokens == 800
+    clock.t = 0.02
+    core.explain(RouteRequest("probe", prompt(16, start=10_000)))
+    assert view.inflight_prefill_tokens == 320
+    # a fixed window, one router, or no sync: measurements change nothing
+    for kw in ({"window": 0.001}, {"window": None, "replicas": 1}, {"window": None, "sync": False}):
+        other, _ = synced_core("numba", **kw)
+        before = other.replica_sync_window_s
+        other.observe_replica_sync_delay(0.5)
+        assert other.replica_sync_window_s == before

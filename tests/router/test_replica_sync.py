@@ -216,6 +216,49 @@ async def test_two_routers_sync_through_redis(redis_url):
     assert sa.counters["gaps"] == 0
 
 
+async def test_the_echo_of_its_own_batches_times_the_window(redis_url):
+    """Redis echoes a router's batches to itself: the delay from queueing to the echo sets an
+    auto window (RouterConfig.replica_sync_window_s None); a fixed one stays as set."""
+    prefix = f"kvroute-test-{uuid.uuid4().hex[:8]}:"
+    fake_now = [100.0]  # the sync's clock: the echo comes 30 ms after the pick was queued
+    auto = RouterCore(
+        RouterConfig(block_size=B, replicas=2, replica_sync=True),
+        clock=lambda: 0.0,
+        rng=random.Random(0),
+    )
+    fixed = RouterCore(
+        RouterConfig(block_size=B, replicas=2, replica_sync=True, replica_sync_window_s=0.001),
+        clock=lambda: 0.0,
+        rng=random.Random(0),
+    )
+    syncs = []
+    for core in (auto, fixed):
+        core.add_worker("w0", block_size=B)
+        sync = ReplicaSync(
+            core,
+            redis_url,
+            prefix=prefix,
+            heartbeat_s=5,
+            peer_timeout_s=10,
+            clock=lambda: fake_now[0],
+        )
+        syncs.append(sync)
+        await sync.start()
+    try:
+        await _wait(lambda: all(s.subscribed.is_set() for s in syncs))
+        assert auto.replica_sync_window_s == 0.005  # INITIAL_REPLICA_SYNC_WINDOW_S
+        auto.route(RouteRequest("x", np.arange(64, dtype=np.uint32)))  # queued at t = 100
+        fixed.route(RouteRequest("y", np.arange(64, dtype=np.uint32)))
+        fake_now[0] = 100.03
+        await _wait(lambda: all(s.last_delivery_s is not None for s in syncs))
+        assert syncs[0].last_delivery_s == pytest.approx(0.03)
+        assert auto.replica_sync_window_s == pytest.approx(0.03)  # up at once
+        assert fixed.replica_sync_window_s == 0.001
+    finally:
+        for sync in syncs:
+            await sync.close()
+
+
 async def test_routing_goes_on_when_redis_is_down():
     """Nothing listens at the Redis address: routing never waits, the events are dropped and
     counted, and close() returns promptly."""

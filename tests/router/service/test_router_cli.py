@@ -118,6 +118,20 @@ def test_bad_worker_address_is_a_usage_error(bad, capsys):
 def test_replica_sync_and_spread_weight_map_to_the_config(capsys):
     args = cli.build_parser().parse_args(["--redis-url", "redis://r:6379/0", "--replica-sync"])
     assert cli.config_from_args(args).registry.replica_sync
+    assert cli.config_from_args(args).core.replica_sync
+    assert cli.config_from_args(args).core.replica_sync_window_s is None  # auto: measured
+    window = cli.build_parser().parse_args(
+        ["--redis-url", "redis://r:6379/0", "--replica-sync", "--replica-sync-window-s", "0.02"]
+    )
+    assert cli.config_from_args(window).core.replica_sync_window_s == 0.02
+    for value, expected in (("auto", None), ("inf", float("inf")), ("0", 0.0)):
+        parsed = cli.build_parser().parse_args(["--replica-sync-window-s", value])
+        assert parsed.replica_sync_window_s == expected
+    for bad, message in (("-1", "must be auto or >= 0, got -1"), ("x", "got 'x'")):
+        with pytest.raises(SystemExit) as exc:
+            cli.build_parser().parse_args(["--replica-sync-window-s", bad])
+        assert exc.value.code == 2
+        assert message in capsys.readouterr().err
     assert not cli.config_from_args(
         cli.build_parser().parse_args(["--worker", "h:1"])
     ).registry.replica_sync
