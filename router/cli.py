@@ -148,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="router replicas behind one load balancer, each seeing every worker's events but "
         "only its own picks: each pick counts this many times in its worker's queued prefill "
-        "until its first token, a cold one fewer (--replica-cold-picks; run the workers "
+        "until its first token (with --replica-sync only for --replica-sync-window-s), a "
+        "cold one fewer (--replica-cold-picks; run the workers "
         "with --load-interval-s 0.05, and without --replica-sync also with --step-reports; "
         "BENCHMARKS.md, several routers)",
     )

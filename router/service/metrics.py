@@ -305,6 +305,10 @@ class RouterSnapshot:
     # replica sync (router/replica_sync.py): its counters and live peers; None when off
     replica: dict[str, int] | None = None
     replica_peers: int = 0
+    # how long an own pick counts --replicas times (RouterCore.replica_sync_window_s; 0 when
+    # it always does, without sync) and the sync's last measured delivery time (0: none yet)
+    replica_window_s: float = 0.0
+    replica_delivery_s: float = 0.0
 
 
 def take_snapshot(server: RouterServer) -> RouterSnapshot:
@@ -335,8 +339,14 @@ def take_snapshot(server: RouterServer) -> RouterSnapshot:
         num_inflight=frontend.num_inflight,
         replica=None if sync is None else dict(sync.counters),
         replica_peers=0 if sync is None else len(sync.peers),
+        replica_window_s=_finite(server.core.replica_sync_window_s),
+        replica_delivery_s=0.0 if sync is None else sync.last_delivery_s or 0.0,
         **_tokenizer_counts(frontend.tokenizer),
     )
+
+
+def _finite(x: float) -> float:
+    return x if x != float("inf") else 0.0
 
 
 def _tokenizer_counts(tok: object) -> dict[str, tuple[int, int]]:
@@ -611,7 +621,19 @@ class RouterStateCollector(Collector):
         forgot.add_metric([], c["requests_dropped"])
         gaps = _counter("kvroute_router_replica_gaps", "Gaps in a peer's batch sequence numbers")
         gaps.add_metric([], c["gaps"])
-        yield from (peers, events, batches, forgot, gaps)
+        window = _gauge(
+            "kvroute_router_replica_sync_window_seconds",
+            "How long this router counts an own pick --replicas times before counting it once "
+            "(--replica-sync-window-s; auto follows the sync's delivery time; 0 without sync)",
+        )
+        window.add_metric([], snap.replica_window_s)
+        delivery = _gauge(
+            "kvroute_router_replica_sync_delivery_seconds",
+            "The replica sync's last measured delivery time: from queueing a batch to Redis "
+            "echoing it back (0 until measured, and without sync)",
+        )
+        delivery.add_metric([], snap.replica_delivery_s)
+        yield from (peers, events, batches, forgot, gaps, window, delivery)
 
 
 class DecisionCollector(Collector):
