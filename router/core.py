@@ -194,6 +194,7 @@ class RouterCore:
         # flight, the extra tokens to take off then), in the order placed; settled by the
         # next route (_settle_picks)
         self._sync_window_auto = config.replica_sync_window_s is None
+        self._sync_window_measured = False
         self._sync_window_s = (
             math.inf
             if not (config.replica_sync and config.replicas > 1)
@@ -589,7 +590,8 @@ class RouterCore:
     def observe_replica_sync_delay(self, delay_s: float) -> None:
         """The sync delivered a message ``delay_s`` after it was queued (replica sync times
         its own messages' echo). With an auto window (RouterConfig.replica_sync_window_s
-        None) the window rises to a longer delay at once and falls toward shorter ones by
+        None) the first measurement replaces INITIAL_REPLICA_SYNC_WINDOW_S; after it the
+        window rises to a longer delay at once and falls toward shorter ones by
         REPLICA_SYNC_WINDOW_DECAY of the difference; otherwise nothing changes. Negative
         or non-finite delays are ignored."""
         if not self._sync_window_auto or self._sync_window_s == math.inf:
@@ -597,8 +599,9 @@ class RouterCore:
         if not 0 <= delay_s < math.inf:
             return
         window = self._sync_window_s
-        if delay_s >= window:
+        if delay_s >= window or not self._sync_window_measured:  # the first replaces the guess
             self._sync_window_s = delay_s
+            self._sync_window_measured = True
         else:
             self._sync_window_s = window + (delay_s - window) * REPLICA_SYNC_WINDOW_DECAY
 

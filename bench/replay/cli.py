@@ -42,10 +42,7 @@ def available_policies() -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     from bench.replay.sim import DEFAULT_KV_CAPACITY_TOKENS
-    from router.core_types import (
-        DEFAULT_REPLICA_AFFINITY_TOKENS,
-        DEFAULT_REPLICA_COLD_PICKS,
-    )
+    from router.core_types import DEFAULT_REPLICA_AFFINITY_TOKENS, DEFAULT_REPLICA_COLD_PICKS
 
     p = argparse.ArgumentParser(
         prog="kvroute replay",

@@ -249,6 +249,9 @@ def test_an_auto_window_follows_the_measured_delivery_time():
 
     core, clock = synced_core("numba", window=None)
     assert core.replica_sync_window_s == INITIAL_REPLICA_SYNC_WINDOW_S
+    fresh, _ = synced_core("numba", window=None)
+    fresh.observe_replica_sync_delay(0.001)  # the first measurement replaces the guess
+    assert fresh.replica_sync_window_s == 0.001
     core.observe_replica_sync_delay(0.02)  # a slower sync: up at once
     assert core.replica_sync_window_s == 0.02
     core.observe_replica_sync_delay(0.0)  # a faster one: down by a share of the difference
