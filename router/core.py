@@ -444,7 +444,7 @@ class RouterCore:
         if req.request_id in self._inflight:
             self.on_finished(req.request_id)
         flight = self._account(
-            req.request_id, view, query.prompt_tokens - matched_tokens, cold=not matched_tokens
+            req.request_id, view, query.prompt_tokens - matched_tokens, not matched_tokens, now
         )
         view.recent_prefill += (query.prompt_tokens - matched_tokens) * scale
         if len(hashes) and self._policy.uses_matches:
@@ -564,7 +564,7 @@ class RouterCore:
         return best >= n // stride * stride
 
     def _account(
-        self, request_id: str, view: WorkerView, prefill_tokens: int, cold: bool = False
+        self, request_id: str, view: WorkerView, prefill_tokens: int, cold: bool, now: float
     ) -> _Inflight:
         # with R router replicas a pick counts R times, a cold one at most
         # replica_cold_picks times (RouterConfig)
@@ -577,7 +577,7 @@ class RouterCore:
         if counted > prefill_tokens and self._sync_window_s != math.inf:
             # with replica sync the others' picks arrive and count themselves: R times only
             # until they can have (RouterConfig.replica_sync_window_s)
-            due = self._clock() + self._sync_window_s
+            due = now + self._sync_window_s
             self._unsettled.append((due, request_id, flight, counted - prefill_tokens))
         return flight
 
@@ -632,9 +632,8 @@ class RouterCore:
         view = self._get(worker_id).view
         if request_id in self._inflight:
             self.on_finished(request_id)
-        self._account(
-            request_id, view, max(0, prompt_tokens - matched_tokens), cold=not matched_tokens
-        )
+        uncached = max(0, prompt_tokens - matched_tokens)
+        self._account(request_id, view, uncached, not matched_tokens, self._clock())
         if self._replica_listener is not None:
             self._replica_listener(
                 ReplicaRouted(request_id, worker_id, prompt_tokens, matched_tokens)
