@@ -26,7 +26,6 @@ lives in the shared package; it imports only the standard library and ``redis``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -36,6 +35,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
+
+from kvroute_proto.runtime import stop_task
 
 log = logging.getLogger(__name__)
 
@@ -153,9 +154,8 @@ class RedisRegistration:
     async def stop(self) -> None:
         """Stop the heartbeat and remove the key, so routers drop this worker at once."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            if not await stop_task(self._task):
+                log.warning("registry: the heartbeat of %s did not stop", self.key)
             self._task = None
         try:
             await self._redis.delete(self.key)
@@ -280,8 +280,7 @@ class RedisMembershipWatcher:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            if not await stop_task(self._task):
+                log.warning("registry: the membership watch did not stop")
             self._task = None
         await self._redis.aclose()

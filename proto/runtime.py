@@ -1,4 +1,5 @@
-"""Process runtime shared by the worker and router commands: the event loop they run on."""
+"""Process runtime shared by the worker and router commands: the event loop they run on,
+and stopping its background tasks."""
 
 from __future__ import annotations
 
@@ -14,3 +15,31 @@ def run_event_loop(coro: Coroutine[Any, Any, Any]) -> Any:
     except ImportError:  # e.g. Windows: uvloop is not a dependency there
         return asyncio.run(coro)
     return uvloop.run(coro)
+
+
+# how often stop_task repeats a cancel that did not end the task
+RECANCEL_S = 0.05
+
+
+async def stop_task(task: asyncio.Task[Any], *, timeout_s: float = 5.0) -> bool:
+    """Cancel ``task`` and wait until it has ended; True when it did within ``timeout_s``.
+
+    One ``cancel()`` is not always enough: a cancel that lands while a client library is
+    inside a call can be swallowed there (redis-py's asyncio client can return from a
+    command as if nothing happened), and a ``while True`` loop then goes on forever while
+    its owner waits for it. So the cancel is repeated every ``RECANCEL_S`` until the task
+    ends: the next one lands in the loop's own sleep or wait, where nothing swallows it.
+    A task still running after ``timeout_s`` is left (False); the caller logs it.
+    """
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not task.done():
+        task.cancel()
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            return False
+        await asyncio.wait((task,), timeout=min(RECANCEL_S, left))
+    if not task.cancelled():
+        exc = task.exception()  # it ended by itself meanwhile: a failure is the caller's
+        if exc is not None:
+            raise exc
+    return True

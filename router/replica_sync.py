@@ -53,6 +53,7 @@ from redis.exceptions import RedisError
 
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto.registry import DEFAULT_PREFIX
+from kvroute_proto.runtime import stop_task
 from router.core import RouterCore
 from router.core_types import ReplicaEvent, ReplicaFinished, ReplicaFirstToken, ReplicaRouted
 
@@ -271,10 +272,10 @@ class ReplicaSync:
         within ``timeout_s``), forget every peer's requests, close the connections."""
         self.core.set_replica_listener(None)
         for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            if not await stop_task(task, timeout_s=timeout_s):
+                log.warning(
+                    "replica sync: %s did not stop within %.1f s", task.get_name(), timeout_s
+                )
         if self._tasks:
             with contextlib.suppress(TimeoutError, RedisError, OSError):
                 async with asyncio.timeout(timeout_s):

@@ -3,6 +3,7 @@ the real Redis: a request one router serves is counted by the other while it run
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 import pytest
@@ -10,6 +11,7 @@ from metrics_scrape import scrape
 from router_harness import router_config, running_router, sim_worker
 
 from router.client import GenerateOptions
+from router.core import RouterConfig
 from router.service.metrics import RouterMetricsEndpoint
 from router.service.server import RegistryConfig
 
@@ -21,32 +23,47 @@ async def test_a_request_served_by_one_replica_is_seen_by_the_other(redis_url):
     registry = RegistryConfig(redis_url, prefix, poll_s=0.05, replica_sync=True)
     async with sim_worker("w0") as w0, sim_worker("w1") as w1:
         workers = [w0.address, w1.address]
-        config = router_config(workers, registry=registry)
-        async with running_router(workers, config) as ra, running_router(workers, config) as rb:
-            await ra.wait_synced(2)
-            await rb.wait_synced(2)
-            sa, sb = ra.server.replica_sync, rb.server.replica_sync
-            assert sa is not None and sb is not None and sa.router_id != sb.router_id
-            await ra.wait_for(lambda: sa.subscribed.is_set() and sb.subscribed.is_set())
-            result = await ra.client.generate(list(range(10, 50)), OPTS)
-            # routed, first token, finished: all three reached b, and nothing stays counted
-            await rb.wait_for(lambda: sb.counters["events_applied"] >= 3)
-            assert rb.server.core.stats().num_replica_inflight == 0
-            assert result.worker_id in ("w0", "w1")
-            assert sb.peers == [sa.router_id]
-            endpoint = RouterMetricsEndpoint(rb.server, "127.0.0.1", 0)
-            endpoint.start()
-            try:
-                metrics = await scrape(endpoint.url)
-            finally:
-                endpoint.stop()
-            assert metrics.get("kvroute_router_replica_peers") == 1
-            assert metrics.get("kvroute_router_replica_inflight_requests") == 0
-            assert metrics.get("kvroute_router_replica_events_total", result="applied") >= 3
-            assert metrics.get("kvroute_router_replica_batches_total", result="malformed") == 0
-            # one replica counted (--replicas 1): its own picks count once, no window to show
-            assert metrics.get("kvroute_router_replica_sync_window_seconds") == 0
-            assert metrics.get("kvroute_router_replica_sync_delivery_seconds") >= 0
+        core = RouterConfig(policy="cache_aware", replicas=2, replica_sync=True)
+        config = router_config(workers, registry=registry, core=core)
+        # bounded: a cancel swallowed inside a Redis call once hung the routers' shutdown
+        async with asyncio.timeout(60):
+            async with running_router(workers, config) as ra, running_router(workers, config) as rb:
+                await ra.wait_synced(2)
+                await rb.wait_synced(2)
+                sa, sb = ra.server.replica_sync, rb.server.replica_sync
+                assert sa is not None and sb is not None and sa.router_id != sb.router_id
+                await ra.wait_for(lambda: sa.subscribed.is_set() and sb.subscribed.is_set())
+                result = await ra.client.generate(list(range(10, 50)), OPTS)
+                # routed, first token, finished: all three reached b, and nothing stays counted
+                await rb.wait_for(lambda: sb.counters["events_applied"] >= 3)
+                assert rb.server.core.stats().num_replica_inflight == 0
+                assert result.worker_id in ("w0", "w1")
+                assert sb.peers == [sa.router_id]
+                endpoint = RouterMetricsEndpoint(rb.server, "127.0.0.1", 0)
+                endpoint.start()
+                try:
+                    metrics = await scrape(endpoint.url)
+                finally:
+                    endpoint.stop()
+                assert metrics.get("kvroute_router_replica_peers") == 1
+                assert metrics.get("kvroute_router_replica_inflight_requests") == 0
+                assert metrics.get("kvroute_router_replica_events_total", result="applied") >= 3
+                assert metrics.get("kvroute_router_replica_batches_total", result="malformed") == 0
+                # a published its picks: Redis echoed them back, timing the sync; its window
+                # follows (auto), starting from 5 ms and falling toward the loopback's delay
+                async with asyncio.timeout(10):  # nothing in the pool changes when it comes
+                    while sa.last_delivery_s is None:
+                        await asyncio.sleep(0.01)
+                endpoint = RouterMetricsEndpoint(ra.server, "127.0.0.1", 0)
+                endpoint.start()
+                try:
+                    metrics = await scrape(endpoint.url)
+                finally:
+                    endpoint.stop()
+                delivery = metrics.get("kvroute_router_replica_sync_delivery_seconds")
+                window = metrics.get("kvroute_router_replica_sync_window_seconds")
+                assert 0 < delivery < 1.0 and 0 < window < 1.0
+                assert window == ra.server.core.replica_sync_window_s
         # the routers stopped: their sync tasks and connections are gone with them
         assert sa.counters["batches_malformed"] == 0 and sa.counters["gaps"] == 0
 
