@@ -149,9 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="router replicas behind one load balancer, each seeing every worker's events but "
         "only its own picks: each pick counts this many times in its worker's queued prefill "
         "until its first token (with --replica-sync only for --replica-sync-window-s), a "
-        "cold one fewer (--replica-cold-picks; run the workers "
-        "with --load-interval-s 0.05, and without --replica-sync also with --step-reports; "
-        "BENCHMARKS.md, several routers)",
+        "cold one fewer (--replica-cold-picks; without --replica-sync run the workers "
+        "with --load-interval-s 0.05 --step-reports; BENCHMARKS.md, several routers)",
     )
     p.add_argument(
         "--replica-cold-picks",

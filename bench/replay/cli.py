@@ -114,8 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="sim mode: a worker load report every this many seconds (default: 1.0 with one "
-        f"router, {MULTI_ROUTER_LOAD_INTERVAL_S} with --routers > 1: several routers see each "
-        "other's picks only through the workers' reports; BENCHMARKS.md, several routers)",
+        f"router or with --replica-sync-delay-s, {MULTI_ROUTER_LOAD_INTERVAL_S} with --routers "
+        "> 1 without sync: those routers see each other's picks only through the workers' "
+        "reports; BENCHMARKS.md, several routers)",
     )
     p.add_argument(
         "--routers",
@@ -499,7 +500,9 @@ def _sim_config(args: argparse.Namespace):  # -> SimConfig
 def _load_interval_s(args: argparse.Namespace) -> float:
     if args.load_interval_s is not None:
         return float(args.load_interval_s)
-    return 1.0 if args.routers == 1 else MULTI_ROUTER_LOAD_INTERVAL_S
+    if args.routers == 1 or args.replica_sync_delay_s is not None:
+        return 1.0  # with sync the routers hear each other's picks without the reports
+    return MULTI_ROUTER_LOAD_INTERVAL_S
 
 
 def _run_sim(args, records, policies, setup, progress) -> ReplayReport:
