@@ -18,6 +18,16 @@ from router.service.server import RegistryConfig
 OPTS = GenerateOptions(max_new_tokens=2)
 
 
+async def _scrape(server):
+    """One scrape of ``server``'s /metrics endpoint (started and stopped around it)."""
+    endpoint = RouterMetricsEndpoint(server, "127.0.0.1", 0)
+    endpoint.start()
+    try:
+        return await scrape(endpoint.url)
+    finally:
+        endpoint.stop()
+
+
 async def test_a_request_served_by_one_replica_is_seen_by_the_other(redis_url):
     prefix = f"kvroute-test-{uuid.uuid4().hex[:8]}:"
     registry = RegistryConfig(redis_url, prefix, poll_s=0.05, replica_sync=True)
@@ -39,12 +49,7 @@ async def test_a_request_served_by_one_replica_is_seen_by_the_other(redis_url):
                 assert rb.server.core.stats().num_replica_inflight == 0
                 assert result.worker_id in ("w0", "w1")
                 assert sb.peers == [sa.router_id]
-                endpoint = RouterMetricsEndpoint(rb.server, "127.0.0.1", 0)
-                endpoint.start()
-                try:
-                    metrics = await scrape(endpoint.url)
-                finally:
-                    endpoint.stop()
+                metrics = await _scrape(rb.server)
                 assert metrics.get("kvroute_router_replica_peers") == 1
                 assert metrics.get("kvroute_router_replica_inflight_requests") == 0
                 assert metrics.get("kvroute_router_replica_events_total", result="applied") >= 3
@@ -54,12 +59,7 @@ async def test_a_request_served_by_one_replica_is_seen_by_the_other(redis_url):
                 async with asyncio.timeout(10):  # nothing in the pool changes when it comes
                     while sa.last_delivery_s is None:
                         await asyncio.sleep(0.01)
-                endpoint = RouterMetricsEndpoint(ra.server, "127.0.0.1", 0)
-                endpoint.start()
-                try:
-                    metrics = await scrape(endpoint.url)
-                finally:
-                    endpoint.stop()
+                metrics = await _scrape(ra.server)
                 delivery = metrics.get("kvroute_router_replica_sync_delivery_seconds")
                 window = metrics.get("kvroute_router_replica_sync_window_seconds")
                 assert 0 < delivery < 1.0 and 0 < window < 1.0
