@@ -15,7 +15,7 @@ from collections import Counter, defaultdict
 
 import numpy as np
 
-from bench.replay.cli import MULTI_ROUTER_LOAD_INTERVAL_S
+from bench.replay.cli import default_load_interval_s
 from bench.replay.sim import FleetSim, SimConfig
 from bench.replay.trace import TokenExpander, read_trace
 
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("policy", nargs="+", help="routing policies")
     args = p.parse_args(argv)
     records = read_trace(args.trace, args.trace_block_size)
-    interval = 1.0 if args.routers == 1 else MULTI_ROUTER_LOAD_INTERVAL_S  # as kvroute replay
+    interval = default_load_interval_s(args.routers, replica_sync=False)  # as kvroute replay
     config = SimConfig(num_workers=args.workers, num_routers=args.routers, load_interval_s=interval)
     for policy in args.policy:
         expander = TokenExpander(args.trace_block_size, config.vocab_size, config.seed)

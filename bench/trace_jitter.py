@@ -18,13 +18,13 @@ import numpy as np
 
 def jitter_lines(lines: list[str], seed: int) -> list[str]:
     """The trace's JSON lines with each output length moved by -1, 0 or +1."""
-    rng = np.random.default_rng(seed)
-    records = [json.loads(line) for line in lines if line.strip()]
-    steps = rng.integers(-1, 2, size=len(records))
+    numbered = [(n, line) for n, line in enumerate(lines, 1) if line.strip()]
+    steps = np.random.default_rng(seed).integers(-1, 2, size=len(numbered))
     out = []
-    for i, (record, step) in enumerate(zip(records, steps, strict=True)):
+    for (n, line), step in zip(numbered, steps, strict=True):
+        record = json.loads(line)
         if "output_length" not in record:
-            raise ValueError(f"line {i + 1}: no output_length")
+            raise ValueError(f"line {n}: no output_length")
         record["output_length"] = max(1, int(record["output_length"]) + int(step))
         out.append(json.dumps(record))
     return out

@@ -271,8 +271,9 @@ class ReplicaSync:
         """Stop listening; publish what is queued and a ``leaving`` batch (best effort,
         within ``timeout_s``), forget every peer's requests, close the connections."""
         self.core.set_replica_listener(None)
-        for task in self._tasks:
-            if not await stop_task(task, timeout_s=timeout_s):
+        stopped = await asyncio.gather(*(stop_task(t, timeout_s=timeout_s) for t in self._tasks))
+        for task, ok in zip(self._tasks, stopped, strict=True):
+            if not ok:
                 log.warning(
                     "replica sync: %s did not stop within %.1f s", task.get_name(), timeout_s
                 )

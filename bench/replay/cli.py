@@ -497,12 +497,19 @@ def _sim_config(args: argparse.Namespace):  # -> SimConfig
     )
 
 
+def default_load_interval_s(routers: int, replica_sync: bool) -> float:
+    """The workers' load report interval a replay uses unless told: 1 s (the worker's
+    default) with one router or with replica sync, which carries the routers' picks;
+    ``MULTI_ROUTER_LOAD_INTERVAL_S`` for several routers without sync."""
+    if routers == 1 or replica_sync:
+        return 1.0
+    return MULTI_ROUTER_LOAD_INTERVAL_S
+
+
 def _load_interval_s(args: argparse.Namespace) -> float:
     if args.load_interval_s is not None:
         return float(args.load_interval_s)
-    if args.routers == 1 or args.replica_sync_delay_s is not None:
-        return 1.0  # with sync the routers hear each other's picks without the reports
-    return MULTI_ROUTER_LOAD_INTERVAL_S
+    return default_load_interval_s(args.routers, args.replica_sync_delay_s is not None)
 
 
 def _run_sim(args, records, policies, setup, progress) -> ReplayReport:

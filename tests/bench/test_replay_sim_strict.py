@@ -227,10 +227,10 @@ def test_cli_routers(tmp_path, capsys):
     assert main([*base, "--no-reference", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["setup"]["load_interval_s"] == 1.0
     # with replica sync the picks travel through the sync: the reports stay at 1 s
-    sync = ["--routers", "2", "--replica-sync-delay-s", "0.001", "--no-reference"]
-    assert main([*base, *sync, "--json", str(out)]) == 0
+    synced = ["--routers", "2", "--replica-sync-delay-s", "0.001", "--no-reference"]
+    assert main([*base, *synced, "--json", str(out)]) == 0
     assert json.loads(out.read_text())["setup"]["load_interval_s"] == 1.0
-    assert main([*base, *sync, "--load-interval-s", "0.05", "--json", str(out)]) == 0
+    assert main([*base, *synced, "--load-interval-s", "0.05", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["setup"]["load_interval_s"] == 0.05
     assert main([*base, "--replica-sync-delay-s", "0.001", "--no-reference"]) == 2
     assert "--replica-sync-delay-s needs --routers 2 or more" in capsys.readouterr().err
