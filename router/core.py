@@ -203,6 +203,7 @@ class RouterCore:
             else config.replica_sync_window_s
         )
         self._unsettled: deque[tuple[float, str, _Inflight, int]] = deque()
+        self._cold_picks = config.cold_picks  # RouterConfig.replica_cold_picks, resolved
         self._num_routed = 0
         # recent prefill per worker decays as exp(-t / window); views hold it scaled by
         # exp((t - t0) / window) so that a route touches one view, not all (see _recent_scale)
@@ -567,10 +568,10 @@ class RouterCore:
         self, request_id: str, view: WorkerView, prefill_tokens: int, cold: bool, now: float
     ) -> _Inflight:
         # with R router replicas a pick counts R times, a cold one at most
-        # replica_cold_picks times (RouterConfig)
+        # RouterConfig.cold_picks times
         picks: float = self.config.replicas
-        if cold and picks > self.config.replica_cold_picks:
-            picks = self.config.replica_cold_picks
+        if cold and picks > self._cold_picks:
+            picks = self._cold_picks
         counted = round(prefill_tokens * picks)
         flight = self._inflight[request_id] = _open_flight(view, counted)
         self._num_routed += 1
@@ -705,17 +706,24 @@ class RouterCore:
                 return False
             view = worker.view
             now = self._clock()
-            uncached = max(0, event.prompt_tokens - event.matched_tokens)
-            view.recent_prefill += uncached * self._recent_scale(now)
-            flight = self._replica_inflight[key] = _open_flight(view, uncached)
             array = np.asarray(event.block_hashes, dtype=np.uint64)
+            hashes: Sequence[int] = ()
+            depth = 0  # blocks of the prompt this router sees cached or predicted there
             if len(array) and self._policy.uses_matches and self._block_size is not None:
                 # the numba index takes the array; the dict index keys on ints
                 hashes = cast(Sequence[int], array) if self._hash_arrays else array.tolist()
                 self._index.expire(now)
-                start = min(event.matched_tokens // self._block_size, len(array))
+                depth = self._index.find_matches(hashes, touch=False).get(view.slot, 0)
+            # uncached by the better of the two views: the peer's pick was cold in its own
+            # when this router (or a third) had just started the same prefix there -- a
+            # burst's same-instant picks -- and the worker computes that prefix once
+            seen = min(depth * (self._block_size or 0), event.prompt_tokens)
+            uncached = max(0, event.prompt_tokens - max(event.matched_tokens, seen))
+            view.recent_prefill += uncached * self._recent_scale(now)
+            flight = self._replica_inflight[key] = _open_flight(view, uncached)
+            if len(hashes):
                 flight.held = self._index.predict(
-                    view.slot, hashes, now + self._ttl, start=start, hold=True
+                    view.slot, hashes, now + self._ttl, start=min(depth, len(hashes)), hold=True
                 )
             return True
         if isinstance(event, ReplicaFirstToken):

@@ -139,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="sim mode, --routers > 1: a cold pick (nothing of its prompt on the chosen "
         "worker) counts min(router replicas, this) times in the worker's queued prefill "
-        f"(RouterConfig.replica_cold_picks; default: the router's, {DEFAULT_REPLICA_COLD_PICKS})",
+        f"(RouterConfig.replica_cold_picks; default: the router's, {DEFAULT_REPLICA_COLD_PICKS} "
+        "without --replica-sync-delay-s, no cap with it)",
     )
     p.add_argument(
         "--replica-affinity-tokens",
@@ -527,7 +528,7 @@ def _run_sim(args, records, policies, setup, progress) -> ReplayReport:
             routers=config.num_routers,
             router_assignment=config.router_assignment,
             router_replicas=config.replicas,
-            replica_cold_picks=config.router.replica_cold_picks,
+            replica_cold_picks=config.router_config().cold_picks,
             replica_affinity_tokens=config.router_config().affinity_tokens,
             replica_sync_delay_s=config.replica_sync_delay_s,
         )

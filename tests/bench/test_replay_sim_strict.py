@@ -239,7 +239,7 @@ def test_cli_routers(tmp_path, capsys):
     report = json.loads(out.read_text())
     assert report["setup"]["replica_sync_delay_s"] == 0.0005
     assert report["policies"][0]["extra"]["replica_events"] > 0
-    assert report["setup"]["replica_cold_picks"] == 2.5  # the router's default
+    assert report["setup"]["replica_cold_picks"] == 2.0  # with sync: R, no cap
     assert report["setup"]["replica_sync_window_s"] == 0.0005  # auto: the sync delay
     window = ["--replica-sync-window-s", "inf", "--json", str(out)]
     assert main([*base, *sync, *window]) == 0

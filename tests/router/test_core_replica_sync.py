@@ -131,6 +131,41 @@ def test_dropping_a_peer_or_its_worker_forgets_its_requests(backend):
     assert not core.apply_replica("q", ReplicaFinished("r3"))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_peers_cold_pick_of_a_prefix_this_router_started_there_counts_its_suffix(backend):
+    """A burst's same-instant picks: a and b both start the same new prefix on one worker,
+    each cold in its own view. The worker computes the prefix once, so each router counts
+    the other's pick by what it already expects there: the suffix only."""
+    a = make_core(backend, replicas=2)
+    b = make_core(backend, replicas=2, seed=1)
+    heard: list[ReplicaEvent] = []
+    a.set_replica_listener(heard.append)
+    shared = prompt(320)
+    mine = b.route(RouteRequest("b1", np.concatenate([shared, prompt(48, 70_000)])))
+    theirs = a.route(
+        RouteRequest(
+            "a1",
+            np.concatenate([shared, prompt(64, 80_000)]),
+            exclude=frozenset(f"w{i}" for i in range(4)) - {mine.worker_id},
+        )
+    )
+    assert theirs.worker_id == mine.worker_id and theirs.matched_tokens == 0  # cold at a
+    view = b.worker_view(mine.worker_id)
+    before = view.inflight_prefill_tokens
+    (routed,) = heard
+    assert b.apply_replica("router-a", routed)
+    assert view.inflight_prefill_tokens == before + 64  # not + 384
+    # nothing else it knows changed: the first token takes off what the pick added
+    assert b.apply_replica("router-a", ReplicaFirstToken("a1"))
+    assert view.inflight_prefill_tokens == before
+    # where this router expects nothing, the peer's own match is what counts
+    other = next(f"w{i}" for i in range(4) if f"w{i}" != mine.worker_id)
+    assert b.apply_replica(
+        "router-a", ReplicaRouted("a2", other, prompt_tokens=384, matched_tokens=128)
+    )
+    assert b.worker_view(other).inflight_prefill_tokens == 256
+
+
 def test_the_burst_a_peer_started_is_where_this_router_sends_the_next_request():
     """The point of it: router b has no event yet, only a's pick, and follows it."""
     a = make_core("numba")
@@ -180,9 +215,11 @@ def test_with_sync_an_own_pick_counts_replicas_times_only_for_the_window(backend
     first = core.route(RouteRequest("cold", prompt(320)))
     view = core.worker_view(first.worker_id)
     cold_counted = view.inflight_prefill_tokens
-    assert cold_counted == round(320 * 2.5)  # a cold pick: replica_cold_picks times
+    # with sync a cold pick counts R times too (RouterConfig.cold_picks: no cap by default)
+    assert cold_counted == 320 * 4
     clock.t = 0.001
-    warm = core.route(RouteRequest("warm", prompt(400)))
+    others = frozenset(f"w{i}" for i in range(4)) - {first.worker_id}
+    warm = core.route(RouteRequest("warm", prompt(400), exclude=others))
     assert warm.worker_id == first.worker_id and warm.matched_tokens == 320
     assert view.inflight_prefill_tokens == cold_counted + 4 * 80
     # explain() sees what route() would: nothing settles before the window ends
@@ -231,7 +268,8 @@ def test_the_window_changes_nothing_without_sync_one_router_or_inf(backend, wind
     core, clock = synced_core(backend, window=window, replicas=replicas, sync=sync)
     d = core.route(RouteRequest("x", prompt(320)))
     counted = core.worker_view(d.worker_id).inflight_prefill_tokens
-    assert counted == round(320 * min(replicas, 2.5))
+    # a cold pick: no cap with sync, DEFAULT_REPLICA_COLD_PICKS without
+    assert counted == round(320 * (replicas if sync else min(replicas, 2.5)))
     clock.t = 10.0
     core.route(RouteRequest("y", prompt(16, start=7_000), exclude=frozenset({d.worker_id})))
     assert core.worker_view(d.worker_id).inflight_prefill_tokens == counted
@@ -264,7 +302,7 @@ def test_an_auto_window_follows_the_measured_delivery_time():
     view = core.worker_view(d.worker_id)
     clock.t = 0.018
     core.explain(RouteRequest("probe", prompt(16, start=10_000)))
-    assert view.inflight_prefill_tokens == 800
+    assert view.inflight_prefill_tokens == 320 * 4
     clock.t = 0.02
     core.explain(RouteRequest("probe", prompt(16, start=10_000)))
     assert view.inflight_prefill_tokens == 320
