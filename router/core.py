@@ -708,22 +708,24 @@ class RouterCore:
             now = self._clock()
             array = np.asarray(event.block_hashes, dtype=np.uint64)
             hashes: Sequence[int] = ()
-            depth = 0  # blocks of the prompt this router sees cached or predicted there
+            seen = 0  # tokens of the prompt this router sees cached or predicted there
             if len(array) and self._policy.uses_matches and self._block_size is not None:
                 # the numba index takes the array; the dict index keys on ints
                 hashes = cast(Sequence[int], array) if self._hash_arrays else array.tolist()
                 self._index.expire(now)
                 depth = self._index.find_matches(hashes, touch=False).get(view.slot, 0)
+                # the blocks either view has there are not entered again
+                start = max(depth, event.matched_tokens // self._block_size)
+                seen = min(depth * self._block_size, event.prompt_tokens)
             # uncached by the better of the two views: the peer's pick was cold in its own
             # when this router (or a third) had just started the same prefix there -- a
             # burst's same-instant picks -- and the worker computes that prefix once
-            seen = min(depth * (self._block_size or 0), event.prompt_tokens)
             uncached = max(0, event.prompt_tokens - max(event.matched_tokens, seen))
             view.recent_prefill += uncached * self._recent_scale(now)
             flight = self._replica_inflight[key] = _open_flight(view, uncached)
             if len(hashes):
                 flight.held = self._index.predict(
-                    view.slot, hashes, now + self._ttl, start=min(depth, len(hashes)), hold=True
+                    view.slot, hashes, now + self._ttl, start=min(start, len(hashes)), hold=True
                 )
             return True
         if isinstance(event, ReplicaFirstToken):
