@@ -155,12 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--replica-cold-picks",
         type=float,
-        default=None,
+        default=DEFAULT_REPLICA_COLD_PICKS,
         help="with --replicas R > 1, a cold pick (nothing of its prompt cached on the chosen "
-        "worker) counts min(R, this) times instead of R: without --replica-sync the other "
-        "replicas' same-instant picks there would mostly find its prefix and add only their "
-        f"suffixes (default: {DEFAULT_REPLICA_COLD_PICKS} without --replica-sync; no cap "
-        "with it, where the others' picks arrive and count by this router's own view)",
+        "worker) counts min(R, this) times instead of R: the other replicas' same-instant "
+        "picks there would mostly find its prefix and add only their suffixes "
+        "(default %(default)s)",
     )
     p.add_argument(
         "--replica-affinity-tokens",

@@ -203,7 +203,7 @@ class RouterCore:
             else config.replica_sync_window_s
         )
         self._unsettled: deque[tuple[float, str, _Inflight, int]] = deque()
-        self._cold_picks = config.cold_picks  # RouterConfig.replica_cold_picks, resolved
+        self._peer_view = config.replica_peer_view
         self._num_routed = 0
         # recent prefill per worker decays as exp(-t / window); views hold it scaled by
         # exp((t - t0) / window) so that a route touches one view, not all (see _recent_scale)
@@ -568,10 +568,10 @@ class RouterCore:
         self, request_id: str, view: WorkerView, prefill_tokens: int, cold: bool, now: float
     ) -> _Inflight:
         # with R router replicas a pick counts R times, a cold one at most
-        # RouterConfig.cold_picks times
+        # replica_cold_picks times (RouterConfig)
         picks: float = self.config.replicas
-        if cold and picks > self._cold_picks:
-            picks = self._cold_picks
+        if cold and picks > self.config.replica_cold_picks:
+            picks = self.config.replica_cold_picks
         counted = round(prefill_tokens * picks)
         flight = self._inflight[request_id] = _open_flight(view, counted)
         self._num_routed += 1
@@ -713,13 +713,16 @@ class RouterCore:
                 # the numba index takes the array; the dict index keys on ints
                 hashes = cast(Sequence[int], array) if self._hash_arrays else array.tolist()
                 self._index.expire(now)
-                depth = self._index.find_matches(hashes, touch=False).get(view.slot, 0)
-                # the blocks either view has there are not entered again
-                start = max(depth, event.matched_tokens // self._block_size)
-                seen = min(depth * self._block_size, event.prompt_tokens)
-            # uncached by the better of the two views: the peer's pick was cold in its own
-            # when this router (or a third) had just started the same prefix there -- a
-            # burst's same-instant picks -- and the worker computes that prefix once
+                start = event.matched_tokens // self._block_size
+                if self._peer_view:  # RouterConfig.replica_peer_view
+                    depth = self._index.find_matches(hashes, touch=False).get(view.slot, 0)
+                    # the blocks either view has there are not entered again
+                    start = max(depth, start)
+                    seen = min(depth * self._block_size, event.prompt_tokens)
+            # with replica_peer_view, uncached by the better of the two views: the peer's
+            # pick was cold in its own when this router (or a third) had just started the
+            # same prefix there -- a burst's same-instant picks -- and the worker computes
+            # that prefix once
             uncached = max(0, event.prompt_tokens - max(event.matched_tokens, seen))
             view.recent_prefill += uncached * self._recent_scale(now)
             flight = self._replica_inflight[key] = _open_flight(view, uncached)

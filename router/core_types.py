@@ -31,12 +31,9 @@ __all__ = [
 
 DEFAULT_RECENT_WINDOW_S = 30.0  # decay time constant of each worker's recent prefill
 DEFAULT_RECENT_DECODE_RATIO = 0.5  # recent-sum tokens per generated token of a finished request
-# RouterConfig.replica_cold_picks' default for replicas without sync: chosen on cold-bursts
-# seeds 200-204 at 4, 8 and 16 workers (two routers: R = 2 picks best of 1.35-2; four: 2.5
-# best of 1.75-4; the training workloads did not tell the values apart); reported on other
-# seeds (BENCHMARKS.md, several routers). With sync no cap: a peer's pick counts by this
-# router's own view of the worker (RouterCore.apply_replica), and the cap was then measured
-# to spread bursts again (BENCHMARKS.md, "A peer's pick counted by the receiver's view")
+# RouterConfig.replica_cold_picks: chosen on cold-bursts seeds 200-204 at 4, 8 and 16 workers
+# (two routers: R = 2 picks best of 1.35-2; four: 2.5 best of 1.75-4; the training workloads
+# did not tell the values apart); reported on other seeds (BENCHMARKS.md, several routers)
 DEFAULT_REPLICA_COLD_PICKS = 2.5
 # RouterConfig.replica_affinity_tokens' default for replicas without sync: chosen on
 # cold-bursts seeds 200-204 at 4, 8 and 16 workers with two and four routers (rank-graded
@@ -79,13 +76,17 @@ class RouterConfig:
     estimate until its first token: the others, seeing the same events and load reports,
     are likely placing the same burst the same way; a load report showing more still wins
     (BENCHMARKS.md, several routers). ``replica_cold_picks``: a cold pick (nothing of its
-    prompt cached or predicted on the chosen worker) counts min(R, this) times: without
-    sync, the other replicas' same-instant picks of that worker would mostly find its
-    prefix there and add only their suffixes, so counting it R times spread a burst over
-    every worker. None (default): DEFAULT_REPLICA_COLD_PICKS without sync, no cap with it
-    (:attr:`cold_picks`).
+    prompt cached or predicted on the chosen worker) counts min(R, this) times: the other
+    replicas' same-instant picks of that worker would mostly find its prefix there and add
+    only their suffixes, so counting it R times spread a burst over every worker.
     ``replica_sync``: the replicas tell each other their picks (``kvroute router
-    --replica-sync``). ``replica_sync_window_s``: with sync, an own pick counts R times
+    --replica-sync``). ``replica_peer_view`` (off; an experiment, ``kvroute replay
+    --replica-peer-view``): a peer's pick counts the tokens uncached by the better of the
+    peer's view and this router's own (RouterCore.apply_replica), instead of the peer's
+    alone -- exact once the picks have arrived, but it needs no cap on a cold pick where the
+    sync is fast and the cap where it is slow (BENCHMARKS.md, "A peer's pick counted by the
+    receiver's own view"), so it is not the default. ``replica_sync_window_s``: with sync,
+    an own pick counts R times
     (as above) only this long after it is placed, then once: by then the other replicas'
     picks of the same moment have arrived through the sync and count themselves, so
     counting it R times too would count the burst twice and spread it over too many
@@ -117,9 +118,10 @@ class RouterConfig:
     backlog_tokens: float = DEFAULT_BACKLOG_TOKENS
     recent_decode_ratio: float = DEFAULT_RECENT_DECODE_RATIO
     replicas: int = 1
-    replica_cold_picks: float | None = None
+    replica_cold_picks: float = DEFAULT_REPLICA_COLD_PICKS
     replica_sync: bool = False
     replica_sync_window_s: float | None = None
+    replica_peer_view: bool = False
     replica_affinity_tokens: float | None = None
     index_backend: str = "numba"
     spread_weight: float = 0.0  # the cost's spread term (router.policy; 0: off)
@@ -129,9 +131,10 @@ class RouterConfig:
             raise ValueError(f"index_backend must be dict or numba, got {self.index_backend!r}")
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
-        cold = self.replica_cold_picks
-        if cold is not None and not 1 <= cold < float("inf"):  # NaN too
-            raise ValueError(f"replica_cold_picks must be finite and >= 1 or None, got {cold}")
+        if not 1 <= self.replica_cold_picks < float("inf"):  # NaN too
+            raise ValueError(
+                f"replica_cold_picks must be finite and >= 1, got {self.replica_cold_picks}"
+            )
         window = self.replica_sync_window_s
         if window is not None and not window >= 0:  # NaN too; inf allowed
             raise ValueError(f"replica_sync_window_s must be >= 0 or None, got {window}")
@@ -151,15 +154,6 @@ class RouterConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_indexed_blocks < 1:
             raise ValueError(f"max_indexed_blocks must be >= 1, got {self.max_indexed_blocks}")
-
-    @property
-    def cold_picks(self) -> float:
-        """How many times a cold pick counts at most: ``replica_cold_picks``, or its default
-        when None (DEFAULT_REPLICA_COLD_PICKS without sync; with sync ``replicas``, no cap:
-        the peers' picks count by this router's own view of the worker)."""
-        if self.replica_cold_picks is not None:
-            return self.replica_cold_picks
-        return float(self.replicas) if self.replica_sync else DEFAULT_REPLICA_COLD_PICKS
 
     @property
     def affinity_tokens(self) -> float:

@@ -139,8 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="sim mode, --routers > 1: a cold pick (nothing of its prompt on the chosen "
         "worker) counts min(router replicas, this) times in the worker's queued prefill "
-        f"(RouterConfig.replica_cold_picks; default: the router's, {DEFAULT_REPLICA_COLD_PICKS} "
-        "without --replica-sync-delay-s, no cap with it)",
+        f"(RouterConfig.replica_cold_picks; default: the router's, {DEFAULT_REPLICA_COLD_PICKS})",
     )
     p.add_argument(
         "--replica-affinity-tokens",
@@ -149,6 +148,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="sim mode, --routers > 1: the cost's affinity term, the same order of "
         "preference on every router for a new prefix (RouterConfig.replica_affinity_tokens; "
         f"default: {DEFAULT_REPLICA_AFFINITY_TOKENS:g} without replica sync, 0 with it; 0: off)",
+    )
+    p.add_argument(
+        "--replica-peer-view",
+        action="store_true",
+        help="sim mode, with --replica-sync-delay-s: each router counts a peer's pick by the "
+        "better of the peer's view and its own of what the worker holds "
+        "(RouterConfig.replica_peer_view; an experiment, off by default: BENCHMARKS.md, "
+        "\"A peer's pick counted by the receiver's own view\")",
     )
     p.add_argument(
         "--replica-sync-delay-s",
@@ -462,6 +469,10 @@ def _sim_config(args: argparse.Namespace):  # -> SimConfig
         router = replace(router, prefix_hash_blocks=args.prefix_hash_blocks)
     if args.replica_cold_picks is not None:
         router = replace(router, replica_cold_picks=args.replica_cold_picks)
+    if args.replica_peer_view:
+        if args.replica_sync_delay_s is None:
+            raise ValueError("--replica-peer-view needs --replica-sync-delay-s")
+        router = replace(router, replica_peer_view=True)
     if args.replica_affinity_tokens is not None:
         if args.routers < 2:
             raise ValueError("--replica-affinity-tokens needs --routers 2 or more")
@@ -528,11 +539,12 @@ def _run_sim(args, records, policies, setup, progress) -> ReplayReport:
             routers=config.num_routers,
             router_assignment=config.router_assignment,
             router_replicas=config.replicas,
-            replica_cold_picks=config.router_config().cold_picks,
+            replica_cold_picks=config.router.replica_cold_picks,
             replica_affinity_tokens=config.router_config().affinity_tokens,
             replica_sync_delay_s=config.replica_sync_delay_s,
         )
         if config.replica_sync_delay_s is not None:
+            setup["replica_peer_view"] = config.router.replica_peer_view
             window = config.router_config().replica_sync_window_s
             setup["replica_sync_window_s"] = window if window != float("inf") else "inf"
     setup.update(strict_settings(args))

@@ -239,7 +239,12 @@ def test_cli_routers(tmp_path, capsys):
     report = json.loads(out.read_text())
     assert report["setup"]["replica_sync_delay_s"] == 0.0005
     assert report["policies"][0]["extra"]["replica_events"] > 0
-    assert report["setup"]["replica_cold_picks"] == 2.0  # with sync: R, no cap
+    assert report["setup"]["replica_cold_picks"] == 2.5  # the router's default
+    assert report["setup"]["replica_peer_view"] is False  # off unless asked
+    assert main([*base, *sync, "--replica-peer-view", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["setup"]["replica_peer_view"] is True
+    assert main([*base, "--routers", "2", "--replica-peer-view"]) == 2
+    assert "--replica-peer-view needs --replica-sync-delay-s" in capsys.readouterr().err
     assert report["setup"]["replica_sync_window_s"] == 0.0005  # auto: the sync delay
     window = ["--replica-sync-window-s", "inf", "--json", str(out)]
     assert main([*base, *sync, *window]) == 0

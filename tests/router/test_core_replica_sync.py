@@ -15,9 +15,13 @@ B = 16
 BACKENDS = ("numba", "dict")
 
 
-def make_core(backend: str, replicas: int = 1, seed: int = 0) -> RouterCore:
+def make_core(
+    backend: str, replicas: int = 1, seed: int = 0, peer_view: bool = False
+) -> RouterCore:
     core = RouterCore(
-        RouterConfig(block_size=B, replicas=replicas, index_backend=backend),
+        RouterConfig(
+            block_size=B, replicas=replicas, index_backend=backend, replica_peer_view=peer_view
+        ),
         clock=lambda: 0.0,
         rng=random.Random(seed),
     )
@@ -132,12 +136,14 @@ def test_dropping_a_peer_or_its_worker_forgets_its_requests(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_peers_cold_pick_of_a_prefix_this_router_started_there_counts_its_suffix(backend):
+@pytest.mark.parametrize("peer_view", [False, True])
+def test_a_peers_cold_pick_of_a_prefix_this_router_started_there(backend, peer_view):
     """A burst's same-instant picks: a and b both start the same new prefix on one worker,
-    each cold in its own view. The worker computes the prefix once, so each router counts
-    the other's pick by what it already expects there: the suffix only."""
+    each cold in its own view. By default b counts a's pick as a saw it (all of it); with
+    replica_peer_view by what b already expects there (the worker computes the prefix
+    once): the suffix only. Either way its first token takes off exactly what it added."""
     a = make_core(backend, replicas=2)
-    b = make_core(backend, replicas=2, seed=1)
+    b = make_core(backend, replicas=2, seed=1, peer_view=peer_view)
     heard: list[ReplicaEvent] = []
     a.set_replica_listener(heard.append)
     shared = prompt(320)
@@ -154,8 +160,7 @@ def test_a_peers_cold_pick_of_a_prefix_this_router_started_there_counts_its_suff
     before = view.inflight_prefill_tokens
     (routed,) = heard
     assert b.apply_replica("router-a", routed)
-    assert view.inflight_prefill_tokens == before + 64  # not + 384
-    # nothing else it knows changed: the first token takes off what the pick added
+    assert view.inflight_prefill_tokens == before + (64 if peer_view else 384)
     assert b.apply_replica("router-a", ReplicaFirstToken("a1"))
     assert view.inflight_prefill_tokens == before
     # where this router expects nothing, the peer's own match is what counts
@@ -215,11 +220,9 @@ def test_with_sync_an_own_pick_counts_replicas_times_only_for_the_window(backend
     first = core.route(RouteRequest("cold", prompt(320)))
     view = core.worker_view(first.worker_id)
     cold_counted = view.inflight_prefill_tokens
-    # with sync a cold pick counts R times too (RouterConfig.cold_picks: no cap by default)
-    assert cold_counted == 320 * 4
+    assert cold_counted == round(320 * 2.5)  # a cold pick: replica_cold_picks times
     clock.t = 0.001
-    others = frozenset(f"w{i}" for i in range(4)) - {first.worker_id}
-    warm = core.route(RouteRequest("warm", prompt(400), exclude=others))
+    warm = core.route(RouteRequest("warm", prompt(400)))
     assert warm.worker_id == first.worker_id and warm.matched_tokens == 320
     assert view.inflight_prefill_tokens == cold_counted + 4 * 80
     # explain() sees what route() would: nothing settles before the window ends
@@ -268,8 +271,7 @@ def test_the_window_changes_nothing_without_sync_one_router_or_inf(backend, wind
     core, clock = synced_core(backend, window=window, replicas=replicas, sync=sync)
     d = core.route(RouteRequest("x", prompt(320)))
     counted = core.worker_view(d.worker_id).inflight_prefill_tokens
-    # a cold pick: no cap with sync, DEFAULT_REPLICA_COLD_PICKS without
-    assert counted == round(320 * (replicas if sync else min(replicas, 2.5)))
+    assert counted == round(320 * min(replicas, 2.5))
     clock.t = 10.0
     core.route(RouteRequest("y", prompt(16, start=7_000), exclude=frozenset({d.worker_id})))
     assert core.worker_view(d.worker_id).inflight_prefill_tokens == counted
@@ -302,7 +304,7 @@ def test_an_auto_window_follows_the_measured_delivery_time():
     view = core.worker_view(d.worker_id)
     clock.t = 0.018
     core.explain(RouteRequest("probe", prompt(16, start=10_000)))
-    assert view.inflight_prefill_tokens == 320 * 4
+    assert view.inflight_prefill_tokens == 800
     clock.t = 0.02
     core.explain(RouteRequest("probe", prompt(16, start=10_000)))
     assert view.inflight_prefill_tokens == 320

@@ -1,7 +1,7 @@
 """RouterConfig.replicas: with R router replicas, each pick counts R times in the worker's
 queued-prefill estimate until its first token (the others are likely placing alike); a
-cold pick at most RouterConfig.cold_picks times (without sync, the others' same-instant
-picks would mostly find its prefix predicted there)."""
+cold pick at most replica_cold_picks times (the others' same-instant picks would mostly
+find its prefix predicted there)."""
 
 from __future__ import annotations
 
@@ -91,24 +91,3 @@ def test_replicas_must_be_positive():
 def test_the_cold_picks_must_be_at_least_one(bad):
     with pytest.raises(ValueError, match="replica_cold_picks must be finite and >= 1"):
         RouterConfig(replica_cold_picks=bad)
-
-
-@pytest.mark.parametrize(
-    ("replicas", "sync", "given", "cold_picks"),
-    [
-        (4, False, None, 2.5),  # without sync: DEFAULT_REPLICA_COLD_PICKS
-        (4, True, None, 4.0),  # with sync: no cap (peers' picks count by the own view)
-        (3, True, None, 3.0),
-        (4, True, 1.5, 1.5),  # a given value holds either way
-        (4, False, 1.5, 1.5),
-    ],
-)
-def test_the_cold_picks_default_follows_the_sync(replicas, sync, given, cold_picks):
-    config = RouterConfig(
-        block_size=B, replicas=replicas, replica_sync=sync, replica_cold_picks=given
-    )
-    assert config.cold_picks == cold_picks
-    core = RouterCore(config, clock=lambda: 0.0, rng=random.Random(0))
-    core.add_worker("w0", block_size=B)
-    d = core.route(RouteRequest("r", np.arange(320, dtype=np.uint32)))
-    assert core.worker_view(d.worker_id).queued_prefill_tokens == round(320 * cold_picks)

@@ -93,11 +93,7 @@ def test_router_defaults():
         ("--registry-grace-s", "-1", "(--registry-grace-s) must be >= 0, got -1.0"),
         ("--admission-window", "0", "(--admission-window) must be >= 1, got 0"),
         ("--replicas", "0", "replicas must be >= 1, got 0"),
-        (
-            "--replica-cold-picks",
-            "0.5",
-            "replica_cold_picks must be finite and >= 1 or None, got 0.5",
-        ),
+        ("--replica-cold-picks", "0.5", "replica_cold_picks must be finite and >= 1, got 0.5"),
         (
             "--replica-affinity-tokens",
             "-1",
@@ -251,9 +247,7 @@ def test_replicas_reach_the_core_config():
     assert cli.config_from_args(args).core.replicas == 3
     args = cli.build_parser().parse_args(["--worker", "h:1"])
     assert cli.config_from_args(args).core.replicas == 1
-    assert cli.config_from_args(args).core.replica_cold_picks is None  # the mode's default
-    args = cli.build_parser().parse_args(["--worker", "h:1", "--replicas", "4"])
-    assert cli.config_from_args(args).core.cold_picks == 2.5  # without sync
+    assert cli.config_from_args(args).core.replica_cold_picks == 2.5
     args = cli.build_parser().parse_args(["--worker", "h:1", "--replica-cold-picks", "4"])
     assert cli.config_from_args(args).core.replica_cold_picks == 4.0
 
