@@ -318,6 +318,19 @@ def _fill(index: AnyIndex, cfg: ScaleConfig, system_hashes: list[list[int]]) -> 
         c += 1
 
 
+def _system_prompts(
+    cfg: ScaleConfig, rng: np.random.Generator
+) -> tuple[list[np.ndarray], list[list[int]]]:
+    """The scale section's system prompts and their block hashes (RouteRequest's default
+    partition seeds the hashes route() computes: the index stores the same)."""
+    systems = [
+        rng.integers(0, VOCAB, cfg.system_tokens, dtype=np.uint32)
+        for _ in range(cfg.num_system_prompts)
+    ]
+    seed = DEFAULT_PARTITION.seed
+    return systems, [block_hashes(s, cfg.block_size, seed).tolist() for s in systems]
+
+
 def bench_scale(
     cfg: ScaleConfig,
     metrics: RouterMetrics | None = None,
@@ -327,13 +340,7 @@ def bench_scale(
 ) -> dict[str, float]:
     rng = np.random.default_rng(cfg.seed)
     bs = cfg.block_size
-    systems = [
-        rng.integers(0, VOCAB, cfg.system_tokens, dtype=np.uint32)
-        for _ in range(cfg.num_system_prompts)
-    ]
-    # RouteRequest's default partition seeds the hashes route() computes: store the same
-    seed = DEFAULT_PARTITION.seed
-    system_hashes = [block_hashes(s, bs, seed).tolist() for s in systems]
+    systems, system_hashes = _system_prompts(cfg, rng)
     results: dict[str, float] = {}
 
     if memory:

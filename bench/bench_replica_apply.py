@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-from bench.bench_index import VOCAB, ScaleConfig, _fill
+from bench.bench_index import VOCAB, ScaleConfig, _fill, _system_prompts
 from kvroute_proto.events import DEFAULT_PARTITION
 from kvroute_proto.hashing import block_hashes
 from router.core import RouterConfig, RouterCore, RouteRequest
@@ -46,12 +46,8 @@ def bench_apply(cfg: ScaleConfig, num_events: int, backend: str = "numba") -> di
     """p50/p99/mean µs of apply_replica (routed; first token + finish) and of route."""
     rng = np.random.default_rng(cfg.seed)
     bs = cfg.block_size
-    systems = [
-        rng.integers(0, VOCAB, cfg.system_tokens, dtype=np.uint32)
-        for _ in range(cfg.num_system_prompts)
-    ]
+    systems, system_hashes = _system_prompts(cfg, rng)
     seed = DEFAULT_PARTITION.seed
-    system_hashes = [block_hashes(s, bs, seed).tolist() for s in systems]
     now = [0.0]
     config = RouterConfig(
         block_size=bs,
