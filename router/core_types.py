@@ -86,12 +86,11 @@ class RouterConfig:
     alone -- exact once the picks have arrived, but it needs no cap on a cold pick where the
     sync is fast and the cap where it is slow (BENCHMARKS.md, "A peer's pick counted by the
     receiver's own view"), so it is not the default. ``replica_sync_window_s``: with sync,
-    an own pick counts R times
-    (as above) only this long after it is placed, then once: by then the other replicas'
-    picks of the same moment have arrived through the sync and count themselves, so
-    counting it R times too would count the burst twice and spread it over too many
-    workers, while a window shorter than the sync's delivery time lets the replicas herd
-    in between. None (default): the sync's own measured delivery time
+    an own pick counts R times (as above) only this long after it is placed, then once:
+    by then the other replicas' picks of the same moment have arrived through the sync and
+    count themselves, so counting it R times too would count the burst twice and spread it
+    over too many workers, while a window shorter than the sync's delivery time lets the
+    replicas herd in between. None (default): the sync's own measured delivery time
     (:meth:`RouterCore.observe_replica_sync_delay`), INITIAL_REPLICA_SYNC_WINDOW_S until
     it is measured; inf keeps the R times until the first token (as without sync).
     ``replica_affinity_tokens``: the cost's affinity term
