@@ -27,23 +27,16 @@ import time
 
 import numpy as np
 
-from bench.bench_index import VOCAB, ScaleConfig, _fill, _system_prompts
+from bench.bench_index import VOCAB, ScaleConfig, _fill, _route_percentiles, _system_prompts
 from kvroute_proto.events import DEFAULT_PARTITION
 from kvroute_proto.hashing import block_hashes
 from router.core import RouterConfig, RouterCore, RouteRequest
 from router.core_types import ReplicaFinished, ReplicaFirstToken, ReplicaRouted
 
 
-def _percentiles(prefix: str, ns: np.ndarray) -> dict[str, float]:
-    return {
-        f"{prefix}_p50_us": float(np.percentile(ns, 50)) / 1000,
-        f"{prefix}_p99_us": float(np.percentile(ns, 99)) / 1000,
-        f"{prefix}_mean_us": float(ns.mean()) / 1000,
-    }
-
-
 def bench_apply(cfg: ScaleConfig, num_events: int, backend: str = "numba") -> dict[str, float]:
-    """p50/p99/mean µs of apply_replica (routed; first token + finish) and of route."""
+    """p50/p99 µs (wall and thread CPU) of apply_replica (routed; first token + finish)
+    and of route."""
     rng = np.random.default_rng(cfg.seed)
     bs = cfg.block_size
     systems, system_hashes = _system_prompts(cfg, rng)
@@ -81,24 +74,24 @@ def bench_apply(cfg: ScaleConfig, num_events: int, backend: str = "numba") -> di
         matched = cfg.system_tokens if holder else 0
         events.append(ReplicaRouted(f"p{i}", worker, len(tokens), matched, hashes))
     own = [prompt(i) for i in range(num_events)]
-    routed = np.empty(num_events)
-    ended = np.empty(num_events)
-    route = np.empty(num_events)
+    # wall and thread-CPU ns per section: a peer's pick, its first token + finish, own route
+    wall = np.empty((3, num_events))
+    cpu = np.empty((3, num_events))
     applied = 0
     gc.collect()
     gc.freeze()  # as the router service does after start-up
     try:
         for i, event in enumerate(events):
-            t0 = time.perf_counter_ns()
+            c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
             applied += core.apply_replica("peer", event)
-            routed[i] = time.perf_counter_ns() - t0
-            t0 = time.perf_counter_ns()
+            c1, t1 = time.thread_time_ns(), time.perf_counter_ns()
             core.route(RouteRequest(f"r{i}", own[i]))
-            route[i] = time.perf_counter_ns() - t0
-            t0 = time.perf_counter_ns()
+            c2, t2 = time.thread_time_ns(), time.perf_counter_ns()
             applied += core.apply_replica("peer", ReplicaFirstToken(event.request_id))
             applied += core.apply_replica("peer", ReplicaFinished(event.request_id, 16))
-            ended[i] = time.perf_counter_ns() - t0
+            c3, t3 = time.thread_time_ns(), time.perf_counter_ns()
+            wall[:, i] = (t1 - t0, t3 - t2, t2 - t1)
+            cpu[:, i] = (c1 - c0, c3 - c2, c2 - c1)
             core.on_first_token(f"r{i}")
             core.on_finished(f"r{i}")
             now[0] += 0.01
@@ -109,9 +102,8 @@ def bench_apply(cfg: ScaleConfig, num_events: int, backend: str = "numba") -> di
         raise RuntimeError(f"applied {applied} of {3 * num_events} events, {left} left in flight")
     skip = min(100, num_events // 10)
     results: dict[str, float] = {"events_applied": applied}
-    results.update(_percentiles("apply_routed", routed[skip:]))
-    results.update(_percentiles("apply_first_token_and_finish", ended[skip:]))
-    results.update(_percentiles("route", route[skip:]))
+    for k, name in enumerate(("apply_routed", "apply_first_token_and_finish", "route")):
+        results.update(_route_percentiles(name, wall[k, skip:], cpu[k, skip:]))
     results["apply_routed_over_route_p50"] = (
         results["apply_routed_p50_us"] / results["route_p50_us"]
     )

@@ -203,7 +203,6 @@ class RouterCore:
             else config.replica_sync_window_s
         )
         self._unsettled: deque[tuple[float, str, _Inflight, int]] = deque()
-        self._peer_view = config.replica_peer_view
         self._num_routed = 0
         # recent prefill per worker decays as exp(-t / window); views hold it scaled by
         # exp((t - t0) / window) so that a route touches one view, not all (see _recent_scale)
@@ -708,13 +707,14 @@ class RouterCore:
             now = self._clock()
             array = np.asarray(event.block_hashes, dtype=np.uint64)
             hashes: Sequence[int] = ()
+            start = 0  # the first block to enter as predicted there
             seen = 0  # tokens of the prompt this router sees cached or predicted there
             if len(array) and self._policy.uses_matches and self._block_size is not None:
                 # the numba index takes the array; the dict index keys on ints
                 hashes = cast(Sequence[int], array) if self._hash_arrays else array.tolist()
                 self._index.expire(now)
                 start = event.matched_tokens // self._block_size
-                if self._peer_view:  # RouterConfig.replica_peer_view
+                if self.config.replica_peer_view:
                     depth = self._index.find_matches(hashes, touch=False).get(view.slot, 0)
                     # the blocks either view has there are not entered again
                     start = max(depth, start)
