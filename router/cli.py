@@ -31,6 +31,7 @@ from router.core_types import (
     DEFAULT_RECENT_WINDOW_S,
     DEFAULT_REPLICA_AFFINITY_TOKENS,
     DEFAULT_REPLICA_COLD_PICKS,
+    DEFAULT_REPLICA_COLD_WINDOW_PICKS,
     INITIAL_REPLICA_SYNC_WINDOW_S,
 )
 from router.policy import DEFAULT_BACKLOG_TOKENS, CostWeights, policy_names
@@ -160,6 +161,25 @@ def build_parser() -> argparse.ArgumentParser:
         "worker) counts min(R, this) times instead of R: the other replicas' same-instant "
         "picks there would mostly find its prefix and add only their suffixes "
         "(default %(default)s)",
+    )
+    p.add_argument(
+        "--replica-peer-view",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --replica-sync: a peer's pick counts the tokens uncached by the better of "
+        "the peer's view and this router's own of what the worker holds (the replicas start "
+        "a burst on one worker in the same instant and the worker computes its prefix once); "
+        "--no-replica-peer-view: the peer's view alone, every cold pick capped "
+        "(default: on)",
+    )
+    p.add_argument(
+        "--replica-cold-window-picks",
+        type=int,
+        default=DEFAULT_REPLICA_COLD_WINDOW_PICKS,
+        help="with --replica-sync and the peer view: a cold pick counts --replicas times, not "
+        "capped by --replica-cold-picks, while the most of this router's own picks found "
+        "inside their sync window at once, over the last minute or two, stays under this "
+        "(the sync keeps pace with the router); 0: always capped (default %(default)s)",
     )
     p.add_argument(
         "--replica-affinity-tokens",
@@ -331,6 +351,8 @@ def config_from_args(
             recent_decode_ratio=args.recent_decode_ratio,
             replicas=args.replicas,
             replica_cold_picks=args.replica_cold_picks,
+            replica_peer_view=args.replica_peer_view,
+            replica_cold_window_picks=args.replica_cold_window_picks,
             replica_sync=args.replica_sync,
             replica_sync_window_s=args.replica_sync_window_s,
             replica_affinity_tokens=args.replica_affinity_tokens,

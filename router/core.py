@@ -44,6 +44,7 @@ from kvroute_proto.hashing import as_token_array, block_hashes, enable_compiled
 from router.core_types import (  # the API's value types live there; re-exported here
     INITIAL_REPLICA_SYNC_WINDOW_S,
     REPLICA_SYNC_WINDOW_DECAY,
+    REPLICA_WINDOW_PICKS_PERIOD_S,
     Action,
     Explanation,
     ReplicaEvent,
@@ -203,6 +204,18 @@ class RouterCore:
             else config.replica_sync_window_s
         )
         self._unsettled: deque[tuple[float, str, _Inflight, int]] = deque()
+        # with sync and the peer view, a cold pick counts R times (not capped) while the
+        # most own picks inside their window at once, lately, stays under this (0: never;
+        # RouterConfig.replica_cold_window_picks): that most in the current period of
+        # REPLICA_WINDOW_PICKS_PERIOD_S and in the one before it, and when this one began
+        self._cold_window_picks = (
+            config.replica_cold_window_picks
+            if config.replica_peer_view and self._sync_window_s != math.inf
+            else 0
+        )
+        self._window_picks_now = 0
+        self._window_picks_before = 0
+        self._window_picks_since = clock()
         self._num_routed = 0
         # recent prefill per worker decays as exp(-t / window); views hold it scaled by
         # exp((t - t0) / window) so that a route touches one view, not all (see _recent_scale)
@@ -567,9 +580,16 @@ class RouterCore:
         self, request_id: str, view: WorkerView, prefill_tokens: int, cold: bool, now: float
     ) -> _Inflight:
         # with R router replicas a pick counts R times, a cold one at most
-        # replica_cold_picks times (RouterConfig)
+        # replica_cold_picks times -- unless the sync keeps pace with this router: lately
+        # fewer than replica_cold_window_picks of its own picks in one window (RouterConfig)
         picks: float = self.config.replicas
-        if cold and picks > self.config.replica_cold_picks:
+        if self._cold_window_picks:
+            self._note_window_picks(now)
+        if (
+            cold
+            and picks > self.config.replica_cold_picks
+            and max(self._window_picks_now, self._window_picks_before) >= self._cold_window_picks
+        ):
             picks = self.config.replica_cold_picks
         counted = round(prefill_tokens * picks)
         flight = self._inflight[request_id] = _open_flight(view, counted)
@@ -580,6 +600,19 @@ class RouterCore:
             due = now + self._sync_window_s
             self._unsettled.append((due, request_id, flight, counted - prefill_tokens))
         return flight
+
+    def _note_window_picks(self, now: float) -> None:
+        """Keep the most own picks found inside their sync window (placed, not settled)
+        at one pick, per period of REPLICA_WINDOW_PICKS_PERIOD_S."""
+        if now - self._window_picks_since >= REPLICA_WINDOW_PICKS_PERIOD_S:
+            # a period with no pick at all leaves nothing to carry over
+            late = now - self._window_picks_since >= 2 * REPLICA_WINDOW_PICKS_PERIOD_S
+            self._window_picks_before = 0 if late else self._window_picks_now
+            self._window_picks_now = 0
+            self._window_picks_since = now
+        held = len(self._unsettled)
+        if held > self._window_picks_now:
+            self._window_picks_now = held
 
     @property
     def replica_sync_window_s(self) -> float:

@@ -35,6 +35,14 @@ DEFAULT_RECENT_DECODE_RATIO = 0.5  # recent-sum tokens per generated token of a 
 # (two routers: R = 2 picks best of 1.35-2; four: 2.5 best of 1.75-4; the training workloads
 # did not tell the values apart); reported on other seeds (BENCHMARKS.md, several routers)
 DEFAULT_REPLICA_COLD_PICKS = 2.5
+# RouterConfig.replica_cold_window_picks: chosen on cold-bursts seeds 200-204 at 4, 8 and 16
+# workers, four routers, in three settings (--strict with a 0.5 ms and with a 5 ms sync, the
+# plain sim); reported on other seeds (BENCHMARKS.md, "A cold pick's count that follows the
+# sync's pace")
+DEFAULT_REPLICA_COLD_WINDOW_PICKS = 3
+# how long the most own picks one sync window held is remembered (RouterCore): between one
+# and two of these
+REPLICA_WINDOW_PICKS_PERIOD_S = 60.0
 # RouterConfig.replica_affinity_tokens' default for replicas without sync: chosen on
 # cold-bursts seeds 200-204 at 4, 8 and 16 workers with two and four routers (rank-graded
 # 600-1,500 and top-k variants tried; BENCHMARKS.md, the replicas' shared order)
@@ -80,19 +88,27 @@ class RouterConfig:
     replicas' same-instant picks of that worker would mostly find its prefix there and add
     only their suffixes, so counting it R times spread a burst over every worker.
     ``replica_sync``: the replicas tell each other their picks (``kvroute router
-    --replica-sync``). ``replica_peer_view`` (off; an experiment, ``kvroute replay
-    --replica-peer-view``): a peer's pick counts the tokens uncached by the better of the
-    peer's view and this router's own (RouterCore.apply_replica), instead of the peer's
-    alone -- exact once the picks have arrived, but it needs no cap on a cold pick where the
-    sync is fast and the cap where it is slow (BENCHMARKS.md, "A peer's pick counted by the
-    receiver's own view"), so it is not the default. ``replica_sync_window_s``: with sync,
-    an own pick counts R times (as above) only this long after it is placed, then once:
-    by then the other replicas' picks of the same moment have arrived through the sync and
-    count themselves, so counting it R times too would count the burst twice and spread it
-    over too many workers, while a window shorter than the sync's delivery time lets the
-    replicas herd in between. None (default): the sync's own measured delivery time
-    (:meth:`RouterCore.observe_replica_sync_delay`), INITIAL_REPLICA_SYNC_WINDOW_S until
-    it is measured; inf keeps the R times until the first token (as without sync).
+    --replica-sync``). ``replica_peer_view`` (on): with sync, a peer's pick counts the
+    tokens uncached by the better of the peer's view and this router's own
+    (RouterCore.apply_replica), not the peer's alone: the replicas start a burst on one
+    worker in the same instant, each pick cold in its own router's view, and the worker
+    computes the prefix once -- exact once the picks have arrived. Off: the peer's view
+    alone (the cap below then always applies). ``replica_cold_window_picks``: with sync and
+    the peer view, a cold pick counts R times, not capped, while the most of the router's
+    own picks found inside their sync window (below) at once stays under this, lately
+    (over the last one to two REPLICA_WINDOW_PICKS_PERIOD_S): the sync keeps pace with the
+    router and the view is exact again a pick or two later; past it (a slow sync, or
+    bursts placed faster than the sync delivers) the cap holds, as without sync, or the
+    router would send each next pick of a burst to another worker (BENCHMARKS.md, "A cold
+    pick's count that follows the sync's pace"); 0: always capped.
+    ``replica_sync_window_s``: with sync, an own pick counts R times (as above) only this
+    long after it is placed, then once: by then the other replicas' picks of the same moment
+    have arrived through the sync and count themselves, so counting it R times too would
+    count the burst twice and spread it over too many workers, while a window shorter than
+    the sync's delivery time lets the replicas herd in between. None (default): the sync's
+    own measured delivery time (:meth:`RouterCore.observe_replica_sync_delay`),
+    INITIAL_REPLICA_SYNC_WINDOW_S until it is measured; inf keeps the R times until the
+    first token (as without sync).
     ``replica_affinity_tokens``: the cost's affinity term
     (router.policy), which gives replicas that cannot see each other's picks the same
     order of preference for a new prefix; None (default) is
@@ -120,7 +136,8 @@ class RouterConfig:
     replica_cold_picks: float = DEFAULT_REPLICA_COLD_PICKS
     replica_sync: bool = False
     replica_sync_window_s: float | None = None
-    replica_peer_view: bool = False
+    replica_peer_view: bool = True
+    replica_cold_window_picks: int = DEFAULT_REPLICA_COLD_WINDOW_PICKS
     replica_affinity_tokens: float | None = None
     index_backend: str = "numba"
     spread_weight: float = 0.0  # the cost's spread term (router.policy; 0: off)
@@ -133,6 +150,10 @@ class RouterConfig:
         if not 1 <= self.replica_cold_picks < float("inf"):  # NaN too
             raise ValueError(
                 f"replica_cold_picks must be finite and >= 1, got {self.replica_cold_picks}"
+            )
+        if self.replica_cold_window_picks < 0:
+            raise ValueError(
+                f"replica_cold_window_picks must be >= 0, got {self.replica_cold_window_picks}"
             )
         window = self.replica_sync_window_s
         if window is not None and not window >= 0:  # NaN too; inf allowed

@@ -42,7 +42,11 @@ def available_policies() -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     from bench.replay.sim import DEFAULT_KV_CAPACITY_TOKENS
-    from router.core_types import DEFAULT_REPLICA_AFFINITY_TOKENS, DEFAULT_REPLICA_COLD_PICKS
+    from router.core_types import (
+        DEFAULT_REPLICA_AFFINITY_TOKENS,
+        DEFAULT_REPLICA_COLD_PICKS,
+        DEFAULT_REPLICA_COLD_WINDOW_PICKS,
+    )
 
     p = argparse.ArgumentParser(
         prog="kvroute replay",
@@ -151,11 +155,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--replica-peer-view",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="sim mode, with --replica-sync-delay-s: each router counts a peer's pick by the "
         "better of the peer's view and its own of what the worker holds "
-        "(RouterConfig.replica_peer_view; an experiment, off by default: BENCHMARKS.md, "
-        "\"A peer's pick counted by the receiver's own view\")",
+        "(RouterConfig.replica_peer_view; default: on; --no-replica-peer-view: the peer's "
+        "view alone, with every cold pick capped)",
+    )
+    p.add_argument(
+        "--replica-cold-window-picks",
+        type=int,
+        default=None,
+        help="sim mode, with --replica-sync-delay-s and the peer view: a cold pick counts "
+        "--router-replicas times, not capped by --replica-cold-picks, while the most of its "
+        "router's own picks found inside their sync window at once (lately) stays under "
+        "this: the sync keeps pace with the router "
+        f"(RouterConfig.replica_cold_window_picks; default: {DEFAULT_REPLICA_COLD_WINDOW_PICKS}; "
+        "0: always capped)",
     )
     p.add_argument(
         "--replica-sync-delay-s",
@@ -469,10 +485,18 @@ def _sim_config(args: argparse.Namespace):  # -> SimConfig
         router = replace(router, prefix_hash_blocks=args.prefix_hash_blocks)
     if args.replica_cold_picks is not None:
         router = replace(router, replica_cold_picks=args.replica_cold_picks)
-    if args.replica_peer_view:
+    if args.replica_peer_view is not None:
         if args.replica_sync_delay_s is None:
             raise ValueError("--replica-peer-view needs --replica-sync-delay-s")
-        router = replace(router, replica_peer_view=True)
+        router = replace(router, replica_peer_view=args.replica_peer_view)
+    if args.replica_cold_window_picks is not None:
+        if args.replica_sync_delay_s is None:
+            raise ValueError("--replica-cold-window-picks needs --replica-sync-delay-s")
+        if args.replica_cold_window_picks < 0:
+            raise ValueError(
+                f"--replica-cold-window-picks must be >= 0, got {args.replica_cold_window_picks}"
+            )
+        router = replace(router, replica_cold_window_picks=args.replica_cold_window_picks)
     if args.replica_affinity_tokens is not None:
         if args.routers < 2:
             raise ValueError("--replica-affinity-tokens needs --routers 2 or more")
@@ -545,6 +569,7 @@ def _run_sim(args, records, policies, setup, progress) -> ReplayReport:
         )
         if config.replica_sync_delay_s is not None:
             setup["replica_peer_view"] = config.router.replica_peer_view
+            setup["replica_cold_window_picks"] = config.router.replica_cold_window_picks
             window = config.router_config().replica_sync_window_s
             setup["replica_sync_window_s"] = window if window != float("inf") else "inf"
     setup.update(strict_settings(args))

@@ -240,11 +240,19 @@ def test_cli_routers(tmp_path, capsys):
     assert report["setup"]["replica_sync_delay_s"] == 0.0005
     assert report["policies"][0]["extra"]["replica_events"] > 0
     assert report["setup"]["replica_cold_picks"] == 2.5  # the router's default
-    assert report["setup"]["replica_peer_view"] is False  # off unless asked
-    assert main([*base, *sync, "--replica-peer-view", "--json", str(out)]) == 0
-    assert json.loads(out.read_text())["setup"]["replica_peer_view"] is True
+    assert report["setup"]["replica_peer_view"] is True  # on unless turned off
+    assert report["setup"]["replica_cold_window_picks"] == 3
+    off = ["--no-replica-peer-view", "--replica-cold-window-picks", "0", "--json", str(out)]
+    assert main([*base, *sync, *off]) == 0
+    turned_off = json.loads(out.read_text())["setup"]
+    assert turned_off["replica_peer_view"] is False
+    assert turned_off["replica_cold_window_picks"] == 0
     assert main([*base, "--routers", "2", "--replica-peer-view"]) == 2
     assert "--replica-peer-view needs --replica-sync-delay-s" in capsys.readouterr().err
+    assert main([*base, "--routers", "2", "--replica-cold-window-picks", "1"]) == 2
+    assert "--replica-cold-window-picks needs --replica-sync-delay-s" in capsys.readouterr().err
+    assert main([*base, *sync, "--replica-cold-window-picks", "-1"]) == 2
+    assert "--replica-cold-window-picks must be >= 0, got -1" in capsys.readouterr().err
     assert report["setup"]["replica_sync_window_s"] == 0.0005  # auto: the sync delay
     window = ["--replica-sync-window-s", "inf", "--json", str(out)]
     assert main([*base, *sync, *window]) == 0

@@ -194,7 +194,14 @@ class _Clock:
         return self.t
 
 
-def synced_core(backend: str, window: float, replicas: int = 4, sync: bool = True):
+def synced_core(
+    backend: str,
+    window: float | None,
+    replicas: int = 4,
+    sync: bool = True,
+    peer_view: bool = False,
+    cold_window_picks: int = 3,
+):
     clock = _Clock()
     core = RouterCore(
         RouterConfig(
@@ -203,6 +210,8 @@ def synced_core(backend: str, window: float, replicas: int = 4, sync: bool = Tru
             replica_sync=sync,
             replica_sync_window_s=window,
             index_backend=backend,
+            replica_peer_view=peer_view,
+            replica_cold_window_picks=cold_window_picks,
         ),
         clock=clock,
         rng=random.Random(0),
@@ -241,6 +250,70 @@ def test_with_sync_an_own_pick_counts_replicas_times_only_for_the_window(backend
     core.on_first_token("cold")
     core.on_first_token("warm")
     assert view.inflight_prefill_tokens == 0
+
+
+def _cold_router(backend: str):
+    """A synced four-router core with the peer view (5 ms window, replica_cold_window_picks
+    3) and a way to route a prompt nothing holds at a given time: it returns all the
+    fleet's queued prefill after."""
+    core, clock = synced_core(backend, window=0.005, peer_view=True, cold_window_picks=3)
+    names = iter(range(1, 1_000))
+
+    def cold(at: float) -> int:
+        clock.t = at
+        d = core.route(RouteRequest(f"r{at}", prompt(320, start=next(names) * 10_000)))
+        assert d.matched_tokens == 0
+        return sum(core.worker_view(f"w{i}").inflight_prefill_tokens for i in range(4))
+
+    return cold
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_with_the_peer_view_a_cold_pick_is_capped_once_a_window_held_the_window_picks(backend):
+    """With sync and the peer view a cold pick counts R times until the router has found
+    replica_cold_window_picks own picks inside their window at once; from then on (for one
+    to two REPLICA_WINDOW_PICKS_PERIOD_S) min(R, the cap) times."""
+    from router.core_types import REPLICA_WINDOW_PICKS_PERIOD_S as PERIOD
+
+    cold = _cold_router(backend)
+    capped = round(2.5 * 320)
+    assert cold(0.000) == 4 * 320  # none in the window: R times
+    assert cold(0.001) == 2 * 4 * 320  # one
+    assert cold(0.002) == 3 * 4 * 320  # two: still under 3
+    assert cold(0.003) == 3 * 4 * 320 + capped  # three: the cap
+    # the first three picks' windows have ended (they count once), one is left in its
+    # window: the cap still holds -- this router's windows have held three
+    assert cold(0.0071) == 3 * 320 + 2 * capped
+    # a period later it is still remembered (the period before)
+    assert cold(PERIOD + 0.5) == 5 * 320 + capped
+    # two periods on, with no window holding three since: R times again
+    assert cold(2 * PERIOD + 1.0) == 6 * 320 + 4 * 320
+    # after a silence of two periods nothing is remembered
+    cold = _cold_router(backend)
+    for k in range(4):
+        cold(0.001 * k)
+    assert cold(2 * PERIOD + 0.1) == 4 * 320 + 4 * 320
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    ("peer_view", "cold_window_picks", "sync"),
+    [(False, 3, True), (True, 0, True), (True, 3, False)],
+)
+def test_the_cold_cap_always_holds_without_the_peer_view_or_sync_or_with_0(
+    backend, peer_view, cold_window_picks, sync
+):
+    core, _ = synced_core(
+        backend, window=0.005, peer_view=peer_view, cold_window_picks=cold_window_picks, sync=sync
+    )
+    assert RouterConfig().replica_peer_view and RouterConfig().replica_cold_window_picks == 3
+    d = core.route(RouteRequest("x", prompt(320)))
+    assert core.worker_view(d.worker_id).inflight_prefill_tokens == round(2.5 * 320)
+
+
+def test_the_cold_window_picks_are_checked():
+    with pytest.raises(ValueError, match="replica_cold_window_picks must be >= 0, got -1"):
+        RouterConfig(replica_cold_window_picks=-1)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

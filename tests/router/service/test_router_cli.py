@@ -94,6 +94,7 @@ def test_router_defaults():
         ("--admission-window", "0", "(--admission-window) must be >= 1, got 0"),
         ("--replicas", "0", "replicas must be >= 1, got 0"),
         ("--replica-cold-picks", "0.5", "replica_cold_picks must be finite and >= 1, got 0.5"),
+        ("--replica-cold-window-picks", "-1", "replica_cold_window_picks must be >= 0, got -1"),
         (
             "--replica-affinity-tokens",
             "-1",
@@ -250,6 +251,11 @@ def test_replicas_reach_the_core_config():
     assert cli.config_from_args(args).core.replica_cold_picks == 2.5
     args = cli.build_parser().parse_args(["--worker", "h:1", "--replica-cold-picks", "4"])
     assert cli.config_from_args(args).core.replica_cold_picks == 4.0
+    core = cli.config_from_args(cli.build_parser().parse_args(["--worker", "h:1"])).core
+    assert core.replica_peer_view is True and core.replica_cold_window_picks == 3
+    off = ["--worker", "h:1", "--no-replica-peer-view", "--replica-cold-window-picks", "0"]
+    core = cli.config_from_args(cli.build_parser().parse_args(off)).core
+    assert core.replica_peer_view is False and core.replica_cold_window_picks == 0
 
 
 def test_replica_affinity_is_on_without_sync():
