@@ -205,9 +205,9 @@ class RouterCore:
         )
         self._unsettled: deque[tuple[float, str, _Inflight, int]] = deque()
         # with sync and the peer view, a cold pick counts R times (not capped) while the
-        # most own picks inside their window at once, lately, stays under this (0: never;
-        # RouterConfig.replica_cold_window_picks): that most in the current period of
-        # REPLICA_WINDOW_PICKS_PERIOD_S and in the one before it, and when this one began
+        # most own picks inside their window at once, lately, stays under this (0: always
+        # capped; RouterConfig.replica_cold_window_picks): that most in the current period
+        # of REPLICA_WINDOW_PICKS_PERIOD_S and in the one before it, and when this one began
         self._cold_window_picks = (
             config.replica_cold_window_picks
             if config.replica_peer_view and self._sync_window_s != math.inf
@@ -602,8 +602,9 @@ class RouterCore:
         return flight
 
     def _note_window_picks(self, now: float) -> None:
-        """Keep the most own picks found inside their sync window (placed, not settled)
-        at one pick, per period of REPLICA_WINDOW_PICKS_PERIOD_S."""
+        """Keep the most own picks found inside their sync window at one pick (those still
+        counted R times: placed with tokens to prefill, not settled), per period of
+        REPLICA_WINDOW_PICKS_PERIOD_S."""
         if now - self._window_picks_since >= REPLICA_WINDOW_PICKS_PERIOD_S:
             # a period with no pick at all leaves nothing to carry over
             late = now - self._window_picks_since >= 2 * REPLICA_WINDOW_PICKS_PERIOD_S
