@@ -206,11 +206,14 @@ class RouterCore:
         self._unsettled: deque[tuple[float, str, _Inflight, int]] = deque()
         # with sync and the peer view, a cold pick counts R times (not capped) while the
         # most own picks inside their window at once, lately, stays under this (0: always
-        # capped; RouterConfig.replica_cold_window_picks): that most in the current period
-        # of REPLICA_WINDOW_PICKS_PERIOD_S and in the one before it, and when this one began
+        # capped, or no cap to lift: R <= replica_cold_picks; nothing is tracked then;
+        # RouterConfig.replica_cold_window_picks): that most in the current period of
+        # REPLICA_WINDOW_PICKS_PERIOD_S and in the one before it, and when this one began
         self._cold_window_picks = (
             config.replica_cold_window_picks
-            if config.replica_peer_view and self._sync_window_s != math.inf
+            if config.replica_peer_view
+            and self._sync_window_s != math.inf
+            and config.replicas > config.replica_cold_picks
             else 0
         )
         self._window_picks_now = 0
