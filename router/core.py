@@ -752,7 +752,7 @@ class RouterCore:
                 self._index.expire(now)
                 start = event.matched_tokens // self._block_size
                 if self.config.replica_peer_view:
-                    depth = self._index.find_matches(hashes, touch=False).get(view.slot, 0)
+                    depth = self._index.match_depth(view.slot, hashes)
                     # the blocks either view has there are not entered again
                     start = max(depth, start)
                     seen = min(depth * self._block_size, event.prompt_tokens)

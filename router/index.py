@@ -317,6 +317,22 @@ class PrefixIndex(AppliesEvents):
                         result[slot] = n
         return result
 
+    def match_depth(self, slot: int, hashes: Sequence[int]) -> int:
+        """One worker's matched prefix length in blocks: ``find_matches(hashes,
+        touch=False).get(slot, 0)`` without walking the other workers' sets, touching
+        nothing and leaving ``last_confirmed`` as it was (the router core reads a peer
+        replica's pick there, on one worker)."""
+        bit = self._bit(slot)
+        depth = 0
+        get = self._masks.get
+        for h in hashes:
+            if not get(h, 0) & bit:
+                break
+            depth += 1
+        if len(self._predicted):
+            depth = max(depth, self._predicted.depth_of(bit, hashes, depth))
+        return depth
+
     def find_matches_by_source(
         self, hashes: Sequence[int]
     ) -> tuple[dict[int, int], dict[int, int]]:

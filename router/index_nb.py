@@ -881,6 +881,42 @@ def _find_dicts(
 
 
 @_jit
+def _slot_depth(tab: Any, ptab: Any, meta: Any, keys: Any, slot: int, stride: int) -> int:
+    """match_depth: how many leading blocks of ``keys`` worker ``slot`` holds -- its
+    confirmed prefix, or stride x its leading probes that are predicted for it or covered by
+    that prefix, whichever is longer (_walk's answer for one slot). One bit is read per row,
+    and a walk stops at the first row without it. Touches nothing."""
+    n = keys.shape[0]
+    word = slot >> 6
+    bit = _bit(slot)
+    depth = 0
+    if word < tab.shape[1] - _MASK:
+        mask = tab.shape[0] - 1
+        for i in range(min(n, _AHEAD)):
+            _prefetch(tab, _home(_key(keys[i]), mask))
+        for i in range(n):
+            if i + _AHEAD < n:
+                _prefetch(tab, _home(_key(keys[i + _AHEAD]), mask))
+            r = _find(tab, _key(keys[i]))
+            if r < 0 or (tab[r, _MASK + word] & bit) == _NIL:
+                break
+            depth = i + 1
+    # probes past the confirmed prefix need a prediction of this slot's word
+    if meta[_P_LIVE] > 0 and word < ptab.shape[1] - _PBITS:
+        probes = 0
+        for i in range(n // stride):
+            pos = stride - 1 + i * stride
+            if pos >= depth:
+                pr = _find(ptab, _key(keys[pos]))
+                if pr < 0 or (ptab[pr, _PBITS + word] & bit) == _NIL:
+                    break
+            probes = i + 1
+        if probes * stride > depth:
+            depth = probes * stride
+    return depth
+
+
+@_jit
 def _slot_rows(tab: Any, col: int, bit: Any) -> Any:
     """Raw hashes of the rows whose word ``col`` has ``bit``."""
     n = 0
@@ -1204,6 +1240,10 @@ def warm_up() -> bool:
     index.find_matches(np.array([1, 2, 3, 4], dtype=_U64))
     index.find_matches(np.array([1, 2, 3, 4], dtype=_U64)[::2])  # a strided view
     index.find_matches_by_source([1, 2, 3])
+    index.match_depth(0, [1, 2, 3])
+    readonly = np.array([1, 2, 3], dtype=_U64)
+    readonly.flags.writeable = False  # a decoded batch's hashes
+    index.match_depth(0, readonly)
     handle = index.predict(0, [1, 2, 3, 4], 1.0, 0, True)
     index.release_predicted(handle, 2.0)
     index.predict(1, [1, 2, 3, 4], 1.0)
@@ -1493,6 +1533,18 @@ class NumbaPrefixIndex(AppliesEvents):
             raise MemoryError("find_matches: no memory for the answer's dict")
         self.last_confirmed = confirmed
         return confirmed if code & _SAME else result
+
+    def match_depth(self, slot: int, hashes: Sequence[int] | np.ndarray) -> int:
+        """One worker's matched prefix length in blocks, as
+        :meth:`router.index.PrefixIndex.match_depth`: ``find_matches(hashes,
+        touch=False).get(slot, 0)``, reading one bit of each row it walks (no other slot's
+        depth, no dict), touching nothing and leaving ``last_confirmed`` as it was."""
+        if slot < 0:
+            raise ValueError(f"worker slot must be >= 0, got {slot}")
+        keys = _as_keys(hashes)
+        if not len(keys):
+            return 0
+        return int(_slot_depth(self._tab, self._ptab, self._meta, keys, slot, self._stride))
 
     def find_matches_by_source(
         self, hashes: Sequence[int] | np.ndarray

@@ -385,6 +385,17 @@ class VecPrefixIndex(AppliesEvents):
                             result[slot] = n
         return result
 
+    def match_depth(self, slot: int, hashes: Sequence[int] | np.ndarray) -> int:
+        """One worker's matched prefix length in blocks, as
+        :meth:`router.index.PrefixIndex.match_depth` (here by way of find_matches)."""
+        if slot < 0:
+            raise ValueError(f"worker slot must be >= 0, got {slot}")
+        saved = self.last_confirmed
+        try:
+            return self.find_matches(hashes, touch=False).get(slot, 0)
+        finally:
+            self.last_confirmed = saved
+
     def _slots_of_row(self, row: np.ndarray) -> list[int]:
         out: list[int] = []
         for w, x in enumerate(row.tolist()):

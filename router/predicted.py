@@ -211,6 +211,19 @@ class PredictedEntries:
         self._pred = pred
         self._until = {h: t for h, t in self._until.items() if h in pred}
 
+    def depth_of(self, bit: int, hashes: Sequence[int], confirmed: int) -> int:
+        """:meth:`match` for one worker (``bit``, its bitset) whose confirmed prefix of
+        ``hashes`` is ``confirmed`` blocks: how many leading probes it has, predicted or
+        covered by that prefix, times the stride (blocks)."""
+        stride = self.stride
+        get = self._pred.get
+        n = 0
+        for h in self.sparse(hashes):
+            if (n + 1) * stride > confirmed and not get(h, 0) & bit:
+                break
+            n += 1
+        return n * stride
+
     def match(self, hashes: Sequence[int], confirmed: list[int]) -> list[int]:
         """Per probe of ``hashes``, the workers predicted to hold it or whose confirmed
         prefix covers it, up to the first probe nobody has. ``confirmed``: the running AND

@@ -4,9 +4,9 @@ same operations -- stored chains with and without their parents, partial prefixe
 and unknown hashes, removals, clears, worker removal, predictions with holds, refreshes and
 expiry, and a small size cap -- and after every step asserts they answer alike:
 find_matches (with and without touch, so the LRU stamps must agree for evictions to),
-find_matches_by_source, snapshots, sizes, counters. Worker slots go past 64 so a second
-bitmask word is exercised; a hash of 0 is drawn too. test_index_nb.py and test_index_vec.py
-subclass it.
+match_depth (one worker's find_matches answer), find_matches_by_source, snapshots, sizes,
+counters. Worker slots go past 64 so a second bitmask word is exercised; a hash of 0 is
+drawn too. test_index_nb.py and test_index_vec.py subclass it.
 """
 
 from __future__ import annotations
@@ -153,9 +153,15 @@ class IndexAgreement(RuleBasedStateMachine):
         chain = data.draw(st.sampled_from(self.chains))
         n = data.draw(st.integers(0, len(chain)))
         query = chain[:n]
-        assert ref.find_matches(query, touch) == other.find_matches(query, touch), query
+        answer = ref.find_matches(query, touch)
+        assert answer == other.find_matches(query, touch), query
         assert ref.last_confirmed == other.last_confirmed
         assert ref.find_matches_by_source(query) == other.find_matches_by_source(query)
+        # one worker's depth: find_matches' answer for it, leaving last_confirmed alone
+        seen = dict(ref.last_confirmed), dict(other.last_confirmed)
+        for w in (0, 1, 2, 63, 64, 130):
+            assert ref.match_depth(w, query) == other.match_depth(w, query) == answer.get(w, 0)
+        assert (ref.last_confirmed, other.last_confirmed) == seen
 
     @invariant()
     def agree(self) -> None:
@@ -174,4 +180,7 @@ class IndexAgreement(RuleBasedStateMachine):
             assert ref.snapshot(w) == other.snapshot(w), w
             assert ref.predicted(w) == other.predicted(w)
         for chain in self.chains[-4:]:
-            assert ref.find_matches(chain, touch=False) == other.find_matches(chain, touch=False)
+            answer = ref.find_matches(chain, touch=False)
+            assert answer == other.find_matches(chain, touch=False)
+            for w in (0, 1, 2, 63, 64, 130):
+                assert ref.match_depth(w, chain) == other.match_depth(w, chain) == answer.get(w, 0)

@@ -426,3 +426,29 @@ def test_answers_written_by_the_kernel_own_their_ints() -> None:
         assert tracemalloc.get_traced_memory()[0] - baseline < 20_000
     finally:
         tracemalloc.stop()
+
+
+def test_match_depth_reads_one_worker() -> None:
+    """match_depth: one slot's find_matches answer -- confirmed, continued by predicted
+    probes, past the tables' words -- for lists and arrays, writable or not."""
+    ref, nb = _pair(max_blocks=100, predict_stride=2)
+    chain = [11, 12, 13, 14, 15, 16]
+    for index in (ref, nb):
+        index.store(0, BlockStored(tuple(chain[:4]), None, ()))
+        index.store(1, BlockStored(tuple(chain[:2]), None, ()))
+        index.predict(1, chain, 5.0, start=2)  # probes 14 and 16: 1 holds all six
+        index.predict(70, chain[:4], 5.0)  # slot 70: predicted alone, a second word
+    arr = np.array(chain, dtype=np.uint64)
+    readonly = arr.copy()
+    readonly.flags.writeable = False
+    for index in (ref, nb):
+        answer = index.find_matches(chain, touch=False)
+        assert answer == {0: 4, 1: 6, 70: 4}
+        for w in (0, 1, 2, 63, 64, 70, 200):
+            assert index.match_depth(w, chain) == answer.get(w, 0)
+    for q in (arr, readonly, arr[::2]):
+        assert nb.match_depth(1, q) == ref.match_depth(1, q.tolist())
+    assert nb.match_depth(0, []) == ref.match_depth(0, []) == 0
+    for index in (ref, nb):
+        with pytest.raises(ValueError, match="slot must be >= 0"):
+            index.match_depth(-1, chain)
