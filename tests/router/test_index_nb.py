@@ -48,6 +48,20 @@ def test_held_prediction_with_a_repeated_hash_releases() -> None:
         assert index.expire(2.0) == 2 and index.predicted(3) == set()
 
 
+def test_a_repeated_hash_held_twice_is_freed_by_two_releases() -> None:
+    """Two holds of a prompt whose probes repeat a hash count two (the dict index counted
+    the second three: its counts were written while still being read), so two releases free
+    it and it expires; found by the agreement machine."""
+    for make in (PrefixIndex, NumbaPrefixIndex):
+        index = make(IndexConfig(predict_stride=2))
+        handles = [index.predict(0, [0, 0, 0, 0], 1.5, hold=True) for _ in range(2)]
+        for handle in handles:
+            index.release_predicted(handle, 1.5)
+        assert index.expire(1.0) == 0 and index.predicted(0) == {0}
+        assert index.expire(1.5) == 1 and index.predicted(0) == set()
+        assert index.num_predicted == 0
+
+
 def _pair(**kw: int) -> tuple[PrefixIndex, NumbaPrefixIndex]:
     config = IndexConfig(**kw)
     return PrefixIndex(config), NumbaPrefixIndex(config)
