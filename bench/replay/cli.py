@@ -352,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         policies = _policies(args.policy)
-        _sim_config(args)  # validates the weights and window before any work
+        sim_config = _sim_config(args)  # validates the weights and window before any work
         if args.workers < 1:
             raise ValueError(f"--workers must be >= 1, got {args.workers}")
         limit = args.limit
@@ -363,6 +363,14 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         print(f"kvroute replay: {exc}", file=sys.stderr)
         return 2
+    if args.routers > 1 and not (sim_config.route_decision_s > 0 or sim_config.measure_route_time):
+        print(
+            f"kvroute replay: note: {args.routers} routers deciding in no time place requests "
+            "that arrive together (a burst) in one instant, before any replica sync or load "
+            "report can reach the others; --strict or --route-decision-s charges each "
+            "decision its time (BENCHMARKS.md, several routers)",
+            file=sys.stderr,
+        )
     setup: dict[str, object] = {
         "trace": str(args.trace),
         "trace_block_size": args.trace_block_size,

@@ -219,6 +219,10 @@ def test_cli_routers(tmp_path, capsys):
     assert "--routers needs --mode sim" in capsys.readouterr().err
     out = tmp_path / "o.json"
     assert main([*base, "--routers", "2", "--no-reference", "--json", str(out)]) == 0
+    # routers deciding in no time: said, since a burst is then placed in one instant
+    assert "2 routers deciding in no time place requests" in capsys.readouterr().err
+    assert main([*base, "--routers", "2", "--route-decision-s", "0.0002", "--no-reference"]) == 0
+    assert "deciding in no time" not in capsys.readouterr().err
     setup = json.loads(out.read_text())["setup"]
     # several routers: the workers report load every 50 ms unless told otherwise
     assert setup["routers"] == 2 and setup["load_interval_s"] == 0.05
