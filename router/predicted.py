@@ -125,10 +125,9 @@ class PredictedEntries:
             if held.keys().isdisjoint(sparse):  # usual: nobody holds these yet
                 held.update(zip(sparse, repeat(1)))
             else:  # one hold per add, a repeated hash too (release frees it once):
-                # the counts are read before any is written
-                once = list(dict.fromkeys(sparse))
-                counts = list(map(add, map(held.get, once, repeat(0)), repeat(1)))
-                held.update(zip(once, counts, strict=True))
+                # every count is read before any is written
+                counts = list(map(add, map(held.get, sparse, repeat(0)), repeat(1)))
+                held.update(zip(sparse, counts, strict=True))
         return sparse
 
     def release(self, sparse: Sequence[int], deadline: float) -> None:
