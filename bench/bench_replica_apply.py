@@ -11,7 +11,8 @@ it, in the same run and process, this router's own ``route`` of the same kind of
 the ratio of the two is what to compare across versions (absolute times on a shared
 machine are noisy).
 
-    python -m bench.bench_replica_apply [--events 3000] [--workers 64] [--json OUT]
+    python -m bench.bench_replica_apply [--events 3000] [--workers 64] [--no-peer-view]
+        [--json OUT]
 """
 
 from __future__ import annotations
@@ -34,9 +35,11 @@ from router.core import RouterConfig, RouterCore, RouteRequest
 from router.core_types import ReplicaFinished, ReplicaFirstToken, ReplicaRouted
 
 
-def bench_apply(cfg: ScaleConfig, num_events: int, backend: str = "numba") -> dict[str, float]:
+def bench_apply(
+    cfg: ScaleConfig, num_events: int, backend: str = "numba", peer_view: bool = True
+) -> dict[str, float]:
     """p50/p99 µs (wall and thread CPU) of apply_replica (routed; first token + finish)
-    and of route."""
+    and of route; ``peer_view``: RouterConfig.replica_peer_view (the router's default, on)."""
     rng = np.random.default_rng(cfg.seed)
     bs = cfg.block_size
     systems, system_hashes = _system_prompts(cfg, rng)
@@ -48,6 +51,7 @@ def bench_apply(cfg: ScaleConfig, num_events: int, backend: str = "numba") -> di
         index_backend=backend,
         replicas=4,
         replica_sync=True,
+        replica_peer_view=peer_view,
     )
     core = RouterCore(config, clock=lambda: now[0], rng=random.Random(cfg.seed))
     for w in range(cfg.num_workers):
@@ -122,17 +126,29 @@ def main(argv: list[str] | None = None) -> int:
         "--blocks", type=int, default=1_000_000, help="indexed blocks (default 1,000,000)"
     )
     p.add_argument("--backend", choices=("numba", "dict"), default="numba")
+    p.add_argument(
+        "--peer-view",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="count a peer's pick by the better of its view and this router's, as routers "
+        "do by default (--no-peer-view: the peer's view alone, no index walk)",
+    )
     p.add_argument("--json", metavar="OUT", help="write the results as JSON")
     args = p.parse_args(argv)
     if args.events < 10 or args.workers < 1 or args.blocks < 1:
         p.error("--events must be >= 10, --workers and --blocks >= 1")
     cfg = dataclasses.replace(ScaleConfig(), num_workers=args.workers, num_blocks=args.blocks)
-    results = bench_apply(cfg, args.events, args.backend)
+    results = bench_apply(cfg, args.events, args.backend, args.peer_view)
     for key, value in results.items():
         print(f"{key:40s} {value:10.2f}")
     if args.json:
         out = {
-            "config": {**dataclasses.asdict(cfg), "events": args.events, "backend": args.backend},
+            "config": {
+                **dataclasses.asdict(cfg),
+                "events": args.events,
+                "backend": args.backend,
+                "peer_view": args.peer_view,
+            },
             "machine": {"python": sys.version.split()[0], "platform": platform.platform()},
             "results": results,
         }
