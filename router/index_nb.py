@@ -1240,10 +1240,7 @@ def warm_up() -> bool:
     index.find_matches(np.array([1, 2, 3, 4], dtype=_U64))
     index.find_matches(np.array([1, 2, 3, 4], dtype=_U64)[::2])  # a strided view
     index.find_matches_by_source([1, 2, 3])
-    index.match_depth(0, [1, 2, 3])
-    readonly = np.array([1, 2, 3], dtype=_U64)
-    readonly.flags.writeable = False  # a decoded batch's hashes
-    index.match_depth(0, readonly)
+    index.match_depth(0, np.array([1, 2, 3], dtype=_U64))  # a peer's pick (a copy)
     handle = index.predict(0, [1, 2, 3, 4], 1.0, 0, True)
     index.release_predicted(handle, 2.0)
     index.predict(1, [1, 2, 3, 4], 1.0)
