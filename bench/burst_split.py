@@ -74,11 +74,7 @@ def _ttft(r: RequestResult) -> float | None:
 
 
 def _detail(
-    at: float,
-    burst: list[RequestResult],
-    results: list[RequestResult],
-    owner: dict[int, int],
-    before_s: float,
+    at: float, burst: list[RequestResult], results: list[RequestResult], before_s: float
 ) -> list[str]:
     lines = []
     members = {r.index for r in burst}
@@ -86,12 +82,12 @@ def _detail(
     for r in burst:
         by_worker[r.worker_id or "(failed)"].append(r)
     for wid, reqs in sorted(by_worker.items()):
-        routers = Counter(owner.get(r.index, 0) for r in reqs)
+        routers = Counter(r.router for r in reqs)
         firsts = [t for r in reqs if (t := _ttft(r)) is not None]
         span = f"{min(firsts) * 1000:.0f}-{max(firsts) * 1000:.0f} ms" if firsts else "none"
         cold = [f"#{r.index}" for r in reqs if r.cached_tokens == 0]
         ahead = [
-            f"#{r.index} ({r.prompt_tokens} tokens, router {owner.get(r.index, 0)}, "
+            f"#{r.index} ({r.prompt_tokens} tokens, router {r.router}, "
             f"{(r.arrival_s - at) * 1000:+.1f} ms)"
             for r in results
             if r.worker_id == wid and r.index not in members and at - before_s <= r.arrival_s <= at
@@ -147,14 +143,6 @@ def main(argv: list[str] | None = None) -> int:
     for policy in args.policy:
         expander = TokenExpander(args.trace_block_size, config.vocab_size, config.seed)
         sim = FleetSim(records, policy, config, expander)
-        owner: dict[int, int] = {}  # request index -> the router that placed it
-        route = sim._route
-
-        def routed(index: int, k: int, route=route, owner=owner) -> None:
-            owner[index] = k
-            route(index, k)
-
-        sim._route = routed  # type: ignore[method-assign]
         sim.run()
         bursts, other = _bursts(records, sim.results, args.burst_size)
         splits = [sorted(Counter(r.worker_id for r in b).values(), reverse=True) for _, b in bursts]
@@ -165,14 +153,14 @@ def main(argv: list[str] | None = None) -> int:
             if values:
                 p50, p99 = np.percentile(values, 50), np.percentile(values, 99)
                 print(f"{policy}: {name} TTFT p50 {p50 * 1000:.0f} ms, p99 {p99 * 1000:.0f} ms")
-        slowest = sorted(
-            bursts,
-            key=lambda ab: -max((t for r in ab[1] if (t := _ttft(r)) is not None), default=0.0),
-        )
-        for at, burst in slowest[: args.worst]:
-            top = max((t for r in burst if (t := _ttft(r)) is not None), default=0.0)
+        tops = [
+            (max((t for r in b if (t := _ttft(r)) is not None), default=0.0), at, b)
+            for at, b in bursts
+        ]
+        tops.sort(key=lambda tab: -tab[0])
+        for top, at, burst in tops[: args.worst]:
             print(f"{policy}: burst at {at:.3f} s, slowest first token {top * 1000:.0f} ms")
-            for line in _detail(at, burst, sim.results, owner, args.before_s):
+            for line in _detail(at, burst, sim.results, args.before_s):
                 print(f"{policy}:{line}")
     return 0
 

@@ -46,6 +46,7 @@ class RequestResult:
     cached_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    router: int = 0  # the router replica that placed it (the sim's --routers), from 0
 
     @property
     def done(self) -> bool:

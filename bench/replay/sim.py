@@ -436,6 +436,7 @@ class FleetSim:
         the decision time and the network delay (at once when both are 0)."""
         record = self.records[index]
         result = self.results[index]
+        result.router = k
         request_id = f"r{index}"
         tokens = self.expander.expand_record(record)
         router = self.routers[k]
