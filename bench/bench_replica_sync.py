@@ -278,6 +278,65 @@ def run(plan: Plan) -> dict[str, Any]:
     }
 
 
+def _raw_subscriber(url: str, channel: str, n: int, out: Any) -> None:
+    async def main() -> list[float]:
+        client = aioredis.Redis.from_url(url, socket_connect_timeout=5)
+        try:
+            async with client.pubsub() as pubsub:
+                await pubsub.subscribe(channel)
+                await pubsub.get_message(timeout=5)  # the subscription's confirmation
+                out.put("ready")
+                delays: list[float] = []
+                while len(delays) < n:
+                    msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=5)
+                    if msg is None:
+                        break  # the publisher stopped early; the parent counts what came
+                    delays.append((time.monotonic_ns() - int(msg["data"])) / 1e9)
+                return delays
+        finally:
+            await client.aclose()
+
+    try:
+        out.put(asyncio.run(main()))
+    except BaseException as exc:
+        out.put(f"{type(exc).__name__}: {exc}")
+
+
+def run_raw(url: str, messages: int, rate: float) -> dict[str, float | int]:
+    """The floor under the sync: plain Redis pub/sub from this process to another, each
+    message its publish time, ``rate`` a second (no kvroute code on either side)."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    channel = f"kvroute-bench-raw-{uuid.uuid4().hex[:8]}"
+    proc = ctx.Process(target=_raw_subscriber, args=(url, channel, messages, out))
+    proc.start()
+    try:
+        first = out.get(timeout=60)
+        if first != "ready":
+            raise RuntimeError(str(first))
+
+        async def publish() -> None:
+            client = aioredis.Redis.from_url(url, socket_connect_timeout=5)
+            try:
+                for _ in range(messages):
+                    await client.publish(channel, str(time.monotonic_ns()))
+                    await asyncio.sleep(1.0 / rate)
+            finally:
+                await client.aclose()
+
+        asyncio.run(publish())
+        delays = out.get(timeout=60)
+    finally:
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
+    if isinstance(delays, str):
+        raise RuntimeError(delays)
+    if len(delays) != messages:
+        raise RuntimeError(f"raw pub/sub: {messages - len(delays)} of {messages} messages lost")
+    return _quantiles(delays)
+
+
 def _ms(q: dict[str, float | int]) -> str:
     if not q.get("n"):
         return "-"
@@ -305,6 +364,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=2000, help="default %(default)s")
     p.add_argument("--first-token-s", type=float, default=0.05, help="default %(default)s")
     p.add_argument("--finish-s", type=float, default=0.5, help="default %(default)s")
+    p.add_argument(
+        "--raw",
+        action="store_true",
+        help="also time plain Redis pub/sub between two processes (no kvroute code): the "
+        "floor under the sync on this machine",
+    )
+    p.add_argument(
+        "--raw-messages", type=int, default=1000, help="with --raw, at 200/s (default 1000)"
+    )
     p.add_argument("--json", metavar="OUT", help="write the figures as JSON")
     args = p.parse_args(argv)
     if args.routers < 2:
@@ -312,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("workers", "prompt_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.raw_messages < 1:
+        p.error(f"--raw-messages must be >= 1, got {args.raw_messages}")
     if args.burst < 0 or args.rate < 0:
         p.error("--burst and --rate must be >= 0")
     if not args.duration_s > 0 or not args.burst_interval_s > 0:
@@ -333,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         result = run(plan)
+        if args.raw:
+            result["raw_pubsub"] = run_raw(args.redis_url, args.raw_messages, 200.0)
     except RuntimeError as exc:
         print(f"bench_replica_sync: {exc}", file=sys.stderr)
         return 1
@@ -344,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  pick -> applied at a peer, burst:  {_ms(result['peer_delay_burst'])}")
     print(f"  own batch -> Redis echo:           {_ms(result['echo_delay'])}")
     print(f"  route():                           {_ms(result['route'])}")
+    if "raw_pubsub" in result:
+        print(f"  plain pub/sub, process to process: {_ms(result['raw_pubsub'])}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -33,6 +33,9 @@ def test_every_pick_reaches_every_peer_through_redis(redis_url, tmp_path):
         "0.01",
         "--finish-s",
         "0.05",
+        "--raw",
+        "--raw-messages",
+        "40",
         "--json",
         str(out),
     ]
@@ -51,14 +54,16 @@ def test_every_pick_reaches_every_peer_through_redis(redis_url, tmp_path):
         assert r["counters"]["gaps"] == 0
         assert r["counters"]["batches_malformed"] == 0
         assert r["echo_delay"]["n"] > 0  # its own batches came back: the auto window's input
-    q = result["peer_delay_steady"]
-    assert 0 < q["p50"] <= q["p90"] <= q["p99"] <= q["max"]
+    for q in (result["peer_delay_steady"], result["raw_pubsub"]):
+        assert 0 < q["p50"] <= q["p90"] <= q["p99"] <= q["max"]
+    assert result["raw_pubsub"]["n"] == 40  # plain pub/sub: every message came
 
 
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["--routers", "1"], "--routers must be >= 2"),
+        (["--raw-messages", "0"], "--raw-messages must be >= 1, got 0"),
         (["--workers", "0"], "--workers must be >= 1, got 0"),
         (["--prompt-tokens", "0"], "--prompt-tokens must be >= 1"),
         (["--burst", "-1"], "--burst and --rate must be >= 0"),
