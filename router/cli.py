@@ -204,10 +204,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="SECONDS|auto",
         help="with --replica-sync: each own pick counts --replicas times in its worker's "
-        "queued prefill only this long, then once, the others' picks of the same moment "
+        "queued prefill (one that found its prefix there in running requests and recent "
+        "work too) only this long, then once, the others' picks of the same moment "
         "having arrived through Redis by then; auto (default) follows the sync's delivery "
         "time, measured on this router's own messages as Redis echoes them (starting at "
-        f"{INITIAL_REPLICA_SYNC_WINDOW_S:g} s); a number fixes it; inf: until the first token",
+        f"{INITIAL_REPLICA_SYNC_WINDOW_S:g} s); a number fixes it; inf: R times in queued "
+        "prefill alone, until the first token (as without sync)",
     )
     p.add_argument(
         "--index-backend",

@@ -113,6 +113,13 @@ class _Inflight:
     prefill_tokens: int
     prefilling: bool = True
     held: Sequence[int] = ()  # predicted blocks held until the first token (index.predict)
+    # with replica sync, what an own pick adds for the replicas' unseen picks of the same
+    # moment until its sync window ends (RouterCore._account, _settle_picks): requests
+    # counted active beyond this one, and recent work in the views' scaled units (with
+    # the scale's origin then, so a rebase in between leaves it alone)
+    extra_active: int = 0
+    extra_recent: float = 0.0
+    extra_recent_t0: float = 0.0
 
 
 def _open_flight(view: WorkerView, prefill_tokens: int) -> _Inflight:
@@ -462,7 +469,12 @@ class RouterCore:
         flight = self._account(
             req.request_id, view, query.prompt_tokens - matched_tokens, not matched_tokens, now
         )
-        view.recent_prefill += (query.prompt_tokens - matched_tokens) * scale
+        uncached = query.prompt_tokens - matched_tokens
+        view.recent_prefill += uncached * scale
+        if flight.extra_active:  # the replicas' same-moment picks, until the window ends
+            flight.extra_recent = uncached * flight.extra_active * scale
+            flight.extra_recent_t0 = self._recent_t0
+            view.recent_prefill += flight.extra_recent
         if len(hashes) and self._policy.uses_matches:
             deadline = now + self._ttl
             if not self._use_events and depth:  # approx mode: what was used stays longer
@@ -599,9 +611,20 @@ class RouterCore:
         self._num_routed += 1
         if counted > prefill_tokens and self._sync_window_s != math.inf:
             # with replica sync the others' picks arrive and count themselves: R times only
-            # until they can have (RouterConfig.replica_sync_window_s)
+            # until they can have (RouterConfig.replica_sync_window_s). Until then a pick
+            # that found its prefix there stands for the replicas' same-moment picks in
+            # every load term: as running requests too (and, in route(), as recent work),
+            # not only as queued prefill. A cold one does not: their picks of that worker
+            # would mostly find its prefix there (why its queued count is capped), and
+            # counting them spread bursts (BENCHMARKS.md, "an own pick that stands for the
+            # replicas in every load term")
             due = now + self._sync_window_s
             self._unsettled.append((due, request_id, flight, counted - prefill_tokens))
+            extra = int(picks) - 1
+            if extra > 0 and not cold:
+                flight.extra_active = extra
+                view.num_active += extra
+                view.refresh()
         return flight
 
     def _note_window_picks(self, now: float) -> None:
@@ -648,12 +671,20 @@ class RouterCore:
         inflight = self._inflight
         while unsettled and unsettled[0][0] < now:
             _, request_id, flight, extra = unsettled.popleft()
+            view = flight.view
             # still the same request, still queued for prefill (a finish or first token
             # already took off all it counted)
             if flight.prefilling and inflight.get(request_id) is flight:
                 flight.prefill_tokens -= extra
-                flight.view.inflight_prefill_tokens -= extra
-                flight.view.refresh()
+                view.inflight_prefill_tokens -= extra
+            if flight.extra_active:  # (a finish took it off already)
+                view.num_active -= flight.extra_active
+                flight.extra_active = 0
+            if flight.extra_recent:
+                if flight.extra_recent_t0 == self._recent_t0:  # no rebase since
+                    view.recent_prefill = max(0.0, view.recent_prefill - flight.extra_recent)
+                flight.extra_recent = 0.0
+            view.refresh()
 
     def _release(self, flight: _Inflight, now: float) -> None:
         """End the hold on the request's predicted blocks: their TTL starts ``now``."""
@@ -711,7 +742,8 @@ class RouterCore:
             flight.view.recent_prefill += self._recent_decode_ratio * generated_tokens * scale
         if flight.prefilling:
             flight.view.inflight_prefill_tokens -= flight.prefill_tokens
-        flight.view.num_active -= 1
+        flight.view.num_active -= 1 + flight.extra_active
+        flight.extra_active = 0
         flight.view.refresh()
 
     # ---- replica sync ----------------------------------------------------------------------

@@ -105,10 +105,14 @@ class RouterConfig:
     long after it is placed, then once: by then the other replicas' picks of the same moment
     have arrived through the sync and count themselves, so counting it R times too would
     count the burst twice and spread it over too many workers, while a window shorter than
-    the sync's delivery time lets the replicas herd in between. None (default): the sync's
+    the sync's delivery time lets the replicas herd in between. Inside the window a pick
+    that found its prefix on the worker stands for the others' in every load term: it also
+    counts R running requests, and R times its uncached tokens as recent work; a cold pick
+    does not (BENCHMARKS.md, "an own pick that stands for the replicas in every load
+    term"). None (default): the sync's
     own measured delivery time (:meth:`RouterCore.observe_replica_sync_delay`),
-    INITIAL_REPLICA_SYNC_WINDOW_S until it is measured; inf keeps the R times until the
-    first token (as without sync).
+    INITIAL_REPLICA_SYNC_WINDOW_S until it is measured; inf keeps the R times, in queued
+    prefill alone, until the first token (as without sync).
     ``replica_affinity_tokens``: the cost's affinity term
     (router.policy), which gives replicas that cannot see each other's picks the same
     order of preference for a new prefix; None (default) is

@@ -252,6 +252,44 @@ def test_with_sync_an_own_pick_counts_replicas_times_only_for_the_window(backend
     assert view.inflight_prefill_tokens == 0
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_in_its_window_a_warm_own_pick_stands_for_the_replicas_as_running_and_recent_work(backend):
+    """With sync, until its window ends an own pick that found its prefix on the worker
+    counts R times as running requests and as recent work too, then once; a cold pick
+    counts once there (only its queued prefill is counted more); a finish inside the window
+    takes off all it counted, and the window's end nothing more."""
+    core, clock = synced_core(backend, window=0.005)
+    first = core.route(RouteRequest("cold", prompt(320)))
+    view = core.worker_view(first.worker_id)
+    assert (view.num_active, view.num_running) == (1, 1)
+    assert view.recent_prefill == pytest.approx(320)  # the scale is 1 at t = 0
+    clock.t = 0.001
+    warm = core.route(RouteRequest("warm", prompt(400)))
+    assert warm.worker_id == first.worker_id and warm.matched_tokens == 320
+    assert view.num_running == 1 + 4
+    scale = core._recent_scale(0.001)
+    assert view.recent_prefill == pytest.approx(320 + 4 * 80 * scale)
+    # past the warm pick's window it counts once
+    clock.t = 0.0061
+    core.explain(RouteRequest("probe", prompt(16, start=10_000)))
+    assert view.num_running == 2
+    assert view.recent_prefill == pytest.approx(320 + 80 * scale)
+    # a request that ends inside its window takes off all it counted as running
+    clock.t = 0.01
+    again = core.route(RouteRequest("again", prompt(480)))
+    assert again.worker_id == first.worker_id and again.matched_tokens >= 320
+    assert view.num_running == 2 + 4
+    core.on_finished("again")
+    assert view.num_running == 2
+    clock.t = 0.02
+    core.explain(RouteRequest("probe", prompt(16, start=10_000)))
+    assert view.num_running == 2  # the window's end took nothing more
+    core.on_finished("cold")
+    core.on_finished("warm")
+    assert all(core.worker_view(f"w{i}").num_active == 0 for i in range(4))
+    assert view.recent_prefill > 0  # what was routed stays recent work; no extra is left
+
+
 def _cold_router(backend: str):
     """A synced four-router core with the peer view (5 ms window, replica_cold_window_picks
     3) and a way to route a prompt nothing holds at a given time: it returns all the
