@@ -117,7 +117,7 @@ async def _router(k: int, plan: Plan, ready: Any, start: Any) -> dict[str, Any]:
     route_s: list[float] = []
 
     def place(kind: str) -> None:
-        tokens = rng.integers(0, 50_000, plan.prompt_tokens)
+        tokens = rng.integers(0, 50_000, plan.prompt_tokens, dtype=np.uint32)
         request_id = _request_id(kind, k, sent[kind])
         t0 = time.perf_counter()
         core.route(RouteRequest(request_id, tokens))
