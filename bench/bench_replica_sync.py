@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 import redis.asyncio as aioredis
 
+from kvroute_proto.runtime import run_event_loop
 from router.core import RouterConfig, RouterCore, RouteRequest
 from router.core_types import ReplicaEvent, ReplicaRouted
 from router.replica_sync import ReplicaSync
@@ -181,14 +182,8 @@ async def _router(k: int, plan: Plan, ready: Any, start: Any) -> dict[str, Any]:
 
 
 def _child(k: int, plan: Plan, out: Any, ready: Any, start: Any) -> None:
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:  # the product depends on it; a bare checkout may not
-        pass
-    try:
-        out.put(asyncio.run(_router(k, plan, ready, start)))
+    try:  # on uvloop, as the router runs
+        out.put(run_event_loop(_router(k, plan, ready, start)))
     except BaseException as exc:  # the parent reports it
         out.put({"router": k, "error": f"{type(exc).__name__}: {exc}"})
 
@@ -297,7 +292,7 @@ def _raw_subscriber(url: str, channel: str, n: int, out: Any) -> None:
             await client.aclose()
 
     try:
-        out.put(asyncio.run(main()))
+        out.put(run_event_loop(main()))
     except BaseException as exc:
         out.put(f"{type(exc).__name__}: {exc}")
 
@@ -324,7 +319,7 @@ def run_raw(url: str, messages: int, rate: float) -> dict[str, float | int]:
             finally:
                 await client.aclose()
 
-        asyncio.run(publish())
+        run_event_loop(publish())
         delays = out.get(timeout=60)
     finally:
         proc.join(timeout=10)
