@@ -14,15 +14,20 @@ Wire: one :class:`ReplicaBatch` protobuf per message (``kvroute.proto``): the pu
 random ``router_id``, a sequence number, the events, and ``leaving`` on shutdown. Nothing is
 ever retried or blocked for: routing never waits on Redis.
 
-* Publishing: events queue in memory (at most ``max_pending``; past that new ones are
-  dropped and counted) and go out in batches as soon as the event loop runs the publisher,
-  or as an empty heartbeat every ``heartbeat_s``. A batch Redis refuses is lost (counted);
-  its sequence number is spent, so the peers see the gap.
+* Publishing: a pick, first token or finish goes to the socket the moment route() or the
+  call's end reports it, one PUBLISH written without waiting (``router/redis_wire.py``; no
+  task hop, so a burst of routing calls does not hold it back). While the connection is
+  being made, or the socket's buffer is full, events queue in memory (at most
+  ``max_pending``; past that new ones are dropped and counted) and go out in batches; an
+  empty heartbeat goes out every ``heartbeat_s``. Events that cannot be sent (Redis down, a
+  batch refused) are lost and counted, and a sequence number is spent so the peers see the
+  gap.
 * Timing: Redis echoes each batch to its publisher too. The time from queueing a batch's
   oldest event to its echo is about what the peers wait for it, and sets how long this
   router's own picks count ``replicas`` times (``RouterCore.observe_replica_sync_delay``;
   the auto ``--replica-sync-window-s``).
-* Receiving: a gap in a peer's sequence numbers means lost events (a finish among them would
+* Receiving: a batch is applied in the socket's read callback, the moment it is read. A gap
+  in a peer's sequence numbers means lost events (a finish among them would
   leave a request counted forever), so the peer's requests are all dropped
   (:meth:`RouterCore.drop_replica`) and counting starts again from what arrives next; the same
   when a peer is silent for ``peer_timeout_s`` (it died), when it says it is leaving, and for
@@ -48,7 +53,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from kvroute_proto import kvroute_pb2 as pb
@@ -56,6 +60,7 @@ from kvroute_proto.registry import DEFAULT_PREFIX
 from kvroute_proto.runtime import stop_task
 from router.core import RouterCore
 from router.core_types import ReplicaEvent, ReplicaFinished, ReplicaFirstToken, ReplicaRouted
+from router.redis_wire import RedisTarget, RespConnection
 
 log = logging.getLogger("kvroute.router.replica_sync")
 
@@ -229,13 +234,13 @@ class ReplicaSync:
         self._peer_timeout_s = peer_timeout_s
         self._max_pending = max_pending
         self._clock = clock
-        options = dict(client_options or {})
         timeout = max(heartbeat_s, 1.0)
-        self._pub = aioredis.Redis.from_url(
-            redis_url, socket_timeout=timeout, socket_connect_timeout=timeout, **options
-        )
-        # the subscription reads with its own timeout (get_message); no socket timeout
-        self._sub = aioredis.Redis.from_url(redis_url, socket_connect_timeout=timeout, **options)
+        # checked now: a URL or option the sync cannot use stops the router at its start
+        self._target = RedisTarget.from_url(redis_url, client_options, connect_timeout_s=timeout)
+        self._pub: RespConnection | None = None  # the publishing connection, while open
+        self._sub: RespConnection | None = None  # the subscription, while open
+        self._pub_connecting = True  # until the first connect attempt fails: events queue
+        self._pub_lost_events = False  # events dropped since the last batch: spend a seq
         # this router's events not yet published, with when each was queued
         self._pending: deque[tuple[ReplicaEvent, float]] = deque()
         # when each recent batch's oldest event was queued, by sequence number: the echo
@@ -277,93 +282,172 @@ class ReplicaSync:
                 log.warning(
                     "replica sync: %s did not stop within %.1f s", task.get_name(), timeout_s
                 )
-        if self._tasks:
+        pub = self._pub
+        if self._tasks and pub is not None and pub.is_open:
             with contextlib.suppress(TimeoutError, RedisError, OSError):
                 async with asyncio.timeout(timeout_s):
-                    await self._flush()
-                    await self._publish((), leaving=True)
+                    await self._flush(pub)
+                    self._send(pub, (), self._clock(), leaving=True)
+                    await pub.call("PING")  # every batch before it has been taken
         self._tasks = []
         for router_id in list(self._peers):
             self._drop(router_id, "this router is stopping")
-        await self._pub.aclose()
-        await self._sub.aclose()
+        for conn in (self._pub, self._sub):
+            if conn is not None:
+                conn.close()
+        self._pub = self._sub = None
 
     # ---- publishing ------------------------------------------------------------------------
 
     def _on_local(self, event: ReplicaEvent) -> None:
-        """The core's listener: runs inside route(), so it only queues."""
+        """The core's listener: runs inside route(), so it never waits. A pick goes to the
+        socket at once (with whatever is queued before it, in order, as one batch): the
+        others must count it before their next route. First tokens and finishes queue for
+        the publishing task, which sends them together at the loop's next turn. With no
+        connection they queue while it is being made, and are dropped (counted; the peers
+        are shown a gap) while Redis is unreachable."""
+        pub = self._pub
+        if pub is None and not self._pub_connecting:  # Redis is down: nobody to tell
+            self._lose(1)
+            return
         if len(self._pending) >= self._max_pending:
-            self.counters["events_dropped"] += 1
+            self._lose(1)
             return
         self._pending.append((event, self._clock()))
-        self._wake.set()
+        if isinstance(event, ReplicaRouted) and pub is not None and pub.can_send_now():
+            self._send_pending(pub)
+        else:
+            self._wake.set()
+
+    def _lose(self, n: int) -> None:
+        self.counters["events_dropped"] += n
+        if not self._pub_lost_events:
+            self._pub_lost_events = True
+            self._seq += 1  # the peers must see a gap and forget what this router told them
 
     async def _publish_loop(self) -> None:
         while True:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self._heartbeat_s):
-                    await self._wake.wait()
-            self._wake.clear()
             try:
-                if self._pending:
-                    await self._flush()
-                else:
-                    await self._publish(())  # heartbeat: peers know this router is alive
-            except (RedisError, OSError):
-                await asyncio.sleep(min(self._heartbeat_s, 0.5))  # _publish logged it
+                pub = await RespConnection.open(
+                    self._target, name=f"kvroute-router-{self.router_id}-publish"
+                )
+            except (RedisError, OSError, TimeoutError) as exc:
+                self._publish_failed(exc)
+                await asyncio.sleep(min(self._heartbeat_s, 0.5))
+                continue
+            self._pub = pub
+            self._pub_connecting = False
+            try:
+                while pub.is_open:
+                    woken = False
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(self._heartbeat_s):
+                            woken = await self._wake.wait()
+                    self._wake.clear()
+                    if not pub.is_open:
+                        break
+                    if self._pending:
+                        await self._flush(pub)
+                    elif not woken:  # quiet for heartbeat_s: the peers must know we live
+                        self._send(pub, (), self._clock())
+            except (RedisError, OSError) as exc:
+                pub.close()
+                self._publish_failed(exc)
+            else:
+                self._publish_failed(pub.close_reason or ConnectionError("connection closed"))
+            finally:
+                if self._pub is pub and not pub.is_open:
+                    self._pub = None
+            await asyncio.sleep(min(self._heartbeat_s, 0.5))
 
-    async def _flush(self) -> None:
+    def _publish_failed(self, exc: BaseException) -> None:
+        self._pub_connecting = False
+        if self._pending:
+            self._lose(len(self._pending))
+            self._pending.clear()
+        if not self._publish_down:
+            log.warning("replica sync: cannot publish to Redis (%s); events are dropped", exc)
+        self._publish_down = True
+
+    async def _flush(self, pub: RespConnection) -> None:
         while self._pending:
-            n = min(len(self._pending), MAX_EVENTS_PER_BATCH)
-            items = [self._pending.popleft() for _ in range(n)]
-            await self._publish([event for event, _ in items], queued_at=items[0][1])
+            await pub.wait_writable()  # the transport's buffer is below its high mark
+            if not pub.is_open:
+                raise ConnectionError("the connection to Redis closed")
+            self._send_batch(pub)
 
-    async def _publish(
+    def _send_pending(self, pub: RespConnection) -> None:
+        """Everything queued, written now (in order)."""
+        while self._pending:
+            self._send_batch(pub)
+
+    def _send_batch(self, pub: RespConnection) -> None:
+        n = min(len(self._pending), MAX_EVENTS_PER_BATCH)
+        items = [self._pending.popleft() for _ in range(n)]
+        self._send(pub, [event for event, _ in items], items[0][1])
+
+    def _send(
         self,
+        pub: RespConnection,
         events: Sequence[ReplicaEvent],
+        queued_at: float,
         *,
         leaving: bool = False,
-        queued_at: float | None = None,
     ) -> None:
+        """Write one batch to the socket now; its reply is counted when it comes."""
         self._seq += 1  # spent even if the batch is lost: the peers must see the gap
+        self._pub_lost_events = False
         sent = self._sent
-        sent[self._seq] = self._clock() if queued_at is None else queued_at
+        sent[self._seq] = queued_at
         if len(sent) > MAX_TIMED_BATCHES:  # echoes lost with a broken subscription
             del sent[next(iter(sent))]
         data = encode_batch(self.router_id, self._seq, events, leaving=leaving)
-        try:
-            await self._pub.publish(self.channel, data)
-        except (RedisError, OSError) as exc:
-            self.counters["events_dropped"] += len(events)
+        n = len(events)
+        pub.send("PUBLISH", self.channel, data, on_reply=lambda reply: self._published(reply, n))
+
+    def _published(self, reply: Any, n: int) -> None:
+        if isinstance(reply, BaseException):
+            self.counters["events_dropped"] += n
             if not self._publish_down:
-                log.warning("replica sync: cannot publish to Redis (%s); events are dropped", exc)
+                log.warning(
+                    "replica sync: Redis did not take a batch (%s); its events are dropped", reply
+                )
             self._publish_down = True
-            raise
+            return
         if self._publish_down:
             log.info("replica sync: publishing again")
         self._publish_down = False
         self.counters["batches_published"] += 1
-        self.counters["events_published"] += len(events)
+        self.counters["events_published"] += n
 
     # ---- receiving -------------------------------------------------------------------------
 
     async def _subscribe_loop(self) -> None:
         while True:
+            sub: RespConnection | None = None
             try:
-                async with self._sub.pubsub() as pubsub:
-                    await pubsub.subscribe(self.channel)
-                    if self._subscribe_down:
-                        log.info("replica sync: subscribed again")
-                    self._subscribe_down = False
-                    self.subscribed.set()
-                    while True:
-                        msg = await pubsub.get_message(
-                            ignore_subscribe_messages=True, timeout=self._heartbeat_s
-                        )
-                        if msg is not None and msg.get("type") == "message":
-                            self.on_message(msg["data"])
-                        self.expire_peers()
-            except (RedisError, OSError) as exc:
+                sub = await RespConnection.open(
+                    self._target,
+                    name=f"kvroute-router-{self.router_id}-subscribe",
+                    on_message=self._on_push,
+                )
+                async with asyncio.timeout(self._target.connect_timeout_s):
+                    await sub.call("SUBSCRIBE", self.channel)
+                self._sub = sub
+                if self._subscribe_down:
+                    log.info("replica sync: subscribed again")
+                self._subscribe_down = False
+                self.subscribed.set()
+                while not sub.closed.done():
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(self._heartbeat_s):
+                            await asyncio.shield(sub.closed)
+                    self.expire_peers()
+                raise ConnectionError(f"Redis closed the subscription ({sub.close_reason})")
+            except (RedisError, OSError, TimeoutError) as exc:
+                if sub is not None:
+                    sub.close()
+                self._sub = None
                 self.subscribed.clear()
                 if not self._subscribe_down:
                     log.warning(
@@ -375,6 +459,14 @@ class ReplicaSync:
                 for router_id in list(self._peers):  # their events went past us
                     self._drop(router_id, "this router's subscription broke")
                 await asyncio.sleep(min(self._heartbeat_s, 1.0))
+
+    def _on_push(self, channel: bytes, data: bytes) -> None:
+        """The subscription's read callback: apply a batch the moment it is read."""
+        try:
+            self.on_message(data)
+        except Exception:  # a bug here must not close the subscription
+            self.counters["batches_malformed"] += 1
+            log.exception("replica sync: applying a batch failed")
 
     def on_message(self, data: bytes) -> None:
         """Apply one published batch (the subscription calls it; tests may too)."""

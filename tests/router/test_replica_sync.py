@@ -13,6 +13,7 @@ import pytest
 from kvroute_proto import kvroute_pb2 as pb
 from router.core import RouterConfig, RouterCore, RouteRequest
 from router.core_types import ReplicaFinished, ReplicaFirstToken, ReplicaRouted
+from router.redis_wire import RedisTarget, RespConnection, RespParser
 from router.replica_sync import (
     MAX_BLOCKS,
     MAX_EVENTS_PER_BATCH,
@@ -275,3 +276,147 @@ async def test_routing_goes_on_when_redis_is_down():
     finally:
         async with asyncio.timeout(5):
             await sync.close(timeout_s=0.2)
+
+
+async def test_a_pick_is_written_inside_route_and_ends_go_at_the_loops_next_turn(redis_url):
+    """No task hop for a pick: it is on the socket when route() returns (nothing queued), so
+    a burst of routing calls cannot hold it back; a first token or finish waits for the
+    publishing task and goes out with whatever else came in the same turn."""
+    prefix = f"kvroute-test-{uuid.uuid4().hex[:8]}:"
+    a, b = make_core(1), make_core(2)
+    sa = ReplicaSync(a, redis_url, prefix=prefix, heartbeat_s=5, peer_timeout_s=10)
+    sb = ReplicaSync(b, redis_url, prefix=prefix, heartbeat_s=5, peer_timeout_s=10)
+    await sa.start()
+    await sb.start()
+    try:
+        await _wait(lambda: sa.subscribed.is_set() and sb.subscribed.is_set())
+        await _wait(lambda: sa._pub is not None)
+        d = a.route(RouteRequest("x", np.arange(320, dtype=np.uint32)))
+        assert not sa._pending  # written already
+        a.on_first_token("x")
+        a.on_finished("x", 3)
+        assert len(sa._pending) == 2  # queued for the publishing task
+        view = b.worker_view(d.worker_id)
+        await _wait(lambda: sb.counters["events_applied"] == 3)
+        assert view.num_active == 0 and view.inflight_prefill_tokens == 0 and not sa._pending
+        # a pick made while ends are queued takes them along, in order, in one batch
+        received = sb.counters["batches_received"]  # no heartbeat comes in 5 s
+        a.route(RouteRequest("y", np.arange(64, dtype=np.uint32)))
+        a.on_finished("y", 1)
+        a.route(RouteRequest("z", np.arange(96, dtype=np.uint32)))
+        assert not sa._pending
+        await _wait(lambda: sb.counters["events_applied"] == 6)
+        assert b.stats().num_replica_inflight == 1  # z; y came and went, in order
+        assert sb.counters["batches_received"] - received == 2  # y, then its end with z
+        assert sb.counters["gaps"] == 0
+    finally:
+        await sb.close()
+        await sa.close()
+
+
+async def _client_id(redis_url: str, name: str) -> int:
+    conn = await RespConnection.open(RedisTarget.from_url(redis_url))
+    try:
+        listing = (await conn.call("CLIENT", "LIST")).decode()
+    finally:
+        conn.close()
+    for line in listing.splitlines():
+        fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
+        if fields.get("name") == name:
+            return int(fields["id"])
+    raise AssertionError(f"no Redis client named {name}")
+
+
+async def _kill(redis_url: str, name: str) -> None:
+    """Redis closes the connection of the client called ``name``."""
+    client_id = await _client_id(redis_url, name)
+    conn = await RespConnection.open(RedisTarget.from_url(redis_url))
+    try:
+        assert await conn.call("CLIENT", "KILL", "ID", client_id) == 1
+    finally:
+        conn.close()
+
+
+async def test_lost_connections_are_made_again_and_what_went_past_is_forgotten(redis_url):
+    """Redis drops a router's subscription: it forgets the other's requests (their ends went
+    past it) and subscribes again. Redis drops the other's publishing connection: what that
+    router placed meanwhile is lost, its next batch shows the gap, and the peer forgets."""
+    prefix = f"kvroute-test-{uuid.uuid4().hex[:8]}:"
+    a, b = make_core(1), make_core(2)
+    sa = ReplicaSync(a, redis_url, prefix=prefix, heartbeat_s=0.1, peer_timeout_s=2)
+    sb = ReplicaSync(b, redis_url, prefix=prefix, heartbeat_s=0.1, peer_timeout_s=2)
+    await sa.start()
+    await sb.start()
+    try:
+        await _wait(lambda: sa.subscribed.is_set() and sb.subscribed.is_set())
+        await _wait(lambda: sa._pub is not None)
+        a.route(RouteRequest("x", np.arange(320, dtype=np.uint32)))
+        await _wait(lambda: b.stats().num_replica_inflight == 1)
+        await _kill(redis_url, f"kvroute-router-{sb.router_id}-subscribe")
+        await _wait(lambda: sb.counters["peers_dropped"] == 1)
+        assert b.stats().num_replica_inflight == 0
+        await _wait(lambda: sb.subscribed.is_set())
+        a.route(RouteRequest("y", np.arange(64, dtype=np.uint32)))
+        await _wait(lambda: b.stats().num_replica_inflight == 1)  # counted again
+        # now a's publishing connection
+        await _kill(redis_url, f"kvroute-router-{sa.router_id}-publish")
+        await _wait(lambda: sa._pub is None)
+        a.route(RouteRequest("lost", np.arange(64, dtype=np.uint32)))  # Redis is "down" for a
+        assert sa.counters["events_dropped"] >= 1
+        await _wait(lambda: sa._pub is not None)
+        a.route(RouteRequest("z", np.arange(64, dtype=np.uint32)))
+        # b sees the gap in a's numbers: forgets y, counts z
+        await _wait(lambda: sb.counters["gaps"] == 1)
+        assert b.stats().num_replica_inflight == 1
+    finally:
+        await sb.close()
+        await sa.close()
+
+
+async def _fake_redis(refuse_publish: bool) -> tuple[asyncio.Server, int, list[bytes]]:
+    """A RESP server on 127.0.0.1:0 that takes SUBSCRIBE and CLIENT, and answers every
+    PUBLISH with an error: a Redis that refuses the batches (an ACL, a full memory)."""
+    seen: list[bytes] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        parser = RespParser()
+        try:
+            while data := await reader.read(65536):
+                for cmd in parser.feed(data):
+                    name = cmd[0].upper()
+                    seen.append(name)
+                    if name == b"SUBSCRIBE":
+                        ch = cmd[1]  # the confirmation: subscribe, the channel, one
+                        writer.write(b"*3\r\n$9\r\nsubscribe\r\n")
+                        writer.write(b"$%d\r\n%s\r\n:1\r\n" % (len(ch), ch))
+                    elif name == b"PUBLISH" and refuse_publish:
+                        writer.write(b"-NOPERM this user has no permissions to publish\r\n")
+                    elif name == b"PUBLISH":
+                        writer.write(b":0\r\n")
+                    else:
+                        writer.write(b"+OK\r\n")
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1], seen
+
+
+async def test_batches_redis_refuses_are_counted_as_dropped_and_logged_once(caplog):
+    server, port, seen = await _fake_redis(refuse_publish=True)
+    core = make_core()
+    sync = ReplicaSync(core, f"redis://127.0.0.1:{port}/0", heartbeat_s=0.05, peer_timeout_s=1)
+    await sync.start()
+    try:
+        await _wait(lambda: sync.subscribed.is_set() and sync._pub is not None)
+        for i in range(5):
+            core.route(RouteRequest(f"r{i}", np.arange(64, dtype=np.uint32)))
+        await _wait(lambda: sync.counters["events_dropped"] >= 5)
+        await _wait(lambda: seen.count(b"PUBLISH") >= 8)  # heartbeats go on
+        assert sync.counters["batches_published"] == 0
+        assert "Redis did not take a batch (NOPERM" in caplog.text
+        assert caplog.text.count("Redis did not take a batch") == 1
+        assert b"AUTH" not in seen  # no user, no password: no AUTH
+    finally:
+        await sync.close(timeout_s=0.2)
+        server.close()
