@@ -16,6 +16,10 @@ Measured, per router and pooled (seconds):
   what ``kvroute replay --replica-sync-delay-s`` models as one constant.
 * ``echo_delay``: what each router measures of its own batches (queued to echoed back by
   Redis), the figure its auto ``--replica-sync-window-s`` follows.
+* ``route``: each ``route()`` call, with the publish of its pick (written to the socket
+  inside the call).
+* ``cpu_per_request_s``: the router processes' CPU time over the run (routing, publishing,
+  applying the peers' batches) per request placed at any router: the sync's whole cost.
 
 The routers share the machine's monotonic clock (Linux CLOCK_MONOTONIC is system-wide), so a
 pick's time travels in its request id. Counts check that nothing was lost: every peer pick
@@ -167,8 +171,10 @@ async def _router(k: int, plan: Plan, ready: Any, start: Any) -> dict[str, Any]:
             raise RuntimeError("stopped before the start: another router failed")
         start_at = start.value
         await asyncio.sleep(max(0.0, start_at - time.monotonic()))
+        cpu0 = time.process_time()
         await asyncio.gather(steady(), bursts())
         await asyncio.sleep(max(plan.finish_s, 0.5) + 0.5)  # the last picks and ends arrive
+        cpu_s = time.process_time() - cpu0  # routing, publishing, applying the peers' events
     finally:
         await sync.close()
     return {
@@ -177,6 +183,7 @@ async def _router(k: int, plan: Plan, ready: Any, start: Any) -> dict[str, Any]:
         "peer_delay": peer,
         "echo_delay": echo,
         "route_s": route_s,
+        "cpu_s": cpu_s,
         "counters": dict(sync.counters),
     }
 
@@ -259,6 +266,10 @@ def run(plan: Plan) -> dict[str, Any]:
         "peer_delay_burst": _quantiles(pooled["burst"]),
         "echo_delay": _quantiles([d for r in results for d in r["echo_delay"]]),
         "route": _quantiles([d for r in results for d in r["route_s"]]),
+        # the router processes' CPU time over the run, per request any router placed: the
+        # sync's whole cost (its publishes, the peers' batches applied) next to routing's
+        "cpu_per_request_s": sum(r["cpu_s"] for r in results)
+        / max(1, sum(sum(r["sent"].values()) for r in results)),
         "per_router": [
             {
                 "router": r["router"],
@@ -410,7 +421,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  pick -> applied at a peer, steady: {_ms(result['peer_delay_steady'])}")
     print(f"  pick -> applied at a peer, burst:  {_ms(result['peer_delay_burst'])}")
     print(f"  own batch -> Redis echo:           {_ms(result['echo_delay'])}")
-    print(f"  route():                           {_ms(result['route'])}")
+    print(f"  route() (with its publish):        {_ms(result['route'])}")
+    cpu_ms = result["cpu_per_request_s"] * 1e3
+    print(f"  router CPU per request placed:     {cpu_ms:.3f} ms (all routers' processes)")
     if "raw_pubsub" in result:
         print(f"  plain pub/sub, process to process: {_ms(result['raw_pubsub'])}")
     if args.json:
