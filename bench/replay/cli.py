@@ -515,7 +515,16 @@ def _sim_config(args: argparse.Namespace):  # -> SimConfig
     if strict and args.mode != "sim":
         raise ValueError(
             "--strict, --weight-read-s, --route-decision-s, --network-delay-s, "
-            "--max-context and --event-loss need --mode sim"
+            "--max-context, --event-loss and --replica-apply-s need --mode sim"
+        )
+    if getattr(args, "replica_apply_s", None) is not None and args.replica_sync_delay_s is None:
+        raise ValueError("--replica-apply-s needs --replica-sync-delay-s (peers' events to apply)")
+    if "replica_apply_s" in strict and not (
+        "route_decision_s" in strict or strict.get("measure_route_time")
+    ):
+        raise ValueError(
+            "--replica-apply-s needs a decision time (--route-decision-s, or --strict): "
+            "it queues with the router's decisions"
         )
     cost_model = cost_profile(args.cost_profile)
     if "weight_read_s" in strict:

@@ -22,7 +22,8 @@ the progress line does). Time is ``FleetSim.now``, advanced by a heap of events:
                      as /flush_cache or a restarted cache would): routers that read events
                      learn it; one that routes on its own history does not
     ROUTER_FREE(k)   with a decision time (route_decision_s, or measured): router k is
-                     done with one decision; the next request queued at it is routed now
+                     done with one decision (or, with replica_apply_s, with applying a
+                     peer's event); the next job queued at it starts now
     ADMIT(w, req)    with a decision time or a network delay (network_delay_s): the routed
                      request reaches its worker that much after the router picked it
 
@@ -62,7 +63,9 @@ worker's queued-prefill estimate, since the others, seeing the same state, are l
 placing the same burst alike. First token and finish are reported to the router that routed
 the request. With replica sync (``replica_sync_delay_s``) each router's picks, first tokens
 and finishes also reach every other router that much later (``RouterCore.apply_replica``, as
-``kvroute router --replica-sync`` does through Redis), which count them once.
+``kvroute router --replica-sync`` does through Redis), which count them once; with a
+decision time and ``replica_apply_s`` applying a peer's event is a job of the receiving
+router too, queued with its own decisions.
 
 References: :func:`simulate_reference` runs one engine with N times the KV capacity and N
 times the speed (a wrapper divides the step cost by N) under the same scheduler -- the
@@ -92,6 +95,7 @@ from kvroute_proto.events import EventBatch, LoadReport, Snapshot
 from router.core import (
     NoWorkerAvailable,
     ReplicaEvent,
+    ReplicaRouted,
     Resubscribe,
     RouterConfig,
     RouterCore,
@@ -160,6 +164,10 @@ class SimConfig:
     # replica sync (num_routers > 1): each router's picks, first tokens and finishes reach
     # the other routers this much later (RouterCore.apply_replica); None: no sync
     replica_sync_delay_s: float | None = None
+    # with sync and a decision time: applying a peer's pick is a job of the receiving
+    # router's too, this long (a first token or finish a quarter of it), queued with its
+    # own decisions (one at a time), so a burst's peer picks wait while it routes its own
+    replica_apply_s: float = 0.0
 
     @property
     def replicas(self) -> int:
@@ -193,7 +201,7 @@ class SimConfig:
             raise ValueError(f"affinity_blocks must be >= 1, got {self.affinity_blocks}")
         if self.router_replicas is not None and self.router_replicas < 1:
             raise ValueError(f"router_replicas must be >= 1, got {self.router_replicas}")
-        for name in ("route_decision_s", "network_delay_s", "flush_interval_s"):
+        for name in ("route_decision_s", "network_delay_s", "flush_interval_s", "replica_apply_s"):
             if not getattr(self, name) >= 0:  # NaN too
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.event_loss < 1:
@@ -301,8 +309,14 @@ class FleetSim:
         self._owner: dict[str, RouterCore] = {}  # request id -> the router that routed it
         # a router decides one request at a time: with a decision time, arrivals queue
         self._charge_routing = config.route_decision_s > 0 or config.measure_route_time
-        self._route_queue: list[deque[int]] = [deque() for _ in self.routers]
+        # what each router has to do, one job at a time: requests to route (their index)
+        # and, with replica_apply_s, the peers' events to apply ((sender, event))
+        self._route_queue: list[deque[int | tuple[int, ReplicaEvent]]] = [
+            deque() for _ in self.routers
+        ]
+        self._charge_apply = self._charge_routing and config.replica_apply_s > 0
         self.route_decision_s_total = 0.0
+        self.replica_apply_s_total = 0.0
         self._loss_rng = random.Random(config.seed + 15_485_863)
         self.num_lost_batches = 0
         exec_config = SimExecutorConfig(
@@ -425,11 +439,22 @@ class FleetSim:
             self._route(index, k)
 
     def _router_free(self, k: int) -> None:
-        """Router k finished a decision: the next request queued at it is decided now."""
+        """Router k finished a job: the next one queued at it starts now."""
         queue = self._route_queue[k]
         queue.popleft()
         if queue:
-            self._route(queue[0], k)
+            self._start_job(k, queue[0])
+
+    def _start_job(self, k: int, job: int | tuple[int, ReplicaEvent]) -> None:
+        if isinstance(job, int):
+            self._route(job, k)
+            return
+        sender, event = job  # a peer's event: applied now, the router busy for its cost
+        self._apply_replica(k, sender, event)
+        cost = self.config.replica_apply_s
+        took = cost if isinstance(event, ReplicaRouted) else cost / 4
+        self.replica_apply_s_total += took
+        self._push(self.now + took, _Kind.ROUTER_FREE, k)
 
     def _route(self, index: int, k: int) -> None:
         """Router k decides for request ``index`` now; the request reaches its worker after
@@ -597,7 +622,18 @@ class FleetSim:
                 self._push(at, _Kind.REPLICA, (k, sender, event))
 
     def _replica(self, payload: tuple[int, int, ReplicaEvent]) -> None:
+        """A peer's event reaches router ``to``: applied now, or with an apply cost queued
+        behind what the router is doing (its decisions and earlier peers' events)."""
         to, sender, event = payload
+        if not self._charge_apply:
+            self._apply_replica(to, sender, event)
+            return
+        queue = self._route_queue[to]
+        queue.append((sender, event))
+        if len(queue) == 1:  # the router is idle
+            self._start_job(to, queue[0])
+
+    def _apply_replica(self, to: int, sender: int, event: ReplicaEvent) -> None:
         self.num_replica_events += 1
         self.routers[to].apply_replica(f"router-{sender}", event)
 
@@ -639,6 +675,7 @@ class FleetSim:
             "cache_flushes": self.num_flushes,
             "routers": len(self.routers),
             "route_decision_s_total": round(self.route_decision_s_total, 6),
+            "replica_apply_s_total": round(self.replica_apply_s_total, 6),
             "event_batches_lost": self.num_lost_batches,
             "replica_events": self.num_replica_events,
             # steps that ran something, and those the weight-read floor made longer

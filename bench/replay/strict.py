@@ -21,6 +21,11 @@ option                      what it charges                              --stric
 ``--event-loss P``          each event batch is lost on its way to each  not set (a fault
                             router with probability P; routers recover   to inject, not a
                             through the sequence numbers (Resubscribe)   cost)
+``--replica-apply-s S``     with replica sync: applying a peer's pick    150 us (apply
+                            is a job of the receiving router, S long (a  90-100 us on a
+                            first token or finish S/4), queued with its  1M-block index,
+                            own decisions: a burst's peer picks wait     decoding the
+                            while it routes its own share                batch ~50 us)
 ==========================  ===========================================  ==================
 
 Without ``--max-context`` the context is stretched to fit the longest request of the trace
@@ -41,6 +46,9 @@ STRICT_WEIGHT_READ_S = H100_LLAMA3_8B_WEIGHT_READ_S
 STRICT_ROUTE_DECISION_S = 200e-6
 STRICT_NETWORK_DELAY_S = 0.5e-3
 STRICT_MAX_CONTEXT = 131_072
+# RouterCore.apply_replica of a peer's pick on bench_replica_apply's index (64 workers, 1M
+# blocks): 88-96 us p50 on the 2-core box, plus decoding its batch off the wire (~50 us)
+STRICT_REPLICA_APPLY_S = 150e-6
 
 
 def add_strict_options(p: argparse.ArgumentParser) -> None:
@@ -54,8 +62,9 @@ def add_strict_options(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help=f"turn on every charge below not given explicitly: --weight-read-s "
         f"{STRICT_WEIGHT_READ_S:.5f} --route-decision-s {STRICT_ROUTE_DECISION_S:g} "
-        f"--network-delay-s {STRICT_NETWORK_DELAY_S:g} --max-context {STRICT_MAX_CONTEXT} "
-        "(event loss stays off)",
+        f"--network-delay-s {STRICT_NETWORK_DELAY_S:g} --max-context {STRICT_MAX_CONTEXT}, "
+        f"and with replica sync --replica-apply-s {STRICT_REPLICA_APPLY_S:g} (event loss "
+        "stays off)",
     )
     g.add_argument(
         "--weight-read-s",
@@ -97,6 +106,16 @@ def add_strict_options(p: argparse.ArgumentParser) -> None:
         metavar="P",
         help="probability that an event batch is lost on its way to a router; the router "
         "recovers through the stream's sequence numbers (default 0)",
+    )
+    g.add_argument(
+        "--replica-apply-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="with --replica-sync-delay-s and a decision time: applying a peer's pick takes "
+        "the receiving router S seconds (a first token or finish S/4), one job at a time "
+        "with its own decisions (default 0; --strict: "
+        f"{STRICT_REPLICA_APPLY_S * 1e6:.0f} us)",
     )
 
 
@@ -143,6 +162,14 @@ def strict_settings(args: argparse.Namespace) -> dict[str, Any]:
         if ctx < 2:
             raise ValueError(f"--max-context must be >= 2, got {ctx}")
         out["max_context_tokens"] = ctx
+    apply = getattr(args, "replica_apply_s", None)
+    if apply is None and strict and getattr(args, "replica_sync_delay_s", None) is not None:
+        apply = STRICT_REPLICA_APPLY_S
+    if apply is not None:
+        if not apply >= 0:
+            raise ValueError(f"--replica-apply-s must be >= 0, got {apply}")
+        if apply:
+            out["replica_apply_s"] = apply
     loss = args.event_loss
     if loss is not None:
         if not 0 <= loss < 1:

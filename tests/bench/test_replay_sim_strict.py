@@ -366,6 +366,43 @@ def test_route_decision_time_queues_a_burst_at_each_router():
     assert sim.report("x").extra["route_decision_s_total"] == pytest.approx(0.02)
 
 
+def test_applying_the_peers_picks_is_router_work_queued_with_its_decisions():
+    # two routers, 10 ms decisions, a 1 ms sync. At 0 each router decides its first
+    # request (0-10 ms); the other's pick reaches it at 1 ms and, with a 4 ms apply cost,
+    # waits behind that decision (10-14 ms); the requests arriving at 5 ms are decided after
+    # it (14-24 ms instead of 10-20): their first tokens come exactly 4 ms later, the first
+    # two's not at all
+    records = [
+        one_shot(64),
+        one_shot(64, first_id=100),
+        one_shot(64, at_ms=5.0, first_id=200),
+        one_shot(64, at_ms=5.0, first_id=300),
+    ]
+    base = dict(
+        cost_model=flat_cost(), num_routers=2, route_decision_s=0.01, replica_sync_delay_s=0.001
+    )
+
+    def first_tokens(**kw) -> tuple[list[float], FleetSim]:
+        sim = run(records, "round_robin", tiny_config(**{**base, **kw}))
+        return [r.first_token_s for r in sim.results], sim
+
+    free, _ = first_tokens()
+    charged, sim = first_tokens(replica_apply_s=0.004)
+    assert [c - f for c, f in zip(charged, free, strict=True)] == pytest.approx(
+        [0.0, 0.0, 0.004, 0.004]
+    )
+    sim.settle(1.0)
+    # each router applied the other's two picks (4 ms each), first tokens and finishes (1 ms)
+    assert sim.report("x").extra["replica_apply_s_total"] == pytest.approx(
+        2 * (2 * 4 + 4 * 1) / 1e3
+    )
+    assert sim.num_replica_events == 2 * 2 * 3
+    # without a decision time there is no router queue: the apply cost is not charged
+    _, plain = first_tokens(route_decision_s=0.0, replica_apply_s=0.004)
+    plain.settle(1.0)
+    assert plain.report("x").extra["replica_apply_s_total"] == 0.0
+
+
 def test_measured_route_time_is_charged():
     records = [one_shot(64), one_shot(64, first_id=100)]
     sim = run(records, "cache_aware", tiny_config(cost_model=flat_cost(), measure_route_time=True))
@@ -403,6 +440,8 @@ def test_strict_config_is_checked():
         SimConfig(network_delay_s=-1.0)
     with pytest.raises(ValueError, match="route_decision_s must be >= 0"):
         SimConfig(route_decision_s=float("nan"))
+    with pytest.raises(ValueError, match="replica_apply_s must be >= 0"):
+        SimConfig(replica_apply_s=-1e-4)
 
 
 def test_cli_strict_options(tmp_path, capsys):
@@ -430,12 +469,24 @@ def test_cli_strict_options(tmp_path, capsys):
     assert setup["max_context_tokens"] == 131_072 and "event_loss" not in setup
     assert main([*base, "--strict", "--network-delay-s", "0", "--json", str(out)]) == 0
     assert "network_delay_s" not in json.loads(out.read_text())["setup"]
+    assert "replica_apply_s" not in setup  # no sync, nothing to apply
+    synced = [*base, "--routers", "2", "--replica-sync-delay-s", "0.001", "--no-reference"]
+    assert main([*synced, "--strict", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["setup"]["replica_apply_s"] == 150e-6
+    assert main([*synced, "--strict", "--replica-apply-s", "0", "--json", str(out)]) == 0
+    assert "replica_apply_s" not in json.loads(out.read_text())["setup"]
     for bad, msg in (
         (["--event-loss", "1"], "--event-loss must be in [0, 1)"),
         (["--route-decision-s", "soon"], "--route-decision-s must be seconds or 'measured'"),
         (["--max-context", "1"], "--max-context must be >= 2"),
         (["--weight-read-s", "-1"], "--weight-read-s must be >= 0"),
         (["--strict", "--mode", "live"], "need --mode sim"),
+        (["--replica-apply-s", "1e-4"], "--replica-apply-s needs --replica-sync-delay-s"),
+        (
+            ["--routers", "2", "--replica-sync-delay-s", "0.001", "--replica-apply-s", "1e-4"],
+            "--replica-apply-s needs a decision time",
+        ),
+        (["--replica-apply-s", "-1"], "--replica-apply-s must be >= 0"),
     ):
         assert main([*base, *bad]) == 2
         assert msg in capsys.readouterr().err
