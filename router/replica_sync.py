@@ -14,14 +14,14 @@ Wire: one :class:`ReplicaBatch` protobuf per message (``kvroute.proto``): the pu
 random ``router_id``, a sequence number, the events, and ``leaving`` on shutdown. Nothing is
 ever retried or blocked for: routing never waits on Redis.
 
-* Publishing: a pick, first token or finish goes to the socket the moment route() or the
-  call's end reports it, one PUBLISH written without waiting (``router/redis_wire.py``; no
-  task hop, so a burst of routing calls does not hold it back). While the connection is
-  being made, or the socket's buffer is full, events queue in memory (at most
-  ``max_pending``; past that new ones are dropped and counted) and go out in batches; an
-  empty heartbeat goes out every ``heartbeat_s``. Events that cannot be sent (Redis down, a
-  batch refused) are lost and counted, and a sequence number is spent so the peers see the
-  gap.
+* Publishing: a pick goes to the socket inside route(), one PUBLISH written without waiting
+  (``router/redis_wire.py``; no task hop, so a burst of routing calls does not hold it
+  back), with any first tokens and finishes queued before it in the same batch. Those
+  otherwise go out from the publishing task at the event loop's next turn, together. While
+  the connection is being made, or the socket's buffer is full, events queue in memory (at
+  most ``max_pending``); an empty heartbeat goes out after ``heartbeat_s`` without a batch.
+  Events that cannot be sent (the queue full, Redis down, a batch refused) are lost and
+  counted, and a sequence number is spent so the peers see the gap.
 * Timing: Redis echoes each batch to its publisher too. The time from queueing a batch's
   oldest event to its echo is about what the peers wait for it, and sets how long this
   router's own picks count ``replicas`` times (``RouterCore.observe_replica_sync_delay``;
