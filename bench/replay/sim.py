@@ -65,7 +65,8 @@ the request. With replica sync (``replica_sync_delay_s``) each router's picks, f
 and finishes also reach every other router that much later (``RouterCore.apply_replica``, as
 ``kvroute router --replica-sync`` does through Redis), which count them once; with a
 decision time and ``replica_apply_s`` applying a peer's event is a job of the receiving
-router too, queued with its own decisions.
+router too, done before its next queued decision (a router's event loop reads its
+subscription between two calls of a burst: ``bench/bench_grpc_interleave.py``).
 
 References: :func:`simulate_reference` runs one engine with N times the KV capacity and N
 times the speed (a wrapper divides the step cost by N) under the same scheduler -- the
@@ -165,8 +166,8 @@ class SimConfig:
     # the other routers this much later (RouterCore.apply_replica); None: no sync
     replica_sync_delay_s: float | None = None
     # with sync and a decision time: applying a peer's pick is a job of the receiving
-    # router's too, this long (a first token or finish a quarter of it), queued with its
-    # own decisions (one at a time), so a burst's peer picks wait while it routes its own
+    # router's too, this long (a first token or finish a quarter of it), one job at a time
+    # with its decisions: done before the next queued one, which waits for it
     replica_apply_s: float = 0.0
 
     @property
@@ -309,11 +310,12 @@ class FleetSim:
         self._owner: dict[str, RouterCore] = {}  # request id -> the router that routed it
         # a router decides one request at a time: with a decision time, arrivals queue
         self._charge_routing = config.route_decision_s > 0 or config.measure_route_time
-        # what each router has to do, one job at a time: requests to route (their index)
-        # and, with replica_apply_s, the peers' events to apply ((sender, event))
-        self._route_queue: list[deque[int | tuple[int, ReplicaEvent]]] = [
-            deque() for _ in self.routers
-        ]
+        # what each router has to do, one job at a time: requests to route (their index),
+        # and with replica_apply_s the peers' events to apply ((sender, event)), which go
+        # first: a router's event loop reads its subscription between two of a burst's calls
+        self._route_queue: list[deque[int]] = [deque() for _ in self.routers]
+        self._apply_queue: list[deque[tuple[int, ReplicaEvent]]] = [deque() for _ in self.routers]
+        self._router_busy = [False] * len(self.routers)
         self._charge_apply = self._charge_routing and config.replica_apply_s > 0
         self.route_decision_s_total = 0.0
         self.replica_apply_s_total = 0.0
@@ -433,23 +435,27 @@ class FleetSim:
         if not self._charge_routing:
             self._route(index, k)  # no decision time: route and admit at once
             return
-        queue = self._route_queue[k]
-        queue.append(index)
-        if len(queue) == 1:  # the router is idle: decide now
-            self._route(index, k)
+        self._route_queue[k].append(index)
+        if not self._router_busy[k]:  # the router is idle: decide now
+            self._next_job(k)
 
     def _router_free(self, k: int) -> None:
         """Router k finished a job: the next one queued at it starts now."""
-        queue = self._route_queue[k]
-        queue.popleft()
-        if queue:
-            self._start_job(k, queue[0])
+        self._router_busy[k] = False
+        self._next_job(k)
 
-    def _start_job(self, k: int, job: int | tuple[int, ReplicaEvent]) -> None:
-        if isinstance(job, int):
-            self._route(job, k)
+    def _next_job(self, k: int) -> None:
+        """Router k starts its next job: a peer's event that has arrived, else the next
+        request to route; it is busy until the job's ROUTER_FREE."""
+        if self._apply_queue[k]:
+            sender, event = self._apply_queue[k].popleft()
+        elif self._route_queue[k]:
+            self._router_busy[k] = True
+            self._route(self._route_queue[k].popleft(), k)
             return
-        sender, event = job  # a peer's event: applied now, the router busy for its cost
+        else:
+            return
+        self._router_busy[k] = True  # a peer's event: applied now, busy for its cost
         self._apply_replica(k, sender, event)
         cost = self.config.replica_apply_s
         took = cost if isinstance(event, ReplicaRouted) else cost / 4
@@ -622,16 +628,15 @@ class FleetSim:
                 self._push(at, _Kind.REPLICA, (k, sender, event))
 
     def _replica(self, payload: tuple[int, int, ReplicaEvent]) -> None:
-        """A peer's event reaches router ``to``: applied now, or with an apply cost queued
-        behind what the router is doing (its decisions and earlier peers' events)."""
+        """A peer's event reaches router ``to``: applied now, or with an apply cost once the
+        router is done with its job in hand (before any request still queued at it)."""
         to, sender, event = payload
         if not self._charge_apply:
             self._apply_replica(to, sender, event)
             return
-        queue = self._route_queue[to]
-        queue.append((sender, event))
-        if len(queue) == 1:  # the router is idle
-            self._start_job(to, queue[0])
+        self._apply_queue[to].append((sender, event))
+        if not self._router_busy[to]:
+            self._next_job(to)
 
     def _apply_replica(self, to: int, sender: int, event: ReplicaEvent) -> None:
         self.num_replica_events += 1

@@ -23,9 +23,9 @@ option                      what it charges                              --stric
                             through the sequence numbers (Resubscribe)   cost)
 ``--replica-apply-s S``     with replica sync: applying a peer's pick    150 us (apply
                             is a job of the receiving router, S long (a  90-100 us on a
-                            first token or finish S/4), queued with its  1M-block index,
-                            own decisions: a burst's peer picks wait     decoding the
-                            while it routes its own share                batch ~50 us)
+                            first token or finish S/4), done before its  1M-block index,
+                            next queued decision (its event loop reads   decoding the
+                            the subscription between a burst's calls)    batch ~50 us)
 ==========================  ===========================================  ==================
 
 Without ``--max-context`` the context is stretched to fit the longest request of the trace
@@ -113,8 +113,8 @@ def add_strict_options(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="S",
         help="with --replica-sync-delay-s and a decision time: applying a peer's pick takes "
-        "the receiving router S seconds (a first token or finish S/4), one job at a time "
-        "with its own decisions (default 0; --strict: "
+        "the receiving router S seconds (a first token or finish S/4), done before its next "
+        "queued decision, which waits for it (default 0; --strict: "
         f"{STRICT_REPLICA_APPLY_S * 1e6:.0f} us)",
     )
 

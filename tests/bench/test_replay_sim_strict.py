@@ -366,17 +366,18 @@ def test_route_decision_time_queues_a_burst_at_each_router():
     assert sim.report("x").extra["route_decision_s_total"] == pytest.approx(0.02)
 
 
-def test_applying_the_peers_picks_is_router_work_queued_with_its_decisions():
+def test_applying_the_peers_picks_is_router_work_that_goes_before_queued_decisions():
     # two routers, 10 ms decisions, a 1 ms sync. At 0 each router decides its first
-    # request (0-10 ms); the other's pick reaches it at 1 ms and, with a 4 ms apply cost,
-    # waits behind that decision (10-14 ms); the requests arriving at 5 ms are decided after
-    # it (14-24 ms instead of 10-20): their first tokens come exactly 4 ms later, the first
-    # two's not at all
+    # request (0-10 ms); a second request reaches each at 0.5 ms and queues; the other's
+    # pick reaches it at 1 ms. With a 4 ms apply cost the pick is applied when the first
+    # decision ends (10-14 ms), before the queued request -- a router's event loop reads its
+    # subscription between two calls of a burst -- so that one is decided at 14-24 ms instead
+    # of 10-20: its first token comes exactly 4 ms later, the first two's not at all
     records = [
         one_shot(64),
         one_shot(64, first_id=100),
-        one_shot(64, at_ms=5.0, first_id=200),
-        one_shot(64, at_ms=5.0, first_id=300),
+        one_shot(64, at_ms=0.5, first_id=200),
+        one_shot(64, at_ms=0.5, first_id=300),
     ]
     base = dict(
         cost_model=flat_cost(), num_routers=2, route_decision_s=0.01, replica_sync_delay_s=0.001
