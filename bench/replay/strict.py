@@ -147,14 +147,11 @@ def strict_settings(args: argparse.Namespace) -> dict[str, Any]:
             raise ValueError(f"--route-decision-s must be >= 0, got {value}")
         if value:
             out["route_decision_s"] = value
-    net = args.network_delay_s
-    if net is None and strict:
-        net = STRICT_NETWORK_DELAY_S
-    if net is not None:
-        if not net >= 0:
-            raise ValueError(f"--network-delay-s must be >= 0, got {net}")
-        if net:
-            out["network_delay_s"] = net
+    net = _seconds(
+        args.network_delay_s, STRICT_NETWORK_DELAY_S if strict else None, "--network-delay-s"
+    )
+    if net:
+        out["network_delay_s"] = net
     ctx = args.max_context
     if ctx is None and strict:
         ctx = STRICT_MAX_CONTEXT
@@ -162,14 +159,14 @@ def strict_settings(args: argparse.Namespace) -> dict[str, Any]:
         if ctx < 2:
             raise ValueError(f"--max-context must be >= 2, got {ctx}")
         out["max_context_tokens"] = ctx
-    apply = getattr(args, "replica_apply_s", None)
-    if apply is None and strict and getattr(args, "replica_sync_delay_s", None) is not None:
-        apply = STRICT_REPLICA_APPLY_S
-    if apply is not None:
-        if not apply >= 0:
-            raise ValueError(f"--replica-apply-s must be >= 0, got {apply}")
-        if apply:
-            out["replica_apply_s"] = apply
+    synced = getattr(args, "replica_sync_delay_s", None) is not None
+    apply = _seconds(
+        getattr(args, "replica_apply_s", None),
+        STRICT_REPLICA_APPLY_S if strict and synced else None,
+        "--replica-apply-s",
+    )
+    if apply:
+        out["replica_apply_s"] = apply
     loss = args.event_loss
     if loss is not None:
         if not 0 <= loss < 1:
@@ -177,3 +174,11 @@ def strict_settings(args: argparse.Namespace) -> dict[str, Any]:
         if loss:
             out["event_loss"] = loss
     return out
+
+
+def _seconds(given: float | None, default: float | None, option: str) -> float | None:
+    """``given``, else ``default``; ValueError naming ``option`` when below 0 (or NaN)."""
+    value = default if given is None else given
+    if value is not None and not value >= 0:
+        raise ValueError(f"{option} must be >= 0, got {value}")
+    return value

@@ -4,6 +4,7 @@ routers syncing through the real Redis at 127.0.0.1:6379."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import uuid
 
@@ -278,19 +279,31 @@ async def test_routing_goes_on_when_redis_is_down():
             await sync.close(timeout_s=0.2)
 
 
+@contextlib.asynccontextmanager
+async def _synced_pair(redis_url: str, heartbeat_s: float, peer_timeout_s: float):
+    """Two routers syncing on a channel of their own, both subscribed and able to publish."""
+    prefix = f"kvroute-test-{uuid.uuid4().hex[:8]}:"
+    a, b = make_core(1), make_core(2)
+    syncs = [
+        ReplicaSync(core, redis_url, prefix=prefix, heartbeat_s=heartbeat_s,
+                    peer_timeout_s=peer_timeout_s)
+        for core in (a, b)
+    ]  # fmt: skip
+    for sync in syncs:
+        await sync.start()
+    try:
+        await _wait(lambda: all(s.subscribed.is_set() and s._pub is not None for s in syncs))
+        yield a, b, syncs[0], syncs[1]
+    finally:
+        for sync in reversed(syncs):
+            await sync.close()
+
+
 async def test_a_pick_is_written_inside_route_and_ends_go_at_the_loops_next_turn(redis_url):
     """No task hop for a pick: it is on the socket when route() returns (nothing queued), so
     a burst of routing calls cannot hold it back; a first token or finish waits for the
     publishing task and goes out with whatever else came in the same turn."""
-    prefix = f"kvroute-test-{uuid.uuid4().hex[:8]}:"
-    a, b = make_core(1), make_core(2)
-    sa = ReplicaSync(a, redis_url, prefix=prefix, heartbeat_s=5, peer_timeout_s=10)
-    sb = ReplicaSync(b, redis_url, prefix=prefix, heartbeat_s=5, peer_timeout_s=10)
-    await sa.start()
-    await sb.start()
-    try:
-        await _wait(lambda: sa.subscribed.is_set() and sb.subscribed.is_set())
-        await _wait(lambda: sa._pub is not None)
+    async with _synced_pair(redis_url, 5, 10) as (a, b, sa, sb):
         d = a.route(RouteRequest("x", np.arange(320, dtype=np.uint32)))
         assert not sa._pending  # written already
         a.on_first_token("x")
@@ -309,9 +322,6 @@ async def test_a_pick_is_written_inside_route_and_ends_go_at_the_loops_next_turn
         assert b.stats().num_replica_inflight == 1  # z; y came and went, in order
         assert sb.counters["batches_received"] - received == 2  # y, then its end with z
         assert sb.counters["gaps"] == 0
-    finally:
-        await sb.close()
-        await sa.close()
 
 
 async def _client_id(redis_url: str, name: str) -> int:
@@ -341,15 +351,7 @@ async def test_lost_connections_are_made_again_and_what_went_past_is_forgotten(r
     """Redis drops a router's subscription: it forgets the other's requests (their ends went
     past it) and subscribes again. Redis drops the other's publishing connection: what that
     router placed meanwhile is lost, its next batch shows the gap, and the peer forgets."""
-    prefix = f"kvroute-test-{uuid.uuid4().hex[:8]}:"
-    a, b = make_core(1), make_core(2)
-    sa = ReplicaSync(a, redis_url, prefix=prefix, heartbeat_s=0.1, peer_timeout_s=2)
-    sb = ReplicaSync(b, redis_url, prefix=prefix, heartbeat_s=0.1, peer_timeout_s=2)
-    await sa.start()
-    await sb.start()
-    try:
-        await _wait(lambda: sa.subscribed.is_set() and sb.subscribed.is_set())
-        await _wait(lambda: sa._pub is not None)
+    async with _synced_pair(redis_url, 0.1, 2) as (a, b, sa, sb):
         a.route(RouteRequest("x", np.arange(320, dtype=np.uint32)))
         await _wait(lambda: b.stats().num_replica_inflight == 1)
         await _kill(redis_url, f"kvroute-router-{sb.router_id}-subscribe")
@@ -368,9 +370,6 @@ async def test_lost_connections_are_made_again_and_what_went_past_is_forgotten(r
         # b sees the gap in a's numbers: forgets y, counts z
         await _wait(lambda: sb.counters["gaps"] == 1)
         assert b.stats().num_replica_inflight == 1
-    finally:
-        await sb.close()
-        await sa.close()
 
 
 async def _fake_redis(refuse_publish: bool) -> tuple[asyncio.Server, int, list[bytes]]:
