@@ -239,7 +239,6 @@ class ReplicaSync:
         self._target = RedisTarget.from_url(redis_url, client_options, connect_timeout_s=timeout)
         self._pub: RespConnection | None = None  # the publishing connection, while open
         self._sub: RespConnection | None = None  # the subscription, while open
-        self._pub_connecting = True  # until the first connect attempt fails: events queue
         self._pub_lost_events = False  # events dropped since the last batch: spend a seq
         # this router's events not yet published, with when each was queued
         self._pending: deque[tuple[ReplicaEvent, float]] = deque()
@@ -252,6 +251,8 @@ class ReplicaSync:
         self._peers: dict[str, _Peer] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self.subscribed = asyncio.Event()  # set while the subscription is live
+        # set when a connect attempt or a batch fails, cleared by a batch Redis takes; with
+        # no connection it tells Redis down (events dropped) from the first connect (queued)
         self._publish_down = False
         self._subscribe_down = False
         self.counters: dict[str, int] = dict.fromkeys(COUNTER_NAMES, 0)
@@ -307,7 +308,7 @@ class ReplicaSync:
         connection they queue while it is being made, and are dropped (counted; the peers
         are shown a gap) while Redis is unreachable."""
         pub = self._pub
-        if pub is None and not self._pub_connecting:  # Redis is down: nobody to tell
+        if pub is None and self._publish_down:  # Redis is down: nobody to tell
             self._lose(1)
             return
         if len(self._pending) >= self._max_pending:
@@ -336,7 +337,6 @@ class ReplicaSync:
                 await asyncio.sleep(min(self._heartbeat_s, 0.5))
                 continue
             self._pub = pub
-            self._pub_connecting = False
             try:
                 while pub.is_open:
                     woken = False
@@ -351,17 +351,16 @@ class ReplicaSync:
                     elif not woken:  # quiet for heartbeat_s: the peers must know we live
                         self._send(pub, (), self._clock())
             except (RedisError, OSError) as exc:
-                pub.close()
-                self._publish_failed(exc)
+                reason: BaseException = exc
             else:
-                self._publish_failed(pub.close_reason or ConnectionError("connection closed"))
-            finally:
-                if self._pub is pub and not pub.is_open:
-                    self._pub = None
+                reason = pub.close_reason or ConnectionError("connection closed")
+            # (cancelled by close(), the loop leaves the connection to it for the last batches)
+            pub.close()
+            self._pub = None
+            self._publish_failed(reason)
             await asyncio.sleep(min(self._heartbeat_s, 0.5))
 
     def _publish_failed(self, exc: BaseException) -> None:
-        self._pub_connecting = False
         if self._pending:
             self._lose(len(self._pending))
             self._pending.clear()
