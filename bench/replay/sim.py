@@ -447,20 +447,17 @@ class FleetSim:
     def _next_job(self, k: int) -> None:
         """Router k starts its next job: a peer's event that has arrived, else the next
         request to route; it is busy until the job's ROUTER_FREE."""
-        if self._apply_queue[k]:
+        if self._apply_queue[k]:  # a peer's event: applied now, busy for its cost
+            self._router_busy[k] = True
             sender, event = self._apply_queue[k].popleft()
-        elif self._route_queue[k]:
+            self._apply_replica(k, sender, event)
+            cost = self.config.replica_apply_s
+            took = cost if isinstance(event, ReplicaRouted) else cost / 4
+            self.replica_apply_s_total += took
+            self._push(self.now + took, _Kind.ROUTER_FREE, k)
+        elif self._route_queue[k]:  # _route pushes the ROUTER_FREE
             self._router_busy[k] = True
             self._route(self._route_queue[k].popleft(), k)
-            return
-        else:
-            return
-        self._router_busy[k] = True  # a peer's event: applied now, busy for its cost
-        self._apply_replica(k, sender, event)
-        cost = self.config.replica_apply_s
-        took = cost if isinstance(event, ReplicaRouted) else cost / 4
-        self.replica_apply_s_total += took
-        self._push(self.now + took, _Kind.ROUTER_FREE, k)
 
     def _route(self, index: int, k: int) -> None:
         """Router k decides for request ``index`` now; the request reaches its worker after
