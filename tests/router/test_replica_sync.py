@@ -324,25 +324,17 @@ async def test_a_pick_is_written_inside_route_and_ends_go_at_the_loops_next_turn
         assert sb.counters["gaps"] == 0
 
 
-async def _client_id(redis_url: str, name: str) -> int:
+async def _kill(redis_url: str, name: str) -> None:
+    """Redis closes the connection of the client called ``name``."""
     conn = await RespConnection.open(RedisTarget.from_url(redis_url))
     try:
         listing = (await conn.call("CLIENT", "LIST")).decode()
-    finally:
-        conn.close()
-    for line in listing.splitlines():
-        fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
-        if fields.get("name") == name:
-            return int(fields["id"])
-    raise AssertionError(f"no Redis client named {name}")
-
-
-async def _kill(redis_url: str, name: str) -> None:
-    """Redis closes the connection of the client called ``name``."""
-    client_id = await _client_id(redis_url, name)
-    conn = await RespConnection.open(RedisTarget.from_url(redis_url))
-    try:
-        assert await conn.call("CLIENT", "KILL", "ID", client_id) == 1
+        for line in listing.splitlines():
+            fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
+            if fields.get("name") == name:
+                assert await conn.call("CLIENT", "KILL", "ID", fields["id"]) == 1
+                return
+        raise AssertionError(f"no Redis client named {name}")
     finally:
         conn.close()
 
