@@ -229,7 +229,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "epoch", "block_size", "page_size", "kv_capacity_tokens", "max_context_tokens", "vocab_size", "executor", "load", "model_name", "tokenizer_fingerprint", "hash_key_fingerprint")
+    __slots__ = ("worker_id", "epoch", "block_size", "page_size", "kv_capacity_tokens", "max_context_tokens", "vocab_size", "executor", "load", "model_name", "tokenizer_fingerprint", "hash_key_fingerprint", "max_running_requests")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -242,6 +242,7 @@ class WorkerInfo(_message.Message):
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     HASH_KEY_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    MAX_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: int
     block_size: int
@@ -254,10 +255,11 @@ class WorkerInfo(_message.Message):
     model_name: str
     tokenizer_fingerprint: str
     hash_key_fingerprint: str
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., block_size: _Optional[int] = ..., page_size: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ..., executor: _Optional[str] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ..., model_name: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., hash_key_fingerprint: _Optional[str] = ...) -> None: ...
+    max_running_requests: int
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., block_size: _Optional[int] = ..., page_size: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ..., executor: _Optional[str] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ..., model_name: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., hash_key_fingerprint: _Optional[str] = ..., max_running_requests: _Optional[int] = ...) -> None: ...
 
 class WorkerScore(_message.Message):
-    __slots__ = ("worker_id", "address", "healthy", "matched_tokens", "inflight_prefill_tokens", "cost", "load", "recent_prefill_tokens", "event_matched_tokens", "predicted_matched_tokens", "not_candidate_reason")
+    __slots__ = ("worker_id", "address", "healthy", "matched_tokens", "inflight_prefill_tokens", "cost", "load", "recent_prefill_tokens", "event_matched_tokens", "predicted_matched_tokens", "not_candidate_reason", "slot_queue")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
@@ -269,6 +271,7 @@ class WorkerScore(_message.Message):
     EVENT_MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NOT_CANDIDATE_REASON_FIELD_NUMBER: _ClassVar[int]
+    SLOT_QUEUE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     healthy: bool
@@ -280,7 +283,8 @@ class WorkerScore(_message.Message):
     event_matched_tokens: int
     predicted_matched_tokens: int
     not_candidate_reason: str
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., matched_tokens: _Optional[int] = ..., inflight_prefill_tokens: _Optional[int] = ..., cost: _Optional[float] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ..., recent_prefill_tokens: _Optional[float] = ..., event_matched_tokens: _Optional[int] = ..., predicted_matched_tokens: _Optional[int] = ..., not_candidate_reason: _Optional[str] = ...) -> None: ...
+    slot_queue: int
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., matched_tokens: _Optional[int] = ..., inflight_prefill_tokens: _Optional[int] = ..., cost: _Optional[float] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ..., recent_prefill_tokens: _Optional[float] = ..., event_matched_tokens: _Optional[int] = ..., predicted_matched_tokens: _Optional[int] = ..., not_candidate_reason: _Optional[str] = ..., slot_queue: _Optional[int] = ...) -> None: ...
 
 class ExplainRequest(_message.Message):
     __slots__ = ("request",)

@@ -89,6 +89,7 @@ class WorkerScoreView:
     event_matched_tokens: int = 0  # confirmed by the worker's KV events
     predicted_matched_tokens: int = 0  # from the router's recent routing alone
     not_candidate_reason: str = ""  # empty for a candidate
+    slot_queue: int = 0  # requests a new one would wait behind for a running slot
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,6 +224,7 @@ class RouterClient:
                     event_matched_tokens=w.event_matched_tokens,
                     predicted_matched_tokens=w.predicted_matched_tokens,
                     not_candidate_reason=w.not_candidate_reason,
+                    slot_queue=w.slot_queue,
                 )
                 for w in resp.workers
             ),
@@ -441,13 +443,16 @@ def main(argv: list[str]) -> int:
 def format_explain(result: ExplainResult) -> str:
     """A human-readable table of an Explain answer. ``matched`` is what the policy used;
     ``events`` the part the worker's KV events confirm, ``predicted`` the part the router
-    predicts from what it sent there lately (short-lived). ``cost`` is ``-`` under a policy
-    without costs and for a worker that is no candidate; ``why-not`` says why it is not."""
+    predicts from what it sent there lately (short-lived); ``slotq`` how many requests a new
+    one would wait behind for a running slot (past the worker's cap). ``cost`` is ``-``
+    under a policy without costs and for a worker that is no candidate; ``why-not`` says why
+    it is not."""
     lines = [
         f"policy={result.policy} prompt_tokens={result.prompt_tokens} "
         f"chosen={result.chosen_worker_id or '(none)'}",
         f"  {'worker':<16} {'address':<22} {'ok':<3} {'matched':>8} {'events':>7} "
-        f"{'predicted':>9} {'inflight':>9} {'run':>4} {'wait':>5} {'recent':>9} {'cost':>12}"
+        f"{'predicted':>9} {'inflight':>9} {'run':>4} {'wait':>5} {'slotq':>5} {'recent':>9} "
+        f"{'cost':>12}"
         "  why-not",
     ]
     for w in result.workers:
@@ -457,7 +462,7 @@ def format_explain(result: ExplainResult) -> str:
             f"{mark} {w.worker_id:<16} {w.address:<22} {'yes' if w.healthy else 'no':<3} "
             f"{w.matched_tokens:>8} {w.event_matched_tokens:>7} "
             f"{w.predicted_matched_tokens:>9} {w.inflight_prefill_tokens:>9} {w.num_running:>4} "
-            f"{w.num_waiting:>5} {w.recent_prefill_tokens:>9.0f} {cost:>12}  "
+            f"{w.num_waiting:>5} {w.slot_queue:>5} {w.recent_prefill_tokens:>9.0f} {cost:>12}  "
             f"{w.not_candidate_reason}"
         )
     return "\n".join(lines)

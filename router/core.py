@@ -295,6 +295,16 @@ class RouterCore:
             self._release(self._replica_inflight.pop(key), now)
         self._refresh_healthy()
 
+    def set_max_running(self, worker_id: str, max_running: int) -> None:
+        """The worker's stated cap on running requests (GetLoad's ``max_running_requests``;
+        0: none stated): past it the cost charges each request a new one would wait behind
+        for a running slot (``CostWeights.slot_wait``)."""
+        if max_running < 0:
+            raise InvalidRouteRequestError(
+                "max_running_requests", f"must be >= 0, got {max_running}"
+            )
+        self._get(worker_id).view.max_running = max_running
+
     def set_health(self, worker_id: str, healthy: bool) -> None:
         """Unhealthy workers keep their index entries but are never routed to."""
         self._get(worker_id).view.healthy = healthy
@@ -561,6 +571,7 @@ class RouterCore:
                     min(confirmed.get(v.slot, 0) * block_size, prompt_tokens),
                     min(predicted.get(v.slot, 0) * block_size, prompt_tokens),
                     reason,
+                    v.slot_queue,
                 )
             )
         return Explanation(self._policy.name, query.prompt_tokens, chosen, tuple(lines))

@@ -246,6 +246,8 @@ class WorkerScore:
     # empty for a candidate; else why route() would not pick it ("unhealthy", "excluded by
     # the request"); the shell adds what only it knows (the last error, an ejection)
     not_candidate_reason: str = ""
+    # requests a new one would wait behind for a running slot (the cost's slot-wait term)
+    slot_queue: int = 0
 
 
 @dataclass(frozen=True, slots=True)

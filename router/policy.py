@@ -11,6 +11,7 @@ would wait for there, in token equivalents::
          + w.queued_prefill * queued prefill tokens on the worker # work ahead of it
          + w.decode         * requests running on the worker      # decode slows each step
          + w.recent_prefill * recent work on the worker           # its share of the past
+         + w.slot_wait      * requests it would queue behind for a running slot
 
 and takes the cheapest; equal costs are broken at random (never "always worker 0"); ``b``
 is the backlog factor, 1 unless the whole fleet is queued (below). The
@@ -41,6 +42,14 @@ looked idle to the balance term (their turns hit the cache) while it ran 20-30 d
 long RAG prefills went there, each chunk waiting on that decode batch (support-agent replay
 at 8 workers: TTFT p99 292.4 -> 291.9 ms, ahead of approx_tree on five workload seeds where
 it had been behind on four; prefill imbalance 1.01 -> 1.08).
+
+The slot-wait term prices a worker at its engine's running cap (``max_running_requests``,
+which the worker states in GetLoad). Past the cap a request waits, with no prefill queued
+ahead of it, for a running request to finish; the other terms see a few thousand tokens of
+decode and a small queue, so a hot tenant's cached prefix kept winning while requests
+waited seconds for a decode slot (zipf-tenants at 4 workers, BENCHMARKS.md). Each request
+a new one would wait behind -- ``running + waiting + 1 - cap`` when positive -- costs
+``slot_wait`` token equivalents; a worker that does not state its cap pays nothing.
 
 The backlog factor is for a saturated fleet. When every candidate has prefill queued, the
 fleet is compute-bound: the tokens a miss adds are work that queued requests wait behind,
@@ -109,6 +118,7 @@ __all__ = [
     "ALIASES",
     "DEFAULT_BACKLOG_TOKENS",
     "POLICIES",
+    "SLOT_WAIT_TOKENS",
     "CandidateSet",
     "CostWeights",
     "Policy",
@@ -123,6 +133,9 @@ __all__ = [
 ]
 
 
+SLOT_WAIT_TOKENS = 1024.0  # CostWeights.slot_wait's default; BENCHMARKS.md, "The slot wait"
+
+
 @dataclass(frozen=True, slots=True)
 class CostWeights:
     """Weights of the cache-aware cost (all in prefill-token equivalents).
@@ -132,6 +145,8 @@ class CostWeights:
                  + decode * requests running on the worker
                  + recent_prefill * work routed there lately (decayed: uncached prompt
                                     tokens, plus recent_decode_ratio per generated token)
+                 + slot_wait * requests ahead of it for a running slot past the
+                               worker's max_running_requests (0 if it states none)
 
     Defaults chosen by trace replay (BENCHMARKS.md): a queued token weighs a quarter of a
     token to prefill here, because a miss costs more than this request's wait -- it spends
@@ -147,26 +162,27 @@ class CostWeights:
     queued_prefill: float = 0.25
     decode: float = 16.0
     recent_prefill: float = 0.1
+    slot_wait: float = SLOT_WAIT_TOKENS
 
     def __post_init__(self) -> None:
-        for name in ("prefill", "queued_prefill", "decode", "recent_prefill"):
+        for name in ("prefill", "queued_prefill", "decode", "recent_prefill", "slot_wait"):
             if not getattr(self, name) >= 0:  # NaN too
                 raise ValueError(f"CostWeights.{name} must be >= 0, got {getattr(self, name)}")
 
     @classmethod
     def parse(cls, text: str) -> CostWeights:
-        """``"PREFILL,QUEUED,DECODE[,RECENT]"``, the form of the ``--cost-weights`` option of
-        ``kvroute router`` and ``kvroute replay`` (a missing RECENT keeps its default);
-        ValueError naming the option and the expected form otherwise."""
+        """``"PREFILL,QUEUED,DECODE[,RECENT[,SLOT_WAIT]]"``, the form of the ``--cost-weights``
+        option of ``kvroute router`` and ``kvroute replay`` (missing ones keep their
+        defaults); ValueError naming the option and the expected form otherwise."""
         parts = text.split(",")
         try:
-            if len(parts) not in (3, 4):
+            if not 3 <= len(parts) <= 5:
                 raise ValueError
             values = [float(x) for x in parts]
         except ValueError:
             raise ValueError(
-                "--cost-weights: cost weights must be three or four numbers "
-                f"PREFILL,QUEUED,DECODE[,RECENT], got {text!r}"
+                "--cost-weights: cost weights must be three to five numbers "
+                f"PREFILL,QUEUED,DECODE[,RECENT[,SLOT_WAIT]], got {text!r}"
             ) from None
         return cls(*values)
 
@@ -215,17 +231,21 @@ class WorkerView:
 
     ``queued_prefill_tokens``: the router's count, or the worker's report if larger (it also
     sees other routers' requests; ours may not have reached it yet). ``num_running``:
-    likewise for requests (running + waiting on the worker). ``recent_prefill``: prefill
+    likewise for requests (running + waiting on the worker). ``slot_queue``: how many of
+    those a new request would wait behind for a running slot, ``num_running + 1 -
+    max_running`` when positive (``max_running``: the worker's stated cap, 0 if none; then
+    0). ``recent_prefill``: prefill
     tokens routed here (and decode work of finished requests), decayed, times the core's
     current scale factor (policies multiply by
     ``RouteQuery.recent_scale`` to get tokens; see ``RouterCore._recent_scale``).
 
     A view the core registered is attached to its :class:`WorkerTable`: every change of the
-    three cost fields (by :meth:`refresh` or by assignment) is also written there, where the
+    four cost fields (by :meth:`refresh` or by assignment) is also written there, where the
     cache-aware cost reads them for all candidates at once.
     """
 
     __slots__ = (
+        "_cap",
         "_queued",
         "_recent",
         "_running",
@@ -252,6 +272,7 @@ class WorkerView:
         queued_prefill_tokens: int = 0,
         num_running: int = 0,
         recent_prefill: float = 0.0,
+        max_running: int = 0,
     ) -> None:
         self.worker_id = worker_id
         self.id_hash = worker_id_hash(worker_id)
@@ -264,6 +285,7 @@ class WorkerView:
         self._queued = queued_prefill_tokens
         self._running = num_running
         self._recent = recent_prefill
+        self._cap = max_running
         self._table: WorkerTable | None = None
 
     def __repr__(self) -> str:
@@ -273,7 +295,7 @@ class WorkerView:
             f"inflight_prefill_tokens={self.inflight_prefill_tokens!r}, "
             f"num_active={self.num_active!r}, load={self.load!r}, "
             f"queued_prefill_tokens={self._queued!r}, num_running={self._running!r}, "
-            f"recent_prefill={self._recent!r})"
+            f"recent_prefill={self._recent!r}, max_running={self._cap!r})"
         )
 
     @property
@@ -284,7 +306,7 @@ class WorkerView:
     def queued_prefill_tokens(self, value: int) -> None:
         self._queued = value
         if self._table is not None:
-            self._table.set_load(self.slot, value, self._running)
+            self._table.set_load(self.slot, value, self._running, self.slot_queue)
 
     @property
     def num_running(self) -> int:
@@ -294,7 +316,24 @@ class WorkerView:
     def num_running(self, value: int) -> None:
         self._running = value
         if self._table is not None:
-            self._table.set_load(self.slot, self._queued, value)
+            self._table.set_load(self.slot, self._queued, value, self.slot_queue)
+
+    @property
+    def max_running(self) -> int:
+        return self._cap
+
+    @max_running.setter
+    def max_running(self, value: int) -> None:
+        if value < 0:
+            raise ValueError(f"max_running must be >= 0, got {value}")
+        self._cap = value
+        if self._table is not None:
+            self._table.set_load(self.slot, self._queued, self._running, self.slot_queue)
+
+    @property
+    def slot_queue(self) -> int:
+        cap = self._cap
+        return max(self._running + 1 - cap, 0) if cap else 0
 
     @property
     def recent_prefill(self) -> float:
@@ -318,37 +357,39 @@ class WorkerView:
         self._queued = queued
         self._running = running
         if self._table is not None:
-            self._table.set_load(self.slot, queued, running)
+            self._table.set_load(self.slot, queued, running, self.slot_queue)
 
 
 class WorkerTable:
     """The cache-aware cost's inputs for every attached view, by worker slot: ``fields``
-    rows 0, 1 and 2 hold each slot's ``queued_prefill_tokens``, ``num_running`` and
-    ``recent_prefill`` as float64 (the values the cost's float arithmetic converts them to),
-    row 3 the cost's load part under ``weights``, ``queued_prefill * queued +
-    decode * running``, computed in Python as :meth:`CacheAware.costs` computes it; kept
-    current by the views themselves. ``ids``: each slot's ``WorkerView.id_hash``."""
+    rows 0, 1, 2 and 4 hold each slot's ``queued_prefill_tokens``, ``num_running``,
+    ``recent_prefill`` and ``slot_queue`` as float64 (the values the cost's float arithmetic
+    converts them to), row 3 the cost's load part under ``weights``, ``queued_prefill *
+    queued + decode * running + slot_wait * slot_queue``, computed in Python as
+    :meth:`CacheAware.costs` computes it; kept current by the views themselves. ``ids``:
+    each slot's ``WorkerView.id_hash``."""
 
-    __slots__ = ("_wd", "_wq", "fields", "ids", "weights")
+    __slots__ = ("_wc", "_wd", "_wq", "fields", "ids", "weights")
 
     def __init__(self, capacity: int = 64, weights: CostWeights | None = None) -> None:
-        self.fields = np.zeros((4, max(capacity, 1)))
+        self.fields = np.zeros((5, max(capacity, 1)))
         self.ids = np.zeros(self.fields.shape[1], dtype=np.uint64)
         self.weights = weights = weights or CostWeights()
-        self._wq, self._wd = weights.queued_prefill, weights.decode
+        self._wq, self._wd, self._wc = weights.queued_prefill, weights.decode, weights.slot_wait
 
-    def set_load(self, slot: int, queued: int, running: int) -> None:
+    def set_load(self, slot: int, queued: int, running: int, slot_queue: int = 0) -> None:
         fields = self.fields
         fields[0, slot] = queued
         fields[1, slot] = running
-        fields[3, slot] = self._wq * queued + self._wd * running
+        fields[4, slot] = slot_queue
+        fields[3, slot] = self._wq * queued + self._wd * running + self._wc * slot_queue
 
     def attach(self, view: WorkerView) -> None:
         """Keep ``view``'s cost fields here from now on (its slot's column is overwritten)."""
         slot = view.slot
         capacity = self.fields.shape[1]
         if slot >= capacity:
-            grown = np.zeros((4, max(2 * capacity, slot + 1)))
+            grown = np.zeros((5, max(2 * capacity, slot + 1)))
             grown[:, :capacity] = self.fields
             self.fields = grown
             ids = np.zeros(grown.shape[1], dtype=np.uint64)
@@ -357,7 +398,7 @@ class WorkerTable:
         self.ids[slot] = view.id_hash
         view._table = self
         self.fields[2, slot] = view._recent
-        self.set_load(slot, view._queued, view._running)
+        self.set_load(slot, view._queued, view._running, view.slot_queue)
 
     @staticmethod
     def detach(view: WorkerView) -> None:
@@ -517,14 +558,21 @@ class CacheAware(Policy):
         w = config.weights
         # an infinite weight times 0 is NaN, where select()'s min() depends on the order:
         # select_set leaves such a configuration to select()
-        factors = (w.prefill, w.queued_prefill, w.decode, w.recent_prefill, self._per_backlog)
+        factors = (
+            w.prefill,
+            w.queued_prefill,
+            w.decode,
+            w.recent_prefill,
+            w.slot_wait,
+            self._per_backlog,
+        )
         self._finite = all(map(math.isfinite, factors))
 
     def costs(
         self, query: RouteQuery, candidates: Sequence[WorkerView], matched: dict[int, int]
     ) -> list[float]:
         w = self.config.weights
-        wp, wq, wd = w.prefill, w.queued_prefill, w.decode
+        wp, wq, wd, wc = w.prefill, w.queued_prefill, w.decode, w.slot_wait
         if self._per_backlog:
             floor = min(map(_queued, candidates))
             if floor > 0:  # every candidate has a backlog: a miss is fleet work
@@ -534,7 +582,11 @@ class CacheAware(Policy):
         full = wp * prompt
         if not matched:
             costs = [
-                wq * c.queued_prefill_tokens + wd * c.num_running + wr * c.recent_prefill + full
+                wq * c.queued_prefill_tokens
+                + wd * c.num_running
+                + wc * c.slot_queue
+                + wr * c.recent_prefill
+                + full
                 for c in candidates
             ]
         else:
@@ -546,6 +598,7 @@ class CacheAware(Policy):
                 costs = [
                     wq * c.queued_prefill_tokens
                     + wd * c.num_running
+                    + wc * c.slot_queue
                     + wr * c.recent_prefill
                     + ws * c.num_running
                     + get(c.slot, full)
@@ -555,6 +608,7 @@ class CacheAware(Policy):
                 costs = [
                     wq * c.queued_prefill_tokens
                     + wd * c.num_running
+                    + wc * c.slot_queue
                     + wr * c.recent_prefill
                     + get(c.slot, full)
                     for c in candidates
@@ -601,13 +655,14 @@ class CacheAware(Policy):
             floor = float(fields[0].min())
             if floor > 0:  # as costs(): every candidate has a backlog
                 wp *= 1.0 + floor * self._per_backlog
-        # per candidate, as costs() adds them: ((wq*q + wd*r) + wr*recent) + prefill term
+        # per candidate, as costs() adds them: ((wq*q + wd*r + wc*s) + wr*recent) + prefill
         cost = fields[2] * (w.recent_prefill * query.recent_scale)
         if table.weights is w or table.weights == w:
-            cost += fields[3]  # wq*q + wd*r, kept by the table
+            cost += fields[3]  # wq*q + wd*r + wc*s, kept by the table
         else:
             load = fields[0] * w.queued_prefill
             load += fields[1] * w.decode
+            load += fields[4] * w.slot_wait
             cost += load
         if matched:
             ws = self._spread_weight(query, matched)

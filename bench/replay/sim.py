@@ -339,6 +339,8 @@ class FleetSim:
             self.workers[wid] = _Worker(wid, engine, publisher, step_reports=reports)
             for router in self.routers:
                 router.add_worker(wid, address=f"sim://{wid}", block_size=config.block_size)
+                # as GetLoad states it to a real router
+                router.set_max_running(wid, engine.config.max_running_requests)
         self.results = [
             RequestResult(index=i, arrival_s=r.arrival_s, prompt_tokens=r.input_length)
             for i, r in enumerate(records)

@@ -38,6 +38,7 @@ def worker_score_to_pb(
         inflight_prefill_tokens=score.inflight_prefill_tokens,
         recent_prefill_tokens=score.recent_prefill_tokens,
         not_candidate_reason=reason,
+        slot_queue=score.slot_queue,
     )
     if score.cost is not None and math.isfinite(score.cost):
         msg.cost = score.cost

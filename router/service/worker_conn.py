@@ -221,6 +221,7 @@ class WorkerConnection:
         if not self._claim(info):
             raise RouterError(f"worker at {self.address} refused (see the log)")
         assert self.worker_id is not None
+        self._core.set_max_running(self.worker_id, info.max_running_requests)
         self.num_connects += 1
         self._backoff.reset()
         self._down_since = None

@@ -591,3 +591,37 @@ def test_approx_tree_keeps_its_history_across_a_resync() -> None:
 def test_router_config_ttl_error_names_the_field_and_value(field: str) -> None:
     with pytest.raises(ValueError, match=rf"^{field} must be >= 0, got -1\.0$"):
         RouterConfig(**{field: -1.0})
+
+
+# ---- the running cap -------------------------------------------------------------------
+
+
+def test_a_worker_at_its_running_cap_is_charged_the_wait_for_a_slot() -> None:
+    core, _ = make_core(2)
+    prefix = tokens(2048)
+    give(core, "w0", stored(prefix))  # w0 holds the prompt's 2,048-token prefix
+    # w0 runs 32 requests with 20 waiting; w1 is idle
+    full = LoadReport(num_running=32, num_waiting=20, num_total_kv_tokens=1 << 20)
+    core.on_stream_message("w0", EventBatch("w0", 1, 2, B, (), full))
+    prompt = np.concatenate([prefix, tokens(64, start=50_000)])
+
+    # no cap stated: the cached prefix outweighs 52 requests of decode load
+    assert core.route(RouteRequest("a", prompt)).worker_id == "w0"
+    core.on_finished("a")
+    # a cap w0 is far from charges nothing
+    core.set_max_running("w0", 256)
+    assert core.worker_view("w0").slot_queue == 0
+    assert core.route(RouteRequest("b", prompt)).worker_id == "w0"
+    core.on_finished("b")
+    # w0 states a cap of 32: a new request would wait behind 21 requests for a slot
+    core.set_max_running("w0", 32)
+    assert core.worker_view("w0").slot_queue == 53 - 32
+    assert core.route(RouteRequest("c", prompt)).worker_id == "w1"
+
+
+def test_set_max_running_rejects_what_no_worker_states() -> None:
+    core, _ = make_core(1)
+    with pytest.raises(InvalidRouteRequestError, match="max_running_requests: must be >= 0"):
+        core.set_max_running("w0", -1)
+    with pytest.raises(UnknownWorkerError):
+        core.set_max_running("w9", 8)

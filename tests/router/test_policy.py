@@ -137,8 +137,10 @@ def test_spread_term_sends_a_shared_start_to_the_worker_with_fewer_decodes() -> 
 def test_cost_weights_parse() -> None:
     assert CostWeights.parse("1,0.5,8") == CostWeights(1.0, 0.5, 8.0, CostWeights().recent_prefill)
     assert CostWeights.parse(" 2, 0, 4 ,0.3") == CostWeights(2.0, 0.0, 4.0, 0.3)
-    for bad in ("", "1,2", "1,2,3,4,5", "1,,3", "a,b,c"):
-        with pytest.raises(ValueError, match=r"PREFILL,QUEUED,DECODE\[,RECENT\], got"):
+    assert CostWeights.parse("2,0,4,0.3,64") == CostWeights(2.0, 0.0, 4.0, 0.3, 64.0)
+    for bad in ("", "1,2", "1,2,3,4,5,6", "1,,3", "a,b,c"):
+        form = r"PREFILL,QUEUED,DECODE\[,RECENT\[,SLOT_WAIT\]\], got"
+        with pytest.raises(ValueError, match=form):
             CostWeights.parse(bad)
     with pytest.raises(ValueError, match=r"CostWeights\.prefill must be >= 0"):
         CostWeights.parse("-1,0,0")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -51,6 +52,8 @@ def fleets(draw, weights: CostWeights):
             )
         v.refresh()
         v.recent_prefill = draw(recent)
+        if draw(st.booleans()):  # a stated running cap, often at or under the load
+            v.max_running = draw(st.integers(0, 8))
         views.append(v)
     # a candidate subset, in fleet order (as the core's exclude filter leaves it)
     keep = draw(st.lists(st.booleans(), min_size=n, max_size=n))
@@ -63,12 +66,12 @@ def fleets(draw, weights: CostWeights):
 
 
 def weights_of(w: CostWeights) -> tuple[float, ...]:
-    return (w.prefill, w.queued_prefill, w.decode, w.recent_prefill)
+    return (w.prefill, w.queued_prefill, w.decode, w.recent_prefill, w.slot_wait)
 
 
 @given(
     data=st.data(),
-    weights=st.builds(CostWeights, weight, weight, weight, weight),
+    weights=st.builds(CostWeights, weight, weight, weight, weight, weight),
     backlog=st.sampled_from([0.0, 1.0, 50_000.0]),
     spread=st.sampled_from([0.0, 1.0, 1000.0]),
     affinity=st.sampled_from([0.0, 1000.0, 1e-300]),
@@ -103,20 +106,31 @@ def test_table_follows_every_change_of_an_attached_view() -> None:
         table.attach(v)
     b.inflight_prefill_tokens, b.num_active = 40, 2
     b.refresh()
-    assert table.fields[:, 5].tolist() == [40.0, 2.0, 0.0, 0.25 * 40 + 16.0 * 2]
+    assert table.fields[:, 5].tolist() == [40.0, 2.0, 0.0, 0.25 * 40 + 16.0 * 2, 0.0]
     b.load = LoadReport(num_running=3, num_waiting=4, num_queued_prefill_tokens=90)
     b.refresh()
     b.recent_prefill = 7.5
-    assert table.fields[:, 5].tolist() == [90.0, 7.0, 7.5, 0.25 * 90 + 16.0 * 7]
+    assert table.fields[:, 5].tolist() == [90.0, 7.0, 7.5, 0.25 * 90 + 16.0 * 7, 0.0]
     b.queued_prefill_tokens, b.num_running = 1, 2  # direct assignment writes through too
-    assert table.fields[:, 5].tolist() == [1.0, 2.0, 7.5, 0.25 + 32.0]
+    assert table.fields[:, 5].tolist() == [1.0, 2.0, 7.5, 0.25 + 32.0, 0.0]
+    wc = table.weights.slot_wait
+    b.max_running = 2  # at its cap: a new request waits behind one running request
+    assert b.slot_queue == 1
+    assert table.fields[:, 5].tolist() == [1.0, 2.0, 7.5, 0.25 + 32.0 + wc, 1.0]
+    b.load = LoadReport(num_running=2, num_waiting=3)
+    b.refresh()  # two running, three waiting: four ahead of a new one
+    assert table.fields[:, 5].tolist() == [40.0, 5.0, 7.5, 10.0 + 80.0 + 4 * wc, 4.0]
+    b.max_running = 0  # no cap stated: no wait charged
+    assert table.fields[:, 5].tolist() == [40.0, 5.0, 7.5, 10.0 + 80.0, 0.0]
     WorkerTable.detach(b)
     b.recent_prefill = 99.0
     assert table.fields[2, 5] == 7.5  # a detached view no longer writes
     c = WorkerView("c", 5, recent_prefill=3.0)  # a new worker in the freed slot
     table.attach(c)
-    assert table.fields[:, 5].tolist() == [0.0, 0.0, 3.0, 0.0]
-    assert table.fields[:, 0].tolist() == [0.0, 0.0, 0.0, 0.0]
+    assert table.fields[:, 5].tolist() == [0.0, 0.0, 3.0, 0.0, 0.0]
+    assert table.fields[:, 0].tolist() == [0.0, 0.0, 0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="max_running must be >= 0, got -1"):
+        c.max_running = -1
 
 
 def test_a_subclass_with_its_own_cost_is_scored_by_it() -> None:

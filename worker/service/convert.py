@@ -56,6 +56,7 @@ class WorkerInfo:
     model_name: str = ""  # the model directory's name, or "kvroute-tiny"
     tokenizer_fingerprint: str = ""  # kvroute_proto.tokenizer; routers check it matches theirs
     hash_key_fingerprint: str = ""  # kvroute_proto.hashing; routers check it matches theirs
+    max_running_requests: int = 0  # the engine's running-batch cap (0: not stated)
 
 
 _FINISH_REASONS = {
@@ -207,6 +208,7 @@ def worker_info_to_pb(info: WorkerInfo) -> pb.WorkerInfo:
         model_name=info.model_name,
         tokenizer_fingerprint=info.tokenizer_fingerprint,
         hash_key_fingerprint=info.hash_key_fingerprint,
+        max_running_requests=info.max_running_requests,
     )
 
 

@@ -115,6 +115,7 @@ class WorkerServer:
             model_name=config.model_name,
             tokenizer_fingerprint=getattr(tokenizer, "fingerprint", ""),
             hash_key_fingerprint=hash_key_fingerprint(),
+            max_running_requests=ec.max_running_requests,
         )
         self.generation = WorkerGeneration(
             self.runner, tokenizer, config.limits, self.info, model_name=config.model_name

@@ -83,8 +83,8 @@ def test_router_defaults():
 @pytest.mark.parametrize(
     ("flag", "value", "message"),
     [
-        ("--cost-weights", "1,2", "--cost-weights: cost weights must be three or four numbers"),
-        ("--cost-weights", "1,x,3", "--cost-weights: cost weights must be three or four"),
+        ("--cost-weights", "1,2", "--cost-weights: cost weights must be three to five numbers"),
+        ("--cost-weights", "1,x,3", "--cost-weights: cost weights must be three to five"),
         ("--cost-weights", "1,-1,3", "CostWeights.queued_prefill must be >= 0, got -1.0"),
         ("--recent-window-s", "0", "recent_window_s must be > 0, got 0.0"),
         ("--backlog-tokens", "-5", "backlog_tokens must be >= 0, got -5.0"),
@@ -188,7 +188,7 @@ def test_format_explain_marks_the_pick():
     )
     lines = client.format_explain(result).splitlines()
     assert lines[0] == "policy=cache_aware prompt_tokens=8 chosen=w1"
-    assert lines[1].split()[-3:] == ["recent", "cost", "why-not"]
+    assert lines[1].split()[-4:] == ["slotq", "recent", "cost", "why-not"]
     assert lines[2].startswith("  w0") and lines[3].startswith("* w1")
     assert lines[2].split()[-2:] == ["1234", "8"]
 

@@ -85,3 +85,13 @@ def test_unhealthy_worker_says_why_with_the_connection_error_and_no_nan():
     assert w0.not_candidate_reason == "unhealthy: w0: connect failed (UNAVAILABLE)"
     assert not w0.HasField("cost") and not w0.healthy
     assert not worker_score_to_pb(_score(cost=math.nan)).HasField("cost")
+
+
+def test_the_slot_queue_travels_to_the_explain_table():
+    msg = worker_score_to_pb(_score(worker_id="w0", slot_queue=7))
+    assert msg.slot_queue == 7
+    view = WorkerScoreView("w0", "a:1", True, 0, 0, 1.0, 256, 7, slot_queue=7)
+    header, row = format_explain(ExplainResult("cache_aware", 100, "w0", (view,))).splitlines()[1:]
+    cols, names = row.split(), header.split()
+    assert names[names.index("wait") + 1] == "slotq"
+    assert cols[cols.index("256") + 1 : cols.index("256") + 3] == ["7", "7"]  # wait, slotq

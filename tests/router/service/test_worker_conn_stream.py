@@ -46,7 +46,9 @@ class RawWorker:
         self.subscriptions = 0
 
     async def get_load(self, request: pb.GetLoadRequest, context: object) -> pb.WorkerInfo:
-        return pb.WorkerInfo(worker_id=WID, epoch=1, block_size=BS, executor="fake")
+        return pb.WorkerInfo(
+            worker_id=WID, epoch=1, block_size=BS, executor="fake", max_running_requests=48
+        )
 
     async def subscribe(
         self, request: pb.SubscribeRequest, context: object
@@ -150,6 +152,7 @@ async def test_wire_bytes_decoded_as_sent(backend: str) -> None:
         assert core.worker_blocks(WID) == set(a[:4]) | set(b)
         assert core.stream_position(WID) == (1, 4)
         assert conn.num_failures == 0 and conn.healthy
+        assert core.worker_view(WID).max_running == 48  # the cap GetLoad states
 
 
 @pytest.mark.parametrize("backend", ["numba", "dict"])

@@ -172,7 +172,13 @@ async def test_abort_rpc_ends_the_stream_with_abort() -> None:
 
 async def test_get_load_reports_identity_geometry_and_load() -> None:
     setup = WorkerSetup(
-        engine=EngineConfig(worker_id="w-load", num_kv_slots=2048, page_size=2, block_size=8),
+        engine=EngineConfig(
+            worker_id="w-load",
+            num_kv_slots=2048,
+            page_size=2,
+            block_size=8,
+            max_running_requests=40,
+        ),
         epoch=1234,
     )
     async with running_worker(setup) as w:
@@ -191,6 +197,7 @@ async def test_get_load_reports_identity_geometry_and_load() -> None:
         )
         assert info.load.num_total_kv_tokens == 2048
         assert info.load.num_running == 0
+        assert info.max_running_requests == 40  # the router's cost charges waits past it
         # the default model's name, and the byte tokenizer's fingerprint (the router checks it)
         assert info.model_name == "kvroute-tiny"
         assert info.tokenizer_fingerprint == ByteTokenizer().fingerprint
