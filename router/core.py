@@ -881,6 +881,7 @@ class RouterCore:
                     ),
                     sync_counters=dict(stream.counters),
                     load=v.load,
+                    max_running=v.max_running,
                 )
             )
         return result

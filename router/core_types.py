@@ -317,6 +317,7 @@ class WorkerStats:
     seconds_since_message: float | None
     sync_counters: dict[str, int]
     load: LoadReport | None
+    max_running: int = 0  # the cap on running requests it stated in GetLoad (0: none)
 
 
 # ---- replica sync: what one router replica tells the others ---------------------------------

@@ -467,6 +467,12 @@ class RouterStateCollector(Collector):
             "Waiting requests, from the worker's last load report",
             labels,
         )
+        cap = _gauge(
+            "kvroute_router_worker_max_running_requests",
+            "The worker's stated cap on running requests (GetLoad; 0: none stated): past it "
+            "requests wait for a slot, which the cost charges",
+            labels,
+        )
         kv_usage = _gauge(
             "kvroute_router_worker_kv_usage_ratio",
             "Fraction of the worker's KV pool held by running requests (last load report)",
@@ -479,6 +485,7 @@ class RouterStateCollector(Collector):
             inflight.add_metric([w.worker_id], w.num_active_requests)
             prefill.add_metric([w.worker_id], w.inflight_prefill_tokens)
             blocks.add_metric([w.worker_id], w.num_indexed_blocks)
+            cap.add_metric([w.worker_id], w.max_running)
             if w.load is not None:
                 running.add_metric([w.worker_id], w.load.num_running)
                 waiting.add_metric([w.worker_id], w.load.num_waiting)
@@ -491,7 +498,7 @@ class RouterStateCollector(Collector):
             "kvroute_router_worker_ejections", "Times a worker was ejected after failures"
         )
         ejections.add_metric([], snap.num_ejections)
-        yield from (healthy, ejected, inflight, prefill, blocks, running, waiting, kv_usage)
+        yield from (healthy, ejected, inflight, prefill, blocks, running, waiting, cap, kv_usage)
         yield from (workers, ejections)
 
     def _events(self, snap: RouterSnapshot) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:

@@ -16,6 +16,7 @@ from router.client import GenerateOptions
 from router.core import RouterConfig
 from router.policy import CostWeights
 from router.service.metrics import RouterMetricsEndpoint
+from worker.engine.engine_config import EngineConfig
 
 PROMPT = "You are a helpful agent. " * 16  # 400 bytes: 100 blocks of 4 byte tokens
 OPTS = GenerateOptions(max_new_tokens=3)
@@ -55,6 +56,9 @@ async def test_requests_decisions_and_forgone_cache(fleet) -> None:
     assert before.total("kvroute_router_requests_total") == 0
     assert before.get("kvroute_router_worker_healthy", worker="w0") == 1.0
     assert before.get("kvroute_router_worker_healthy", worker="w1") == 1.0
+    # the engine's default cap, as the workers state it in GetLoad
+    cap = EngineConfig().max_running_requests
+    assert before.get("kvroute_router_worker_max_running_requests", worker="w0") == cap
 
     first = await router.client.generate(PROMPT, OPTS)
     second = await router.client.generate(PROMPT, OPTS)
