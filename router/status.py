@@ -3,7 +3,8 @@
     kvroute status --router 127.0.0.1:50051 --metrics 127.0.0.1:9100 [--once]
 
 One row per worker: health, running / waiting requests and KV use (from the worker's load
-reports, through the router's Explain), requests in flight from this router, and -- with
+reports, through the router's Explain), the slot wait (requests a new one would queue behind
+for a running slot, past the worker's cap), requests in flight from this router, and -- with
 ``--metrics``, the router's ``/metrics`` endpoint (``--metrics-port``) -- the realised
 prefix-cache hit rate of what this router sent there, the blocks the index holds for it and
 its event lag. Below the table: the fleet's realised vs predicted hit rate and the cache the
@@ -51,6 +52,7 @@ class WorkerRow:
     healthy: bool
     running: int | None = None
     waiting: int | None = None
+    slot_queue: int | None = None  # requests a new one would wait behind for a running slot
     kv_usage: float | None = None  # busy / total KV tokens, from the last load report
     inflight: float | None = None  # this router's requests in flight there
     hit_rate: float | None = None  # realised cached / prompt tokens of finished requests
@@ -123,6 +125,7 @@ def collect(explain: pb.ExplainResponse, samples: Samples | None, router: str) -
         if w.HasField("load"):
             load = w.load
             row.running, row.waiting = load.num_running, load.num_waiting
+            row.slot_queue = w.slot_queue
             total = load.num_total_kv_tokens
             if total > 0:
                 busy = total - load.num_free_kv_tokens - load.num_evictable_kv_tokens
@@ -169,6 +172,7 @@ def render(status: FleetStatus) -> Group:
         ("health", "left"),
         ("running", "right"),
         ("waiting", "right"),
+        ("slot wait", "right"),
         ("KV use", "right"),
         ("in flight", "right"),
         ("hit rate", "right"),
@@ -185,6 +189,7 @@ def render(status: FleetStatus) -> Group:
             health,
             _num(w.running),
             _num(w.waiting),
+            _num(w.slot_queue),
             _pct(w.kv_usage),
             _num(w.inflight),
             _pct(w.hit_rate),

@@ -73,6 +73,7 @@ def test_collect_joins_explain_and_metrics() -> None:
     explain = pb.ExplainResponse(policy="cache_aware")
     w = explain.workers.add(worker_id="w0", address="a:1", healthy=True)
     w.load.num_running, w.load.num_waiting = 3, 1
+    w.slot_queue = 2  # past a cap of 2: two ahead of a new request
     w.load.num_total_kv_tokens, w.load.num_free_kv_tokens = 1000, 500
     w.load.num_evictable_kv_tokens = 250
     explain.workers.add(worker_id="w1", address="b:1", healthy=False)
@@ -91,7 +92,7 @@ def test_collect_joins_explain_and_metrics() -> None:
     }
     s = status.collect(explain, samples, "r:1")
     w0, w1 = s.workers
-    assert (w0.running, w0.waiting, w0.kv_usage) == (3, 1, 0.25)
+    assert (w0.running, w0.waiting, w0.kv_usage, w0.slot_queue) == (3, 1, 0.25, 2)
     assert w0.hit_rate == 0.25
     assert (w0.index_blocks, w0.event_lag_s) == (7.0, 0.5)
     assert not w1.healthy and w1.running is None and w1.hit_rate is None
