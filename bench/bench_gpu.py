@@ -309,6 +309,11 @@ def _measure(
     )
 
 
+def progress(message: str) -> None:
+    """One line on stderr, flushed: a run stopped part-way (or stuck) shows how far it got."""
+    print(f"[bench_gpu {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
 GREEDY = SamplingParams(max_new_tokens=1)
 GRAPHS_SUFFIX = "+graphs"  # the label of a paged option's CUDA-graph decode column
 FUSED_SUFFIX = "+fused"  # a column with the fused RMSNorm/RoPE kernels
@@ -358,6 +363,9 @@ def run_steps(
                 name, attention, times, shape, specs, new_tokens, contexts, rate_tokens, targets
             )
             out.append(m)
+            progress(
+                f"{name} {attention}: median {m.median_s * 1e3:.3f} ms (min {m.min_s * 1e3:.3f})"
+            )
 
     for n in sizes.cold:
         tokens = rng.integers(0, vocab, n, dtype=np.int64)
@@ -458,6 +466,7 @@ def run(
     ``fused``: also each paged column with the fused RMSNorm/RoPE kernels (their torch
     reference off CUDA)."""
     sizes = SMOKE_SIZES if smoke else Sizes()
+    progress(f"building the {'tiny' if smoke else 'Llama-3-8B-shaped'} model on {device}")
     start = time.perf_counter()
     if smoke:
         model = build_tiny_model(seed, device=str(device))
@@ -465,6 +474,7 @@ def run(
         model = build_model(LLAMA3_8B, device, seed)
     _sync(device)
     build_s = time.perf_counter() - start
+    progress(f"model built in {build_s:.1f} s")
     num_slots = max(
         max(sizes.decode_batches) * sizes.decode_context,
         sizes.cached_prefix + sizes.cached_new,
@@ -473,6 +483,7 @@ def run(
     )
     # the graph path's padding rows write the scratch slot
     pool = TorchExecutor.pool_for(model, num_slots, scratch_slot=cuda_graphs)
+    progress(f"KV pool of {num_slots} slots allocated")
     executors: dict[str, TorchExecutor] = {}
     decode_path: dict[str, str] = {}
     on_cuda = device.type == "cuda"
@@ -500,8 +511,12 @@ def run(
     labels = tuple(executors)
     shape = Shape.of(model)
     specs = device_specs(device, hbm_gbps, peak_tflops)
+    progress(f"executors: {', '.join(labels)}")
     steps = run_steps(executors, shape, specs, sizes, seed, targets=not smoke)
-    parity = {name: greedy_parity(ex, sizes, seed) for name, ex in executors.items()}
+    parity = {}
+    for name, ex in executors.items():
+        parity[name] = greedy_parity(ex, sizes, seed)
+        progress(f"parity {name}: equal={parity[name]['equal']}")
     full_name = f"decode_b{max(sizes.decode_batches)}"
     full = {m.attention: m.tokens_per_s for m in steps if m.name == full_name}
     cold = [p["cold_tokens"] for p in parity.values()]
