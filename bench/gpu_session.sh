@@ -17,8 +17,8 @@
 set -uo pipefail
 OUT=${1:?usage: bash bench/gpu_session.sh OUT_DIR [WHEEL_DIR]}
 WHEELS=${2:-}
-BENCH_S=${BENCH_S:-150}
-TESTS_S=${TESTS_S:-180}
+BENCH_S=${BENCH_S:-120}
+TESTS_S=${TESTS_S:-150}
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
 status=0
