@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Everything the GPU worker measures, as one prepared command for a CUDA machine that has
-# torch (and the triton that comes with its CUDA build) installed: bench_gpu and the
-# GPU-marked tests, each in its own process and bounded in time, every output under OUT_DIR
-# (a step that crashes or runs out of time leaves the others' figures; bench_gpu prints each
+# torch (and the triton that comes with its CUDA build) installed: a stage-by-stage probe of
+# the machine, bench_gpu and the GPU-marked tests, each in its own process and bounded in
+# time, every output under OUT_DIR and each step's tail printed as soon as it ends (a step
+# that crashes, stalls or runs out of time leaves the others' figures; bench_gpu prints each
 # step's median to stderr as it is measured).
 #
 #   bash bench/gpu_session.sh OUT_DIR [WHEEL_DIR]
@@ -10,27 +11,56 @@
 # WHEEL_DIR: wheels to install first (--no-deps, --no-index), for what the machine lacks
 # (grpcio, protobuf, opentelemetry, ...: built for its Python). The project itself is
 # installed editable without its dependencies, so the machine's torch is kept.
-# BENCH_S / TESTS_S: the time limits (seconds) of each bench_gpu run and of the tests; a step
-# still alive 10 s after its limit is killed (a process waiting on a hung GPU kernel may not
-# act on SIGTERM).
-# Exit status: 0 when every step passed, else the first failing step's.
+# PROBE_S / BENCH_S / TESTS_S: the time limits (seconds) of the probe, of each bench_gpu run
+# and of the tests. A step past its limit gets SIGTERM, then SIGKILL 5 s later, and the
+# script goes on without waiting for it to exit (a process whose GPU kernel never ends may
+# not exit at all), so the whole script ends within the sum of the limits plus ~30 s.
+# Exit status: 0 when every step passed, else the first failing step's (124: a step ran out
+# of time).
 set -uo pipefail
 OUT=${1:?usage: bash bench/gpu_session.sh OUT_DIR [WHEEL_DIR]}
 WHEELS=${2:-}
+PROBE_S=${PROBE_S:-90}
 BENCH_S=${BENCH_S:-120}
 TESTS_S=${TESTS_S:-150}
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
 status=0
-step() {  # run a step; keep the first failing step's exit status
-  "$@" || { local rc=$?; echo "step failed (exit $rc): $*"; [ "$status" -ne 0 ] || status=$rc; }
-}
 export PYTHONUNBUFFERED=1
+
+# bounded LIMIT FILE TAIL CMD...: CMD's output to FILE; at most LIMIT seconds; then FILE's
+# last TAIL lines on stdout. Keeps the first failing step's exit status.
+bounded() {
+  local limit=$1 file=$2 lines=$3 rc=0 waited=0
+  shift 3
+  echo "== $(date -u +%T) $* (limit ${limit} s)"
+  "$@" >"$file" 2>&1 &
+  local pid=$!
+  while kill -0 "$pid" 2>/dev/null && [ "$waited" -lt "$limit" ]; do
+    sleep 1
+    waited=$((waited + 1))
+  done
+  if kill -0 "$pid" 2>/dev/null; then
+    kill -TERM "$pid" 2>/dev/null
+    sleep 5
+    kill -KILL "$pid" 2>/dev/null
+    echo "step stopped at its ${limit} s limit (not waited for): $*" >>"$file"
+    rc=124
+  else
+    wait "$pid"
+    rc=$?
+  fi
+  tail -n "$lines" "$file"
+  if [ "$rc" -ne 0 ]; then
+    echo "step failed (exit $rc): $*"
+    [ "$status" -ne 0 ] || status=$rc
+  fi
+}
 
 if [ -n "$WHEELS" ]; then
   python -m pip install --quiet --no-deps --no-index "$WHEELS"/*.whl || exit 1
 fi
-python -m pip install --quiet --no-deps --no-build-isolation -e . || exit 1
+python -m pip install --quiet --no-deps --no-index --no-build-isolation -e . || exit 1
 
 {
   date -u
@@ -39,26 +69,23 @@ python -m pip install --quiet --no-deps --no-build-isolation -e . || exit 1
   python -c "import triton; print('triton', triton.__version__)" || echo "triton: not importable"
   python -c "import transformers; print('transformers', transformers.__version__)"
 } >"$OUT/machine.txt" 2>&1
+cat "$OUT/machine.txt"
 
 # 0. how far a fresh machine gets, stage by stage (torch, CUDA, Triton), with timings
-step timeout -k 10 90 python -m bench.gpu_probe >"$OUT/probe.txt" 2>&1
-cat "$OUT/probe.txt"
+bounded "$PROBE_S" "$OUT/probe.txt" 20 python -m bench.gpu_probe
 # 1. issue 14's table: gather (the default) and paged (the Triton kernels) side by side
-step timeout -k 10 "$BENCH_S" python -m bench.bench_gpu --attention gather,paged \
-  --json "$OUT/bench_gpu.json" >"$OUT/bench_gpu.txt" 2>&1
+bounded "$BENCH_S" "$OUT/bench_gpu.txt" 40 \
+  python -m bench.bench_gpu --attention gather,paged --json "$OUT/bench_gpu.json"
 # 2. the GPU-marked tests: Triton kernels against their torch references on CUDA
 # (test_paged_attention_triton.py), CUDA-graph decode captured and replayed against the eager
 # static path and the regular one (test_decode_graph.py), the fused RMSNorm/RoPE kernels in
 # bf16 and fp32 (test_fused_ops.py), logits parity with transformers' Llama on CUDA through
 # every attention path (test_model_hf_parity.py)
-step timeout -k 10 "$TESTS_S" python -m pytest -m gpu -q -p no:cacheprovider --timeout 120 \
-  tests/worker/engine >"$OUT/pytest_gpu.txt" 2>&1
+bounded "$TESTS_S" "$OUT/pytest_gpu.txt" 25 \
+  python -m pytest -m gpu -q -p no:cacheprovider --timeout 120 tests/worker/engine
 # 3. paged decode as CUDA graph replays (paged+graphs), and the fused RMSNorm/RoPE kernels
 # (paged+fused: every step; paged+graphs+fused: decode)
-step timeout -k 10 "$BENCH_S" python -m bench.bench_gpu --attention paged --cuda-graphs --fused \
-  --json "$OUT/bench_gpu_graphs.json" >"$OUT/bench_gpu_graphs.txt" 2>&1
-
-tail -30 "$OUT/bench_gpu.txt"
-tail -15 "$OUT/pytest_gpu.txt"
-tail -30 "$OUT/bench_gpu_graphs.txt"
+bounded "$BENCH_S" "$OUT/bench_gpu_graphs.txt" 40 \
+  python -m bench.bench_gpu --attention paged --cuda-graphs --fused \
+  --json "$OUT/bench_gpu_graphs.json"
 exit "$status"
