@@ -111,10 +111,10 @@ def test_checkpoint_written_by_transformers_loads_and_matches(tmp_path, rope_sca
 # (attention, fused): the gather + SDPA path, the paged Triton kernels, and those with the
 # fused RMSNorm/RoPE kernels.
 CUDA_PATHS = [("gather", "off"), ("paged", "off"), ("paged", "triton")]
-# float32: Triton's tl.dot takes float32 inputs at TF32 precision (a 10-bit mantissa), so the
-# paged paths sit near 1e-3 of the logits' range, not 1e-4; bfloat16: both models round every
-# activation to 8 bits of mantissa, differently ordered.
-CUDA_RTOL = {torch.float32: 3e-3, torch.bfloat16: 5e-2}
+# float32: the kernels multiply float32 exactly (input_precision="ieee"), but cuBLAS, SDPA and
+# the Triton kernels each block their reductions their own way on a GPU; bfloat16: both models
+# round every activation to 8 bits of mantissa, in a different order.
+CUDA_RTOL = {torch.float32: 1e-3, torch.bfloat16: 5e-2}
 
 
 @pytest.mark.gpu
