@@ -10,7 +10,16 @@
 #
 # WHEEL_DIR: wheels to install first (--no-deps, --no-index), for what the machine lacks
 # (grpcio, protobuf, opentelemetry, ...: built for its Python). The project itself is
-# installed editable without its dependencies, so the machine's torch is kept.
+# installed editable without its dependencies, so the machine's torch is kept. On an image
+# that has torch, triton, transformers, numpy and pytest for Python 3.12 (the H200 lent to
+# this project), these were the missing ones, fetched on a machine with pip access:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+#     --platform manylinux2014_x86_64 -d WHEEL_DIR grpcio==1.85.1 protobuf==7.35.1 \
+#     grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 opentelemetry-api \
+#     opentelemetry-sdk opentelemetry-semantic-conventions redis pytest-asyncio
+# Where only python3 is on PATH, put a wrapper script named python first on PATH
+# (exec python3 "$@"; a symbolic link to python3 may lose a virtual environment's packages).
 # PROBE_S / BENCH_S / TESTS_S: the time limits (seconds) of the probe, of each bench_gpu run
 # and of the tests. A step past its limit gets SIGTERM, then SIGKILL 5 s later, and the
 # script goes on without waiting for it to exit (a process whose GPU kernel never ends may
