@@ -18,8 +18,7 @@
 #     --platform manylinux2014_x86_64 -d WHEEL_DIR grpcio==1.85.1 protobuf==7.35.1 \
 #     grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 opentelemetry-api \
 #     opentelemetry-sdk opentelemetry-semantic-conventions redis pytest-asyncio
-# Where only python3 is on PATH, put a wrapper script named python first on PATH
-# (exec python3 "$@"; a symbolic link to python3 may lose a virtual environment's packages).
+# PYTHON: the interpreter (default: python, else python3, as found on PATH).
 # PROBE_S / BENCH_S / TESTS_S: the time limits (seconds) of the probe, of each bench_gpu run
 # and of the tests. A step past its limit gets SIGTERM, then SIGKILL 5 s later, and the
 # script goes on without waiting for it to exit (a process whose GPU kernel never ends may
@@ -32,6 +31,7 @@ WHEELS=${2:-}
 PROBE_S=${PROBE_S:-90}
 BENCH_S=${BENCH_S:-120}
 TESTS_S=${TESTS_S:-150}
+PY=${PYTHON:-$(command -v python || command -v python3)}
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
 status=0
@@ -67,34 +67,34 @@ bounded() {
 }
 
 if [ -n "$WHEELS" ]; then
-  python -m pip install --quiet --no-deps --no-index "$WHEELS"/*.whl || exit 1
+  "$PY" -m pip install --quiet --no-deps --no-index "$WHEELS"/*.whl || exit 1
 fi
-python -m pip install --quiet --no-deps --no-index --no-build-isolation -e . || exit 1
+"$PY" -m pip install --quiet --no-deps --no-index --no-build-isolation -e . || exit 1
 
 {
   date -u
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
-  python -c "import triton; print('triton', triton.__version__)" || echo "triton: not importable"
-  python -c "import transformers; print('transformers', transformers.__version__)"
+  "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+  "$PY" -c "import triton; print('triton', triton.__version__)" || echo "triton: not importable"
+  "$PY" -c "import transformers; print('transformers', transformers.__version__)"
 } >"$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
 
 # 0. how far a fresh machine gets, stage by stage (torch, CUDA, Triton), with timings
-bounded "$PROBE_S" "$OUT/probe.txt" 20 python -m bench.gpu_probe
+bounded "$PROBE_S" "$OUT/probe.txt" 20 "$PY" -m bench.gpu_probe
 # 1. issue 14's table: gather (the default) and paged (the Triton kernels) side by side
 bounded "$BENCH_S" "$OUT/bench_gpu.txt" 40 \
-  python -m bench.bench_gpu --attention gather,paged --json "$OUT/bench_gpu.json"
+  "$PY" -m bench.bench_gpu --attention gather,paged --json "$OUT/bench_gpu.json"
 # 2. the GPU-marked tests: Triton kernels against their torch references on CUDA
 # (test_paged_attention_triton.py), CUDA-graph decode captured and replayed against the eager
 # static path and the regular one (test_decode_graph.py), the fused RMSNorm/RoPE kernels in
 # bf16 and fp32 (test_fused_ops.py), logits parity with transformers' Llama on CUDA through
 # every attention path (test_model_hf_parity.py)
 bounded "$TESTS_S" "$OUT/pytest_gpu.txt" 25 \
-  python -m pytest -m gpu -q -p no:cacheprovider --timeout 120 tests/worker/engine
+  "$PY" -m pytest -m gpu -q -p no:cacheprovider --timeout 120 tests/worker/engine
 # 3. paged decode as CUDA graph replays (paged+graphs), and the fused RMSNorm/RoPE kernels
 # (paged+fused: every step; paged+graphs+fused: decode)
 bounded "$BENCH_S" "$OUT/bench_gpu_graphs.txt" 40 \
-  python -m bench.bench_gpu --attention paged --cuda-graphs --fused \
+  "$PY" -m bench.bench_gpu --attention paged --cuda-graphs --fused \
   --json "$OUT/bench_gpu_graphs.json"
 exit "$status"
