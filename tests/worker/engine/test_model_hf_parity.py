@@ -22,21 +22,27 @@ transformers = pytest.importorskip("transformers")
 RTOL = 1e-4
 
 
-def our_logits(model: LlamaForCausalLM, ids: np.ndarray) -> torch.Tensor:
-    ex = TorchExecutor.create(model, len(ids))
+def our_logits(
+    model: LlamaForCausalLM, ids: np.ndarray, *, attention: str = "gather", fused: str = "off"
+) -> torch.Tensor:
+    """Float32 logits at every prompt position, through the executor (slots scattered)."""
+    ex = TorchExecutor.create(model, len(ids), attention=attention, fused=fused)
     slots = np.random.default_rng(0).permutation(len(ids))
-    return ex.prompt_logits(ForwardItem("r", ids, 0, slots, SamplingParams()))
+    return ex.prompt_logits(ForwardItem("r", ids, 0, slots, SamplingParams())).float()
 
 
-def hf_logits(model_dir, ids: np.ndarray) -> torch.Tensor:
-    hf = transformers.LlamaForCausalLM.from_pretrained(model_dir).float().eval()
+def hf_logits(
+    model_dir, ids: np.ndarray, *, device: str = "cpu", dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    hf = transformers.LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=dtype)
+    hf = hf.to(device).eval()
     with torch.no_grad():
-        return hf(torch.from_numpy(ids)[None]).logits[0].float()
+        return hf(torch.from_numpy(ids).to(device)[None]).logits[0].float()
 
 
-def assert_rel_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
-    rel = (ours - ref).abs().max() / ref.abs().max()
-    assert rel.item() < RTOL
+def assert_rel_close(ours: torch.Tensor, ref: torch.Tensor, rtol: float = RTOL) -> None:
+    rel = ((ours - ref).abs().max() / ref.abs().max()).item()
+    assert rel < rtol, f"max relative error {rel:.2e} (limit {rtol:g})"
 
 
 @pytest.mark.parametrize(
@@ -128,15 +134,9 @@ def test_logits_match_transformers_on_cuda(tmp_path, dtype, attention, fused):
     save_hf(build_tiny_model(seed=3, config=cfg), tmp_path)
     ours = load_model(tmp_path, device="cuda", dtype=dtype).model
     ids = np.random.default_rng(5).integers(0, cfg.vocab_size, 150).astype(np.int64)
-    ex = TorchExecutor.create(ours, len(ids), attention=attention, fused=fused)
-    slots = np.random.default_rng(0).permutation(len(ids))
-    got = ex.prompt_logits(ForwardItem("r", ids, 0, slots, SamplingParams())).float()
-    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path, torch_dtype=dtype)
-    hf = hf.to("cuda").eval()
-    with torch.no_grad():
-        ref = hf(torch.from_numpy(ids).to("cuda")[None]).logits[0].float()
-    rel = ((got - ref).abs().max() / ref.abs().max()).item()
-    assert rel < CUDA_RTOL[dtype], f"{attention}/{fused} {dtype}: max rel error {rel:.2e}"
+    got = our_logits(ours, ids, attention=attention, fused=fused)
+    ref = hf_logits(tmp_path, ids, device="cuda", dtype=dtype)
+    assert_rel_close(got, ref, CUDA_RTOL[dtype])
     # the greedy choice agrees wherever the reference's top two are clearly apart
     top2 = ref.topk(2, dim=-1).values
     clear = (top2[:, 0] - top2[:, 1]) > 4 * CUDA_RTOL[dtype] * ref.abs().max()
