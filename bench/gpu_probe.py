@@ -1,8 +1,9 @@
 """What a fresh CUDA machine takes to get going, stage by stage, each line printed (and
 flushed) as it completes: importing torch, initialising CUDA, a bf16 matrix product,
 allocating and freeing a large buffer, importing Triton and compiling and running one small
-kernel. The first step of ``bench/gpu_session.sh``: when a later step stalls, this says
-whether the machine itself gets that far, and how long each stage took.
+kernel, importing transformers; the stage lines name the versions found. The first step of
+``bench/gpu_session.sh``: when a later step stalls, this says whether the machine itself
+gets that far, and how long each stage took.
 
     python -m bench.gpu_probe
 """
@@ -57,6 +58,9 @@ def main() -> int:
     _add_one[(triton.cdiv(1000, 256),)](x, 1000, BLOCK=256)
     torch.cuda.synchronize()
     stage(f"a Triton kernel compiled and ran: {'ok' if bool((x == 1).all()) else 'WRONG'}")
+    import transformers  # the HF parity tests' reference
+
+    stage(f"transformers {transformers.__version__} imported")
     return 0
 
 

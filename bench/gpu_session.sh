@@ -71,16 +71,10 @@ if [ -n "$WHEELS" ]; then
 fi
 "$PY" -m pip install --quiet --no-deps --no-index --no-build-isolation -e . || exit 1
 
-{
-  date -u
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
-  "$PY" -c "import triton; print('triton', triton.__version__)" || echo "triton: not importable"
-  "$PY" -c "import transformers; print('transformers', transformers.__version__)"
-} >"$OUT/machine.txt" 2>&1
-cat "$OUT/machine.txt"
-
-# 0. how far a fresh machine gets, stage by stage (torch, CUDA, Triton), with timings
+date -u
+timeout 20 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+# 0. how far a fresh machine gets, stage by stage (torch, CUDA, Triton), with timings and
+# the versions of torch, CUDA, Triton and transformers
 bounded "$PROBE_S" "$OUT/probe.txt" 20 "$PY" -m bench.gpu_probe
 # 1. issue 14's table: gather (the default) and paged (the Triton kernels) side by side
 bounded "$BENCH_S" "$OUT/bench_gpu.txt" 40 \
