@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", default="cache_aware", choices=POLICIES, help="routing policy")
     p.add_argument(
         "--cost-weights",
-        metavar="PREFILL,QUEUED,DECODE[,RECENT[,SLOT_WAIT]]",
+        metavar="PREFILL,QUEUED,DECODE[,RECENT[,SLOT_WAIT[,KNEE]]]",
         default=None,
         help=f"cache_aware/approx_tree cost weights (default {_default_weights()})",
     )
@@ -318,7 +318,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _default_weights() -> str:
     w = CostWeights()
-    return f"{w.prefill:g},{w.queued_prefill:g},{w.decode:g},{w.recent_prefill:g},{w.slot_wait:g}"
+    return (
+        f"{w.prefill:g},{w.queued_prefill:g},{w.decode:g},{w.recent_prefill:g},"
+        f"{w.slot_wait:g},{w.queued_knee:g}"
+    )
 
 
 def config_from_args(

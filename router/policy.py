@@ -8,7 +8,7 @@ The default, ``cache_aware``, estimates for each candidate the prefill work the 
 would wait for there, in token equivalents::
 
     cost = w.prefill * b    * (prompt_tokens - cached prefix)     # work this request adds
-         + w.queued_prefill * queued prefill tokens on the worker # work ahead of it
+         + w.queued_prefill * q * (1 + q / w.queued_knee)         # q: work queued there
          + w.decode         * requests running on the worker      # decode slows each step
          + w.recent_prefill * recent work on the worker           # its share of the past
          + w.slot_wait      * requests it would queue behind for a running slot
@@ -23,9 +23,9 @@ whose requests finish prefill before the next arrives stays on the holder.
 Queued tokens weigh a quarter of a token by default (``CostWeights``): a worker batches
 queued prefills (chunked prefill) and a request queued behind others with the same prefix
 reuses their KV, so a queue delays a request less than its own uncached tokens do. With
-0.25 a holder keeps a hot prefix until its queue is about four times the prefix it saves;
-at 1.0 even the second request of a burst with a new prefix would already tie with a cold
-worker.
+0.25 a holder keeps a hot prefix until its queue is about four times the prefix it saves
+(less for a long prefix: the knee, below); at 1.0 even the second request of a burst with
+a new prefix would already tie with a cold worker.
 
 The recent term is the balance between bursts. Below saturation queues are empty most of
 the time, so the queued term says nothing, and a short prefix that every request shares (a
@@ -42,6 +42,21 @@ looked idle to the balance term (their turns hit the cache) while it ran 20-30 d
 long RAG prefills went there, each chunk waiting on that decode batch (support-agent replay
 at 8 workers: TTFT p99 292.4 -> 291.9 ms, ahead of approx_tree on five workload seeds where
 it had been behind on four; prefill imbalance 1.01 -> 1.08).
+
+The queued term grows faster than the queue past a knee (``queued_knee``, 32,000 tokens
+by default; 0 makes it linear): ``queued_prefill * q * (1 + q / queued_knee)``. A burst on a
+cold prefix queues up on the first worker to compute the prefix; with a linear term each
+queued token costs the same, so that worker kept a burst of 32 until its queue was four
+times the prefix and two workers took all of it (22/10) while the rest of a 16-worker fleet
+idled. Past the knee the next request's share of the queue counts more, so the burst spills
+to more workers once the holder's queue is long, while a short queue (the second request of
+a burst, a trickle) costs what it did. Chosen on training seeds (cold-bursts 200-204,
+zipf-tenants 100-104, support-agent 1020-1022, one router, ``--strict``): 16,000 cut
+cold-bursts' TTFT p99 at 8 and 16 workers by 7-12% for 0.5-0.8 points of hit rate, 32,000
+by 2-8% for 0.1-0.3 points. Held out (BENCHMARKS.md, "A queued term with a knee"):
+cold-bursts' TTFT p99 233-319 -> 217-299 ms at 8 workers, 226-306 -> 214-283 ms at 16, for
+at most 0.3 points of hit rate; zipf-tenants within noise; support-agent at 4 workers
+0.2-0.6 points and TTFT p99 -2..+10%.
 
 The slot-wait term prices a worker at its engine's running cap (``max_running_requests``,
 which the worker states in GetLoad). Past the cap a request waits, with no prefill queued
@@ -134,6 +149,7 @@ __all__ = [
 
 
 SLOT_WAIT_TOKENS = 1024.0  # CostWeights.slot_wait's default; BENCHMARKS.md, "The slot wait"
+QUEUED_KNEE_TOKENS = 32_000.0  # CostWeights.queued_knee's default; BENCHMARKS.md, "knee"
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +163,9 @@ class CostWeights:
                                     tokens, plus recent_decode_ratio per generated token)
                  + slot_wait * requests ahead of it for a running slot past the
                                worker's max_running_requests (0 if it states none)
+
+    where the queued term is ``queued_prefill * q * (1 + q / queued_knee)`` for ``q``
+    queued tokens (linear when ``queued_knee`` is 0; the module docstring says why).
 
     Defaults chosen by trace replay (BENCHMARKS.md): a queued token weighs a quarter of a
     token to prefill here, because a miss costs more than this request's wait -- it spends
@@ -163,26 +182,39 @@ class CostWeights:
     decode: float = 16.0
     recent_prefill: float = 0.1
     slot_wait: float = SLOT_WAIT_TOKENS
+    queued_knee: float = QUEUED_KNEE_TOKENS
 
     def __post_init__(self) -> None:
-        for name in ("prefill", "queued_prefill", "decode", "recent_prefill", "slot_wait"):
+        for name in (
+            "prefill",
+            "queued_prefill",
+            "decode",
+            "recent_prefill",
+            "slot_wait",
+            "queued_knee",
+        ):
             if not getattr(self, name) >= 0:  # NaN too
                 raise ValueError(f"CostWeights.{name} must be >= 0, got {getattr(self, name)}")
 
+    @property
+    def per_knee(self) -> float:
+        """``1 / queued_knee``, 0 when the queued term is linear (``queued_knee`` 0)."""
+        return 1.0 / self.queued_knee if self.queued_knee else 0.0
+
     @classmethod
     def parse(cls, text: str) -> CostWeights:
-        """``"PREFILL,QUEUED,DECODE[,RECENT[,SLOT_WAIT]]"``, the form of the ``--cost-weights``
-        option of ``kvroute router`` and ``kvroute replay`` (missing ones keep their
-        defaults); ValueError naming the option and the expected form otherwise."""
+        """``"PREFILL,QUEUED,DECODE[,RECENT[,SLOT_WAIT[,KNEE]]]"``, the form of the
+        ``--cost-weights`` option of ``kvroute router`` and ``kvroute replay`` (missing ones
+        keep their defaults); ValueError naming the option and the expected form otherwise."""
         parts = text.split(",")
         try:
-            if not 3 <= len(parts) <= 5:
+            if not 3 <= len(parts) <= 6:
                 raise ValueError
             values = [float(x) for x in parts]
         except ValueError:
             raise ValueError(
-                "--cost-weights: cost weights must be three to five numbers "
-                f"PREFILL,QUEUED,DECODE[,RECENT[,SLOT_WAIT]], got {text!r}"
+                "--cost-weights: cost weights must be three to six numbers "
+                f"PREFILL,QUEUED,DECODE[,RECENT[,SLOT_WAIT[,KNEE]]], got {text!r}"
             ) from None
         return cls(*values)
 
@@ -365,24 +397,29 @@ class WorkerTable:
     rows 0, 1, 2 and 4 hold each slot's ``queued_prefill_tokens``, ``num_running``,
     ``recent_prefill`` and ``slot_queue`` as float64 (the values the cost's float arithmetic
     converts them to), row 3 the cost's load part under ``weights``, ``queued_prefill *
-    queued + decode * running + slot_wait * slot_queue``, computed in Python as
-    :meth:`CacheAware.costs` computes it; kept current by the views themselves. ``ids``:
-    each slot's ``WorkerView.id_hash``."""
+    queued * (1 + queued / queued_knee) + decode * running + slot_wait * slot_queue``,
+    computed in Python as :meth:`CacheAware.costs` computes it; kept current by the views
+    themselves. ``ids``: each slot's ``WorkerView.id_hash``."""
 
-    __slots__ = ("_wc", "_wd", "_wq", "fields", "ids", "weights")
+    __slots__ = ("_wc", "_wd", "_wk", "_wq", "fields", "ids", "weights")
 
     def __init__(self, capacity: int = 64, weights: CostWeights | None = None) -> None:
         self.fields = np.zeros((5, max(capacity, 1)))
         self.ids = np.zeros(self.fields.shape[1], dtype=np.uint64)
         self.weights = weights = weights or CostWeights()
         self._wq, self._wd, self._wc = weights.queued_prefill, weights.decode, weights.slot_wait
+        self._wk = weights.per_knee
 
     def set_load(self, slot: int, queued: int, running: int, slot_queue: int = 0) -> None:
         fields = self.fields
         fields[0, slot] = queued
         fields[1, slot] = running
         fields[4, slot] = slot_queue
-        fields[3, slot] = self._wq * queued + self._wd * running + self._wc * slot_queue
+        fields[3, slot] = (
+            self._wq * queued * (1.0 + queued * self._wk)
+            + self._wd * running
+            + self._wc * slot_queue
+        )
 
     def attach(self, view: WorkerView) -> None:
         """Keep ``view``'s cost fields here from now on (its slot's column is overwritten)."""
@@ -564,6 +601,7 @@ class CacheAware(Policy):
             w.decode,
             w.recent_prefill,
             w.slot_wait,
+            w.per_knee,
             self._per_backlog,
         )
         self._finite = all(map(math.isfinite, factors))
@@ -572,7 +610,7 @@ class CacheAware(Policy):
         self, query: RouteQuery, candidates: Sequence[WorkerView], matched: dict[int, int]
     ) -> list[float]:
         w = self.config.weights
-        wp, wq, wd, wc = w.prefill, w.queued_prefill, w.decode, w.slot_wait
+        wp, wq, wd, wc, wk = w.prefill, w.queued_prefill, w.decode, w.slot_wait, w.per_knee
         if self._per_backlog:
             floor = min(map(_queued, candidates))
             if floor > 0:  # every candidate has a backlog: a miss is fleet work
@@ -582,7 +620,7 @@ class CacheAware(Policy):
         full = wp * prompt
         if not matched:
             costs = [
-                wq * c.queued_prefill_tokens
+                wq * c.queued_prefill_tokens * (1.0 + c.queued_prefill_tokens * wk)
                 + wd * c.num_running
                 + wc * c.slot_queue
                 + wr * c.recent_prefill
@@ -596,7 +634,7 @@ class CacheAware(Policy):
             ws = self._spread_weight(query, matched)
             if ws:  # as select_set adds it: after the recent term, before the prefill term
                 costs = [
-                    wq * c.queued_prefill_tokens
+                    wq * c.queued_prefill_tokens * (1.0 + c.queued_prefill_tokens * wk)
                     + wd * c.num_running
                     + wc * c.slot_queue
                     + wr * c.recent_prefill
@@ -606,7 +644,7 @@ class CacheAware(Policy):
                 ]
             else:
                 costs = [
-                    wq * c.queued_prefill_tokens
+                    wq * c.queued_prefill_tokens * (1.0 + c.queued_prefill_tokens * wk)
                     + wd * c.num_running
                     + wc * c.slot_queue
                     + wr * c.recent_prefill
@@ -655,12 +693,15 @@ class CacheAware(Policy):
             floor = float(fields[0].min())
             if floor > 0:  # as costs(): every candidate has a backlog
                 wp *= 1.0 + floor * self._per_backlog
-        # per candidate, as costs() adds them: ((wq*q + wd*r + wc*s) + wr*recent) + prefill
+        # per candidate, as costs() adds them: ((wq*q*(1+q*wk) + wd*r + wc*s) + wr*recent)
+        # + prefill
         cost = fields[2] * (w.recent_prefill * query.recent_scale)
         if table.weights is w or table.weights == w:
             cost += fields[3]  # wq*q + wd*r + wc*s, kept by the table
         else:
             load = fields[0] * w.queued_prefill
+            if w.queued_knee:
+                load *= 1.0 + fields[0] * w.per_knee
             load += fields[1] * w.decode
             load += fields[4] * w.slot_wait
             cost += load

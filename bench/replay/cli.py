@@ -221,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--cost-weights",
-        metavar="PREFILL,QUEUED,DECODE[,RECENT[,SLOT_WAIT]]",
+        metavar="PREFILL,QUEUED,DECODE[,RECENT[,SLOT_WAIT[,KNEE]]]",
         help="cache_aware/approx_tree CostWeights (default: the router's)",
     )
     p.add_argument(

@@ -69,13 +69,15 @@ def test_cache_aware_costs_are_exact() -> None:
     ws[3].num_active = 2
     for w in ws:
         w.refresh()
-    policy = make_policy("cache_aware", PolicyConfig(CostWeights(1.0, 0.5, 10.0)))
+    # a knee of 1,024 queued tokens (a power of two: 1 / knee is exact)
+    weights = CostWeights(1.0, 0.5, 10.0, queued_knee=1024.0)
+    policy = make_policy("cache_aware", PolicyConfig(weights))
     matched = {0: 4, 1: 20, 3: 25}  # worker 3: more blocks than the prompt has
     costs = policy.costs(query(320), ws, matched)
     assert costs == [
         320 - 64,
-        0 + 0.5 * 100,
-        320 + 0.5 * 50 + 10.0 * 3,
+        0 + 0.5 * 100 * (1 + 100 / 1024),
+        320 + 0.5 * 50 * (1 + 50 / 1024) + 10.0 * 3,
         0 + 10.0 * 2,
     ]
     i, cost = policy.select(query(320), ws, matched, random.Random(0))
@@ -88,7 +90,7 @@ def test_backlog_factor_weighs_a_miss_more_only_when_every_worker_is_queued() ->
     ws[1].inflight_prefill_tokens = 10_000
     for w in ws:
         w.refresh()
-    weights = CostWeights(1.0, 0.25, 0.0, 0.0)
+    weights = CostWeights(1.0, 0.25, 0.0, 0.0, queued_knee=0.0)  # a linear queued term
     q, matched = query(8000), {0: 250}  # 4,000 of 8,000 tokens cached on w0
 
     def pick(backlog: float) -> tuple[list[float], int]:
@@ -138,12 +140,41 @@ def test_cost_weights_parse() -> None:
     assert CostWeights.parse("1,0.5,8") == CostWeights(1.0, 0.5, 8.0, CostWeights().recent_prefill)
     assert CostWeights.parse(" 2, 0, 4 ,0.3") == CostWeights(2.0, 0.0, 4.0, 0.3)
     assert CostWeights.parse("2,0,4,0.3,64") == CostWeights(2.0, 0.0, 4.0, 0.3, 64.0)
-    for bad in ("", "1,2", "1,2,3,4,5,6", "1,,3", "a,b,c"):
-        form = r"PREFILL,QUEUED,DECODE\[,RECENT\[,SLOT_WAIT\]\], got"
+    six = CostWeights.parse("2,0,4,0.3,64,8000")
+    assert six == CostWeights(2.0, 0.0, 4.0, 0.3, 64.0, 8000.0)
+    for bad in ("", "1,2", "1,2,3,4,5,6,7", "1,,3", "a,b,c"):
+        form = r"PREFILL,QUEUED,DECODE\[,RECENT\[,SLOT_WAIT\[,KNEE\]\]\], got"
         with pytest.raises(ValueError, match=form):
             CostWeights.parse(bad)
     with pytest.raises(ValueError, match=r"CostWeights\.prefill must be >= 0"):
         CostWeights.parse("-1,0,0")
+    with pytest.raises(ValueError, match=r"CostWeights\.queued_knee must be >= 0"):
+        CostWeights.parse("1,0.25,16,0.1,1024,-5")
+
+
+def test_queued_term_grows_past_its_knee_and_a_burst_leaves_the_holder_sooner() -> None:
+    ws = views(2)
+    q, held = query(3000), {0: 187}  # worker 0 holds 2,992 of the 3,000 tokens
+    linear = make_policy(
+        "cache_aware", PolicyConfig(CostWeights(1.0, 0.25, 0.0, 0.0, queued_knee=0.0))
+    )
+    kneed = make_policy(
+        "cache_aware", PolicyConfig(CostWeights(1.0, 0.25, 0.0, 0.0, queued_knee=4000.0))
+    )
+    ws[0].inflight_prefill_tokens = 4000  # a burst's requests queued on the holder
+    ws[0].refresh()
+    assert linear.costs(q, ws, held) == [0.25 * 4000 + 8, 3000]
+    assert kneed.costs(q, ws, held) == [0.25 * 4000 * 2 + 8, 3000]
+    ws[0].inflight_prefill_tokens = 8000
+    ws[0].refresh()
+    # linear: the holder keeps the burst until ~12,000 tokens queued; with the knee at 4,000
+    # it is already dearer than a cold worker at 8,000 (cost 0.25 * 8000 * 3 = 6000)
+    assert linear.select(q, ws, held, random.Random(0))[0] == 0
+    assert kneed.select(q, ws, held, random.Random(0))[0] == 1
+    # an empty queue costs nothing either way: a trickle stays where its prefix is
+    ws[0].inflight_prefill_tokens = 0
+    ws[0].refresh()
+    assert kneed.costs(q, ws, held) == linear.costs(q, ws, held) == [8, 3000]
 
 
 def test_recent_prefill_term_is_exact_and_scaled() -> None:

@@ -25,6 +25,8 @@ from router.policy import (
 # select_set leaves to select()
 weight = st.sampled_from([0.0, 0.1, 0.25, 1.0, 16.0, 1e6, math.inf])
 count = st.integers(0, 5) | st.integers(0, 10**6)
+# the queued term's knee: 0 and inf are linear; 5e-324 makes 1/knee inf (select()'s case)
+knee = st.sampled_from([0.0, 1.0, 3.0, 16_000.0, 5e-324, math.inf]) | st.floats(1e-3, 1e9)
 recent = st.sampled_from([0.0, 0.5, 3.0]) | st.floats(0, 1e12)
 
 
@@ -66,12 +68,12 @@ def fleets(draw, weights: CostWeights):
 
 
 def weights_of(w: CostWeights) -> tuple[float, ...]:
-    return (w.prefill, w.queued_prefill, w.decode, w.recent_prefill, w.slot_wait)
+    return (w.prefill, w.queued_prefill, w.decode, w.recent_prefill, w.slot_wait, w.queued_knee)
 
 
 @given(
     data=st.data(),
-    weights=st.builds(CostWeights, weight, weight, weight, weight, weight),
+    weights=st.builds(CostWeights, weight, weight, weight, weight, weight, knee),
     backlog=st.sampled_from([0.0, 1.0, 50_000.0]),
     spread=st.sampled_from([0.0, 1.0, 1000.0]),
     affinity=st.sampled_from([0.0, 1000.0, 1e-300]),
@@ -100,7 +102,7 @@ def test_select_set_equals_select(
 
 
 def test_table_follows_every_change_of_an_attached_view() -> None:
-    table = WorkerTable(capacity=1)
+    table = WorkerTable(capacity=1, weights=CostWeights(queued_knee=0.0))  # linear queued term
     a, b = WorkerView("a", 0), WorkerView("b", 5)
     for v in (a, b):
         table.attach(v)
@@ -131,6 +133,15 @@ def test_table_follows_every_change_of_an_attached_view() -> None:
     assert table.fields[:, 0].tolist() == [0.0, 0.0, 0.0, 0.0, 0.0]
     with pytest.raises(ValueError, match="max_running must be >= 0, got -1"):
         c.max_running = -1
+
+
+def test_table_keeps_the_queued_term_above_its_knee() -> None:
+    table = WorkerTable(weights=CostWeights(queued_knee=400.0))
+    v = WorkerView("a", 0)
+    table.attach(v)
+    v.inflight_prefill_tokens, v.num_active = 400, 1
+    v.refresh()  # 400 queued at a knee of 400: each queued token weighs twice 0.25
+    assert table.fields[:, 0].tolist() == [400.0, 1.0, 0.0, 0.25 * 400 * 2 + 16.0, 0.0]
 
 
 def test_a_subclass_with_its_own_cost_is_scored_by_it() -> None:
