@@ -9,6 +9,7 @@ would wait for there, in token equivalents::
 
     cost = w.prefill * b    * (prompt_tokens - cached prefix)     # work this request adds
          + w.queued_prefill * q * (1 + q / w.queued_knee)         # q: work queued there
+                                          # (no knee, the default: w.queued_prefill * q)
          + w.decode         * requests running on the worker      # decode slows each step
          + w.recent_prefill * recent work on the worker           # its share of the past
          + w.slot_wait      * requests it would queue behind for a running slot
@@ -24,7 +25,7 @@ Queued tokens weigh a quarter of a token by default (``CostWeights``): a worker 
 queued prefills (chunked prefill) and a request queued behind others with the same prefix
 reuses their KV, so a queue delays a request less than its own uncached tokens do. With
 0.25 a holder keeps a hot prefix until its queue is about four times the prefix it saves
-(less for a long prefix: the knee, below); at 1.0 even the second request of a burst with
+(less past a knee, below, if one is set); at 1.0 even the second request of a burst with
 a new prefix would already tie with a cold worker.
 
 The recent term is the balance between bursts. Below saturation queues are empty most of
@@ -43,20 +44,20 @@ long RAG prefills went there, each chunk waiting on that decode batch (support-a
 at 8 workers: TTFT p99 292.4 -> 291.9 ms, ahead of approx_tree on five workload seeds where
 it had been behind on four; prefill imbalance 1.01 -> 1.08).
 
-The queued term grows faster than the queue past a knee (``queued_knee``, 32,000 tokens
-by default; 0 makes it linear): ``queued_prefill * q * (1 + q / queued_knee)``. A burst on a
+The queued term can grow faster than the queue past a knee (``queued_knee``; 0, the
+default, keeps it linear): ``queued_prefill * q * (1 + q / queued_knee)``. A burst on a
 cold prefix queues up on the first worker to compute the prefix; with a linear term each
 queued token costs the same, so that worker kept a burst of 32 until its queue was four
 times the prefix and two workers took all of it (22/10) while the rest of a 16-worker fleet
 idled. Past the knee the next request's share of the queue counts more, so the burst spills
 to more workers once the holder's queue is long, while a short queue (the second request of
-a burst, a trickle) costs what it did. Chosen on training seeds (cold-bursts 200-204,
-zipf-tenants 100-104, support-agent 1020-1022, one router, ``--strict``): 16,000 cut
-cold-bursts' TTFT p99 at 8 and 16 workers by 7-12% for 0.5-0.8 points of hit rate, 32,000
-by 2-8% for 0.1-0.3 points. Held out (BENCHMARKS.md, "A queued term with a knee"):
-cold-bursts' TTFT p99 233-319 -> 217-299 ms at 8 workers, 226-306 -> 214-283 ms at 16, for
-at most 0.3 points of hit rate; zipf-tenants within noise; support-agent at 4 workers
-0.2-0.6 points and TTFT p99 -2..+10%.
+a burst, a trickle) costs what it did. Opt-in (the sixth ``--cost-weights`` number), for
+fleets of short prompts in bursts: at 32,000 (chosen on cold-bursts 200-204, zipf-tenants
+100-104, support-agent 1020-1022) held-out cold-bursts' TTFT p99 fell from 233-319 to
+217-299 ms at 8 workers and from 226-306 to 214-283 at 16, for at most 0.4 points of hit
+rate. Not the default because of the Mooncake trace, whose prompts and queues are long:
+there every knee tried (32,000 to 128,000) lost hit rate, 32,000 about 2 points at 4 and 8
+workers with TTFT p50 +23..+81% (BENCHMARKS.md, "A queued term with a knee").
 
 The slot-wait term prices a worker at its engine's running cap (``max_running_requests``,
 which the worker states in GetLoad). Past the cap a request waits, with no prefill queued
@@ -149,7 +150,7 @@ __all__ = [
 
 
 SLOT_WAIT_TOKENS = 1024.0  # CostWeights.slot_wait's default; BENCHMARKS.md, "The slot wait"
-QUEUED_KNEE_TOKENS = 32_000.0  # CostWeights.queued_knee's default; BENCHMARKS.md, "knee"
+QUEUED_KNEE_TOKENS = 0.0  # CostWeights.queued_knee's default (linear); BENCHMARKS.md, "knee"
 
 
 @dataclass(frozen=True, slots=True)
