@@ -698,7 +698,7 @@ class CacheAware(Policy):
         # + prefill
         cost = fields[2] * (w.recent_prefill * query.recent_scale)
         if table.weights is w or table.weights == w:
-            cost += fields[3]  # wq*q + wd*r + wc*s, kept by the table
+            cost += fields[3]  # wq*q*(1+q*wk) + wd*r + wc*s, kept by the table
         else:
             load = fields[0] * w.queued_prefill
             if w.queued_knee:
