@@ -8,8 +8,8 @@ The default, ``cache_aware``, estimates for each candidate the prefill work the 
 would wait for there, in token equivalents::
 
     cost = w.prefill * b    * (prompt_tokens - cached prefix)     # work this request adds
-         + w.queued_prefill * q * (1 + q / w.queued_knee)         # q: work queued there
-                                          # (no knee, the default: w.queued_prefill * q)
+         + w.queued_prefill * q * (1 + q / (w.queued_knee * prompt_tokens))
+                                          # q: work queued there (no knee: w.queued_prefill * q)
          + w.decode         * requests running on the worker      # decode slows each step
          + w.recent_prefill * recent work on the worker           # its share of the past
          + w.slot_wait      * requests it would queue behind for a running slot
@@ -44,20 +44,18 @@ long RAG prefills went there, each chunk waiting on that decode batch (support-a
 at 8 workers: TTFT p99 292.4 -> 291.9 ms, ahead of approx_tree on five workload seeds where
 it had been behind on four; prefill imbalance 1.01 -> 1.08).
 
-The queued term can grow faster than the queue past a knee (``queued_knee``; 0, the
-default, keeps it linear): ``queued_prefill * q * (1 + q / queued_knee)``. A burst on a
-cold prefix queues up on the first worker to compute the prefix; with a linear term each
-queued token costs the same, so that worker kept a burst of 32 until its queue was four
-times the prefix and two workers took all of it (22/10) while the rest of a 16-worker fleet
-idled. Past the knee the next request's share of the queue counts more, so the burst spills
-to more workers once the holder's queue is long, while a short queue (the second request of
-a burst, a trickle) costs what it did. Opt-in (the sixth ``--cost-weights`` number), for
-fleets of short prompts in bursts: at 32,000 (chosen on cold-bursts 200-204, zipf-tenants
-100-104, support-agent 1020-1022) held-out cold-bursts' TTFT p99 fell from 233-319 to
-217-299 ms at 8 workers and from 226-306 to 214-283 at 16, for at most 0.4 points of hit
-rate. Not the default because of the Mooncake trace, whose prompts and queues are long:
-there every knee tried (32,000 to 128,000) lost hit rate, 32,000 about 2 points at 4 and 8
-workers with TTFT p50 +23..+81% (BENCHMARKS.md, "A queued term with a knee").
+The queued term can grow faster than the queue past a knee (``queued_knee``, counted in
+prompts like the one being routed; 0, the default, keeps the term linear):
+``queued_prefill * q * (1 + q / (queued_knee * prompt_tokens))``. A burst on a cold prefix
+queues up on the first worker to compute the prefix; with a linear term each queued token
+costs the same, so that worker kept a burst of 32 until its queue was four times the prefix
+and two workers took all of it (22/10) while the rest of a 16-worker fleet idled. Past the
+knee the next request's share of the queue counts more, so the burst spills to more
+workers once the holder holds many requests like it, while a short queue (a burst's second
+request, a trickle) costs what it did. The knee is counted in prompts, not tokens: a knee of
+32,000 tokens helped bursts of 2,300-token prompts as much, but cost the Mooncake trace
+(prompts of 15,000 tokens on average, queues to match) 2 points of hit rate, where 14
+prompts cost it 0.2 (BENCHMARKS.md, "A queued term with a knee").
 
 The slot-wait term prices a worker at its engine's running cap (``max_running_requests``,
 which the worker states in GetLoad). Past the cap a request waits, with no prefill queued
@@ -150,7 +148,8 @@ __all__ = [
 
 
 SLOT_WAIT_TOKENS = 1024.0  # CostWeights.slot_wait's default; BENCHMARKS.md, "The slot wait"
-QUEUED_KNEE_TOKENS = 0.0  # CostWeights.queued_knee's default (linear); BENCHMARKS.md, "knee"
+QUEUED_KNEE_PROMPTS = 0.0  # CostWeights.queued_knee's default (linear); BENCHMARKS.md, "knee"
+MIN_QUEUED_KNEE = 1e-3  # a knee below a thousandth of a prompt means nothing (and overflows)
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,8 +164,9 @@ class CostWeights:
                  + slot_wait * requests ahead of it for a running slot past the
                                worker's max_running_requests (0 if it states none)
 
-    where the queued term is ``queued_prefill * q * (1 + q / queued_knee)`` for ``q``
-    queued tokens (linear when ``queued_knee`` is 0; the module docstring says why).
+    where the queued term is ``queued_prefill * q * (1 + q / (queued_knee * prompt))`` for
+    ``q`` queued tokens and a request of ``prompt`` tokens: the knee is counted in prompts
+    like the one routed (linear when ``queued_knee`` is 0; the module docstring says why).
 
     Defaults chosen by trace replay (BENCHMARKS.md): a queued token weighs a quarter of a
     token to prefill here, because a miss costs more than this request's wait -- it spends
@@ -183,7 +183,7 @@ class CostWeights:
     decode: float = 16.0
     recent_prefill: float = 0.1
     slot_wait: float = SLOT_WAIT_TOKENS
-    queued_knee: float = QUEUED_KNEE_TOKENS
+    queued_knee: float = QUEUED_KNEE_PROMPTS
 
     def __post_init__(self) -> None:
         for name in (
@@ -196,11 +196,18 @@ class CostWeights:
         ):
             if not getattr(self, name) >= 0:  # NaN too
                 raise ValueError(f"CostWeights.{name} must be >= 0, got {getattr(self, name)}")
+        knee = self.queued_knee
+        if knee and not MIN_QUEUED_KNEE <= knee < math.inf:
+            raise ValueError(
+                f"CostWeights.queued_knee must be 0 (off) or a finite number of prompts >= "
+                f"{MIN_QUEUED_KNEE:g}, got {knee}"
+            )
 
-    @property
-    def per_knee(self) -> float:
-        """``1 / queued_knee``, 0 when the queued term is linear (``queued_knee`` 0)."""
-        return 1.0 / self.queued_knee if self.queued_knee else 0.0
+    def per_knee(self, prompt_tokens: int) -> float:
+        """``1 / (queued_knee * prompt_tokens)`` (a prompt of at least one token), the
+        queued term's knee for one request; 0 when the term is linear (``queued_knee`` 0)."""
+        knee = self.queued_knee
+        return 1.0 / (knee * max(prompt_tokens, 1)) if knee else 0.0
 
     @classmethod
     def parse(cls, text: str) -> CostWeights:
@@ -398,29 +405,24 @@ class WorkerTable:
     rows 0, 1, 2 and 4 hold each slot's ``queued_prefill_tokens``, ``num_running``,
     ``recent_prefill`` and ``slot_queue`` as float64 (the values the cost's float arithmetic
     converts them to), row 3 the cost's load part under ``weights``, ``queued_prefill *
-    queued * (1 + queued / queued_knee) + decode * running + slot_wait * slot_queue``,
-    computed in Python as :meth:`CacheAware.costs` computes it; kept current by the views
-    themselves. ``ids``: each slot's ``WorkerView.id_hash``."""
+    queued + decode * running + slot_wait * slot_queue`` (the knee, which depends on the
+    request, is added per route), computed in Python as :meth:`CacheAware.costs` computes
+    it; kept current by the views themselves. ``ids``: each slot's ``WorkerView.id_hash``."""
 
-    __slots__ = ("_wc", "_wd", "_wk", "_wq", "fields", "ids", "weights")
+    __slots__ = ("_wc", "_wd", "_wq", "fields", "ids", "weights")
 
     def __init__(self, capacity: int = 64, weights: CostWeights | None = None) -> None:
         self.fields = np.zeros((5, max(capacity, 1)))
         self.ids = np.zeros(self.fields.shape[1], dtype=np.uint64)
         self.weights = weights = weights or CostWeights()
         self._wq, self._wd, self._wc = weights.queued_prefill, weights.decode, weights.slot_wait
-        self._wk = weights.per_knee
 
     def set_load(self, slot: int, queued: int, running: int, slot_queue: int = 0) -> None:
         fields = self.fields
         fields[0, slot] = queued
         fields[1, slot] = running
         fields[4, slot] = slot_queue
-        fields[3, slot] = (
-            self._wq * queued * (1.0 + queued * self._wk)
-            + self._wd * running
-            + self._wc * slot_queue
-        )
+        fields[3, slot] = self._wq * queued + self._wd * running + self._wc * slot_queue
 
     def attach(self, view: WorkerView) -> None:
         """Keep ``view``'s cost fields here from now on (its slot's column is overwritten)."""
@@ -602,7 +604,6 @@ class CacheAware(Policy):
             w.decode,
             w.recent_prefill,
             w.slot_wait,
-            w.per_knee,
             self._per_backlog,
         )
         self._finite = all(map(math.isfinite, factors))
@@ -611,7 +612,7 @@ class CacheAware(Policy):
         self, query: RouteQuery, candidates: Sequence[WorkerView], matched: dict[int, int]
     ) -> list[float]:
         w = self.config.weights
-        wp, wq, wd, wc, wk = w.prefill, w.queued_prefill, w.decode, w.slot_wait, w.per_knee
+        wp, wq, wd, wc = w.prefill, w.queued_prefill, w.decode, w.slot_wait
         if self._per_backlog:
             floor = min(map(_queued, candidates))
             if floor > 0:  # every candidate has a backlog: a miss is fleet work
@@ -621,7 +622,7 @@ class CacheAware(Policy):
         full = wp * prompt
         if not matched:
             costs = [
-                wq * c.queued_prefill_tokens * (1.0 + c.queued_prefill_tokens * wk)
+                wq * c.queued_prefill_tokens
                 + wd * c.num_running
                 + wc * c.slot_queue
                 + wr * c.recent_prefill
@@ -635,7 +636,7 @@ class CacheAware(Policy):
             ws = self._spread_weight(query, matched)
             if ws:  # as select_set adds it: after the recent term, before the prefill term
                 costs = [
-                    wq * c.queued_prefill_tokens * (1.0 + c.queued_prefill_tokens * wk)
+                    wq * c.queued_prefill_tokens
                     + wd * c.num_running
                     + wc * c.slot_queue
                     + wr * c.recent_prefill
@@ -645,13 +646,19 @@ class CacheAware(Policy):
                 ]
             else:
                 costs = [
-                    wq * c.queued_prefill_tokens * (1.0 + c.queued_prefill_tokens * wk)
+                    wq * c.queued_prefill_tokens
                     + wd * c.num_running
                     + wc * c.slot_queue
                     + wr * c.recent_prefill
                     + get(c.slot, full)
                     for c in candidates
                 ]
+        wk = w.per_knee(prompt)
+        if wk:  # the knee's part of the queued term, after the prefill term, as select_set
+            costs = [
+                x + wq * c.queued_prefill_tokens * (c.queued_prefill_tokens * wk)
+                for x, c in zip(costs, candidates, strict=True)
+            ]
         if self.config.affinity_tokens:  # last, as select_set adds it
             depths = np.array([matched.get(c.slot, 0) for c in candidates], dtype=np.intp)
             ids = np.array([c.id_hash for c in candidates], dtype=np.uint64)
@@ -694,15 +701,13 @@ class CacheAware(Policy):
             floor = float(fields[0].min())
             if floor > 0:  # as costs(): every candidate has a backlog
                 wp *= 1.0 + floor * self._per_backlog
-        # per candidate, as costs() adds them: ((wq*q*(1+q*wk) + wd*r + wc*s) + wr*recent)
-        # + prefill
+        # per candidate, as costs() adds them: ((wq*q + wd*r + wc*s) + wr*recent) + prefill,
+        # then the knee and the affinity term
         cost = fields[2] * (w.recent_prefill * query.recent_scale)
         if table.weights is w or table.weights == w:
-            cost += fields[3]  # wq*q*(1+q*wk) + wd*r + wc*s, kept by the table
+            cost += fields[3]  # wq*q + wd*r + wc*s, kept by the table
         else:
             load = fields[0] * w.queued_prefill
-            if w.queued_knee:
-                load *= 1.0 + fields[0] * w.per_knee
             load += fields[1] * w.decode
             load += fields[4] * w.slot_wait
             cost += load
@@ -735,6 +740,11 @@ class CacheAware(Policy):
                 if depths is not None:
                     found = np.fromiter(matched.values(), dtype=np.intp, count=len(matched))
                     depths[pos] = found[keep]
+        wk = w.per_knee(prompt)
+        if wk:  # the knee's part of the queued term, after the prefill term, as costs()
+            knee = fields[0] * w.queued_prefill
+            knee *= fields[0] * wk
+            total += knee
         if depths is not None:
             extra = affinity_terms(
                 query.block_hashes, depths, table.ids[candidates.columns], affinity

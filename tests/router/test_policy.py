@@ -69,17 +69,20 @@ def test_cache_aware_costs_are_exact() -> None:
     ws[3].num_active = 2
     for w in ws:
         w.refresh()
-    # a knee of 1,024 queued tokens (a power of two: 1 / knee is exact)
-    weights = CostWeights(1.0, 0.5, 10.0, queued_knee=1024.0)
+    # a knee of 3.2 prompts of 320 tokens: 1,024 queued tokens
+    weights = CostWeights(1.0, 0.5, 10.0, queued_knee=3.2)
     policy = make_policy("cache_aware", PolicyConfig(weights))
     matched = {0: 4, 1: 20, 3: 25}  # worker 3: more blocks than the prompt has
     costs = policy.costs(query(320), ws, matched)
-    assert costs == [
-        320 - 64,
-        0 + 0.5 * 100 * (1 + 100 / 1024),
-        320 + 0.5 * 50 * (1 + 50 / 1024) + 10.0 * 3,
-        0 + 10.0 * 2,
-    ]
+    assert costs == pytest.approx(
+        [
+            320 - 64,
+            0 + 0.5 * 100 * (1 + 100 / 1024),
+            320 + 0.5 * 50 * (1 + 50 / 1024) + 10.0 * 3,
+            0 + 10.0 * 2,
+        ],
+        rel=1e-15,
+    )
     i, cost = policy.select(query(320), ws, matched, random.Random(0))
     assert (i, cost) == (3, 20.0)
 
@@ -150,6 +153,9 @@ def test_cost_weights_parse() -> None:
         CostWeights.parse("-1,0,0")
     with pytest.raises(ValueError, match=r"CostWeights\.queued_knee must be >= 0"):
         CostWeights.parse("1,0.25,16,0.1,1024,-5")
+    for bad in ("0.0001", "inf"):
+        with pytest.raises(ValueError, match=r"queued_knee must be 0 \(off\) or a finite"):
+            CostWeights.parse(f"1,0.25,16,0.1,1024,{bad}")
 
 
 def test_queued_term_grows_past_its_knee_and_a_burst_leaves_the_holder_sooner() -> None:
@@ -158,17 +164,18 @@ def test_queued_term_grows_past_its_knee_and_a_burst_leaves_the_holder_sooner() 
     linear = make_policy(
         "cache_aware", PolicyConfig(CostWeights(1.0, 0.25, 0.0, 0.0, queued_knee=0.0))
     )
+    # a knee of two prompts: 6,000 queued tokens for this 3,000-token request
     kneed = make_policy(
-        "cache_aware", PolicyConfig(CostWeights(1.0, 0.25, 0.0, 0.0, queued_knee=4000.0))
+        "cache_aware", PolicyConfig(CostWeights(1.0, 0.25, 0.0, 0.0, queued_knee=2.0))
     )
-    ws[0].inflight_prefill_tokens = 4000  # a burst's requests queued on the holder
+    ws[0].inflight_prefill_tokens = 6000  # a burst's requests queued on the holder
     ws[0].refresh()
-    assert linear.costs(q, ws, held) == [0.25 * 4000 + 8, 3000]
-    assert kneed.costs(q, ws, held) == [0.25 * 4000 * 2 + 8, 3000]
+    assert linear.costs(q, ws, held) == [0.25 * 6000 + 8, 3000]
+    assert kneed.costs(q, ws, held) == [0.25 * 6000 * 2 + 8, 3000]
     ws[0].inflight_prefill_tokens = 8000
     ws[0].refresh()
-    # linear: the holder keeps the burst until ~12,000 tokens queued; with the knee at 4,000
-    # it is already dearer than a cold worker at 8,000 (cost 0.25 * 8000 * 3 = 6000)
+    # linear: the holder keeps the burst until ~12,000 tokens queued; with the knee it is
+    # already dearer than a cold worker at 8,000 (cost 0.25 * 8000 * (1 + 8000 / 6000) + 8)
     assert linear.select(q, ws, held, random.Random(0))[0] == 0
     assert kneed.select(q, ws, held, random.Random(0))[0] == 1
     # an empty queue costs nothing either way: a trickle stays where its prefix is

@@ -25,8 +25,8 @@ from router.policy import (
 # select_set leaves to select()
 weight = st.sampled_from([0.0, 0.1, 0.25, 1.0, 16.0, 1e6, math.inf])
 count = st.integers(0, 5) | st.integers(0, 10**6)
-# the queued term's knee: 0 and inf are linear; 5e-324 makes 1/knee inf (select()'s case)
-knee = st.sampled_from([0.0, 1.0, 3.0, 16_000.0, 5e-324, math.inf]) | st.floats(1e-3, 1e9)
+# the queued term's knee, in prompts: 0 is linear; the smallest allowed makes q * q count most
+knee = st.sampled_from([0.0, 1e-3, 0.5, 14.0, 1e6]) | st.floats(1e-3, 1e9)
 recent = st.sampled_from([0.0, 0.5, 3.0]) | st.floats(0, 1e12)
 
 
@@ -135,13 +135,18 @@ def test_table_follows_every_change_of_an_attached_view() -> None:
         c.max_running = -1
 
 
-def test_table_keeps_the_queued_term_above_its_knee() -> None:
-    table = WorkerTable(weights=CostWeights(queued_knee=400.0))
+def test_table_keeps_the_linear_load_part_and_the_knee_is_added_per_route() -> None:
+    weights = CostWeights(1.0, 0.25, 16.0, 0.0, queued_knee=2.0)
+    table = WorkerTable(weights=weights)
     v = WorkerView("a", 0)
     table.attach(v)
-    v.inflight_prefill_tokens, v.num_active = 400, 1
-    v.refresh()  # 400 queued at a knee of 400: each queued token weighs twice 0.25
-    assert table.fields[:, 0].tolist() == [400.0, 1.0, 0.0, 0.25 * 400 * 2 + 16.0, 0.0]
+    v.inflight_prefill_tokens, v.num_active = 512, 1
+    v.refresh()  # the knee depends on the request: not in the table
+    assert table.fields[:, 0].tolist() == [512.0, 1.0, 0.0, 0.25 * 512 + 16.0, 0.0]
+    policy = make_policy("cache_aware", PolicyConfig(weights, backlog_tokens=0))
+    query = RouteQuery("r", 256, 16, [])  # knee: 2 prompts of 256 tokens, 512 queued
+    _, cost = policy.select_set(query, CandidateSet.of([v], table), {}, random.Random(0))
+    assert cost == 0.25 * 512 * 2 + 16.0 + 256
 
 
 def test_a_subclass_with_its_own_cost_is_scored_by_it() -> None:
