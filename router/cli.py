@@ -128,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--cost-weights",
         metavar="PREFILL,QUEUED,DECODE[,RECENT[,SLOT_WAIT[,KNEE]]]",
         default=None,
-        help=f"cache_aware/approx_tree cost weights (default {_default_weights()})",
+        help=f"cache_aware/approx_tree cost weights (default {_default_weights()}; KNEE: "
+        "the queued term's knee in prompts like the one routed, 0 makes it linear)",
     )
     p.add_argument(
         "--recent-window-s",
