@@ -34,7 +34,7 @@ from router.core_types import (
     DEFAULT_REPLICA_COLD_WINDOW_PICKS,
     INITIAL_REPLICA_SYNC_WINDOW_S,
 )
-from router.policy import DEFAULT_BACKLOG_TOKENS, CostWeights, policy_names
+from router.policy import COST_WEIGHTS_FORM, DEFAULT_BACKLOG_TOKENS, CostWeights, policy_names
 from router.security_flags import add_router_security_args, apply_router_security
 from router.service.frontend import DEFAULT_MODEL_NAME, FrontendConfig
 from router.service.resilience import EjectionConfig
@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", default="cache_aware", choices=POLICIES, help="routing policy")
     p.add_argument(
         "--cost-weights",
-        metavar="PREFILL,QUEUED,DECODE[,RECENT[,SLOT_WAIT[,KNEE]]]",
+        metavar=COST_WEIGHTS_FORM,
         default=None,
         help=f"cache_aware/approx_tree cost weights (default {_default_weights()}; KNEE: "
         "the queued term's knee in prompts like the one routed, 0 makes it linear)",

@@ -134,6 +134,7 @@ from kvroute_proto.events import LoadReport
 
 __all__ = [
     "ALIASES",
+    "COST_WEIGHTS_FORM",
     "DEFAULT_BACKLOG_TOKENS",
     "POLICIES",
     "SLOT_WAIT_TOKENS",
@@ -153,6 +154,8 @@ __all__ = [
 
 SLOT_WAIT_TOKENS = 1024.0  # CostWeights.slot_wait's default; BENCHMARKS.md, "The slot wait"
 QUEUED_KNEE_PROMPTS = 14.0  # CostWeights.queued_knee's default; BENCHMARKS.md, "knee"
+# the --cost-weights option's form (CostWeights.parse), shown by every command that takes it
+COST_WEIGHTS_FORM = "PREFILL,QUEUED,DECODE[,RECENT[,SLOT_WAIT[,KNEE]]]"
 MIN_QUEUED_KNEE = 1e-3  # a knee below a thousandth of a prompt means nothing (and overflows)
 
 
@@ -215,9 +218,9 @@ class CostWeights:
 
     @classmethod
     def parse(cls, text: str) -> CostWeights:
-        """``"PREFILL,QUEUED,DECODE[,RECENT[,SLOT_WAIT[,KNEE]]]"``, the form of the
-        ``--cost-weights`` option of ``kvroute router`` and ``kvroute replay`` (missing ones
-        keep their defaults); ValueError naming the option and the expected form otherwise."""
+        """``COST_WEIGHTS_FORM``, the form of the ``--cost-weights`` option of ``kvroute
+        router`` and ``kvroute replay`` (missing ones keep their defaults); ValueError naming
+        the option and the expected form otherwise."""
         parts = text.split(",")
         try:
             if not 3 <= len(parts) <= 6:
@@ -226,7 +229,7 @@ class CostWeights:
         except ValueError:
             raise ValueError(
                 "--cost-weights: cost weights must be three to six numbers "
-                f"PREFILL,QUEUED,DECODE[,RECENT[,SLOT_WAIT[,KNEE]]], got {text!r}"
+                f"{COST_WEIGHTS_FORM}, got {text!r}"
             ) from None
         return cls(*values)
 

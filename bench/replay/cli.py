@@ -47,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         DEFAULT_REPLICA_COLD_PICKS,
         DEFAULT_REPLICA_COLD_WINDOW_PICKS,
     )
+    from router.policy import COST_WEIGHTS_FORM
 
     p = argparse.ArgumentParser(
         prog="kvroute replay",
@@ -221,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--cost-weights",
-        metavar="PREFILL,QUEUED,DECODE[,RECENT[,SLOT_WAIT[,KNEE]]]",
+        metavar=COST_WEIGHTS_FORM,
         help="cache_aware/approx_tree CostWeights (default: the router's)",
     )
     p.add_argument(
