@@ -660,10 +660,10 @@ class CacheAware(Policy):
                     + get(c.slot, full)
                     for c in candidates
                 ]
-        wk = w.per_knee(prompt)
-        if wk:  # the knee's part of the queued term, after the prefill term, as select_set
+        wqk = wq * w.per_knee(prompt)
+        if wqk:  # the knee's part of the queued term, q * (q * wq / knee): as select_set
             costs = [
-                x + wq * c.queued_prefill_tokens * (c.queued_prefill_tokens * wk)
+                x + c.queued_prefill_tokens * (c.queued_prefill_tokens * wqk)
                 for x, c in zip(costs, candidates, strict=True)
             ]
         if self.config.affinity_tokens:  # last, as select_set adds it
@@ -747,11 +747,9 @@ class CacheAware(Policy):
                 if depths is not None:
                     found = np.fromiter(matched.values(), dtype=np.intp, count=len(matched))
                     depths[pos] = found[keep]
-        wk = w.per_knee(prompt)
-        if wk:  # the knee's part of the queued term, after the prefill term, as costs()
-            knee = fields[0] * w.queued_prefill
-            knee *= fields[0] * wk
-            total += knee
+        wqk = w.queued_prefill * w.per_knee(prompt)
+        if wqk:  # the knee's part of the queued term, after the prefill term, as costs()
+            total += fields[0] * (fields[0] * wqk)
         if depths is not None:
             extra = affinity_terms(
                 query.block_hashes, depths, table.ids[candidates.columns], affinity
