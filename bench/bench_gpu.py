@@ -24,8 +24,9 @@ backend's, side by side in the printed table.
 
 ``--cuda-graphs`` adds, after each paged option, its decode steps with CUDA graphs
 (``TorchExecutor(cuda_graphs=True)``: a decode step is one graph replay per batch/context
-bucket) as the column ``<option>+graphs``; only the decode steps and the parity run are
-measured for it (its prefill is the option's own). Off CUDA (``--smoke`` on the CPU) that
+bucket; a lone prefill of at most 512 new tokens likewise) as the column ``<option>+graphs``;
+only the decode steps, the cached-prefill step and the parity run are measured for it (its
+cold prefills are the option's own). Off CUDA (``--smoke`` on the CPU) that
 column runs the same padded static-shape decode path eagerly (``static_decode``): it checks
 the script, not the speed. ``decode_path`` in the JSON says which ran.
 
@@ -338,8 +339,8 @@ def run_steps(
     """Cold prefill, cached prefill and decode steps on the executors' shared pool, each
     step timed for every executor in turn (``targets``: attach issue 14's targets, which
     are for the full-size model only). Measurements step by step, executors in order.
-    A ``+graphs`` executor differs from its option only in decode steps, so it is timed in
-    those only."""
+    A ``+graphs`` executor differs from its option only in decode steps and a lone short
+    prefill (the cached-prefill step), so it is timed in those only."""
     first = next(iter(executors.values()))
     rng = np.random.default_rng(seed)
     vocab = first.vocab_size
@@ -355,8 +356,12 @@ def run_steps(
         rate_tokens: int,
     ) -> None:
         timed = executors
-        if prefill:
-            timed = {k: ex for k, ex in executors.items() if not is_graph_variant(k)}
+        if prefill:  # a graph column differs only where its executor runs a static path
+            timed = {
+                k: ex
+                for k, ex in executors.items()
+                if not is_graph_variant(k) or ex.takes_static_path(prefill, decode)
+            }
         by_name = time_alternating(timed, prefill, decode, sizes.repeats)
         for attention, times in by_name.items():
             m = _measure(
@@ -542,6 +547,11 @@ def run(
         "fused_impl": {name: ex.fused_impl for name, ex in executors.items()},
         "decode_path": decode_path,
         "graph_buckets": {k: [list(key) for key in v] for k, v in graphs.items()},
+        "prefill_graph_buckets": {
+            label: sorted(list(key) for key in ex.prefill_graphs.buckets)
+            for label, ex in executors.items()
+            if ex.prefill_graphs is not None
+        },
         "steps": by_attention[attention[0]],
         "steps_by_attention": by_attention,
         "decode_context": sizes.decode_context,

@@ -29,7 +29,8 @@ def test_smoke_with_fused_columns(tmp_path: Path, capsys: pytest.CaptureFixture)
     assert result["decode_path"]["paged+graphs+fused"] == "static-eager"
     names = {label: [m["name"] for m in result["steps_by_attention"][label]] for label in labels}
     assert names["paged+fused"] == names["paged"]  # prefill and decode steps
-    assert names["paged+graphs+fused"] == ["decode_b1", "decode_b4"]  # decode only
+    assert names["paged+graphs+fused"] == names["paged+graphs"]  # static paths only
+    assert "decode_b1" in names["paged+graphs"] and "prefill_cold_256" in names["paged+graphs"]
     for label in labels:
         parity = result["parity_by_attention"][label]
         assert parity["equal"] and parity["cached_prompt_tokens"] == parity["prompt_tokens"] - 1

@@ -23,9 +23,19 @@ def test_smoke_with_cuda_graphs_column(tmp_path: Path, capsys: pytest.CaptureFix
         "paged+graphs": "static-eager",  # no CUDA: the same padded path, not captured
     }
     assert result["attention_impl"]["paged+graphs"] == "torch"
-    # Only decode steps are timed for the graph column (its prefill is paged's own).
+    # The graph column is timed where its executor runs a static path: decode steps, and a
+    # lone prefill of at most 512 tokens -- in smoke sizes every prefill step (at full size
+    # only the cached one: cold 2,048 and 8,064 are the paged column's own).
     graph_steps = result["steps_by_attention"]["paged+graphs"]
-    assert [m["name"] for m in graph_steps] == ["decode_b1", "decode_b4"]
+    assert [m["name"] for m in graph_steps] == [
+        "prefill_cold_64",
+        "prefill_cold_256",
+        "prefill_cached_16_after_192",
+        "decode_b1",
+        "decode_b4",
+    ]
+    # cold 64; the cached step's 16 new; cold 256 and the parity run's 200-token prompt
+    assert result["prefill_graph_buckets"]["paged+graphs"] == [[16, 256], [64, 256], [256, 256]]
     assert all(m["attention"] == "paged+graphs" and m["median_s"] > 0 for m in graph_steps)
     # decode_b1 and decode_b4 at 128 tokens of context, plus the parity run's batch of 1.
     assert result["graph_buckets"] == {"paged+graphs": [[1, 256], [4, 256]]}

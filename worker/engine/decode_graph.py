@@ -32,8 +32,11 @@ import torch
 from worker.engine import paged_attention
 from worker.engine.kv_pool import KVPool
 from worker.engine.model import DecodeGroup, LlamaForCausalLM, PagedBatch
+from worker.engine.paged_attention import PREFILL_BLOCK_M, PrefillPlan
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+# New-token buckets of a lone prefill step run static (PrefillGraphRunner).
+DEFAULT_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
 DEFAULT_MIN_CONTEXT_BUCKET = 256
 # Eager passes on a side stream before a capture (Triton compiles, cuBLAS sets up).
 WARMUP_PASSES = 2
@@ -291,4 +294,206 @@ class DecodeGraphRunner:
         assert self._capturer is not None
         empty = np.empty(0, dtype=np.int64)
         self._load(bucket, empty, empty, [])
+        bucket.graph, bucket.logits = self._capturer.capture(lambda: self._forward(bucket))
+
+
+# ---- a lone short prefill --------------------------------------------------------------
+
+
+@dataclass(eq=False, slots=True)
+class PrefillBucket:
+    """One (tokens, width) bucket of a lone prefill: input buffers, static output, graph.
+
+    ``host`` / ``device_buf`` (int64): token ids [T], positions [T], write slots [T], the
+    item's slot table [W], then [0, n, start, start + n, n - 1] (the plan's cu_q, start_pos,
+    ctx_lens, and the row whose logits come out)."""
+
+    tokens: int
+    width: int
+    num_splits: int
+    host: torch.Tensor
+    device_buf: torch.Tensor
+    block_item: torch.Tensor  # int32 [T / BLOCK_M]: all 0 (one item)
+    block_row: torch.Tensor  # int32: 0, BLOCK_M, ...
+    logits: torch.Tensor | None = None  # float32 [1, vocab]
+    graph: Graph | None = None
+    steps: int = 0
+
+
+class PrefillGraphRunner:
+    """Runs a step that is one prefill item alone (no decode rows) of at most the largest
+    token bucket, in static-shape buckets (T new tokens, W context), as graph replays.
+
+    Such a step is what a cache hit on an idle worker costs -- a few new tokens after a
+    long cached prefix -- and run eagerly it is bound by the host's kernel launches (about
+    six Python-side launches per layer), not by the GPU. Rows n .. T-1 are padding: token 0
+    at position 0, writing the pool's scratch slot; the attention kernel reads the item's
+    true length from the device buffers, so they attend to nothing real and no real row
+    reads them. The paged prefill kernel's launch is fixed per bucket (T / 64 query blocks,
+    key splits sized for W)."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        pool: KVPool,
+        device: torch.device,
+        impl: str,
+        *,
+        capture: bool,
+        sm_count: int = 132,
+        token_buckets: Sequence[int] = DEFAULT_PREFILL_BUCKETS,
+        min_context_bucket: int = DEFAULT_MIN_CONTEXT_BUCKET,
+        capturer: Capturer | None = None,
+        fused: str = "off",
+    ) -> None:
+        """As DecodeGraphRunner; CUDA graphs need the Triton kernels (the torch reference
+        builds host-side index tensors per call, which a capture cannot hold)."""
+        if pool.scratch_slot is None:
+            raise ValueError(
+                "kv_pool: static prefill needs a pool with a scratch slot for its padding rows"
+            )
+        if impl not in ("torch", "triton"):
+            raise ValueError(f"static prefill runs paged attention, got {impl!r}")
+        if capture and impl != "triton" and device.type == "cuda":
+            raise ValueError("static prefill: CUDA graph capture needs the Triton prefill kernel")
+        if capture and capturer is None and device.type != "cuda":
+            raise ValueError(f"cuda_graphs: CUDA graphs need a CUDA device, got {device.type!r}")
+        buckets = tuple(sorted(set(token_buckets)))
+        if not buckets or buckets[0] < 1:
+            raise ValueError(f"token_buckets: need sizes >= 1, got {tuple(token_buckets)}")
+        self.model = model
+        self.pool = pool
+        self.device = device
+        self.impl = impl
+        self.fused = fused
+        self.capture = capture
+        self.sm_count = sm_count
+        self.token_buckets = buckets
+        self.context_buckets = context_buckets(
+            model.config.max_position_embeddings, min_context_bucket
+        )
+        self.scratch_slot: int = pool.scratch_slot
+        self._buckets: dict[tuple[int, int], PrefillBucket] = {}
+        self._capturer = capturer
+        if capture and capturer is None:
+            self._capturer = CudaGraphCapturer(device)
+        self._copied: torch.cuda.Event | None = None
+
+    @property
+    def buckets(self) -> dict[tuple[int, int], PrefillBucket]:
+        return self._buckets
+
+    def bucket_key(self, num_new: int, context: int) -> tuple[int, int] | None:
+        """(tokens, width) for ``num_new`` new tokens ending a context of ``context``; None
+        when either is above its largest bucket (the step runs the regular way)."""
+        tokens = bucket_of(num_new, self.token_buckets)
+        width = bucket_of(context, self.context_buckets)
+        if tokens is None or width is None or num_new < 1:
+            return None
+        return tokens, width
+
+    def run(self, token_ids: np.ndarray, start_pos: int, slots: np.ndarray) -> torch.Tensor:
+        """Float32 logits [1, vocab] at the last of ``token_ids`` (the new tokens at
+        ``start_pos`` ..), over the context ``slots`` (``start_pos + n`` slots; the caller
+        validated them). A view of the bucket's static output."""
+        n = len(token_ids)
+        key = self.bucket_key(n, start_pos + n)
+        if key is None:
+            raise ValueError(f"static prefill: {n} new tokens at {start_pos} fit no bucket")
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            bucket = self._buckets[key] = self._new_bucket(*key)
+        with torch.inference_mode():
+            if self.capture and bucket.graph is None:
+                self._capture(bucket)
+            self._load(bucket, token_ids, start_pos, slots)
+            if bucket.graph is not None:
+                bucket.graph.replay()
+            else:
+                bucket.logits = self._forward(bucket)
+        bucket.steps += 1
+        assert bucket.logits is not None
+        return bucket.logits
+
+    def _new_bucket(self, tokens: int, width: int) -> PrefillBucket:
+        cuda = self.device.type == "cuda"
+        blocks = -(-tokens // PREFILL_BLOCK_M)
+        heads = self.model.config.num_attention_heads
+        with torch.inference_mode():
+            host = torch.zeros(3 * tokens + width + 5, dtype=torch.int64, pin_memory=cuda)
+            host[2 * tokens : 3 * tokens + width] = self.scratch_slot
+            dev = host.to(self.device) if cuda else host
+            rows = torch.arange(0, blocks * PREFILL_BLOCK_M, PREFILL_BLOCK_M, dtype=torch.int32)
+            return PrefillBucket(
+                tokens=tokens,
+                width=width,
+                num_splits=paged_attention.prefill_splits(
+                    blocks, heads, width, sm_count=self.sm_count
+                ),
+                host=host,
+                device_buf=dev,
+                block_item=torch.zeros(blocks, dtype=torch.int32, device=self.device),
+                block_row=rows.to(self.device),
+            )
+
+    def _load(
+        self, bucket: PrefillBucket, token_ids: np.ndarray, start_pos: int, slots: np.ndarray
+    ) -> None:
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous copy has read the pinned buffer
+        t, w, n = bucket.tokens, bucket.width, len(token_ids)
+        host = bucket.host.numpy()
+        host[:n] = token_ids
+        host[n:t] = 0
+        host[t : t + n] = np.arange(start_pos, start_pos + n)
+        host[t + n : 2 * t] = 0
+        host[2 * t : 2 * t + n] = slots[start_pos : start_pos + n]
+        host[2 * t + n : 3 * t] = self.scratch_slot
+        context = start_pos + n
+        table = host[3 * t : 3 * t + w]
+        table[:context] = slots[:context]
+        table[context:] = slots[0] if context else self.scratch_slot
+        host[3 * t + w :] = (0, n, start_pos, context, max(n - 1, 0))
+        if bucket.host is not bucket.device_buf:
+            bucket.device_buf.copy_(bucket.host, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def _forward(self, bucket: PrefillBucket) -> torch.Tensor:
+        """The step's forward, reading only the bucket's buffers (what a graph captures)."""
+        t, w = bucket.tokens, bucket.width
+        buf = bucket.device_buf
+        meta = buf[3 * t + w :]
+        meta32 = meta[:4].to(torch.int32)
+        plan = PrefillPlan(
+            cu_q=meta32[0:2],
+            start_pos=meta32[2:3],
+            ctx_lens=meta32[3:4],
+            slot_table=buf[3 * t : 3 * t + w].view(1, w),
+            block_item=bucket.block_item,
+            block_row=bucket.block_row,
+            num_new=(t,),  # the bucket's rows (the true count is cu_q's, on the device)
+            starts=(max(w - t, 0),),  # so the plan's context is the bucket's width
+            block_m=PREFILL_BLOCK_M,
+        )
+        batch = PagedBatch(
+            input_ids=buf[:t],
+            positions=buf[t : 2 * t],
+            write_slots=buf[2 * t : 3 * t],
+            prefill=(),
+            decode=None,
+            logit_rows=meta[4:5],
+            attention=self.impl,
+            prefill_plan=plan,
+            fused=self.fused,
+            prefill_splits=bucket.num_splits,
+        )
+        return self.model(batch, self.pool)
+
+    def _capture(self, bucket: PrefillBucket) -> None:
+        """Capture with every row padding except one token at position 0 on the scratch
+        slot (the warm-up passes write the scratch slot only); the step's inputs after."""
+        assert self._capturer is not None
+        scratch = np.full(1, self.scratch_slot, dtype=np.int64)
+        self._load(bucket, np.zeros(1, dtype=np.int64), 0, scratch)
         bucket.graph, bucket.logits = self._capturer.capture(lambda: self._forward(bucket))

@@ -4,7 +4,10 @@
   in one read of ``x`` and ``h``; returns both the new residual and the normed output.
   Without ``h`` it is the plain RMSNorm (the first layer's input norm).
 * ``rope_``: the rotary embedding applied to q and k together, in place, for the positions
-  of a packed batch (one row of cos/sin per token).
+  of a packed batch (one row of cos/sin per token); ``rope_write_`` also stores the step's
+  K/V into one layer of the KV pool in the same pass (what the fused layers run).
+* ``silu_mul``: the SwiGLU gate, ``silu(gate) * up``, read from the one [T, 2 * I] output of
+  the concatenated gate/up projection (the fused layers run gate and up as one matmul).
 
 Each has a pure-torch reference (what ``fused="torch"`` runs, and what the kernels are tested
 against) and a Triton kernel of the same contract (``worker.engine.fused_triton``, imported
@@ -16,6 +19,8 @@ input dtype (float32 statistics); only the order of the mean's additions can dif
 ``rope_`` computes in float32 from float32 cos/sin and rounds once to the input dtype, where
 the unfused model rounds the cos/sin tables and each product to the weights' dtype: in float32
 the two agree (same operations), in bfloat16 the fused result is the more accurate one.
+``silu_mul``'s reference is the unfused model's two ops on the two halves (bit for bit); the
+kernel computes in float32 and rounds where they round (silu(gate), then the product).
 
 Which implementation runs is the executor's ``fused`` option (see ``resolve``).
 """
@@ -23,6 +28,7 @@ Which implementation runs is the executor's ``fused`` option (see ``resolve``).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from worker.engine.paged_attention import triton_available, triton_interpreting
 
@@ -75,6 +81,30 @@ def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.
     """float32 cos, sin [T, head_dim / 2] of the angles ``positions[t] * inv_freq[i]``."""
     freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
     return freqs.cos(), freqs.sin()
+
+
+def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for ``gate_up`` [..., 2 * I] holding gate then up (what the unfused
+    MLP computes from its two projections)."""
+    half = gate_up.shape[-1] // 2
+    return F.silu(gate_up[..., :half]) * gate_up[..., half:]
+
+
+def rope_write_torch_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """``rope_torch_`` on q and k, then the step's K/V stored at ``slots`` (int64 [T]) of one
+    layer's pool tensors ``k_cache`` / ``v_cache`` [num_slots, KVH, D] (``KVPool.write``)."""
+    rope_torch_(q, k, cos, sin)
+    k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
 
 
 def rope_torch_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -133,3 +163,45 @@ def rope_(
         fused_triton.rope_triton_(q, k, cos, sin)
     else:
         rope_torch_(q, k, cos, sin)
+
+
+def silu_mul(impl: str, gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu_mul_torch``'s contract with ``impl`` "torch" or "triton" (a new tensor of
+    ``gate_up``'s dtype, [..., I])."""
+    if gate_up.dim() < 1 or gate_up.shape[-1] % 2:
+        raise ValueError(f"silu_mul: need [..., 2 * I] (gate then up), got {tuple(gate_up.shape)}")
+    if impl == "triton":
+        from worker.engine import fused_triton
+
+        return fused_triton.silu_mul_triton(gate_up)
+    return silu_mul_torch(gate_up)
+
+
+def rope_write_(
+    impl: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """``rope_write_torch_``'s contract with ``impl`` "torch" or "triton"."""
+    _check_rope(q, k, cos, sin)
+    if v.shape != k.shape:
+        raise ValueError(f"rope_write_: v {tuple(v.shape)} must match k {tuple(k.shape)}")
+    if k_cache.dim() != 3 or v_cache.shape != k_cache.shape or k_cache.shape[1:] != k.shape[1:]:
+        raise ValueError(
+            f"rope_write_: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not hold "
+            f"rows of {tuple(k.shape[1:])}"
+        )
+    if slots.shape != (k.shape[0],):
+        raise ValueError(f"rope_write_: need one slot per token, got {tuple(slots.shape)}")
+    if impl == "triton":
+        from worker.engine import fused_triton
+
+        fused_triton.rope_write_triton_(q, k, v, cos, sin, k_cache, v_cache, slots)
+    else:
+        rope_write_torch_(q, k, v, cos, sin, k_cache, v_cache, slots)

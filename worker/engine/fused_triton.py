@@ -3,7 +3,7 @@
 Kept apart from ``fused_ops`` so that module imports without triton, and so a process decides
 whether Triton runs in its CPU interpreter (``TRITON_INTERPRET=1``) before this one is
 imported. Only long-stable ``triton.language`` is used (program_id, arange, masked
-load/store, sum, rsqrt, casts), so the kernels build with the Triton a CUDA torch ships.
+load/store, sum, rsqrt, exp, casts), so the kernels build with the Triton a CUDA torch ships.
 
 ``_add_rmsnorm_kernel``: one program per ``BLOCK_R`` rows of the [T, N] activations (one row
 per program at Llama-3-8B's hidden size, several at small ones), each row whole in one tile:
@@ -13,6 +13,14 @@ weight, rounded as ``fused_ops.rmsnorm_torch`` rounds.
 ``_rope_kernel``: q and k in one launch. Their rows ([T * H] rows of q, then [T * KVH] of k,
 each one head of one token) are cut into blocks of ``BLOCK_R``; a program rotates one block
 in place with its tokens' cos/sin rows.
+
+``_rope_write_kernel``: ``_rope_kernel`` plus the step's KV pool write in the same launch:
+the rotated k rows are also stored at their token's slot of the K cache, and the v rows
+(a third run of blocks) copied to the V cache.
+
+``_silu_mul_kernel``: one program per ``BLOCK`` columns of one row of the [T, 2 * I] gate/up
+output: silu(gate) * up in float32, rounded as the unfused model's two ops round (silu(gate) to
+the activation dtype, then the product).
 """
 
 from __future__ import annotations
@@ -170,6 +178,112 @@ def _rope_kernel(
         )
 
 
+@triton.jit
+def _rope_write_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    cos_ptr,
+    sin_ptr,
+    kc_ptr,
+    vc_ptr,
+    slots_ptr,
+    n_q_rows,
+    n_k_rows,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_c,
+    stride_kcs,
+    stride_kch,
+    stride_vcs,
+    stride_vch,
+    Q_HEADS: tl.constexpr,
+    K_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    RNE: tl.constexpr,
+):
+    """``_rope_kernel`` plus the KV pool write: q rows rotated in place; k rows rotated in
+    place and stored at their token's slot of the K cache; v rows copied to the V cache."""
+    pid = tl.program_id(0)
+    q_blocks = tl.cdiv(n_q_rows, BLOCK_R)
+    k_blocks = tl.cdiv(n_k_rows, BLOCK_R)
+    cols = tl.arange(0, BLOCK_HALF)
+    if pid < q_blocks:
+        _rope_rows(
+            q_ptr,
+            cos_ptr,
+            sin_ptr,
+            pid,
+            n_q_rows,
+            stride_qt,
+            stride_qh,
+            stride_c,
+            Q_HEADS,
+            HALF,
+            BLOCK_R,
+            BLOCK_HALF,
+            RNE,
+        )
+    elif pid < q_blocks + k_blocks:  # k rows: rotated in place and into the cache
+        rows = (pid - q_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)
+        mask = (rows < n_k_rows)[:, None] & (cols < HALF)[None, :]
+        tok = (rows // K_HEADS).to(tl.int64)
+        head = (rows % K_HEADS).to(tl.int64)
+        src = k_ptr + (tok * stride_kt + head * stride_kh)[:, None] + cols[None, :]
+        x1 = tl.load(src, mask=mask, other=0.0)
+        x2 = tl.load(src + HALF, mask=mask, other=0.0)
+        trig = tok[:, None] * stride_c + cols[None, :]
+        c = tl.load(cos_ptr + trig, mask=mask, other=0.0)
+        s = tl.load(sin_ptr + trig, mask=mask, other=0.0)
+        a, b = x1.to(tl.float32), x2.to(tl.float32)
+        y1 = _to(a * c - b * s, x1.dtype, RNE)
+        y2 = _to(b * c + a * s, x1.dtype, RNE)
+        tl.store(src, y1, mask=mask)
+        tl.store(src + HALF, y2, mask=mask)
+        slot = tl.load(slots_ptr + tok, mask=rows < n_k_rows, other=0).to(tl.int64)
+        dst = kc_ptr + (slot * stride_kcs + head * stride_kch)[:, None] + cols[None, :]
+        tl.store(dst, y1.to(kc_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + HALF, y2.to(kc_ptr.dtype.element_ty), mask=mask)
+    else:  # v rows: copied into the cache
+        rows = (pid - q_blocks - k_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)
+        mask = (rows < n_k_rows)[:, None] & (cols < HALF)[None, :]
+        tok = (rows // K_HEADS).to(tl.int64)
+        head = (rows % K_HEADS).to(tl.int64)
+        src = v_ptr + (tok * stride_vt + head * stride_vh)[:, None] + cols[None, :]
+        slot = tl.load(slots_ptr + tok, mask=rows < n_k_rows, other=0).to(tl.int64)
+        dst = vc_ptr + (slot * stride_vcs + head * stride_vch)[:, None] + cols[None, :]
+        lo = tl.load(src, mask=mask, other=0.0)
+        hi = tl.load(src + HALF, mask=mask, other=0.0)
+        tl.store(dst, lo.to(vc_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + HALF, hi.to(vc_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_mul_kernel(
+    x_ptr,
+    out_ptr,
+    n_cols,
+    stride_x,
+    stride_o,
+    BLOCK: tl.constexpr,
+    RNE: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    silu = _to(gate / (1.0 + tl.exp(-gate)), dtype, RNE).to(tl.float32)  # rounded as torch's
+    tl.store(out_ptr + row * stride_o + cols, _to(silu * up, dtype, RNE), mask=mask)
+
+
 def _rows_per_program(n_rows: int, block_cols: int) -> int:
     """Rows of one tile: TILE_ELEMENTS / padded row length, at most the rows there are."""
     return max(1, min(TILE_ELEMENTS // block_cols, triton.next_power_of_2(max(n_rows, 1))))
@@ -248,6 +362,92 @@ def rope_triton_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
         k.stride(0),
         k.stride(1),
         cos.stride(0),
+        Q_HEADS=q_heads,
+        K_HEADS=k_heads,
+        HALF=half,
+        BLOCK_R=block_r,
+        BLOCK_HALF=block_half,
+        RNE=_rne(q.dtype),
+        num_warps=_warps(block_r * block_half),
+    )
+
+
+# Columns of one silu_mul program (Llama-3-8B's 14,336: 14 programs per row).
+SILU_MUL_BLOCK = 1024
+
+
+def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
+    """``fused_ops.silu_mul_torch``'s contract (gate_up [..., 2 * I] -> [..., I])."""
+    width = gate_up.shape[-1]
+    x = gate_up.reshape(-1, width)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    rows, cols = x.shape[0], width // 2
+    out = torch.empty(rows, cols, dtype=x.dtype, device=x.device)
+    if rows and cols:
+        block = min(SILU_MUL_BLOCK, triton.next_power_of_2(cols))
+        _silu_mul_kernel[(rows, triton.cdiv(cols, block))](
+            x,
+            out,
+            cols,
+            x.stride(0),
+            out.stride(0),
+            BLOCK=block,
+            RNE=_rne(x.dtype),
+            num_warps=4,
+        )
+    return out.view(*gate_up.shape[:-1], cols)
+
+
+def rope_write_triton_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """``fused_ops.rope_write_torch_``'s contract in one launch (head_dim axes contiguous)."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"rope_write_triton_: {name} needs a contiguous head_dim axis")
+    if cos.stride(1) != 1 or sin.stride() != cos.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    if slots.stride(0) != 1:
+        slots = slots.contiguous()
+    tokens, q_heads, dim = q.shape
+    k_heads = k.shape[1]
+    if tokens == 0:
+        return
+    half = dim // 2
+    block_half = triton.next_power_of_2(half)
+    block_r = _rows_per_program(tokens * q_heads, block_half)
+    kv_blocks = triton.cdiv(tokens * k_heads, block_r)
+    grid = triton.cdiv(tokens * q_heads, block_r) + 2 * kv_blocks
+    _rope_write_kernel[(grid,)](
+        q,
+        k,
+        v,
+        cos,
+        sin,
+        k_cache,
+        v_cache,
+        slots,
+        tokens * q_heads,
+        tokens * k_heads,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        cos.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
         Q_HEADS=q_heads,
         K_HEADS=k_heads,
         HALF=half,

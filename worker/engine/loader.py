@@ -289,7 +289,9 @@ def save_hf(model: LlamaForCausalLM, model_dir: str | Path) -> Path:
     (out / "config.json").write_text(
         json.dumps(hf_config_dict(model.config), indent=2) + "\n", encoding="utf-8"
     )
-    state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    # clone(): a fused model's projections are views into one concatenation, and safetensors
+    # refuses tensors that share memory.
+    state = {k: v.detach().to("cpu").clone() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # shared with embed_tokens; HF re-ties it
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})

@@ -22,7 +22,10 @@ into their slots, then attends. How is the batch's ``attention``:
 The batch's ``fused`` picks how the elementwise ops around attention and MLP run: "off" (the
 default) as separate torch ops; "torch" / "triton" (``fused_ops``) as one residual-add +
 RMSNorm pass before each attention and MLP (the layers carry the residual and hand on their
-last output unadded) and one RoPE pass over q and k, with float32 cos/sin.
+last output unadded), one pass of RoPE over q and k (float32 cos/sin) that also writes the
+step's K/V into the pool, and one SwiGLU pass.
+The fused layers also run q/k/v as one matmul and gate/up as one (``fuse_projections``: each
+layer's weights concatenated once, the HF-named parameters left as views into them).
 """
 
 from __future__ import annotations
@@ -153,6 +156,7 @@ class PagedBatch:
     attention: str = "gather"  # "gather", or a paged_attention implementation: torch, triton
     prefill_plan: PrefillPlan | None = None  # paged attention: the packed prefill items
     fused: str = "off"  # "off", or a fused_ops implementation: torch, triton
+    prefill_splits: int | None = None  # the Triton prefill kernel's key splits (None: its own)
 
 
 class RMSNorm(nn.Module):
@@ -193,6 +197,44 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+class _Concat:
+    """Linears run as one matmul: their weights (and biases) concatenated along the output
+    axis, each linear's parameters made a view into the concatenation, so a later in-place
+    load (``load_state_dict``) updates both. A linear whose parameter was replaced instead
+    (``.to(dtype)``, ``load_state_dict(assign=True)``) no longer points into it: ``current``
+    then says so and the owner concatenates again."""
+
+    def __init__(self, linears: tuple[nn.Linear, ...]) -> None:
+        self.linears = linears
+        with torch.no_grad():
+            self.weight = torch.cat([m.weight.data for m in linears])
+            biases = [m.bias for m in linears]
+            if any(b is None for b in biases) and any(b is not None for b in biases):
+                raise ValueError("fuse_projections: the linears must all have a bias or none")
+            self.bias = None
+            if biases[0] is not None:
+                self.bias = torch.cat([cast(torch.Tensor, b).data for b in biases])
+            row = 0
+            for m in linears:
+                rows = slice(row, row + m.out_features)
+                m.weight.data = self.weight[rows]
+                if self.bias is not None:
+                    cast(torch.Tensor, m.bias).data = self.bias[rows]
+                row += m.out_features
+        # Where each linear's weight starts inside the concatenation (a cheap check per step).
+        self._ptrs = tuple(m.weight.data_ptr() for m in linears)
+
+    def current(self) -> bool:
+        return all(
+            m.weight.data_ptr() == ptr for m, ptr in zip(self.linears, self._ptrs, strict=True)
+        )
+
+    @staticmethod
+    def of(held: _Concat | None, linears: tuple[nn.Linear, ...]) -> _Concat:
+        """``held`` while it is current, else a new concatenation of ``linears``."""
+        return held if held is not None and held.current() else _Concat(linears)
+
+
 class Attention(nn.Module):
     def __init__(self, config: LlamaConfig, layer_idx: int) -> None:
         super().__init__()
@@ -206,6 +248,11 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
+        self._qkv: _Concat | None = None  # q/k/v as one matmul (the fused layers)
+
+    def fuse_projections(self) -> None:
+        """Concatenate q/k/v for the fused layers (again only if a parameter was replaced)."""
+        self._qkv = _Concat.of(self._qkv, (self.q_proj, self.k_proj, self.v_proj))
 
     def _attend(
         self,
@@ -238,21 +285,32 @@ class Attention(nn.Module):
         pool: KVPool,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        hd, kvd = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if batch.fused == "off":  # cos/sin [T, 1, D] in the weights' dtype
+            q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+            k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+            v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
-        else:  # cos/sin float32 [T, D / 2]; q and k rotated in place in one pass
-            fused_ops.rope_(batch.fused, q, k, cos, sin)
+        else:  # one matmul; cos/sin float32 [T, D / 2]; RoPE below, with the pool write
+            qkv = self._qkv
+            assert qkv is not None, "fused layers need fuse_projections() first"
+            q, k, v = F.linear(x, qkv.weight, qkv.bias).split((hd, kvd, kvd), dim=-1)
+            q = q.view(t, self.num_heads, self.head_dim)
+            k = k.view(t, self.num_kv_heads, self.head_dim)
+            v = v.view(t, self.num_kv_heads, self.head_dim)
         # Write first, then read: every item's context (new tokens included) is in the pool.
-        pool.write(self.layer_idx, batch.write_slots, k, v)
+        if batch.fused == "off":
+            pool.write(self.layer_idx, batch.write_slots, k, v)
+        else:  # RoPE and the pool write in one pass
+            k_cache, v_cache = pool.k[self.layer_idx], pool.v[self.layer_idx]
+            slots = batch.write_slots
+            fused_ops.rope_write_(batch.fused, q, k, v, cos, sin, k_cache, v_cache, slots)
         if batch.attention == "gather":
             out = self._gathered(q, batch, pool)
         else:
             out = self._paged(q, batch, pool)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(t, hd))
 
     def _paged(self, q: torch.Tensor, batch: PagedBatch, pool: KVPool) -> torch.Tensor:
         """Attention through ``paged_attention``: one packed prefill call, one decode call."""
@@ -262,7 +320,15 @@ class Attention(nn.Module):
         if plan is not None:
             qp = q[: plan.num_tokens]
             parts.append(
-                paged_attention.prefill(batch.attention, qp, k_cache, v_cache, plan, self.scale)
+                paged_attention.prefill(
+                    batch.attention,
+                    qp,
+                    k_cache,
+                    v_cache,
+                    plan,
+                    self.scale,
+                    num_splits=batch.prefill_splits,
+                )
             )
         group = batch.decode
         if group is not None:
@@ -321,9 +387,21 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=bias)
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
+        self._gate_up: _Concat | None = None  # gate/up as one matmul (the fused layers)
+
+    def fuse_projections(self) -> None:
+        """Concatenate gate/up for the fused layers (again only if a parameter was replaced)."""
+        self._gate_up = _Concat.of(self._gate_up, (self.gate_proj, self.up_proj))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def forward_fused(self, x: torch.Tensor, impl: str) -> torch.Tensor:
+        """gate and up as one matmul, silu(gate) * up in one pass (``fused_ops.silu_mul``)."""
+        gate_up = self._gate_up
+        assert gate_up is not None, "fused layers need fuse_projections() first"
+        h = fused_ops.silu_mul(impl, F.linear(x, gate_up.weight, gate_up.bias))
+        return self.down_proj(h)
 
 
 class DecoderLayer(nn.Module):
@@ -363,7 +441,7 @@ class DecoderLayer(nn.Module):
         attn = self.self_attn(h, cos, sin, batch, pool)
         norm = self.post_attention_layernorm
         residual, h = fused_ops.add_rmsnorm(impl, residual, attn, norm.weight, norm.eps)
-        return residual, self.mlp(h)
+        return residual, self.mlp.forward_fused(h, impl)
 
 
 class LlamaBackbone(nn.Module):
@@ -409,8 +487,20 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.model.norm(x[batch.logit_rows])
         return self.lm_head(hidden).float()
 
+    def fuse_projections(self) -> None:
+        """Concatenate every layer's q/k/v and gate/up weights for the fused layers (the
+        executor does it once when built; ``forward`` checks it is still current, so a model
+        moved or reloaded since is concatenated again, outside any graph capture when the
+        executor is rebuilt). The parameters stay, as views: state dicts are unchanged."""
+        for layer in self.model.layers:
+            fused_layer = cast(DecoderLayer, layer)
+            fused_layer.self_attn.fuse_projections()
+            fused_layer.mlp.fuse_projections()
+
     def _forward_fused(self, x: torch.Tensor, batch: PagedBatch, pool: KVPool) -> torch.Tensor:
-        """``forward`` with the residual adds fused into the norms and RoPE in one pass."""
+        """``forward`` with the residual adds fused into the norms, q/k/v and gate/up each
+        one matmul, RoPE with the pool write and SwiGLU each one pass."""
+        self.fuse_projections()
         if self._inv_freq.device != x.device:
             self._inv_freq = self._inv_freq.to(x.device)
         cos, sin = fused_ops.rope_tables(batch.positions, self._inv_freq)

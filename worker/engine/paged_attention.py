@@ -232,6 +232,18 @@ def decode_splits(batch: int, kv_heads: int, max_len: int, *, sm_count: int = 13
     return max(1, min(want, -(-max_len // 256), 16))
 
 
+def prefill_splits(num_blocks: int, heads: int, max_ctx: int, *, sm_count: int = 132) -> int:
+    """How many pieces the Triton prefill kernel cuts each query block's keys into: none
+    while the (block, head) programs fill about two per SM (a cold prefill of any length),
+    else enough to -- a few new tokens after a long cached prefix (64 after 8,000: one block,
+    32 heads, 9 splits) -- never pieces under 256 keys, at most 16."""
+    programs = max(1, num_blocks * heads)
+    if programs >= 2 * sm_count:
+        return 1
+    want = -(-2 * sm_count // programs)
+    return max(1, min(want, -(-max_ctx // 256), 16))
+
+
 def decode(
     impl: str,
     q: torch.Tensor,
@@ -260,10 +272,13 @@ def prefill(
     v_cache: torch.Tensor,
     plan: PrefillPlan,
     scale: float,
+    *,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
-    """Packed prefill attention by ``impl`` ("torch" or "triton"); returns [T, H, D]."""
+    """Packed prefill attention by ``impl`` ("torch" or "triton"); returns [T, H, D].
+    ``num_splits``: the kernel's key splits (None: its own choice; the reference ignores it)."""
     if impl == "triton":
         from worker.engine import paged_attention_triton as kernels
 
-        return kernels.prefill_triton(q, k_cache, v_cache, plan, scale)
+        return kernels.prefill_triton(q, k_cache, v_cache, plan, scale, num_splits=num_splits)
     return prefill_torch(q, k_cache, v_cache, plan, scale)

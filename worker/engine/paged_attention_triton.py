@@ -14,20 +14,23 @@ from the pool by slot index and keeps an online softmax (running max, running su
 accumulator). With one split it writes the output; with several each writes its normalised
 partial output and log-sum-exp, and a second kernel combines the splits.
 
-Prefill (``prefill_triton``): one program per (query block of one item, query head), the
-blocks listed by the plan; each walks the item's slots up to its last query's position with
-the same online softmax and a causal mask on absolute positions.
+Prefill (``prefill_triton``): one program per (query block of one item, query head, split),
+the blocks listed by the plan; each walks its split of the item's slots up to its last
+query's position with the same online softmax and a causal mask on absolute positions. A
+long cached prefix under a few new tokens leaves few query blocks, so their keys are split
+(``prefill_splits``) and the decode path's combine kernel merges the splits per row.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-from worker.engine.paged_attention import PrefillPlan, decode_splits
+from worker.engine.paged_attention import PrefillPlan, decode_splits, prefill_splits
 
 # The interpreter multiplies bfloat16 tiles in tl.dot as raw uint16 (wrong); there the
 # kernels upcast dot operands to float32 first. A GPU multiplies bfloat16 on tensor cores.
@@ -181,6 +184,8 @@ def _prefill_kernel(
     k_ptr,
     v_ptr,
     out_ptr,
+    mid_o_ptr,
+    mid_lse_ptr,
     cu_q_ptr,
     start_ptr,
     table_ptr,
@@ -202,9 +207,11 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     F32: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
 ):
     blk = tl.program_id(0)
     h = tl.program_id(1)
+    split = tl.program_id(2)
     g = h // REP
     item = tl.load(block_item_ptr + blk)
     row0 = tl.load(block_row_ptr + blk)
@@ -224,13 +231,17 @@ def _prefill_kernel(
         other=0.0,
     )
     qpos = start_pos + offs_m  # absolute positions of the block's queries
-    # Keys up to the block's last real query (the item's context ends there or later).
+    # Keys up to the block's last real query (the item's context ends there or later),
+    # cut into NUM_SPLITS runs of whole BLOCK_N blocks; this program walks run ``split``.
     hi = start_pos + tl.minimum(row0 + BLOCK_M, num_new)
+    per_split = tl.cdiv(tl.cdiv(hi, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, hi)
 
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for start in range(0, hi, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         keys = start + offs_n
         mask_n = keys < hi
         slots = tl.load(table_ptr + item * stride_tb + keys, mask=mask_n, other=0).to(tl.int64)
@@ -240,13 +251,15 @@ def _prefill_kernel(
             other=0.0,
         )
         s = _mma(q, kt, F32) * scale
-        # Key 0 is visible to every row (padding rows too), so no row is ever all -inf
-        # after the first block and the running max stays finite.
         visible = mask_n[None, :] & (keys[None, :] <= qpos[:, None])
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
+        # Key 0 is visible to every row, so with one split no row's max is ever -inf; a
+        # later split can hold only keys past a row's position: there its max stays -inf,
+        # and 0 stands in for it (exp(-inf - 0) = 0, never exp(-inf + inf)).
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(
             v_ptr + slots[:, None] * stride_vs + g * stride_vh + offs_d[None, :],
@@ -256,12 +269,42 @@ def _prefill_kernel(
         acc = acc * alpha[:, None] + _mma(p.to(v.dtype), v, F32)
         m_i = m_new
 
-    o = acc / l_i[:, None]
-    tl.store(
-        out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
-        o.to(out_ptr.dtype.element_ty),
-        mask=mask_m[:, None] & mask_d[None, :],
-    )
+    nonempty = l_i > 0
+    o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(
+            out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=mask_m[:, None] & mask_d[None, :],
+        )
+    else:
+        # mid_o: float32 [T, H, NUM_SPLITS, BLOCK_D]; mid_lse: float32 [T, H, NUM_SPLITS]
+        # (the decode kernel's layout with a packed row for a request: _combine_kernel
+        # merges both).
+        mid = (rows * tl.num_programs(1) + h) * NUM_SPLITS + split
+        tl.store(
+            mid_o_ptr + mid[:, None] * BLOCK_D + offs_d[None, :],
+            o,
+            mask=mask_m[:, None] & mask_d[None, :],
+        )
+        lse = tl.where(nonempty, m_i + tl.log(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+        tl.store(mid_lse_ptr + mid, lse, mask=mask_m)
+
+
+@functools.cache
+def _sm_count_of(device_type: str, index: int | None) -> int:
+    if device_type != "cuda":
+        return 132  # the interpreter: an H100/H200's count, so splits are chosen as there
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    """The device's multiprocessor count, looked up once per device (an eager step sizes
+    one launch per layer with it)."""
+    index = device.index
+    if device.type == "cuda" and index is None:
+        index = torch.cuda.current_device()
+    return _sm_count_of(device.type, index)
 
 
 def _pow2(n: int, floor: int = 16) -> int:
@@ -304,9 +347,7 @@ def decode_triton(
     if slot_table.stride(1) != 1:
         slot_table = slot_table.contiguous()
     if num_splits is None:
-        sms = 132
-        if q.device.type == "cuda":
-            sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        sms = _sm_count(q.device)
         num_splits = decode_splits(bsz, kv_heads, slot_table.shape[1], sm_count=sms)
     block_d = _pow2(dim)
     out = torch.empty_like(q)
@@ -366,19 +407,40 @@ def prefill_triton(
     scale: float,
     *,
     block_n: int = 64,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
-    """Packed (varlen) prefill attention (same contract as ``paged_attention.prefill_torch``)."""
+    """Packed (varlen) prefill attention (same contract as ``paged_attention.prefill_torch``).
+    ``num_splits``: pieces each query block's keys are cut into (None: ``prefill_splits``,
+    which cuts only when the query blocks alone leave SMs idle, as with a few new tokens
+    after a long cached prefix)."""
     rep = _check_pool(q, k_cache, v_cache)
     tokens, heads, dim = q.shape
     if tokens != plan.num_tokens:
         raise ValueError(f"q has {tokens} rows; the plan packs {plan.num_tokens}")
+    num_blocks = plan.block_item.shape[0]
+    if num_splits is None:
+        sms = _sm_count(q.device)
+        max_ctx = max(s + n for s, n in zip(plan.starts, plan.num_new, strict=True))
+        num_splits = prefill_splits(num_blocks, heads, max_ctx, sm_count=sms)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    block_d = _pow2(dim)
     out = torch.empty_like(q)
+    if num_splits > 1:
+        mid_o = torch.empty(
+            tokens, heads, num_splits, block_d, dtype=torch.float32, device=q.device
+        )
+        mid_lse = torch.empty(tokens, heads, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        mid_o = mid_lse = out  # not read
     table = plan.slot_table
-    _prefill_kernel[(plan.block_item.shape[0], heads)](
+    _prefill_kernel[(num_blocks, heads, num_splits)](
         q,
         k_cache,
         v_cache,
         out,
+        mid_o,
+        mid_lse,
         plan.cu_q,
         plan.start_pos,
         table,
@@ -398,7 +460,21 @@ def prefill_triton(
         HEAD_DIM=dim,
         BLOCK_M=plan.block_m,
         BLOCK_N=block_n,
-        BLOCK_D=_pow2(dim),
+        BLOCK_D=block_d,
         F32=_use_f32(q, k_cache),
+        NUM_SPLITS=num_splits,
     )
+    if num_splits > 1:
+        _combine_kernel[(tokens, heads)](
+            mid_o,
+            mid_lse,
+            out,
+            out.stride(0),
+            out.stride(1),
+            NUM_HEADS=heads,
+            HEAD_DIM=dim,
+            NUM_SPLITS=num_splits,
+            BLOCK_S=_pow2(num_splits, 2),
+            BLOCK_D=block_d,
+        )
     return out

@@ -10,12 +10,19 @@ asks for one, and records the wall time of the pass for ``step_cost_s``. It read
 ``cuda_graphs=True`` (CUDA, paged attention) runs every decode-only step of at most 128
 requests as the replay of a CUDA graph captured per (batch, context) bucket
 (``decode_graph``); ``static_decode=True`` runs that same padded static-shape path eagerly,
-on any device (what the CPU tests compare with the regular path). Steps with a prefill item,
-and larger decode batches, always run the regular way.
+on any device (what the CPU tests compare with the regular path). With either, a step that is
+one prefill item alone of at most 512 new tokens (a cache hit on an idle worker: a few new
+tokens after a cached prefix) runs the same way, per (tokens, context) bucket
+(``PrefillGraphRunner``; ``static_prefill=False`` turns that off; captured over the Triton
+kernels only). Other steps with a prefill item, and larger decode batches, always run the
+regular way.
 
 ``fused`` ("off", the default, "torch" or "triton"; see ``fused_ops``) runs each layer's
-residual adds fused into its RMSNorms and RoPE over q and k in one pass, on every path
-(regular, static and graph-captured decode). "triton" needs CUDA (or TRITON_INTERPRET=1).
+residual adds fused into its RMSNorms, RoPE over q and k with the KV pool write in one pass,
+SwiGLU in one pass, and q/k/v and gate/up as one matmul each (``model.fuse_projections``,
+done when the executor is built), on every path (regular, static and graph-captured).
+"triton" needs CUDA (or TRITON_INTERPRET=1). ``factory.build_executor`` picks paged
+attention, CUDA graphs and "triton" by default on CUDA (the fastest measured there).
 """
 
 from __future__ import annotations
@@ -26,7 +33,12 @@ import numpy as np
 import torch
 
 from worker.engine import fused_ops, paged_attention
-from worker.engine.decode_graph import DEFAULT_BATCH_BUCKETS, DecodeGraphRunner
+from worker.engine.decode_graph import (
+    DEFAULT_BATCH_BUCKETS,
+    CudaGraphCapturer,
+    DecodeGraphRunner,
+    PrefillGraphRunner,
+)
 from worker.engine.kv_pool import KVPool, KVPoolConfig
 from worker.engine.model import DecodeGroup, LlamaForCausalLM, PagedBatch, PrefillSeq
 from worker.engine.sampling import Sampler
@@ -48,6 +60,7 @@ class TorchExecutor:
         static_decode: bool = False,
         graph_batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS,
         fused: str = "off",
+        static_prefill: bool = True,
     ) -> None:
         cfg = model.config
         pool_cfg = kv_pool.config
@@ -84,6 +97,8 @@ class TorchExecutor:
         self.fused = fused
         # "off", "torch" or "triton" (raises for an unknown option or Triton off CUDA).
         self.fused_impl = fused_ops.resolve(fused, self.device)
+        if self.fused_impl != "off":  # q/k/v and gate/up concatenated now, not mid-capture
+            model.fuse_projections()
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(
                 f"cuda_graphs: CUDA graphs need a CUDA device, got {self.device.type!r} "
@@ -95,12 +110,15 @@ class TorchExecutor:
         self.cuda_graphs = cuda_graphs
         # The static-shape decode path (captured with cuda_graphs, eager with static_decode).
         self.decode_graphs: DecodeGraphRunner | None = None
+        self.prefill_graphs: PrefillGraphRunner | None = None
         if cuda_graphs or static_decode:
             if self.attention_impl == "gather":
                 raise ValueError(
                     "cuda_graphs / static_decode run paged attention: give attention='paged', "
                     "'paged-torch' or 'paged-triton', not 'gather'"
                 )
+            # one memory pool for every graph: only one of them ever replays at a time
+            capturer = CudaGraphCapturer(self.device) if cuda_graphs else None
             self.decode_graphs = DecodeGraphRunner(
                 model,
                 kv_pool,
@@ -109,8 +127,22 @@ class TorchExecutor:
                 capture=cuda_graphs,
                 sm_count=self._sm_count,
                 batch_buckets=graph_batch_buckets,
+                capturer=capturer,
                 fused=self.fused_impl,
             )
+            # A lone short prefill (a cache hit on an idle worker) the same way; captured
+            # only over the Triton kernels (the torch reference builds host-side indices).
+            if static_prefill and (not cuda_graphs or self.attention_impl == "triton"):
+                self.prefill_graphs = PrefillGraphRunner(
+                    model,
+                    kv_pool,
+                    self.device,
+                    self.attention_impl,
+                    capture=cuda_graphs,
+                    sm_count=self._sm_count,
+                    capturer=capturer,
+                    fused=self.fused_impl,
+                )
 
     @staticmethod
     def pool_for(model: LlamaForCausalLM, num_slots: int, *, scratch_slot: bool) -> KVPool:
@@ -141,6 +173,7 @@ class TorchExecutor:
         cuda_graphs: bool = False,
         static_decode: bool = False,
         fused: str = "off",
+        static_prefill: bool = True,
     ) -> TorchExecutor:
         """An executor with a fresh pool of ``num_kv_slots`` on the model's device/dtype
         (plus a scratch slot for the static decode path's padding rows when it is on)."""
@@ -154,6 +187,7 @@ class TorchExecutor:
             cuda_graphs=cuda_graphs,
             static_decode=static_decode,
             fused=fused,
+            static_prefill=static_prefill,
         )
 
     # -- Executor protocol -------------------------------------------------------------
@@ -188,17 +222,40 @@ class TorchExecutor:
         """Float32 logits [len(prefill) + len(decode), vocab] at each item's last new token.
         Writes every new token's K/V into its slot."""
         logits = self._logits(prefill, decode)
-        # The static path's output is a buffer the next step overwrites.
-        return logits.clone() if self._static_step(prefill, decode) else logits
+        # The static paths' output is a buffer the next step overwrites.
+        return logits.clone() if self.takes_static_path(prefill, decode) else logits
+
+    def takes_static_path(self, prefill: list[ForwardItem], decode: list[ForwardItem]) -> bool:
+        """Whether this step would run a static path (a graph replay with cuda_graphs): a
+        decode-only step that fits a bucket, or one short prefill item alone."""
+        return self._static_step(prefill, decode) or self._static_prefill(prefill, decode)
 
     def _static_step(self, prefill: list[ForwardItem], decode: list[ForwardItem]) -> bool:
         """Whether this step runs the static decode path (decode-only, fits a bucket)."""
         runner = self.decode_graphs
         return runner is not None and not prefill and 0 < len(decode) <= runner.max_batch
 
+    def _static_prefill(self, prefill: list[ForwardItem], decode: list[ForwardItem]) -> bool:
+        """Whether this step runs the static prefill path (one prefill item alone that fits
+        a bucket)."""
+        runner = self.prefill_graphs
+        if runner is None or decode or len(prefill) != 1:
+            return False
+        item = prefill[0]
+        n = len(item.token_ids)
+        return runner.bucket_key(n, item.start_pos + n) is not None
+
     def _logits(self, prefill: list[ForwardItem], decode: list[ForwardItem]) -> torch.Tensor:
         if self._static_step(prefill, decode):
             return self._static_logits(decode)
+        if self._static_prefill(prefill, decode):
+            item = prefill[0]
+            tokens, slots = self._check_item(item, "prefill")
+            writes = slots[item.start_pos :]
+            if len(np.unique(writes)) != len(writes):
+                raise ValueError("forward: two new tokens in one step write the same KV slot")
+            assert self.prefill_graphs is not None
+            return self.prefill_graphs.run(tokens, item.start_pos, slots)
         batch = self._build_batch(prefill, decode, all_positions=False)
         with torch.inference_mode():
             return self.model(batch, self.kv_pool)

@@ -150,6 +150,68 @@ def check_rope(impl: str, device: str, dtypes=(torch.float32, torch.bfloat16)) -
             assert torch.equal(qkv[:, (hq + hk) * d :], v_before), "rope_ wrote outside q, k"
 
 
+def check_rope_write(impl: str, device: str, dtypes=(torch.float32, torch.bfloat16)) -> None:
+    """Each RopeCase: q and k rotated in place as ``rope_`` rotates them, and the rotated k
+    and the v rows stored at their token's slot of the caches (shuffled slots); every other
+    cache row keeps its value."""
+    for dtype in dtypes:
+        for i, case in enumerate(ROPE_CASES):
+            gen = torch.Generator().manual_seed(450 + i)
+            t, hq, hk, d = case.tokens, case.heads, case.kv_heads, case.head_dim
+            qkv = torch.randn(t, (hq + 2 * hk) * d, generator=gen).to(dtype).to(device)
+            q = qkv[:, : hq * d].view(t, hq, d)
+            k = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
+            v = qkv[:, (hq + hk) * d :].view(t, hk, d)
+            if not case.fused_qkv:
+                q, k, v = q.clone(), k.clone(), v.clone()
+            num_slots = 2 * t + 3
+            k_cache = torch.randn(num_slots, hk, d, generator=gen).to(dtype).to(device)
+            v_cache = torch.randn(num_slots, hk, d, generator=gen).to(dtype).to(device)
+            slots = torch.randperm(num_slots, generator=gen)[:t].to(device)
+            positions = torch.randint(0, 8192, (t,), generator=gen).to(device)
+            inv_freq = 1.0 / (500_000.0 ** (torch.arange(0, d, 2).float() / d))
+            cos, sin = fused_ops.rope_tables(positions, inv_freq)
+            refs = [x.clone() for x in (q, k, v, k_cache, v_cache)]
+            fused_ops.rope_write_torch_(*refs[:3], cos, sin, *refs[3:], slots)
+            fused_ops.rope_write_(impl, q, k, v, cos, sin, k_cache, v_cache, slots)
+            what = f"rope_write {case} {dtype}"
+            for name, got, want in zip(
+                ("q", "k", "v", "k_cache", "v_cache"),
+                (q, k, v, k_cache, v_cache),
+                refs,
+                strict=True,
+            ):
+                assert_close_as(got, want, device, f"{what} {name}")
+            assert torch.equal(k_cache[slots], k) and torch.equal(v_cache[slots], v), what
+            others = torch.ones(num_slots, dtype=torch.bool)
+            others[slots.cpu()] = False
+            assert torch.equal(k_cache.cpu()[others], refs[3].cpu()[others]), what
+
+
+# Rows x I: one row (a decode step of one); I not a power of two and not a multiple of the
+# kernel's block; several blocks per row (Llama-3-8B's intermediate size).
+SILU_MUL_CASES = [(1, 64), (19, 100), (3, 1500), (2, 14336)]
+
+
+def check_silu_mul(impl: str, device: str, dtypes=(torch.float32, torch.bfloat16)) -> None:
+    """Each case: silu(gate) * up from one [T, 2 * I] tensor against the torch reference (the
+    unfused MLP's two ops) and a float64 oracle; the input is not modified."""
+    for dtype in dtypes:
+        for i, (rows, inner) in enumerate(SILU_MUL_CASES):
+            gen = torch.Generator().manual_seed(500 + i)
+            gate_up = (3 * torch.randn(rows, 2 * inner, generator=gen)).to(dtype).to(device)
+            before = gate_up.clone()
+            got = fused_ops.silu_mul(impl, gate_up)
+            what = f"silu_mul {rows}x{inner} {dtype}"
+            assert_close_as(got, fused_ops.silu_mul_torch(gate_up), device, what)
+            g, u = gate_up.cpu().double().chunk(2, dim=-1)
+            loose = 1e-5 if dtype == torch.float32 else 3e-2
+            torch.testing.assert_close(
+                got.cpu().double(), g * torch.sigmoid(g) * u, atol=loose, rtol=loose, msg=what
+            )
+            assert torch.equal(gate_up, before), f"{what}: the input was modified"
+
+
 # ---- the tiny model through the executor ------------------------------------------------
 
 
@@ -185,7 +247,7 @@ def check_model(impl: str, model: LlamaForCausalLM, atol: float) -> None:
 
 
 def check_compiles_for_sm90() -> None:
-    """Both kernels build for an H100/H200 at Llama-3-8B shapes in bf16 (and the add-norm in
+    """The kernels build for an H100/H200 at Llama-3-8B shapes in bf16 (and the add-norm in
     float32): what the interpreter cannot show (compiled-mode typing, layouts, ptxas)."""
     import paged_cases
 
@@ -206,6 +268,21 @@ def check_compiles_for_sm90() -> None:
     )
     consts = dict(Q_HEADS=32, K_HEADS=8, HALF=64, BLOCK_R=64, BLOCK_HALF=64, RNE=False)
     paged_cases._compile_sm90(kernels._rope_kernel, types, consts)
+    types = dict.fromkeys(["q_ptr", "k_ptr", "v_ptr", "kc_ptr", "vc_ptr"], "*bf16")
+    types |= {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "slots_ptr": "*i64"}
+    types |= dict.fromkeys(
+        ["n_q_rows", "n_k_rows", "stride_qt", "stride_qh", "stride_kt", "stride_kh"], "i32"
+    )
+    types |= dict.fromkeys(
+        ["stride_vt", "stride_vh", "stride_c", "stride_kcs", "stride_kch", "stride_vcs"], "i32"
+    )
+    types |= {"stride_vch": "i32"}
+    consts = dict(Q_HEADS=32, K_HEADS=8, HALF=64, BLOCK_R=64, BLOCK_HALF=64, RNE=False)
+    paged_cases._compile_sm90(kernels._rope_write_kernel, types, consts)
+    types = {"x_ptr": "*bf16", "out_ptr": "*bf16", "n_cols": "i32", "stride_x": "i32"}
+    types |= {"stride_o": "i32"}
+    consts = dict(BLOCK=kernels.SILU_MUL_BLOCK, RNE=False)
+    paged_cases._compile_sm90(kernels._silu_mul_kernel, types, consts)
 
 
 def main(argv: list[str]) -> int:
@@ -217,6 +294,8 @@ def main(argv: list[str]) -> int:
     if case == "interpret":
         check_add_rmsnorm("triton", "cpu")
         check_rope("triton", "cpu")
+        check_silu_mul("triton", "cpu")
+        check_rope_write("triton", "cpu")
         check_model("triton", build_tiny_model(0), atol=1e-5)
     elif case == "compile-sm90":
         check_compiles_for_sm90()

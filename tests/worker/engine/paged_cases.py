@@ -86,6 +86,7 @@ class PrefillCase:
     head_dim: int
     dtype: torch.dtype
     block_m: int
+    num_splits: int | None = None  # None: the kernel's own choice
 
 
 PREFILL_CASES = [
@@ -94,6 +95,13 @@ PREFILL_CASES = [
     PrefillCase((33, 2), (100, 0), 6, 1, 24, torch.float32, 16),  # MQA, odd head_dim
     PrefillCase((70, 3), (0, 20), 4, 2, 32, torch.float32, 64),
     PrefillCase((18, 1, 40), (0, 7, 25), 8, 2, 16, torch.bfloat16, 16),
+    # Keys split: a few new tokens after a long cached prefix (its own choice: 3 splits),
+    # and forced splits where the last ones hold only keys past some rows' positions, some
+    # splits are empty (short items), and rows of several items share the mid buffers.
+    PrefillCase((8,), (600,), 4, 2, 16, torch.float32, 16),
+    PrefillCase((5, 1, 40, 17), (0, 9, 3, 60), 8, 2, 16, torch.float32, 16, 3),
+    PrefillCase((20, 2), (150, 0), 6, 1, 24, torch.float32, 16, 5),
+    PrefillCase((18, 1, 40), (130, 7, 25), 8, 2, 16, torch.bfloat16, 16, 4),
 ]
 
 
@@ -144,7 +152,7 @@ def check_prefill(impl: str, device: str) -> None:
         q = torch.randn(sum(case.num_new), case.heads, case.head_dim, generator=gen)
         q = q.to(case.dtype).to(device)
         scale = case.head_dim**-0.5
-        got = pa.prefill(impl, q, k_cache, v_cache, plan, scale)
+        got = pa.prefill(impl, q, k_cache, v_cache, plan, scale, num_splits=case.num_splits)
         assert got.shape == q.shape and got.dtype == q.dtype, case
         want = oracle_prefill(q, k_cache, v_cache, case.num_new, case.start_pos, ctx, scale)
         atol, rtol = TOL[case.dtype]
@@ -158,11 +166,13 @@ def check_prefill(impl: str, device: str) -> None:
 NO_SAMPLE = SamplingParams()
 
 
-def executor_scenario(model: LlamaForCausalLM, attention: str) -> list[torch.Tensor]:
+def executor_scenario(model: LlamaForCausalLM, attention: str, **options) -> list[torch.Tensor]:
     """Logits of six steps mixing several cold prefills, a cached prefix shared with another
     request, a chunked prefill, one-token prefills and ragged batched decodes. Tokens are
-    drawn from a seeded generator (not sampled), so every backend runs the same steps."""
-    ex = TorchExecutor.create(model, 512, attention=attention)
+    drawn from a seeded generator (not sampled), so every backend runs the same steps.
+    ``options``: more TorchExecutor.create arguments (static_decode=True: the decode-only
+    steps and the lone prefill run the static paths)."""
+    ex = TorchExecutor.create(model, 512, attention=attention, **options)
     rng = np.random.default_rng(7)
     free = list(rng.permutation(512))
 
@@ -207,10 +217,11 @@ def executor_scenario(model: LlamaForCausalLM, attention: str) -> list[torch.Ten
     return out
 
 
-def check_executor(attention: str, model: LlamaForCausalLM, atol: float = 1e-5) -> None:
-    """The scenario's logits with ``attention`` equal the gather path's."""
+def check_executor(attention: str, model: LlamaForCausalLM, atol: float = 1e-5, **options) -> None:
+    """The scenario's logits with ``attention`` (and executor ``options``) equal the gather
+    path's."""
     want = executor_scenario(model, "gather")
-    got = executor_scenario(model, attention)
+    got = executor_scenario(model, attention, **options)
     assert len(got) == len(want)
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         torch.testing.assert_close(g, w, atol=atol, rtol=0, msg=f"step {step}")
@@ -263,9 +274,13 @@ def check_compiles_for_sm90() -> None:
         types |= {"table_ptr": "*i64", "scale": "fp32"} | dict.fromkeys(
             ["stride_qt", "stride_qh", "stride_ot", "stride_oh", *strides], "i32"
         )
-        consts = dict(REP=4, HEAD_DIM=128, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, F32=f32)
-        ptx = _compile_sm90(kernels._prefill_kernel, types, consts)
-        assert f32 or "mma" in ptx, "the bf16 prefill kernel does not use tensor cores"
+        for splits in (1, 4):
+            mid = "*fp32" if splits > 1 else "*" + dtype
+            consts = dict(REP=4, HEAD_DIM=128, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, F32=f32)
+            consts |= dict(NUM_SPLITS=splits)
+            typed = types | {"mid_o_ptr": mid, "mid_lse_ptr": mid}
+            ptx = _compile_sm90(kernels._prefill_kernel, typed, consts)
+            assert f32 or "mma" in ptx, "the bf16 prefill kernel does not use tensor cores"
 
 
 def main(argv: list[str]) -> int:
@@ -279,7 +294,11 @@ def main(argv: list[str]) -> int:
     elif case == "prefill":
         check_prefill("triton", device)
     elif case == "executor":
-        check_executor("paged-triton", build_tiny_model(0, device=device))
+        model = build_tiny_model(0, device=device)
+        check_executor("paged-triton", model)
+        # the static paths over the Triton kernels: padded decode rows, and the lone
+        # 70-token prefill padded to its 128-row bucket (the kernel reads the true count)
+        check_executor("paged-triton", model, static_decode=True)
     elif case == "compile-sm90":
         check_compiles_for_sm90()
     else:

@@ -9,6 +9,7 @@ gpu-marked test runs the same checks on the compiled kernels in bfloat16 and flo
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -29,9 +30,12 @@ CASES = Path(__file__).with_name("fused_cases.py")
 
 def test_references_against_float64_oracles() -> None:
     """The torch references (what fused="torch" runs) on odd shapes, float32 and bfloat16:
-    the add-norm against the unrounded float64 formula, RoPE against a complex product."""
+    the add-norm against the unrounded float64 formula, RoPE against a complex product, the
+    SwiGLU gate against float64."""
     fused_cases.check_add_rmsnorm("torch", "cpu")
     fused_cases.check_rope("torch", "cpu")
+    fused_cases.check_silu_mul("torch", "cpu")
+    fused_cases.check_rope_write("torch", "cpu")
 
 
 def test_rmsnorm_reference_is_the_models() -> None:
@@ -116,6 +120,117 @@ def test_bad_inputs_are_refused() -> None:
         fused_ops.rope_("torch", q, k, torch.zeros(2, 8), torch.zeros(2, 8))
     with pytest.raises(ValueError, match="need q"):
         fused_ops.rope_("torch", q, torch.zeros(3, 2, 8), torch.zeros(2, 4), torch.zeros(2, 4))
+    kc = torch.zeros(5, 2, 8)
+    cos4 = torch.zeros(2, 4)
+    with pytest.raises(ValueError, match=r"rope_write_: v \(2, 3, 8\) must match k"):
+        fused_ops.rope_write_("torch", q, k, torch.zeros(2, 3, 8), cos4, cos4, kc, kc, q[:, 0, 0])
+    with pytest.raises(ValueError, match="do not hold rows of"):
+        fused_ops.rope_write_("torch", q, k, k, cos4, cos4, torch.zeros(5, 2, 4), kc, q[:, 0, 0])
+    with pytest.raises(ValueError, match="one slot per token"):
+        fused_ops.rope_write_("torch", q, k, k, cos4, cos4, kc, kc, torch.zeros(3).long())
+    with pytest.raises(ValueError, match=r"silu_mul: need \[\.\.\., 2 \* I\]"):
+        fused_ops.silu_mul("torch", torch.zeros(2, 7))
+
+
+# ---- q/k/v and gate/up as one matmul ------------------------------------------------------
+
+
+def _fused_logits(model, tokens: np.ndarray) -> torch.Tensor:
+    ex = TorchExecutor.create(model, 64, fused="torch")
+    item = ForwardItem("r", tokens, 0, np.arange(len(tokens)), SamplingParams(), True)
+    return ex.forward_logits([item], [])
+
+
+def test_projections_are_views_into_one_matmul_and_state_dicts_are_unchanged() -> None:
+    """An executor with fused kernels concatenates each layer's q/k/v and gate/up once; the
+    HF-named parameters become views into the concatenation (no second copy of the weights)
+    and the state dict keeps its keys, shapes and values."""
+    model = build_tiny_model(0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    size = sum(p.numel() for p in model.parameters())
+    TorchExecutor.create(model, 16, fused="torch")
+    after = model.state_dict()
+    assert list(after) == list(before)
+    for key, value in before.items():
+        assert torch.equal(after[key], value), key
+    assert sum(p.numel() for p in model.parameters()) == size
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    qkv, gate_up = attn._qkv, mlp._gate_up
+    assert qkv is not None and gate_up is not None
+    assert attn.q_proj.weight.data_ptr() == qkv.weight.data_ptr()
+    assert attn.v_proj.weight.data_ptr() == qkv.weight[-attn.v_proj.out_features :].data_ptr()
+    assert mlp.up_proj.weight.data_ptr() == gate_up.weight[mlp.gate_proj.out_features :].data_ptr()
+    # untouched by an unfused executor
+    plain = build_tiny_model(0)
+    TorchExecutor.create(plain, 16)
+    assert plain.model.layers[0].self_attn._qkv is None
+
+
+def test_fused_projections_follow_a_reload_and_a_dtype_change() -> None:
+    """Loading new weights in place reaches the concatenation (the parameters are views);
+    replacing the parameters (load_state_dict(assign=True), .to(dtype)) makes the next
+    fused forward concatenate again, so the fused logits always match the unfused ones."""
+    tokens = np.array([5, 9, 1, 44, 3, 7])
+    model = build_tiny_model(0)
+    fused = _fused_logits(model, tokens)
+    other = build_tiny_model(1)
+    with torch.inference_mode():
+        model.load_state_dict(other.state_dict())  # in place, into the views
+        want = TorchExecutor.create(other, 64).forward_logits(
+            [ForwardItem("r", tokens, 0, np.arange(6), SamplingParams(), True)], []
+        )
+        ex = TorchExecutor.create(model, 64, fused="torch")
+        got = ex.forward_logits(
+            [ForwardItem("r", tokens, 0, np.arange(6), SamplingParams(), True)], []
+        )
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    assert not torch.equal(got, fused)
+    # assign=True replaces the parameters: the old concatenation is stale and is rebuilt
+    third = build_tiny_model(2)
+    model.load_state_dict({k: v.clone() for k, v in third.state_dict().items()}, assign=True)
+    torch.testing.assert_close(
+        _fused_logits(model, tokens), _fused_logits(third, tokens), atol=0, rtol=0
+    )
+    # a dtype change replaces them too
+    model.to(torch.float64)
+    model.config = dataclasses.replace(model.config, dtype=torch.float64)
+    want64 = TorchExecutor.create(model, 64).forward_logits(
+        [ForwardItem("r", tokens, 0, np.arange(6), SamplingParams(), True)], []
+    )
+    got64 = _fused_logits(model, tokens)  # a stale float32 concatenation would not run
+    assert model.model.layers[0].mlp._gate_up.weight.dtype == torch.float64
+    # logits come back float32; the fused RoPE takes float32 tables: float32-level agreement
+    torch.testing.assert_close(got64, want64, atol=1e-5, rtol=0)
+
+
+def test_fused_projections_with_biases_match_unfused() -> None:
+    """attention_bias / mlp_bias models (Qwen2-style q/k/v biases): the concatenated bias
+    is added once to the one matmul, and the logits equal the unfused layers'."""
+    cfg = dataclasses.replace(tiny_config(), attention_bias=True, mlp_bias=True)
+    model = build_tiny_model(0, config=cfg)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(3)
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+    want = fused_cases.scenario(model, "gather")
+    got = fused_cases.scenario(model, "gather", fused="torch")
+    assert model.model.layers[0].self_attn._qkv.bias is not None
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=0, msg=f"step {step}")
+
+
+def test_save_hf_after_fusion(tmp_path: Path) -> None:
+    """A fused model's views share memory; save_hf still writes a checkpoint that loads
+    back to the same weights."""
+    from worker.engine.loader import load_model, save_hf
+
+    model = build_tiny_model(0)
+    TorchExecutor.create(model, 16, fused="torch")
+    save_hf(model, tmp_path / "m")
+    loaded = load_model(tmp_path / "m").model
+    for key, value in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
 
 
 def test_triton_refused_on_the_cpu_unless_interpreted(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -168,6 +283,8 @@ def test_fused_kernels_on_cuda() -> None:
     assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
     fused_cases.check_add_rmsnorm("triton", "cuda")
     fused_cases.check_rope("triton", "cuda")
+    fused_cases.check_silu_mul("triton", "cuda")
+    fused_cases.check_rope_write("triton", "cuda")
     model = build_tiny_model(0, device="cuda")
     fused_cases.check_model("triton", model, atol=1e-4)
     want = fused_cases.scenario(model, "paged")

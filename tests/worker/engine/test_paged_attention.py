@@ -121,3 +121,13 @@ def test_decode_splits_heuristic() -> None:
     assert pa.decode_splits(128, 8, 2048) == 1  # enough programs already
     assert pa.decode_splits(8, 8, 8192, sm_count=132) == 5
     assert pa.decode_splits(1, 1, 100_000) == 16  # capped
+
+
+def test_prefill_splits_heuristic() -> None:
+    # 64 new tokens after 8,000 cached on Llama-3-8B's 32 heads: one query block, 9 splits
+    assert pa.prefill_splits(1, 32, 8064) == 9
+    assert pa.prefill_splits(126, 32, 8064) == 1  # a cold 8k prefill fills the GPU already
+    assert pa.prefill_splits(1, 32, 200) == 1  # short contexts are not cut
+    assert pa.prefill_splits(2, 32, 1000) == 4  # at most ceil(1000 / 256) pieces
+    assert pa.prefill_splits(1, 1, 100_000) == 16  # capped
+    assert pa.prefill_splits(4, 32, 8064, sm_count=64) == 1  # 128 programs = 2 per SM
