@@ -118,24 +118,28 @@ def build_parser() -> argparse.ArgumentParser:
         "--attention",
         choices=ATTENTION_CHOICES,  # paged_attention's (which imports torch; a test checks)
         default=None,
-        help="torch: attention over the paged KV pool: gather (default: copy each request's "
-        "K/V out of the pool, then SDPA), paged (Triton kernels reading K/V through the slot "
-        "tables on CUDA, their torch reference elsewhere), paged-torch, paged-triton",
+        help="torch: attention over the paged KV pool: gather (copy each request's K/V out "
+        "of the pool, then SDPA), paged (Triton kernels reading K/V through the slot tables "
+        "on CUDA, their torch reference elsewhere), paged-torch, paged-triton (default: "
+        "paged on CUDA with triton, gather elsewhere)",
     )
     model.add_argument(
         "--cuda-graphs",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="torch on CUDA: run decode-only steps as CUDA graph replays, one graph per "
         "batch-size and context bucket, captured on first use (needs paged attention; "
-        "--attention defaults to paged with it); an error on a non-CUDA device",
+        "--attention defaults to paged with it); an error on a non-CUDA device (default: "
+        "on for CUDA with paged attention, off elsewhere)",
     )
     model.add_argument(
         "--fused-kernels",
         choices=FUSED_CHOICES,  # fused_ops' (a test checks)
         default=None,
-        help="torch: each layer's residual add fused into its RMSNorm and RoPE over q and k "
-        "in one pass: off (default), triton (Triton kernels; CUDA only), torch (the same "
-        "structure with torch ops)",
+        help="torch: each layer's residual add fused into its RMSNorm, RoPE with the KV "
+        "write, SwiGLU, q/k/v and gate/up as one matmul each: off, triton (Triton kernels; "
+        "CUDA only), torch (the same structure with torch ops) (default: triton on CUDA "
+        "with triton, off elsewhere)",
     )
     model.add_argument(
         "--kv-memory-fraction",
@@ -278,7 +282,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerServerConfig:
         raise ValueError(f"--torch-threads must be >= 0, got {args.torch_threads}")
     if args.kv_memory_fraction is not None and args.executor != "torch":
         raise ValueError("--kv-memory-fraction applies to --executor torch only")
-    if args.cuda_graphs and args.executor != "torch":
+    if args.cuda_graphs is not None and args.executor != "torch":
         raise ValueError("--cuda-graphs applies to --executor torch only")
     if args.fused_kernels is not None and args.executor != "torch":
         raise ValueError("--fused-kernels applies to --executor torch only")

@@ -353,7 +353,43 @@ def test_worker_cli_cuda_graphs_flag():
     assert args.cuda_graphs is True
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device, got 'cpu'"):
         build_server(args)
-    assert build_parser().parse_args([]).cuda_graphs is False
+    assert build_parser().parse_args([]).cuda_graphs is None  # by device
+    no = build_parser().parse_args(["--executor", "torch", "--no-cuda-graphs"])
+    assert no.cuda_graphs is False
+    bad = build_parser().parse_args(["--executor", "sim", "--no-cuda-graphs"])
+    with pytest.raises(ValueError, match="--cuda-graphs applies to --executor torch only"):
+        build_server(bad)
+
+
+def test_factory_defaults_by_device(monkeypatch: pytest.MonkeyPatch):
+    """The torch executor's speed options default by device: on the CPU gather, eager,
+    unfused; on CUDA with triton paged + CUDA graphs + fused Triton kernels (checked on a
+    GPU by test_factory_defaults_on_cuda); an explicit choice always wins."""
+    cpu, _ = build_executor("torch", num_kv_slots=32, device="cpu")
+    assert (cpu.attention, cpu.cuda_graphs, cpu.fused_impl) == ("gather", False, "off")
+    paged, _ = build_executor("torch", num_kv_slots=32, device="cpu", attention="paged")
+    assert (paged.attention, paged.cuda_graphs, paged.fused_impl) == ("paged", False, "off")
+    # what a CUDA machine picks, up to the executor (which needs the device itself)
+    from worker.engine import factory
+
+    seen = {}
+
+    def fake_build(model_dir, num_kv_slots, dev, seed, fraction, attention, graphs, fused):
+        seen.update(dev=dev, attention=attention, graphs=graphs, fused=fused)
+        return None, None
+
+    monkeypatch.setattr(factory, "_build_torch", fake_build)
+    monkeypatch.setattr(factory, "default_device", lambda: "cuda")
+    monkeypatch.setattr("worker.engine.paged_attention.triton_available", lambda: True)
+    build_executor("torch", num_kv_slots=32)
+    assert seen == dict(dev="cuda", attention="paged", graphs=True, fused="triton")
+    build_executor("torch", num_kv_slots=32, attention="gather")
+    assert (seen["attention"], seen["graphs"], seen["fused"]) == ("gather", False, "triton")
+    build_executor("torch", num_kv_slots=32, cuda_graphs=False, fused="off")
+    assert (seen["attention"], seen["graphs"], seen["fused"]) == ("paged", False, "off")
+    monkeypatch.setattr("worker.engine.paged_attention.triton_available", lambda: False)
+    build_executor("torch", num_kv_slots=32)  # CUDA without triton: the plain path
+    assert seen == dict(dev="cuda", attention="gather", graphs=False, fused="off")
 
 
 # ---- on CUDA -----------------------------------------------------------------------------
@@ -431,4 +467,19 @@ def test_engine_with_cuda_graphs_on_cuda():
                 tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
         return tokens
 
-    assert generate(cuda_graphs=True) == generate(attention="paged")
+    assert generate(cuda_graphs=True) == generate(attention="paged", cuda_graphs=False)
+
+
+@pytest.mark.gpu
+def test_factory_defaults_on_cuda():
+    """On a CUDA machine the factory's torch executor is paged + CUDA graphs + fused Triton
+    kernels unless told otherwise."""
+    assert torch.cuda.is_available(), "gpu tests need CUDA: run them on a GPU machine"
+    ex, _ = build_executor("torch", num_kv_slots=256)
+    assert ex.device.type == "cuda"
+    assert (ex.attention, ex.attention_impl, ex.cuda_graphs, ex.fused_impl) == (
+        "paged",
+        "triton",
+        True,
+        "triton",
+    )
