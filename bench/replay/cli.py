@@ -265,8 +265,10 @@ def build_parser() -> argparse.ArgumentParser:
         default="h100",
         metavar="NAME|FILE.json",
         help="sim mode: the simulated executor's step costs: h100 (a well-tuned engine, "
-        "derived; default), kvroute-h200 (our torch executor as issue 14 measured it), or a "
-        "bench/bench_gpu.py --json result (fitted)",
+        "derived; default), kvroute-h200 (our torch executor as issue 14 first measured "
+        "it), kvroute-h200-fused (the same executor with its CUDA defaults -- paged "
+        "attention, fused kernels, CUDA-graph decode -- measured on an H200 on 2026-12-04), "
+        "or a bench/bench_gpu.py --json result (fitted)",
     )
     add_strict_options(p)
     p.add_argument(

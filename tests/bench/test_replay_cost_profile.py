@@ -44,7 +44,7 @@ def test_unknown_profile_is_a_one_line_error(tmp_path: Path, capsys) -> None:
     trace = _trace(tmp_path / "t.jsonl")
     assert main(["--trace", str(trace), "--cost-profile", "a100"]) == 2
     err = capsys.readouterr().err
-    assert "cost profile must be one of ['h100', 'kvroute-h200']" in err
+    assert "cost profile must be one of ['h100', 'kvroute-h200', 'kvroute-h200-fused']" in err
     assert "Traceback" not in err
 
 
@@ -67,3 +67,34 @@ def test_measured_profile_reproduces_issue_14s_table() -> None:
     h = COST_PROFILES["h100"]  # the simulator column of the same table
     assert h.decode_cost_s(1, 2048) == pytest.approx(0.0082, abs=5e-5)
     assert h.prefill_cost_s(64, 8000) == pytest.approx(0.0032, abs=5e-5)
+
+
+def test_fused_profile_reproduces_the_2026_12_04_h200_run() -> None:
+    """kvroute-h200-fused is the fit of the shipped bench_gpu result's default-path columns
+    (cold prefill: paged+fused; decode and the cached step: paged+graphs+fused): it gives
+    back the measured steps."""
+    result = json.loads(
+        (
+            Path(bench_gpu.__file__).parent / "results/gpu/h200_2026-12-04_5_graphs_fused.json"
+        ).read_text()
+    )
+    by = result["steps_by_attention"]
+    median = {m["name"]: m["median_s"] for m in by["paged+fused"] if "cold" in m["name"]}
+    median |= {m["name"]: m["median_s"] for m in by["paged+graphs+fused"]}
+    m = COST_PROFILES["kvroute-h200-fused"]
+    floor = m.step_overhead_s
+    assert floor + m.decode_cost_s(1, 2048) == pytest.approx(median["decode_b1"], rel=1e-3)
+    assert floor + m.decode_cost_s(128, 128 * 2048) == pytest.approx(
+        median["decode_b128"], rel=1e-3
+    )
+    for n in (2048, 8064):
+        assert floor + m.prefill_cost_s(n, 0) == pytest.approx(
+            median[f"prefill_cold_{n}"], rel=1e-3
+        )
+    assert floor + m.prefill_cost_s(64, 8000) == pytest.approx(
+        median["prefill_cached_64_after_8000"], rel=1e-3
+    )
+    old = COST_PROFILES["kvroute-h200"]  # issue 14's first measurement of the same executor
+    assert (
+        floor + m.decode_cost_s(1, 2048) < (old.step_overhead_s + old.decode_cost_s(1, 2048)) / 10
+    )

@@ -34,7 +34,9 @@ derived, not measured)::
   prefill-only steps. Peak, not achieved, bandwidth: a floor, not an estimate.
 
 Other profiles (:data:`COST_PROFILES`, ``kvroute replay --cost-profile``): ``kvroute-h200``,
-our own torch executor as issue 14 measured it on one H200 (launch- and gather-bound), and
+our own torch executor as issue 14 measured it on one H200 (launch- and gather-bound);
+``kvroute-h200-fused``, the same executor after that issue's work (paged attention, fused
+kernels, CUDA-graph decode: its defaults on CUDA), measured on one H200 on 2026-12-04; and
 any ``bench/bench_gpu.py --json`` output, fitted by :meth:`SimCostModel.from_bench_gpu`.
 
 Tokens: ``token(request, k)`` for the k-th generated token is a 64-bit hash of the request's
@@ -162,6 +164,19 @@ class SimCostModel:
 _KVROUTE_H200_FLOOR = 0.065 - (0.081 - 0.065) / 127
 _KVROUTE_H200_TOK = (1.80 - _KVROUTE_H200_FLOOR - 8064 * 8064 / 2 * 1.31e-9) / 8064
 
+# bench_gpu on one H200, 2026-12-04 (bench/results/gpu/h200_2026-12-04_5_graphs_fused.json),
+# after issue 14's work, as the torch executor runs by default on CUDA: paged attention with
+# the fused Triton kernels, cold prefills eagerly (column paged+fused), decode and the lone
+# cached-prefix step as CUDA graph replays (paged+graphs+fused). Medians in seconds; fitted
+# as from_bench_gpu fits.
+_KVROUTE_H200_FUSED_STEPS = {
+    "prefill_cold_2048": 0.051203,
+    "prefill_cold_8064": 0.260010,
+    "prefill_cached_64_after_8000": 0.008005,
+    "decode_b1": 0.005087,
+    "decode_b128": 0.015388,
+}
+
 COST_PROFILES: dict[str, SimCostModel] = {
     "h100": SimCostModel(),
     "kvroute-h200": SimCostModel(
@@ -179,6 +194,12 @@ COST_PROFILES: dict[str, SimCostModel] = {
         )
         / 8000,
         weight_read_s=0.0,  # measured: its floor is step_overhead_s (65 ms)
+    ),
+    "kvroute-h200-fused": SimCostModel.from_bench_gpu(
+        {
+            "steps": [{"name": k, "median_s": v} for k, v in _KVROUTE_H200_FUSED_STEPS.items()],
+            "decode_context": 2048,
+        }
     ),
 }
 
