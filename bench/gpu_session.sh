@@ -19,8 +19,8 @@
 #     grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 opentelemetry-api \
 #     opentelemetry-sdk opentelemetry-semantic-conventions redis pytest-asyncio
 # PYTHON: the interpreter (default: python, else python3, as found on PATH).
-# PROBE_S / BENCH_S / TESTS_S: the time limits (seconds) of the probe, of each bench_gpu run
-# and of the tests. A step past its limit gets SIGTERM, then SIGKILL 5 s later, and the
+# PROBE_S / BENCH_S / TESTS_S / PROFILE_S: the time limits (seconds) of the probe, of each
+# bench_gpu run, of the tests and of the profile. A step past its limit gets SIGTERM, then SIGKILL 5 s later, and the
 # script goes on without waiting for it to exit (a process whose GPU kernel never ends may
 # not exit at all), so the whole script ends within the sum of the limits plus ~30 s.
 # Exit status: 0 when every step passed, else the first failing step's (124: a step ran out
@@ -31,6 +31,7 @@ WHEELS=${2:-}
 PROBE_S=${PROBE_S:-90}
 BENCH_S=${BENCH_S:-120}
 TESTS_S=${TESTS_S:-150}
+PROFILE_S=${PROFILE_S:-90}
 PY=${PYTHON:-$(command -v python || command -v python3)}
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
@@ -83,7 +84,8 @@ bounded "$BENCH_S" "$OUT/bench_gpu.txt" 40 \
 # (test_paged_attention_triton.py), CUDA-graph decode captured and replayed against the eager
 # static path and the regular one (test_decode_graph.py), the fused RMSNorm/RoPE kernels in
 # bf16 and fp32 (test_fused_ops.py), logits parity with transformers' Llama on CUDA through
-# every attention path (test_model_hf_parity.py)
+# every attention path (test_model_hf_parity.py), lone short prefills captured and replayed
+# (test_prefill_graph.py)
 bounded "$TESTS_S" "$OUT/pytest_gpu.txt" 25 \
   "$PY" -m pytest -m gpu -q -p no:cacheprovider --timeout 120 tests/worker/engine
 # 3. paged decode as CUDA graph replays (paged+graphs), and the fused RMSNorm/RoPE kernels
@@ -91,4 +93,8 @@ bounded "$TESTS_S" "$OUT/pytest_gpu.txt" 25 \
 bounded "$BENCH_S" "$OUT/bench_gpu_graphs.txt" 40 \
   "$PY" -m bench.bench_gpu --attention paged --cuda-graphs --fused \
   --json "$OUT/bench_gpu_graphs.json"
+# 4. where the time goes: per step the kernel time and count, host time, top kernels and top
+# Python functions (eager, and as graph replays)
+bounded "$PROFILE_S" "$OUT/gpu_profile.txt" 60 \
+  "$PY" -m bench.gpu_profile --json "$OUT/gpu_profile.json"
 exit "$status"
