@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -115,8 +115,107 @@ class Bucket:
     steps: int = 0
 
 
-class DecodeGraphRunner:
+class _StaticRunner:
+    """What the static decode and prefill runners share: the model, pool and device, the
+    attention and fused-ops implementations, the context buckets, the scratch slot, the
+    capturer and the last input copy."""
+
+    what = "static"
+    _buckets: dict[tuple[int, int], Any]  # the buckets made so far, by key
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        pool: KVPool,
+        device: torch.device,
+        impl: str,
+        *,
+        capture: bool,
+        sm_count: int,
+        min_context_bucket: int,
+        capturer: Capturer | None,
+        fused: str,
+    ) -> None:
+        if pool.scratch_slot is None:
+            raise ValueError(
+                f"kv_pool: {self.what} needs a pool with a scratch slot for its padding rows "
+                "(KVPoolConfig(scratch_slot=True); TorchExecutor.create makes one)"
+            )
+        if impl not in ("torch", "triton"):
+            raise ValueError(
+                f"{self.what} runs paged attention ('torch' or 'triton'), got {impl!r}"
+            )
+        if capture and capturer is None and device.type != "cuda":
+            raise ValueError(f"cuda_graphs: CUDA graphs need a CUDA device, got {device.type!r}")
+        self.model = model
+        self.pool = pool
+        self.device = device
+        self.impl = impl
+        self.fused = fused
+        self.capture = capture
+        self.sm_count = sm_count
+        self.context_buckets = context_buckets(
+            model.config.max_position_embeddings, min_context_bucket
+        )
+        self.scratch_slot: int = pool.scratch_slot
+        self._capturer = capturer
+        if capture and capturer is None:
+            self._capturer = CudaGraphCapturer(device)
+        self._copied: torch.cuda.Event | None = None  # the last host-to-device input copy
+
+    def _new_bucket(self, size: int, width: int) -> Any:
+        raise NotImplementedError
+
+    def _capture(self, bucket: Any) -> None:
+        raise NotImplementedError
+
+    def _forward(self, bucket: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _step(self, key: tuple[int, int], load: Callable[[Any], None]) -> Any:
+        """One step in bucket ``key`` (made on first use; captured first when capturing):
+        ``load(bucket)`` writes the step's inputs, then the graph replays (or the forward
+        runs eagerly). Returns the bucket, its ``logits`` the step's."""
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            bucket = self._buckets[key] = self._new_bucket(*key)
+        with torch.inference_mode():
+            if self.capture and bucket.graph is None:
+                self._capture(bucket)
+            load(bucket)
+            if bucket.graph is not None:
+                bucket.graph.replay()
+            else:
+                bucket.logits = self._forward(bucket)
+        bucket.steps += 1
+        assert bucket.logits is not None
+        return bucket
+
+    def _host(self, bucket: Any) -> np.ndarray:
+        """The bucket's host buffer to write, once the previous copy has read it."""
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous copy has read the pinned buffer
+        return bucket.host.numpy()
+
+    def _upload(self, bucket: Any) -> None:
+        """Copy the bucket's host buffer to the device (nothing to copy off CUDA)."""
+        if bucket.host is not bucket.device_buf:
+            bucket.device_buf.copy_(bucket.host, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    @staticmethod
+    def _sizes(name: str, sizes: Sequence[int]) -> tuple[int, ...]:
+        buckets = tuple(sorted(set(sizes)))
+        if not buckets or buckets[0] < 1:
+            raise ValueError(f"{name}: need sizes >= 1, got {tuple(sizes)}")
+        return buckets
+
+
+class DecodeGraphRunner(_StaticRunner):
     """Runs decode-only steps of ``model`` over ``pool`` in static-shape buckets."""
+
+    what = "static decode"
 
     def __init__(
         self,
@@ -135,37 +234,19 @@ class DecodeGraphRunner:
         """``capture``: replay graphs made by ``capturer`` (default: CUDA graphs, which need
         a CUDA device); else run every step eagerly. ``fused``: the model's fused-ops
         implementation (``PagedBatch.fused``)."""
-        if pool.scratch_slot is None:
-            raise ValueError(
-                "kv_pool: static decode needs a pool with a scratch slot for its padding rows "
-                "(KVPoolConfig(scratch_slot=True); TorchExecutor.create makes one)"
-            )
-        if impl not in ("torch", "triton"):
-            raise ValueError(
-                f"static decode runs paged attention ('torch' or 'triton'), got {impl!r}"
-            )
-        if capture and capturer is None and device.type != "cuda":
-            raise ValueError(f"cuda_graphs: CUDA graphs need a CUDA device, got {device.type!r}")
-        buckets = tuple(sorted(set(batch_buckets)))
-        if not buckets or buckets[0] < 1:
-            raise ValueError(f"batch_buckets: need sizes >= 1, got {tuple(batch_buckets)}")
-        self.model = model
-        self.pool = pool
-        self.device = device
-        self.impl = impl
-        self.fused = fused
-        self.capture = capture
-        self.sm_count = sm_count
-        self.batch_buckets = buckets
-        self.context_buckets = context_buckets(
-            model.config.max_position_embeddings, min_context_bucket
+        super().__init__(
+            model,
+            pool,
+            device,
+            impl,
+            capture=capture,
+            sm_count=sm_count,
+            min_context_bucket=min_context_bucket,
+            capturer=capturer,
+            fused=fused,
         )
-        self.scratch_slot: int = pool.scratch_slot
-        self._buckets: dict[tuple[int, int], Bucket] = {}
-        self._capturer = capturer
-        if capture and capturer is None:
-            self._capturer = CudaGraphCapturer(device)
-        self._copied: torch.cuda.Event | None = None  # the last host-to-device input copy
+        self.batch_buckets = self._sizes("batch_buckets", batch_buckets)
+        self._buckets = {}
 
     @property
     def max_batch(self) -> int:
@@ -202,19 +283,7 @@ class DecodeGraphRunner:
         key = self.bucket_key(n, int(positions.max()) + 1)
         if key is None:
             raise ValueError(f"static decode: {n} rows do not fit a bucket of {self.batch_buckets}")
-        bucket = self._buckets.get(key)
-        if bucket is None:
-            bucket = self._buckets[key] = self._new_bucket(*key)
-        with torch.inference_mode():
-            if self.capture and bucket.graph is None:
-                self._capture(bucket)
-            self._load(bucket, token_ids, positions, slots)
-            if bucket.graph is not None:
-                bucket.graph.replay()
-            else:
-                bucket.logits = self._forward(bucket)
-        bucket.steps += 1
-        assert bucket.logits is not None
+        bucket = self._step(key, lambda b: self._load(b, token_ids, positions, slots))
         return bucket.logits[:n]
 
     def _new_bucket(self, batch: int, width: int) -> Bucket:
@@ -249,10 +318,8 @@ class DecodeGraphRunner:
         """Write the step into the bucket's host buffer and copy it to the device. Rows past
         n become padding; table entries past a row's context keep old (valid) slots, which
         the attention never reads (its length masks them)."""
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous copy has read the pinned buffer
+        host = self._host(bucket)
         batch, n = bucket.batch, len(token_ids)
-        host = bucket.host.numpy()
         host[:n] = token_ids
         host[n:batch] = 0
         host[batch : batch + n] = positions
@@ -261,10 +328,7 @@ class DecodeGraphRunner:
         for row, ctx in enumerate(slots):
             table[row, : len(ctx)] = ctx
         table[n:, 0] = self.scratch_slot
-        if bucket.host is not bucket.device_buf:
-            bucket.device_buf.copy_(bucket.host, non_blocking=True)
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+        self._upload(bucket)
 
     def _forward(self, bucket: Bucket) -> torch.Tensor:
         """The step's forward, reading only the bucket's buffers (what a graph captures)."""
@@ -320,7 +384,7 @@ class PrefillBucket:
     steps: int = 0
 
 
-class PrefillGraphRunner:
+class PrefillGraphRunner(_StaticRunner):
     """Runs a step that is one prefill item alone (no decode rows) of at most the largest
     token bucket, in static-shape buckets (T new tokens, W context), as graph replays.
 
@@ -331,6 +395,8 @@ class PrefillGraphRunner:
     true length from the device buffers, so they attend to nothing real and no real row
     reads them. The paged prefill kernel's launch is fixed per bucket (T / 64 query blocks,
     key splits sized for W)."""
+
+    what = "static prefill"
 
     def __init__(
         self,
@@ -348,36 +414,21 @@ class PrefillGraphRunner:
     ) -> None:
         """As DecodeGraphRunner; CUDA graphs need the Triton kernels (the torch reference
         builds host-side index tensors per call, which a capture cannot hold)."""
-        if pool.scratch_slot is None:
-            raise ValueError(
-                "kv_pool: static prefill needs a pool with a scratch slot for its padding rows"
-            )
-        if impl not in ("torch", "triton"):
-            raise ValueError(f"static prefill runs paged attention, got {impl!r}")
         if capture and impl != "triton" and device.type == "cuda":
             raise ValueError("static prefill: CUDA graph capture needs the Triton prefill kernel")
-        if capture and capturer is None and device.type != "cuda":
-            raise ValueError(f"cuda_graphs: CUDA graphs need a CUDA device, got {device.type!r}")
-        buckets = tuple(sorted(set(token_buckets)))
-        if not buckets or buckets[0] < 1:
-            raise ValueError(f"token_buckets: need sizes >= 1, got {tuple(token_buckets)}")
-        self.model = model
-        self.pool = pool
-        self.device = device
-        self.impl = impl
-        self.fused = fused
-        self.capture = capture
-        self.sm_count = sm_count
-        self.token_buckets = buckets
-        self.context_buckets = context_buckets(
-            model.config.max_position_embeddings, min_context_bucket
+        super().__init__(
+            model,
+            pool,
+            device,
+            impl,
+            capture=capture,
+            sm_count=sm_count,
+            min_context_bucket=min_context_bucket,
+            capturer=capturer,
+            fused=fused,
         )
-        self.scratch_slot: int = pool.scratch_slot
-        self._buckets: dict[tuple[int, int], PrefillBucket] = {}
-        self._capturer = capturer
-        if capture and capturer is None:
-            self._capturer = CudaGraphCapturer(device)
-        self._copied: torch.cuda.Event | None = None
+        self.token_buckets = self._sizes("token_buckets", token_buckets)
+        self._buckets = {}
 
     @property
     def buckets(self) -> dict[tuple[int, int], PrefillBucket]:
@@ -400,19 +451,7 @@ class PrefillGraphRunner:
         key = self.bucket_key(n, start_pos + n)
         if key is None:
             raise ValueError(f"static prefill: {n} new tokens at {start_pos} fit no bucket")
-        bucket = self._buckets.get(key)
-        if bucket is None:
-            bucket = self._buckets[key] = self._new_bucket(*key)
-        with torch.inference_mode():
-            if self.capture and bucket.graph is None:
-                self._capture(bucket)
-            self._load(bucket, token_ids, start_pos, slots)
-            if bucket.graph is not None:
-                bucket.graph.replay()
-            else:
-                bucket.logits = self._forward(bucket)
-        bucket.steps += 1
-        assert bucket.logits is not None
+        bucket = self._step(key, lambda b: self._load(b, token_ids, start_pos, slots))
         return bucket.logits
 
     def _new_bucket(self, tokens: int, width: int) -> PrefillBucket:
@@ -439,10 +478,8 @@ class PrefillGraphRunner:
     def _load(
         self, bucket: PrefillBucket, token_ids: np.ndarray, start_pos: int, slots: np.ndarray
     ) -> None:
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous copy has read the pinned buffer
+        host = self._host(bucket)
         t, w, n = bucket.tokens, bucket.width, len(token_ids)
-        host = bucket.host.numpy()
         host[:n] = token_ids
         host[n:t] = 0
         host[t : t + n] = np.arange(start_pos, start_pos + n)
@@ -454,10 +491,7 @@ class PrefillGraphRunner:
         table[:context] = slots[:context]
         table[context:] = slots[0] if context else self.scratch_slot
         host[3 * t + w :] = (0, n, start_pos, context, max(n - 1, 0))
-        if bucket.host is not bucket.device_buf:
-            bucket.device_buf.copy_(bucket.host, non_blocking=True)
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+        self._upload(bucket)
 
     def _forward(self, bucket: PrefillBucket) -> torch.Tensor:
         """The step's forward, reading only the bucket's buffers (what a graph captures)."""

@@ -105,7 +105,8 @@ def _rope_rows(
     BLOCK_HALF: tl.constexpr,
     RNE: tl.constexpr,
 ):
-    """Rotate rows block * BLOCK_R ... of x (row r: token r // HEADS, head r % HEADS)."""
+    """Rotate rows block * BLOCK_R ... of x in place (row r: token r // HEADS, head
+    r % HEADS); returns the rotated halves, the rows' token and head, and the mask."""
     rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_HALF)
     mask = (rows < n_rows)[:, None] & (cols < HALF)[None, :]
@@ -118,8 +119,11 @@ def _rope_rows(
     c = tl.load(cos_ptr + trig, mask=mask, other=0.0)
     s = tl.load(sin_ptr + trig, mask=mask, other=0.0)
     a, b = x1.to(tl.float32), x2.to(tl.float32)
-    tl.store(base, _to(a * c - b * s, x1.dtype, RNE), mask=mask)
-    tl.store(base + HALF, _to(b * c + a * s, x1.dtype, RNE), mask=mask)
+    y1 = _to(a * c - b * s, x1.dtype, RNE)
+    y2 = _to(b * c + a * s, x1.dtype, RNE)
+    tl.store(base, y1, mask=mask)
+    tl.store(base + HALF, y2, mask=mask)
+    return y1, y2, tok, head, mask
 
 
 @triton.jit
@@ -231,21 +235,22 @@ def _rope_write_kernel(
             RNE,
         )
     elif pid < q_blocks + k_blocks:  # k rows: rotated in place and into the cache
+        y1, y2, tok, head, mask = _rope_rows(
+            k_ptr,
+            cos_ptr,
+            sin_ptr,
+            pid - q_blocks,
+            n_k_rows,
+            stride_kt,
+            stride_kh,
+            stride_c,
+            K_HEADS,
+            HALF,
+            BLOCK_R,
+            BLOCK_HALF,
+            RNE,
+        )
         rows = (pid - q_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)
-        mask = (rows < n_k_rows)[:, None] & (cols < HALF)[None, :]
-        tok = (rows // K_HEADS).to(tl.int64)
-        head = (rows % K_HEADS).to(tl.int64)
-        src = k_ptr + (tok * stride_kt + head * stride_kh)[:, None] + cols[None, :]
-        x1 = tl.load(src, mask=mask, other=0.0)
-        x2 = tl.load(src + HALF, mask=mask, other=0.0)
-        trig = tok[:, None] * stride_c + cols[None, :]
-        c = tl.load(cos_ptr + trig, mask=mask, other=0.0)
-        s = tl.load(sin_ptr + trig, mask=mask, other=0.0)
-        a, b = x1.to(tl.float32), x2.to(tl.float32)
-        y1 = _to(a * c - b * s, x1.dtype, RNE)
-        y2 = _to(b * c + a * s, x1.dtype, RNE)
-        tl.store(src, y1, mask=mask)
-        tl.store(src + HALF, y2, mask=mask)
         slot = tl.load(slots_ptr + tok, mask=rows < n_k_rows, other=0).to(tl.int64)
         dst = kc_ptr + (slot * stride_kcs + head * stride_kch)[:, None] + cols[None, :]
         tl.store(dst, y1.to(kc_ptr.dtype.element_ty), mask=mask)

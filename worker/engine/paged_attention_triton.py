@@ -307,6 +307,36 @@ def _sm_count(device: torch.device) -> int:
     return _sm_count_of(device.type, index)
 
 
+def _split_buffers(
+    out: torch.Tensor, num_splits: int, block_d: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The splits' partial outputs float32 [rows, H, S, BLOCK_D] and log-sum-exps
+    [rows, H, S] for ``out`` [rows, H, D] (``out`` itself, unread, with one split)."""
+    if num_splits == 1:
+        return out, out
+    rows, heads = out.shape[0], out.shape[1]
+    mid_o = torch.empty(rows, heads, num_splits, block_d, dtype=torch.float32, device=out.device)
+    mid_lse = torch.empty(rows, heads, num_splits, dtype=torch.float32, device=out.device)
+    return mid_o, mid_lse
+
+
+def _combine(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor) -> None:
+    """Merge the splits of ``_split_buffers`` into ``out``, row by row and head by head."""
+    rows, heads, splits, block_d = mid_o.shape
+    _combine_kernel[(rows, heads)](
+        mid_o,
+        mid_lse,
+        out,
+        out.stride(0),
+        out.stride(1),
+        NUM_HEADS=heads,
+        HEAD_DIM=out.shape[2],
+        NUM_SPLITS=splits,
+        BLOCK_S=_pow2(splits, 2),
+        BLOCK_D=block_d,
+    )
+
+
 def _pow2(n: int, floor: int = 16) -> int:
     return max(floor, triton.next_power_of_2(n))
 
@@ -342,7 +372,7 @@ def decode_triton(
 ) -> torch.Tensor:
     """Paged decode attention (same contract as ``paged_attention.decode_torch``)."""
     rep = _check_pool(q, k_cache, v_cache)
-    bsz, heads, dim = q.shape
+    bsz, _, dim = q.shape
     kv_heads = k_cache.shape[1]
     if slot_table.stride(1) != 1:
         slot_table = slot_table.contiguous()
@@ -351,11 +381,7 @@ def decode_triton(
         num_splits = decode_splits(bsz, kv_heads, slot_table.shape[1], sm_count=sms)
     block_d = _pow2(dim)
     out = torch.empty_like(q)
-    if num_splits > 1:
-        mid_o = torch.empty(bsz, heads, num_splits, block_d, dtype=torch.float32, device=q.device)
-        mid_lse = torch.empty(bsz, heads, num_splits, dtype=torch.float32, device=q.device)
-    else:
-        mid_o = mid_lse = out  # not read
+    mid_o, mid_lse = _split_buffers(out, num_splits, block_d)
     _decode_kernel[(bsz, kv_heads, num_splits)](
         q,
         k_cache,
@@ -384,18 +410,7 @@ def decode_triton(
         F32=_use_f32(q, k_cache),
     )
     if num_splits > 1:
-        _combine_kernel[(bsz, heads)](
-            mid_o,
-            mid_lse,
-            out,
-            out.stride(0),
-            out.stride(1),
-            NUM_HEADS=heads,
-            HEAD_DIM=dim,
-            NUM_SPLITS=num_splits,
-            BLOCK_S=_pow2(num_splits, 2),
-            BLOCK_D=block_d,
-        )
+        _combine(mid_o, mid_lse, out)
     return out
 
 
@@ -426,13 +441,7 @@ def prefill_triton(
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     block_d = _pow2(dim)
     out = torch.empty_like(q)
-    if num_splits > 1:
-        mid_o = torch.empty(
-            tokens, heads, num_splits, block_d, dtype=torch.float32, device=q.device
-        )
-        mid_lse = torch.empty(tokens, heads, num_splits, dtype=torch.float32, device=q.device)
-    else:
-        mid_o = mid_lse = out  # not read
+    mid_o, mid_lse = _split_buffers(out, num_splits, block_d)
     table = plan.slot_table
     _prefill_kernel[(num_blocks, heads, num_splits)](
         q,
@@ -465,16 +474,5 @@ def prefill_triton(
         NUM_SPLITS=num_splits,
     )
     if num_splits > 1:
-        _combine_kernel[(tokens, heads)](
-            mid_o,
-            mid_lse,
-            out,
-            out.stride(0),
-            out.stride(1),
-            NUM_HEADS=heads,
-            HEAD_DIM=dim,
-            NUM_SPLITS=num_splits,
-            BLOCK_S=_pow2(num_splits, 2),
-            BLOCK_D=block_d,
-        )
+        _combine(mid_o, mid_lse, out)
     return out

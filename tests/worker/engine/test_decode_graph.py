@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 import torch
+from stand_in_graphs import StandInCapturer
 
 from worker.engine.decode_graph import DecodeGraphRunner, bucket_of, context_buckets
 from worker.engine.engine import Engine, EngineConfig
@@ -36,28 +37,6 @@ GREEDY = SamplingParams()
 @pytest.fixture(scope="module")
 def model() -> LlamaForCausalLM:
     return build_tiny_default(seed=0)
-
-
-class StandInCapturer:
-    """What a CUDA graph does, on the CPU: ``capture`` runs the forward (the warm-up) and
-    keeps its output tensor; each replay recomputes the forward from the buffers as they
-    are then and writes the result into that same tensor."""
-
-    def __init__(self) -> None:
-        self.captures = 0
-        self.replays = 0
-
-    def capture(self, forward):
-        self.captures += 1
-        out = forward()
-        outer = self
-
-        class Replay:
-            def replay(self) -> None:
-                outer.replays += 1
-                out.copy_(forward())
-
-        return Replay(), out
 
 
 def with_stand_in_graphs(ex: TorchExecutor) -> StandInCapturer:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from stand_in_graphs import StandInCapturer
 
 from worker.engine.decode_graph import DEFAULT_PREFILL_BUCKETS, PrefillGraphRunner
 from worker.engine.model import LlamaForCausalLM, build_tiny_model
@@ -26,27 +27,6 @@ GREEDY = SamplingParams()
 @pytest.fixture(scope="module")
 def model() -> LlamaForCausalLM:
     return build_tiny_model(0)
-
-
-class StandInCapturer:
-    """A CUDA graph's contract on the CPU: capture runs the forward once and keeps its
-    output; each replay recomputes it from the buffers as they are then, into that tensor."""
-
-    def __init__(self) -> None:
-        self.captures = 0
-        self.replays = 0
-
-    def capture(self, forward):
-        self.captures += 1
-        out = forward()
-        outer = self
-
-        class Replay:
-            def replay(self) -> None:
-                outer.replays += 1
-                out.copy_(forward())
-
-        return Replay(), out
 
 
 # (cached prefix, new tokens): cold prefills of 1, 15, 16, 17 and 64 tokens (one query
