@@ -5,6 +5,8 @@ download) with the project's ``LlamaForCausalLM`` + ``TorchExecutor`` and measur
 
 * ``prefill_cold``: one cold prefill of 2,048 and of 8,064 tokens (tokens/s);
 * ``prefill_cached``: 64 new tokens after 8,000 cached (the step a cache hit leaves);
+* ``mixed``: those 64 tokens in one step with a decode batch of 32 at 2,048 tokens of
+  context (a busy worker's step: a cache hit joining running requests);
 * ``decode``: one decode step at batch 1 / 8 / 32 / 128, every request at 2,048 tokens of
   context, and the tokens/s of the full batch;
 * the roofline of each: max(bytes moved / HBM bandwidth, FLOPs / peak FLOP/s) -- weights
@@ -118,6 +120,7 @@ class Sizes:
     cached_new: int = 64
     decode_context: int = 2048
     decode_batches: tuple[int, ...] = (1, 8, 32, 128)
+    mixed_decode_batch: int = 32  # decode rows beside the cached prefill in the mixed step
     parity_prefix: int = 8000
     parity_new_tokens: int = 16
     repeats: int = 5
@@ -129,6 +132,7 @@ SMOKE_SIZES = Sizes(
     cached_new=16,
     decode_context=128,
     decode_batches=(1, 4),
+    mixed_decode_batch=4,
     parity_prefix=192,
     parity_new_tokens=4,
     repeats=2,
@@ -383,13 +387,23 @@ def run_steps(
     measure(name, [item], [], [sizes.cached_new], [n_ctx], sizes.cached_new)
     ctx = sizes.decode_context
     _fill_pool_random(first, max(sizes.decode_batches) * ctx, seed)
-    for b in sizes.decode_batches:
+
+    def decode_items(b: int) -> list[ForwardItem]:
         items = []
         for i in range(b):
             slots = all_slots[i * ctx : (i + 1) * ctx]
             last = rng.integers(0, vocab, ctx, dtype=np.int64)
             items.append(ForwardItem(f"d{i}", last[ctx - 1 :], ctx - 1, slots, GREEDY, True, 0))
-        measure(f"decode_b{b}", [], items, [1] * b, [ctx] * b, b)
+        return items
+
+    # A busy worker's step: the cached prefill beside a decode batch (one eager forward on
+    # every column: no static path takes a prefill with decode rows).
+    b = sizes.mixed_decode_batch
+    name = f"mixed_{sizes.cached_new}_after_{sizes.cached_prefix}_plus_decode_b{b}"
+    new_tokens = [sizes.cached_new] + [1] * b
+    measure(name, [item], decode_items(b), new_tokens, [n_ctx] + [ctx] * b, sum(new_tokens))
+    for b in sizes.decode_batches:
+        measure(f"decode_b{b}", [], decode_items(b), [1] * b, [ctx] * b, b)
     return out
 
 
@@ -584,17 +598,17 @@ def print_report(result: dict, stream: TextIO | None = None) -> None:
         file=stream,
     )
     cols = "".join(f" {n[:18] + ' ms':>21} {'x roof':>7}" for n in names)
-    print(f"{'step':<32} {'roofline ms':>12}{cols} {'target ms':>10}", file=stream)
+    print(f"{'step':<36} {'roofline ms':>12}{cols} {'target ms':>10}", file=stream)
     by_attention = {
         name: {m["name"]: m for m in steps} for name, steps in result["steps_by_attention"].items()
     }
     for m in result["steps_by_attention"][names[0]]:
         roof = m["roofline_s"]
         roof_ms = f"{roof * 1e3:12.2f}" if roof else "           -"
-        row = f"{m['name']:<32} {roof_ms}"
+        row = f"{m['name']:<36} {roof_ms}"
         for name in names:
             other = by_attention[name].get(m["name"])
-            if other is None:  # a +graphs column times decode steps only
+            if other is None:  # a +graphs column times its static steps only
                 row += f" {'-':>21} {'-':>7}"
                 continue
             median = other["median_s"]

@@ -17,6 +17,7 @@ SMOKE_STEPS = [
     "prefill_cold_64",
     "prefill_cold_256",
     "prefill_cached_16_after_192",
+    "mixed_16_after_192_plus_decode_b4",
     "decode_b1",
     "decode_b4",
 ]
@@ -43,6 +44,7 @@ def test_smoke_run_writes_every_figure(tmp_path: Path, capsys: pytest.CaptureFix
             assert m["roofline_s"] == max(m["bytes"] / 1e11, m["flops"] / 1e12)
             assert m["target_s"] is None  # the targets are for the 8B shape only
         assert steps["decode_b4"]["tokens"] == 4
+        assert steps["mixed_16_after_192_plus_decode_b4"]["tokens"] == 16 + 4
         rate = result["decode_full_batch_tokens_s_by_attention"][attention]
         assert rate == steps["decode_b4"]["tokens_per_s"]
         parity = dict(result["parity_by_attention"][attention])
@@ -131,6 +133,7 @@ def test_llama3_8b_shape_on_cuda(tmp_path: Path) -> None:
             "prefill_cold_2048",
             "prefill_cold_8064",
             "prefill_cached_64_after_8000",
+            "mixed_64_after_8000_plus_decode_b32",
             "decode_b1",
             "decode_b8",
             "decode_b32",
