@@ -127,8 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--cuda-graphs",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="torch on CUDA: run decode-only steps as CUDA graph replays, one graph per "
-        "batch-size and context bucket, captured on first use (needs paged attention; "
+        help="torch on CUDA: run decode-only steps, and a prefill of <= 512 tokens alone, as "
+        "CUDA graph replays, one graph per size and context bucket, captured on first use "
+        "(needs paged attention; "
         "--attention defaults to paged with it); an error on a non-CUDA device (default: "
         "on for CUDA with paged attention, off elsewhere)",
     )
