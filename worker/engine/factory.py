@@ -56,17 +56,18 @@ def build_executor(
 
     The torch executor's three speed options default by device (``None``): on CUDA with
     triton installed (torch's CUDA builds bring it) the fastest measured combination --
-    paged attention, CUDA-graph decode, the fused Triton kernels (bench_gpu on an H200:
-    decode at batch 1 about 5 x faster than gather eagerly, greedy output cached vs cold
-    identical); anywhere else the gather path, eagerly, unfused (the CPU's fastest, and
-    what the CPU tests compare with).
+    paged attention, CUDA graphs, the fused Triton kernels (bench_gpu on an H200: a decode
+    step at batch 1 5.5 ms against gather's 39 ms, greedy output cached vs cold identical);
+    anywhere else the gather path, eagerly, unfused (the CPU's fastest, and what the CPU
+    tests compare with).
 
     ``attention`` (torch only): how the model attends over the paged KV pool (one of
     ``paged_attention.ATTENTION_CHOICES``; None: "paged" on CUDA or with ``cuda_graphs``,
     else "gather").
 
-    ``cuda_graphs`` (torch on CUDA only): decode-only steps replay CUDA graphs captured per
-    batch-size and context bucket (``TorchExecutor(cuda_graphs=True)``); ValueError on a
+    ``cuda_graphs`` (torch on CUDA only): decode-only steps, and a short prefill alone,
+    replay CUDA graphs captured per size and context bucket
+    (``TorchExecutor(cuda_graphs=True)``); ValueError on a
     device that is not CUDA, or with ``attention="gather"``. None: on for CUDA with paged
     attention, else off.
 
