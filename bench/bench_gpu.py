@@ -479,6 +479,7 @@ def run(
     attention: tuple[str, ...] = ("gather", "paged"),
     cuda_graphs: bool = False,
     fused: bool = False,
+    graph_warmup: bool = False,
 ) -> dict:
     """Every figure as a dict (what ``--json`` writes). ``cuda_graphs``: also each paged
     option's decode with CUDA graphs (the static decode path run eagerly off CUDA).
@@ -531,6 +532,22 @@ def run(
     shape = Shape.of(model)
     specs = device_specs(device, hbm_gbps, peak_tflops)
     progress(f"executors: {', '.join(labels)}")
+    warmup: dict[str, dict] = {}
+    if graph_warmup:  # every graph bucket captured before the timing, as a worker would
+        for label, ex in executors.items():
+            if ex.decode_graphs is None or not ex.decode_graphs.capture:
+                continue
+            _sync(device)
+            before = torch.cuda.memory_allocated(device) if on_cuda else 0
+            t0 = time.perf_counter()
+            captured = ex.capture_graphs(model.config.max_position_embeddings)
+            _sync(device)
+            warmup[label] = {
+                "graphs": captured,
+                "seconds": round(time.perf_counter() - t0, 3),
+                "memory_bytes": (torch.cuda.memory_allocated(device) if on_cuda else 0) - before,
+            }
+            progress(f"{label}: {captured} graphs captured in {warmup[label]['seconds']:.1f} s")
     steps = run_steps(executors, shape, specs, sizes, seed, targets=not smoke)
     parity = {}
     for name, ex in executors.items():
@@ -561,6 +578,7 @@ def run(
         "fused_impl": {name: ex.fused_impl for name, ex in executors.items()},
         "decode_path": decode_path,
         "graph_buckets": {k: [list(key) for key in v] for k, v in graphs.items()},
+        "graph_warmup": warmup,
         "prefill_graph_buckets": {
             label: sorted(list(key) for key in ex.prefill_graphs.buckets)
             for label, ex in executors.items()
@@ -679,6 +697,13 @@ def main(argv: list[str] | None = None) -> int:
         help="also time each paged column with the fused RMSNorm/RoPE kernels (column "
         "'<column>+fused'; off CUDA their torch reference runs)",
     )
+    p.add_argument(
+        "--graph-warmup",
+        action="store_true",
+        help="with --cuda-graphs on CUDA: capture every graph bucket of each graph column "
+        "up to the model's context before timing (what `kvroute worker "
+        "--graph-warmup-context` does), and report the graphs, seconds and GPU memory it took",
+    )
     args = p.parse_args(argv)
     attention = tuple(a.strip() for a in args.attention.split(",") if a.strip())
     bad = [a for a in attention if a not in ATTENTION_CHOICES]
@@ -707,6 +732,7 @@ def main(argv: list[str] | None = None) -> int:
         attention=attention,
         cuda_graphs=args.cuda_graphs,
         fused=args.fused,
+        graph_warmup=args.graph_warmup,
     )
     print_report(result)
     if args.json:

@@ -20,9 +20,10 @@
 #     opentelemetry-sdk opentelemetry-semantic-conventions redis pytest-asyncio
 # PYTHON: the interpreter (default: python, else python3, as found on PATH).
 # PROBE_S / BENCH_S / TESTS_S / PROFILE_S: the time limits (seconds) of the probe, of each
-# bench_gpu run, of the tests and of the profile. A step past its limit gets SIGTERM, then SIGKILL 5 s later, and the
-# script goes on without waiting for it to exit (a process whose GPU kernel never ends may
-# not exit at all), so the whole script ends within the sum of the limits plus ~30 s.
+# bench_gpu run (the graph-warmup one gets 60 s more), of the tests and of the profile. A
+# step past its limit gets SIGTERM, then SIGKILL 5 s later, and the script goes on without
+# waiting for it to exit (a process whose GPU kernel never ends may not exit at all), so the
+# whole script ends within the sum of the limits plus ~30 s.
 # Exit status: 0 when every step passed, else the first failing step's (124: a step ran out
 # of time).
 set -uo pipefail
@@ -31,7 +32,7 @@ WHEELS=${2:-}
 PROBE_S=${PROBE_S:-90}
 BENCH_S=${BENCH_S:-120}
 TESTS_S=${TESTS_S:-150}
-PROFILE_S=${PROFILE_S:-90}
+PROFILE_S=${PROFILE_S:-60}
 PY=${PYTHON:-$(command -v python || command -v python3)}
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
@@ -89,9 +90,10 @@ bounded "$BENCH_S" "$OUT/bench_gpu.txt" 40 \
 bounded "$TESTS_S" "$OUT/pytest_gpu.txt" 25 \
   "$PY" -m pytest -m gpu -q -p no:cacheprovider --timeout 120 tests/worker/engine
 # 3. paged decode as CUDA graph replays (paged+graphs), and the fused RMSNorm/RoPE kernels
-# (paged+fused: every step; paged+graphs+fused: decode)
-bounded "$BENCH_S" "$OUT/bench_gpu_graphs.txt" 40 \
-  "$PY" -m bench.bench_gpu --attention paged --cuda-graphs --fused \
+# (paged+fused: every step; paged+graphs+fused: decode and the lone cached prefill), every
+# graph bucket captured first (--graph-warmup: how long and how much memory that takes)
+bounded "$((BENCH_S + 60))" "$OUT/bench_gpu_graphs.txt" 40 \
+  "$PY" -m bench.bench_gpu --attention paged --cuda-graphs --fused --graph-warmup \
   --json "$OUT/bench_gpu_graphs.json"
 # 4. where the time goes: per step the kernel time and count, host time, top kernels and top
 # Python functions (eager, and as graph replays)

@@ -134,6 +134,15 @@ def build_parser() -> argparse.ArgumentParser:
         "on for CUDA with paged attention, off elsewhere)",
     )
     model.add_argument(
+        "--graph-warmup-context",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="torch with CUDA graphs: capture every graph bucket (decode batch sizes, lone "
+        "prefill sizes) whose context width is at most TOKENS before serving, instead of on "
+        "each bucket's first step, which then pays the capture (default 0: on first use)",
+    )
+    model.add_argument(
         "--fused-kernels",
         choices=FUSED_CHOICES,  # fused_ops' (a test checks)
         default=None,
@@ -287,6 +296,10 @@ def config_from_args(args: argparse.Namespace) -> WorkerServerConfig:
         raise ValueError("--cuda-graphs applies to --executor torch only")
     if args.fused_kernels is not None and args.executor != "torch":
         raise ValueError("--fused-kernels applies to --executor torch only")
+    if args.graph_warmup_context < 0:
+        raise ValueError(f"--graph-warmup-context must be >= 0, got {args.graph_warmup_context}")
+    if args.graph_warmup_context and args.executor != "torch":
+        raise ValueError("--graph-warmup-context applies to --executor torch only")
     if args.default_max_new_tokens < 1:
         raise ValueError(
             f"--default-max-new-tokens must be >= 1, got {args.default_max_new_tokens}"
@@ -359,6 +372,19 @@ def build_server(args: argparse.Namespace) -> WorkerServer:
         cuda_graphs=args.cuda_graphs,
         fused=args.fused_kernels,
     )
+    if args.graph_warmup_context:
+        if not getattr(executor, "cuda_graphs", False):
+            raise ValueError(
+                "--graph-warmup-context needs CUDA graphs (a CUDA device; not --no-cuda-graphs)"
+            )
+        start = time.monotonic()
+        captured = executor.capture_graphs(args.graph_warmup_context)  # type: ignore[attr-defined]
+        log.info(
+            "captured %d CUDA graphs (contexts up to %d tokens) in %.1f s",
+            captured,
+            args.graph_warmup_context,
+            time.monotonic() - start,
+        )
     num_slots = getattr(executor, "num_kv_slots", config.engine.num_kv_slots)
     if num_slots != config.engine.num_kv_slots:  # sized from GPU memory
         log.info("KV pool sized from GPU memory: %d slots", num_slots)

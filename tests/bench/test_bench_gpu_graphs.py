@@ -51,3 +51,12 @@ def test_cuda_graphs_needs_a_paged_option() -> None:
     with pytest.raises(SystemExit) as exc:
         bench_gpu.main(["--smoke", "--cuda-graphs", "--attention", "gather"])
     assert exc.value.code == 2
+
+
+def test_graph_warmup_is_reported_and_empty_without_cuda(tmp_path: Path) -> None:
+    """--graph-warmup: on the CPU the graph column runs eagerly, so nothing is captured
+    and the field says so (on CUDA: graphs, seconds and memory per graph column)."""
+    out = tmp_path / "gpu.json"
+    argv = ["--smoke", "--attention", "paged", "--cuda-graphs", "--graph-warmup"]
+    assert bench_gpu.main([*argv, "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["graph_warmup"] == {}

@@ -172,6 +172,33 @@ class _StaticRunner:
     def _forward(self, bucket: Any) -> torch.Tensor:
         raise NotImplementedError
 
+    def keys(self, max_width: int | None = None) -> list[tuple[int, int]]:
+        """Every bucket a step can land in, context widths up to ``max_width`` (all: None)."""
+        raise NotImplementedError
+
+    def widths(self, max_width: int | None) -> tuple[int, ...]:
+        """The context buckets up to ``max_width`` (all of them: None)."""
+        if max_width is None:
+            return self.context_buckets
+        return tuple(w for w in self.context_buckets if w <= max_width)
+
+    def capture_all(self, max_width: int | None = None) -> int:
+        """Capture every bucket of ``keys(max_width)`` not captured yet, now rather than on
+        its first step (a capture costs that step a few forward passes); returns how many
+        were captured. Nothing to do without ``capture``."""
+        if not self.capture:
+            return 0
+        done = 0
+        with torch.inference_mode():
+            for key in self.keys(max_width):
+                bucket = self._buckets.get(key)
+                if bucket is None:
+                    bucket = self._buckets[key] = self._new_bucket(*key)
+                if bucket.graph is None:
+                    self._capture(bucket)
+                    done += 1
+        return done
+
     def _step(self, key: tuple[int, int], load: Callable[[Any], None]) -> Any:
         """One step in bucket ``key`` (made on first use; captured first when capturing):
         ``load(bucket)`` writes the step's inputs, then the graph replays (or the forward
@@ -247,6 +274,9 @@ class DecodeGraphRunner(_StaticRunner):
         )
         self.batch_buckets = self._sizes("batch_buckets", batch_buckets)
         self._buckets = {}
+
+    def keys(self, max_width: int | None = None) -> list[tuple[int, int]]:
+        return [(b, w) for w in self.widths(max_width) for b in self.batch_buckets]
 
     @property
     def max_batch(self) -> int:
@@ -433,6 +463,16 @@ class PrefillGraphRunner(_StaticRunner):
     @property
     def buckets(self) -> dict[tuple[int, int], PrefillBucket]:
         return self._buckets
+
+    def keys(self, max_width: int | None = None) -> list[tuple[int, int]]:
+        """(tokens, width) pairs a step can land in: a width above the token bucket below
+        (a context is at least its new tokens)."""
+        out = []
+        below = 0
+        for t in self.token_buckets:
+            out += [(t, w) for w in self.widths(max_width) if w > below]
+            below = t
+        return out
 
     def bucket_key(self, num_new: int, context: int) -> tuple[int, int] | None:
         """(tokens, width) for ``num_new`` new tokens ending a context of ``context``; None

@@ -144,6 +144,17 @@ class TorchExecutor:
                     fused=self.fused_impl,
                 )
 
+    def capture_graphs(self, max_context: int | None = None) -> int:
+        """Capture every CUDA graph bucket now -- decode (batch x context width) and lone
+        prefill (new tokens x width), widths up to ``max_context`` (all: None) -- instead of
+        on each bucket's first step, which then pays the capture. Returns how many graphs
+        were captured (0 without cuda_graphs)."""
+        done = 0
+        for runner in (self.decode_graphs, self.prefill_graphs):
+            if runner is not None:
+                done += runner.capture_all(max_context)
+        return done
+
     @staticmethod
     def pool_for(model: LlamaForCausalLM, num_slots: int, *, scratch_slot: bool) -> KVPool:
         """A fresh KV pool of ``num_slots`` shaped for ``model``, on its device and dtype

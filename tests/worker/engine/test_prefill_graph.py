@@ -14,7 +14,11 @@ import pytest
 import torch
 from stand_in_graphs import StandInCapturer
 
-from worker.engine.decode_graph import DEFAULT_PREFILL_BUCKETS, PrefillGraphRunner
+from worker.engine.decode_graph import (
+    DEFAULT_PREFILL_BUCKETS,
+    DecodeGraphRunner,
+    PrefillGraphRunner,
+)
 from worker.engine.model import LlamaForCausalLM, build_tiny_model
 from worker.engine.torch_executor import TorchExecutor
 from worker.engine.types import ForwardItem, SamplingParams
@@ -193,3 +197,56 @@ def test_prefill_graphs_on_cuda() -> None:
     assert runner is not None and runner.capture
     assert all(b.graph is not None for b in runner.buckets.values())
     assert sum(b.steps for b in runner.buckets.values()) > len(runner.buckets)
+
+
+# ---- every bucket captured ahead of the first step ----------------------------------------
+
+
+def test_capture_all_covers_every_reachable_bucket(model) -> None:
+    """capture_graphs captures each decode and lone-prefill bucket once (stand-in capturer);
+    every (new tokens, context) a step can have lands in one of them, so the steps after
+    capture nothing more and give the eager static path's logits."""
+    ex = TorchExecutor.create(model, NUM_SLOTS, attention="paged-torch", static_decode=True)
+    assert ex.capture_graphs() == 0  # nothing to capture without graphs
+    eager = TorchExecutor.create(model, NUM_SLOTS, attention="paged-torch", static_decode=True)
+    capturer = StandInCapturer()
+    ex.prefill_graphs = PrefillGraphRunner(
+        model, ex.kv_pool, ex.device, "torch", capture=True, capturer=capturer
+    )
+    ex.decode_graphs = DecodeGraphRunner(
+        model, ex.kv_pool, ex.device, "torch", capture=True, capturer=capturer
+    )
+    prefill_keys = ex.prefill_graphs.keys(512)
+    # tokens 16..256 with widths 256 and 512; 512 new tokens need a context of 512
+    assert len(prefill_keys) == 11 and (512, 256) not in prefill_keys
+    assert len(ex.decode_graphs.keys(512)) == 8 * 2
+    assert ex.capture_graphs(512) == 11 + 16 == capturer.captures
+    assert ex.capture_graphs(512) == 0  # once
+    everything = ex.capture_graphs()
+    assert everything == len(ex.prefill_graphs.keys()) + len(ex.decode_graphs.keys()) - 27
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        n = int(rng.integers(1, 513))
+        context = int(rng.integers(n, 4097))
+        assert ex.prefill_graphs.bucket_key(n, context) in ex.prefill_graphs.buckets
+    captured = capturer.captures
+    _run([ex, eager])
+    assert capturer.captures == captured and capturer.replays > 0
+
+
+def test_worker_graph_warmup_flag() -> None:
+    """--graph-warmup-context: torch only, >= 0, and only with CUDA graphs (so an error on
+    the CPU); 0, the default, captures on first use."""
+    from worker.cli import build_parser, build_server, config_from_args
+
+    assert build_parser().parse_args([]).graph_warmup_context == 0
+    args = build_parser().parse_args(
+        ["--executor", "torch", "--device", "cpu", "--graph-warmup-context", "8192"]
+    )
+    with pytest.raises(ValueError, match="--graph-warmup-context needs CUDA graphs"):
+        build_server(args)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        config_from_args(build_parser().parse_args(["--graph-warmup-context", "-1"]))
+    sim = build_parser().parse_args(["--executor", "sim", "--graph-warmup-context", "64"])
+    with pytest.raises(ValueError, match="applies to --executor torch only"):
+        config_from_args(sim)
