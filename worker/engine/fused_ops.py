@@ -3,9 +3,9 @@
 * ``add_rmsnorm``: the residual add and the RMSNorm after it (``x = x + h; y = norm(x)``)
   in one read of ``x`` and ``h``; returns both the new residual and the normed output.
   Without ``h`` it is the plain RMSNorm (the first layer's input norm).
-* ``rope_``: the rotary embedding applied to q and k together, in place, for the positions
-  of a packed batch (one row of cos/sin per token); ``rope_write_`` also stores the step's
-  K/V into one layer of the KV pool in the same pass (what the fused layers run).
+* ``rope_write_``: the rotary embedding applied to q and k together, in place, for the
+  positions of a packed batch (one row of cos/sin per token), and the step's K/V stored into
+  one layer of the KV pool in the same pass.
 * ``silu_mul``: the SwiGLU gate, ``silu(gate) * up``, read from the one [T, 2 * I] output of
   the concatenated gate/up projection (the fused layers run gate and up as one matmul).
 
@@ -16,7 +16,7 @@ only when asked for, so this module needs neither triton nor a GPU).
 Numerics. ``add_rmsnorm`` rounds exactly as the model's unfused code does: the sum to the
 input dtype, the normalised row to the input dtype, then the product with the weight to the
 input dtype (float32 statistics); only the order of the mean's additions can differ.
-``rope_`` computes in float32 from float32 cos/sin and rounds once to the input dtype, where
+``rope_write_`` rotates in float32 from float32 cos/sin and rounds once to the input dtype, where
 the unfused model rounds the cos/sin tables and each product to the weights' dtype: in float32
 the two agree (same operations), in bfloat16 the fused result is the more accurate one.
 ``silu_mul``'s reference is the unfused model's two ops on the two halves (bit for bit); the
@@ -123,10 +123,12 @@ def rope_torch_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
 
 def _check_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
-        raise ValueError(f"rope_: need q [T, H, D] and k [T, KVH, D], got {q.shape}, {k.shape}")
+        raise ValueError(
+            f"rope_write_: need q [T, H, D] and k [T, KVH, D], got {q.shape}, {k.shape}"
+        )
     tokens, dim = q.shape[0], q.shape[2]
     if dim % 2 or cos.shape != (tokens, dim // 2) or sin.shape != cos.shape:
-        raise ValueError(f"rope_: cos/sin must be [{tokens}, {dim // 2}], got {cos.shape}")
+        raise ValueError(f"rope_write_: cos/sin must be [{tokens}, {dim // 2}], got {cos.shape}")
 
 
 def add_rmsnorm(
@@ -150,19 +152,6 @@ def add_rmsnorm(
 
         return fused_triton.add_rmsnorm_triton(residual, delta, weight, eps)
     return add_rmsnorm_torch(residual, delta, weight, eps)
-
-
-def rope_(
-    impl: str, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> None:
-    """``rope_torch_``'s contract with ``impl`` "torch" or "triton" (q and k in place)."""
-    _check_rope(q, k, cos, sin)
-    if impl == "triton":
-        from worker.engine import fused_triton
-
-        fused_triton.rope_triton_(q, k, cos, sin)
-    else:
-        rope_torch_(q, k, cos, sin)
 
 
 def silu_mul(impl: str, gate_up: torch.Tensor) -> torch.Tensor:

@@ -10,13 +10,11 @@ per program at Llama-3-8B's hidden size, several at small ones), each row whole 
 read x (and h), write x + h rounded to the activation dtype, and the RMS-normed row times the
 weight, rounded as ``fused_ops.rmsnorm_torch`` rounds.
 
-``_rope_kernel``: q and k in one launch. Their rows ([T * H] rows of q, then [T * KVH] of k,
-each one head of one token) are cut into blocks of ``BLOCK_R``; a program rotates one block
-in place with its tokens' cos/sin rows.
-
-``_rope_write_kernel``: ``_rope_kernel`` plus the step's KV pool write in the same launch:
-the rotated k rows are also stored at their token's slot of the K cache, and the v rows
-(a third run of blocks) copied to the V cache.
+``_rope_write_kernel``: RoPE over q and k and the step's KV pool write in one launch. The
+rows ([T * H] of q, then [T * KVH] of k, then [T * KVH] of v, each one head of one token)
+are cut into blocks of ``BLOCK_R``; a program rotates one block of q or k in place with its
+tokens' cos/sin rows (k's rotated rows also stored at their token's slot of the K cache), or
+copies one block of v to the V cache.
 
 ``_silu_mul_kernel``: one program per ``BLOCK`` columns of one row of the [T, 2 * I] gate/up
 output: silu(gate) * up in float32, rounded as the unfused model's two ops round (silu(gate) to
@@ -127,62 +125,6 @@ def _rope_rows(
 
 
 @triton.jit
-def _rope_kernel(
-    q_ptr,
-    k_ptr,
-    cos_ptr,
-    sin_ptr,
-    n_q_rows,
-    n_k_rows,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_c,
-    Q_HEADS: tl.constexpr,
-    K_HEADS: tl.constexpr,
-    HALF: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
-    RNE: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    q_blocks = tl.cdiv(n_q_rows, BLOCK_R)
-    if pid < q_blocks:
-        _rope_rows(
-            q_ptr,
-            cos_ptr,
-            sin_ptr,
-            pid,
-            n_q_rows,
-            stride_qt,
-            stride_qh,
-            stride_c,
-            Q_HEADS,
-            HALF,
-            BLOCK_R,
-            BLOCK_HALF,
-            RNE,
-        )
-    else:
-        _rope_rows(
-            k_ptr,
-            cos_ptr,
-            sin_ptr,
-            pid - q_blocks,
-            n_k_rows,
-            stride_kt,
-            stride_kh,
-            stride_c,
-            K_HEADS,
-            HALF,
-            BLOCK_R,
-            BLOCK_HALF,
-            RNE,
-        )
-
-
-@triton.jit
 def _rope_write_kernel(
     q_ptr,
     k_ptr,
@@ -212,8 +154,8 @@ def _rope_write_kernel(
     BLOCK_HALF: tl.constexpr,
     RNE: tl.constexpr,
 ):
-    """``_rope_kernel`` plus the KV pool write: q rows rotated in place; k rows rotated in
-    place and stored at their token's slot of the K cache; v rows copied to the V cache."""
+    """q rows rotated in place; k rows rotated in place and stored at their token's slot of
+    the K cache; v rows copied to the V cache."""
     pid = tl.program_id(0)
     q_blocks = tl.cdiv(n_q_rows, BLOCK_R)
     k_blocks = tl.cdiv(n_k_rows, BLOCK_R)
@@ -338,43 +280,6 @@ def add_rmsnorm_triton(
         )
     shape = residual.shape
     return (new_res.view(shape) if delta is not None else residual), out.view(shape)
-
-
-def rope_triton_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """``fused_ops.rope_torch_``'s contract (q [T, H, D], k [T, KVH, D] rotated in place;
-    cos/sin float32 [T, D / 2]); the head_dim axis of q and k must be contiguous."""
-    if q.stride(2) != 1 or k.stride(2) != 1:
-        raise ValueError("rope_triton_: q and k need a contiguous head_dim axis")
-    if cos.stride(1) != 1 or sin.stride() != cos.stride():
-        cos, sin = cos.contiguous(), sin.contiguous()
-    tokens, q_heads, dim = q.shape
-    k_heads = k.shape[1]
-    if tokens == 0:
-        return
-    half = dim // 2
-    block_half = triton.next_power_of_2(half)
-    block_r = _rows_per_program(tokens * q_heads, block_half)
-    grid = triton.cdiv(tokens * q_heads, block_r) + triton.cdiv(tokens * k_heads, block_r)
-    _rope_kernel[(grid,)](
-        q,
-        k,
-        cos,
-        sin,
-        tokens * q_heads,
-        tokens * k_heads,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        cos.stride(0),
-        Q_HEADS=q_heads,
-        K_HEADS=k_heads,
-        HALF=half,
-        BLOCK_R=block_r,
-        BLOCK_HALF=block_half,
-        RNE=_rne(q.dtype),
-        num_warps=_warps(block_r * block_half),
-    )
 
 
 # Columns of one silu_mul program (Llama-3-8B's 14,336: 14 programs per row).

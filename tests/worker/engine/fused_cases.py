@@ -118,8 +118,8 @@ def check_add_rmsnorm(impl: str, device: str, dtypes=(torch.float32, torch.bfloa
 
 
 def check_rope(impl: str, device: str, dtypes=(torch.float32, torch.bfloat16)) -> None:
-    """Each RopeCase: q and k rotated in place against the float64 complex-product oracle
-    and the torch reference; nothing outside q and k is written."""
+    """Each RopeCase: q and k rotated in place (``rope_write_``) against the float64
+    complex-product oracle and the torch reference; v, read for the cache, is not written."""
     for dtype in dtypes:
         for i, case in enumerate(ROPE_CASES):
             gen = torch.Generator().manual_seed(400 + i)
@@ -140,14 +140,17 @@ def check_rope(impl: str, device: str, dtypes=(torch.float32, torch.bfloat16)) -
             want_q = oracle_rope(q.cpu(), positions.cpu(), inv_freq)
             want_k = oracle_rope(k.cpu(), positions.cpu(), inv_freq)
             v_before = qkv[:, (hq + hk) * d :].clone()
-            fused_ops.rope_(impl, q, k, cos, sin)
+            v = qkv[:, (hq + hk) * d :].view(t, hk, d)
+            caches = torch.zeros(2, t, hk, d, dtype=dtype, device=device)
+            slots = torch.arange(t, device=device)
+            fused_ops.rope_write_(impl, q, k, v, cos, sin, caches[0], caches[1], slots)
             what = f"{case} {dtype}"
             assert_close_as(q, ref_q, device, what + " q")
             assert_close_as(k, ref_k, device, what + " k")
             loose = 1e-5 if dtype == torch.float32 else 3e-2
             torch.testing.assert_close(q.cpu().double(), want_q, atol=loose, rtol=loose, msg=what)
             torch.testing.assert_close(k.cpu().double(), want_k, atol=loose, rtol=loose, msg=what)
-            assert torch.equal(qkv[:, (hq + hk) * d :], v_before), "rope_ wrote outside q, k"
+            assert torch.equal(qkv[:, (hq + hk) * d :], v_before), "rope_write_ wrote into v"
 
 
 def check_rope_write(impl: str, device: str, dtypes=(torch.float32, torch.bfloat16)) -> None:
@@ -261,13 +264,6 @@ def check_compiles_for_sm90() -> None:
             types |= dict.fromkeys(strides, "i32")
             consts = dict(N=4096, HAS_DELTA=has_delta, BLOCK_R=1, BLOCK_N=4096, RNE=False)
             paged_cases._compile_sm90(kernels._add_rmsnorm_kernel, types, consts)
-    types = {"q_ptr": "*bf16", "k_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
-    types |= dict.fromkeys(
-        ["n_q_rows", "n_k_rows", "stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_c"],
-        "i32",
-    )
-    consts = dict(Q_HEADS=32, K_HEADS=8, HALF=64, BLOCK_R=64, BLOCK_HALF=64, RNE=False)
-    paged_cases._compile_sm90(kernels._rope_kernel, types, consts)
     types = dict.fromkeys(["q_ptr", "k_ptr", "v_ptr", "kc_ptr", "vc_ptr"], "*bf16")
     types |= {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "slots_ptr": "*i64"}
     types |= dict.fromkeys(

@@ -1,4 +1,5 @@
-"""Fused residual-add + RMSNorm and RoPE (``fused_ops``, ``TorchExecutor(fused=...)``).
+"""Fused residual-add + RMSNorm, RoPE + KV write, SwiGLU, and q/k/v and gate/up as one matmul
+each (``fused_ops``, ``TorchExecutor(fused=...)``).
 
 The torch references run in-process; the Triton kernels run in Triton's CPU interpreter in a
 subprocess with TRITON_INTERPRET=1 (the interpreter is chosen when triton defines kernels),
@@ -84,10 +85,10 @@ def test_bf16_model_fused_torch_close_to_unfused() -> None:
 
 @pytest.mark.parametrize("case", ["interpret", "compile-sm90"])
 def test_triton_kernels(case: str, tmp_path: Path) -> None:
-    """interpret (TRITON_INTERPRET=1): both kernels against the torch references and float64
+    """interpret (TRITON_INTERPRET=1): the kernels against the torch references and float64
     oracles on the odd shapes, float32 and bfloat16, and the tiny model's logits with
     fused="triton" equal the unfused model's within 1e-5 (gather attention, and the static
-    decode path). compile-sm90: both kernels compile for Hopper at Llama-3-8B shapes."""
+    decode path). compile-sm90: the kernels compile for Hopper at Llama-3-8B shapes."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     if case == "interpret":
         env["TRITON_INTERPRET"] = "1"
@@ -116,12 +117,15 @@ def test_bad_inputs_are_refused() -> None:
     with pytest.raises(ValueError, match="delta"):
         fused_ops.add_rmsnorm("torch", x, torch.zeros(3, 7), torch.ones(8), 1e-5)
     q, k = torch.zeros(2, 4, 8), torch.zeros(2, 2, 8)
-    with pytest.raises(ValueError, match=r"cos/sin must be \[2, 4\]"):
-        fused_ops.rope_("torch", q, k, torch.zeros(2, 8), torch.zeros(2, 8))
-    with pytest.raises(ValueError, match="need q"):
-        fused_ops.rope_("torch", q, torch.zeros(3, 2, 8), torch.zeros(2, 4), torch.zeros(2, 4))
     kc = torch.zeros(5, 2, 8)
     cos4 = torch.zeros(2, 4)
+    slots = torch.arange(2)
+    with pytest.raises(ValueError, match=r"cos/sin must be \[2, 4\]"):
+        cos8 = torch.zeros(2, 8)
+        fused_ops.rope_write_("torch", q, k, k, cos8, cos8, kc, kc, slots)
+    with pytest.raises(ValueError, match="need q"):
+        k3 = torch.zeros(3, 2, 8)
+        fused_ops.rope_write_("torch", q, k3, k3, cos4, cos4, kc, kc, slots)
     with pytest.raises(ValueError, match=r"rope_write_: v \(2, 3, 8\) must match k"):
         fused_ops.rope_write_("torch", q, k, torch.zeros(2, 3, 8), cos4, cos4, kc, kc, q[:, 0, 0])
     with pytest.raises(ValueError, match="do not hold rows of"):
