@@ -250,3 +250,26 @@ def test_worker_graph_warmup_flag() -> None:
     sim = build_parser().parse_args(["--executor", "sim", "--graph-warmup-context", "64"])
     with pytest.raises(ValueError, match="applies to --executor torch only"):
         config_from_args(sim)
+
+
+@pytest.mark.gpu
+def test_capture_graphs_ahead_on_cuda() -> None:
+    """On CUDA, capture_graphs(512) captures every decode and lone-prefill bucket up to a
+    512-token context; the steps after land in captured buckets only, with the regular
+    path's logits."""
+    assert torch.cuda.is_available(), "gpu tests need CUDA: run them on a GPU machine"
+    cuda_model = build_tiny_model(0, device="cuda")
+    regular = TorchExecutor.create(cuda_model, NUM_SLOTS, attention="paged")
+    graphs = TorchExecutor.create(cuda_model, NUM_SLOTS, attention="paged", cuda_graphs=True)
+    decode, prefill = graphs.decode_graphs, graphs.prefill_graphs
+    assert decode is not None and prefill is not None
+    want = len(decode.keys(512)) + len(prefill.keys(512))
+    assert graphs.capture_graphs(512) == want and graphs.capture_graphs(512) == 0
+    before = set(prefill.buckets)
+    rng = np.random.default_rng(5)
+    for i, n in enumerate((1, 17, 64, 200)):
+        slots = rng.permutation(NUM_SLOTS)[:n].astype(np.int64)
+        item = ForwardItem(f"r{i}", rng.integers(0, 512, n), 0, slots, GREEDY, True, 0)
+        got = graphs.forward_logits([item], [])
+        torch.testing.assert_close(got, regular.forward_logits([item], []), atol=1e-4, rtol=0)
+    assert set(prefill.buckets) == before  # no bucket made (or captured) after the warm-up
