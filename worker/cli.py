@@ -16,6 +16,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from kvroute_proto.cli_help import HelpFormatter, port_number
 from kvroute_proto.hashing import set_hash_key
@@ -372,13 +373,23 @@ def build_server(args: argparse.Namespace) -> WorkerServer:
         cuda_graphs=args.cuda_graphs,
         fused=args.fused_kernels,
     )
+    ex: Any = executor
+    if args.executor == "torch":  # the options picked by device, said once
+        log.info(
+            "torch executor on %s: attention %s (%s), CUDA graphs %s, fused kernels %s",
+            ex.device,
+            ex.attention,
+            ex.attention_impl,
+            "on" if ex.cuda_graphs else "off",
+            ex.fused_impl,
+        )
     if args.graph_warmup_context:
         if not getattr(executor, "cuda_graphs", False):
             raise ValueError(
                 "--graph-warmup-context needs CUDA graphs (a CUDA device; not --no-cuda-graphs)"
             )
         start = time.monotonic()
-        captured = executor.capture_graphs(args.graph_warmup_context)  # type: ignore[attr-defined]
+        captured = ex.capture_graphs(args.graph_warmup_context)
         log.info(
             "captured %d CUDA graphs (contexts up to %d tokens) in %.1f s",
             captured,

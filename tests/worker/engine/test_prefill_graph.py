@@ -273,3 +273,19 @@ def test_capture_graphs_ahead_on_cuda() -> None:
         got = graphs.forward_logits([item], [])
         torch.testing.assert_close(got, regular.forward_logits([item], []), atol=1e-4, rtol=0)
     assert set(prefill.buckets) == before  # no bucket made (or captured) after the warm-up
+
+
+def test_worker_says_which_torch_options_it_picked(caplog: pytest.LogCaptureFixture) -> None:
+    """The worker logs the torch executor's attention, graphs and fused kernels once (they
+    default by device): on the CPU gather, off, off."""
+    import logging
+
+    from worker.cli import build_parser, build_server
+
+    args = build_parser().parse_args(["--executor", "torch", "--device", "cpu"])
+    with caplog.at_level(logging.INFO, logger="kvroute.worker"):
+        build_server(args)
+    said = [r.getMessage() for r in caplog.records if "torch executor on" in r.getMessage()]
+    assert said == [
+        "torch executor on cpu: attention gather (gather), CUDA graphs off, fused kernels off"
+    ]
