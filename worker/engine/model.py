@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -467,6 +467,18 @@ class LlamaForCausalLM(nn.Module):
         # Derived from the config, kept in float32 whatever the weights' dtype (so it is
         # neither a parameter nor a buffer that .to(dtype) would round).
         self._inv_freq = rope_inv_freq(config)
+        # Whether every layer's q/k/v and gate/up concatenations are current (fuse_projections);
+        # what replaces parameters (.to() and the like, load_state_dict(assign=True)) clears it.
+        self._fused = False
+
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:  # .to(), .cuda(), .half(), ...
+        self._fused = False
+        return super()._apply(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        if assign:  # new parameter objects: the concatenations no longer hold them
+            self._fused = False
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """cos/sin [T, 1, head_dim] for absolute ``positions`` (computed in float32)."""
@@ -489,18 +501,21 @@ class LlamaForCausalLM(nn.Module):
 
     def fuse_projections(self) -> None:
         """Concatenate every layer's q/k/v and gate/up weights for the fused layers (the
-        executor does it once when built; ``forward`` checks it is still current, so a model
-        moved or reloaded since is concatenated again, outside any graph capture when the
-        executor is rebuilt). The parameters stay, as views: state dicts are unchanged."""
+        executor does it once when built, each layer checking its concatenation is still
+        current; a fused forward does it again only after the model was moved or reloaded
+        with new parameter objects, so it costs a step nothing otherwise). The parameters
+        stay, as views: state dicts, and loading into them in place, are unchanged."""
         for layer in self.model.layers:
             fused_layer = cast(DecoderLayer, layer)
             fused_layer.self_attn.fuse_projections()
             fused_layer.mlp.fuse_projections()
+        self._fused = True
 
     def _forward_fused(self, x: torch.Tensor, batch: PagedBatch, pool: KVPool) -> torch.Tensor:
         """``forward`` with the residual adds fused into the norms, q/k/v and gate/up each
         one matmul, RoPE with the pool write and SwiGLU each one pass."""
-        self.fuse_projections()
+        if not self._fused:
+            self.fuse_projections()
         if self._inv_freq.device != x.device:
             self._inv_freq = self._inv_freq.to(x.device)
         cos, sin = fused_ops.rope_tables(batch.positions, self._inv_freq)
