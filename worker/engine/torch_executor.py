@@ -260,13 +260,7 @@ class TorchExecutor:
         if self._static_step(prefill, decode):
             return self._static_logits(decode)
         if self._static_prefill(prefill, decode):
-            item = prefill[0]
-            tokens, slots = self._check_item(item, "prefill")
-            writes = slots[item.start_pos :]
-            if len(np.unique(writes)) != len(writes):
-                raise ValueError("forward: two new tokens in one step write the same KV slot")
-            assert self.prefill_graphs is not None
-            return self.prefill_graphs.run(tokens, item.start_pos, slots)
+            return self._static_prefill_logits(prefill[0])
         batch = self._build_batch(prefill, decode, all_positions=False)
         with torch.inference_mode():
             return self.model(batch, self.kv_pool)
@@ -277,10 +271,15 @@ class TorchExecutor:
         checked = [self._check_item(item, "decode") for item in decode]
         token_ids = np.array([tokens[0] for tokens, _ in checked], dtype=np.int64)
         positions = np.array([item.start_pos for item in decode], dtype=np.int64)
-        writes = np.array([slots[-1] for _, slots in checked], dtype=np.int64)
-        if len(np.unique(writes)) != len(writes):
-            raise ValueError("forward: two new tokens in one step write the same KV slot")
+        _check_writes(np.array([slots[-1] for _, slots in checked], dtype=np.int64))
         return self.decode_graphs.run(token_ids, positions, [slots for _, slots in checked])
+
+    def _static_prefill_logits(self, item: ForwardItem) -> torch.Tensor:
+        """A lone short prefill through ``prefill_graphs`` (same checks as the regular path)."""
+        assert self.prefill_graphs is not None
+        tokens, slots = self._check_item(item, "prefill")
+        _check_writes(slots[item.start_pos :])
+        return self.prefill_graphs.run(tokens, item.start_pos, slots)
 
     def prompt_logits(self, item: ForwardItem) -> torch.Tensor:
         """Float32 logits [len(item.token_ids), vocab] at every new position of one prefill."""
@@ -392,8 +391,7 @@ class TorchExecutor:
             logit_rows.extend(range(offset, offset + len(decode)))
 
         write_slots = np.concatenate(writes)
-        if len(np.unique(write_slots)) != len(write_slots):
-            raise ValueError("forward: two new tokens in one step write the same KV slot")
+        _check_writes(write_slots)
         return PagedBatch(
             input_ids=torch.from_numpy(np.concatenate(ids)).to(dev),
             positions=torch.from_numpy(np.concatenate(positions)).to(dev),
@@ -405,3 +403,9 @@ class TorchExecutor:
             prefill_plan=plan,
             fused=self.fused_impl,
         )
+
+
+def _check_writes(write_slots: np.ndarray) -> None:
+    """ValueError when two new tokens of one step would write the same KV slot."""
+    if len(np.unique(write_slots)) != len(write_slots):
+        raise ValueError("forward: two new tokens in one step write the same KV slot")
