@@ -652,13 +652,8 @@ def print_report(result: dict, stream: TextIO | None = None) -> None:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m bench.bench_gpu",
-        description="Step times of the worker's model path (cold and cached prefill, decode "
-        "at several batch sizes) against their roofline, greedy parity cached vs cold, peak "
-        "memory. Default: a Llama-3-8B-shaped model with random bf16 weights on CUDA.",
-    )
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """--smoke, --device, --json, --seed: what every GPU script of bench/ takes."""
     p.add_argument(
         "--smoke",
         action="store_true",
@@ -669,6 +664,32 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--json", metavar="OUT", help="write every figure as JSON")
     p.add_argument("--seed", type=int, default=0, help="weights and token seed (default 0)")
+
+
+def run_device(p: argparse.ArgumentParser, args: argparse.Namespace) -> torch.device:
+    """The device ``add_run_arguments``' flags ask for; a usage error when it is CUDA and
+    there is none."""
+    device = torch.device(args.device or ("cpu" if args.smoke else "cuda"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error("CUDA is not available: run on a GPU machine, or use --smoke for the CPU check")
+    return device
+
+
+def write_json(path: str | None, result: dict) -> None:
+    """``result`` as indented JSON at ``path`` (nothing without one)."""
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.bench_gpu",
+        description="Step times of the worker's model path (cold and cached prefill, decode "
+        "at several batch sizes) against their roofline, greedy parity cached vs cold, peak "
+        "memory. Default: a Llama-3-8B-shaped model with random bf16 weights on CUDA.",
+    )
+    add_run_arguments(p)
     p.add_argument(
         "--hbm-gbps", type=float, default=None, help="HBM bandwidth in GB/s (default: by GPU name)"
     )
@@ -716,9 +737,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--cuda-graphs: needs a paged --attention option (the graphs use paged decode)")
     if args.fused and all(a == "gather" for a in attention):
         p.error("--fused: needs a paged --attention option (fused columns are paged ones)")
-    device = torch.device(args.device or ("cpu" if args.smoke else "cuda"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        p.error("CUDA is not available: run on a GPU machine, or use --smoke for the CPU check")
+    device = run_device(p, args)
     for name in ("hbm_gbps", "peak_tflops"):
         value = getattr(args, name)
         if value is not None and not value > 0:
@@ -735,9 +754,7 @@ def main(argv: list[str] | None = None) -> int:
         graph_warmup=args.graph_warmup,
     )
     print_report(result)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.json, result)
     return 0
 
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
 import pstats
 import statistics
 import sys
@@ -50,8 +49,11 @@ from bench.bench_gpu import (
     _fill_pool_random,
     _item,
     _sync,
+    add_run_arguments,
     build_model,
     progress,
+    run_device,
+    write_json,
 )
 from worker.engine.model import build_tiny_model
 from worker.engine.torch_executor import TorchExecutor
@@ -237,30 +239,19 @@ def main(argv: list[str] | None = None) -> int:
         "count, host time and the top kernels (torch profiler). Default: Llama-3-8B shape, "
         "random bf16 weights, CUDA, fused kernels.",
     )
-    p.add_argument(
-        "--smoke", action="store_true", help="the tiny model on the CPU (checks the script)"
-    )
-    p.add_argument(
-        "--device", default=None, help="torch device (default: cuda, or cpu with --smoke)"
-    )
-    p.add_argument("--json", metavar="OUT", help="write every figure as JSON")
-    p.add_argument("--seed", type=int, default=0, help="weights and token seed (default 0)")
+    add_run_arguments(p)
     p.add_argument("--repeats", type=int, default=5, help="timed runs per step (default 5)")
     p.add_argument("--steps", type=int, default=3, help="profiled runs per step (default 3)")
     args = p.parse_args(argv)
     if args.repeats < 1 or args.steps < 1:
         p.error(f"--repeats and --steps must be >= 1, got {args.repeats} and {args.steps}")
-    device = torch.device(args.device or ("cpu" if args.smoke else "cuda"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        p.error("CUDA is not available: run on a GPU machine, or use --smoke for the CPU check")
+    device = run_device(p, args)
     with torch.inference_mode():
         result = run(
             smoke=args.smoke, device=device, seed=args.seed, repeats=args.repeats, steps=args.steps
         )
     print_report(result)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.json, result)
     return 0
 
 
