@@ -16,7 +16,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvroute_proto.cli_help import HelpFormatter, port_number
 from kvroute_proto.hashing import set_hash_key
@@ -38,6 +38,9 @@ from worker.service.convert import RequestLimits
 from worker.service.engine_runner import RunnerConfig
 from worker.service.security_flags import add_worker_security_args, apply_worker_security
 from worker.service.server import DEFAULT_MODEL_NAME, WorkerServer, WorkerServerConfig
+
+if TYPE_CHECKING:  # torch only when the torch executor runs
+    from worker.engine.torch_executor import TorchExecutor
 
 # worker.engine.paged_attention.ATTENTION_CHOICES, without importing torch for --help
 ATTENTION_CHOICES = ("gather", "paged", "paged-torch", "paged-triton")
@@ -373,29 +376,11 @@ def build_server(args: argparse.Namespace) -> WorkerServer:
         cuda_graphs=args.cuda_graphs,
         fused=args.fused_kernels,
     )
-    ex: Any = executor
-    if args.executor == "torch":  # the options picked by device, said once
-        log.info(
-            "torch executor on %s: attention %s (%s), CUDA graphs %s, fused kernels %s",
-            ex.device,
-            ex.attention,
-            ex.attention_impl,
-            "on" if ex.cuda_graphs else "off",
-            ex.fused_impl,
-        )
-    if args.graph_warmup_context:
-        if not getattr(executor, "cuda_graphs", False):
-            raise ValueError(
-                "--graph-warmup-context needs CUDA graphs (a CUDA device; not --no-cuda-graphs)"
-            )
-        start = time.monotonic()
-        captured = ex.capture_graphs(args.graph_warmup_context)
-        log.info(
-            "captured %d CUDA graphs (contexts up to %d tokens) in %.1f s",
-            captured,
-            args.graph_warmup_context,
-            time.monotonic() - start,
-        )
+    if args.executor == "torch":
+        from worker.engine.torch_executor import TorchExecutor
+
+        assert isinstance(executor, TorchExecutor)
+        _start_torch_executor(executor, args.graph_warmup_context)
     num_slots = getattr(executor, "num_kv_slots", config.engine.num_kv_slots)
     if num_slots != config.engine.num_kv_slots:  # sized from GPU memory
         log.info("KV pool sized from GPU memory: %d slots", num_slots)
@@ -404,6 +389,33 @@ def build_server(args: argparse.Namespace) -> WorkerServer:
         )
     engine = Engine(config.engine, executor, clock=time.monotonic)
     return WorkerServer(engine, tokenizer, config)
+
+
+def _start_torch_executor(executor: TorchExecutor, graph_warmup_context: int) -> None:
+    """Say which options the torch executor runs with (they default by device), and with
+    ``--graph-warmup-context`` capture its CUDA graphs before serving."""
+    log.info(
+        "torch executor on %s: attention %s (%s), CUDA graphs %s, fused kernels %s",
+        executor.device,
+        executor.attention,
+        executor.attention_impl,
+        "on" if executor.cuda_graphs else "off",
+        executor.fused_impl,
+    )
+    if not graph_warmup_context:
+        return
+    if not executor.cuda_graphs:
+        raise ValueError(
+            "--graph-warmup-context needs CUDA graphs (a CUDA device; not --no-cuda-graphs)"
+        )
+    start = time.monotonic()
+    captured = executor.capture_graphs(graph_warmup_context)
+    log.info(
+        "captured %d CUDA graphs (contexts up to %d tokens) in %.1f s",
+        captured,
+        graph_warmup_context,
+        time.monotonic() - start,
+    )
 
 
 def _registration(server: WorkerServer, args: argparse.Namespace) -> RedisRegistration | None:
