@@ -191,21 +191,24 @@ class _StaticRunner:
         done = 0
         with torch.inference_mode():
             for key in self.keys(max_width):
-                bucket = self._buckets.get(key)
-                if bucket is None:
-                    bucket = self._buckets[key] = self._new_bucket(*key)
+                bucket = self._bucket(key)
                 if bucket.graph is None:
                     self._capture(bucket)
                     done += 1
         return done
 
+    def _bucket(self, key: tuple[int, int]) -> Any:
+        """Bucket ``key``, made (buffers, not yet a graph) when first asked for."""
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            bucket = self._buckets[key] = self._new_bucket(*key)
+        return bucket
+
     def _step(self, key: tuple[int, int], load: Callable[[Any], None]) -> Any:
         """One step in bucket ``key`` (made on first use; captured first when capturing):
         ``load(bucket)`` writes the step's inputs, then the graph replays (or the forward
         runs eagerly). Returns the bucket, its ``logits`` the step's."""
-        bucket = self._buckets.get(key)
-        if bucket is None:
-            bucket = self._buckets[key] = self._new_bucket(*key)
+        bucket = self._bucket(key)
         with torch.inference_mode():
             if self.capture and bucket.graph is None:
                 self._capture(bucket)
