@@ -4,6 +4,8 @@ Examples::
 
     kvroute replay --trace shared/traces/mooncake_synthetic_trace.jsonl --workers 8 \\
         --policy all --json out.json --plot out.png
+    kvroute replay --trace bench/data/mooncake_sample.jsonl --workers 8 --policy all \\
+        --jobs 0                       # the same report, one replay per CPU at a time
     kvroute workload support-agent -o sa.jsonl
     kvroute replay --trace sa.jsonl --trace-block-size 16 --workers 8 \\
         --policy cache_aware --policy round_robin
@@ -22,6 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from bench.replay.parallel import REFERENCE_KINDS, reference_config, resolve_jobs, run_parallel
 from bench.replay.report import ReplayReport
 from bench.replay.strict import add_strict_options, strict_settings
 from bench.replay.trace import DEFAULT_TRACE_BLOCK_SIZE, TokenExpander, read_trace
@@ -285,6 +288,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="live mode: overall time limit per policy (default %(default)s)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress line on stderr")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        metavar="N",
+        help="sim mode: run the policies and the two references in up to N processes at once "
+        "(0: one per CPU this process may use); each replay is seeded and self-contained, so "
+        "the report is the same as with 1, only sooner (default %(default)s)",
+    )
     front = p.add_argument_group(
         "live mode through an HTTP front end",
         "With --front, live mode starts the sim workers with their OpenAI-compatible HTTP API "
@@ -362,6 +374,10 @@ def main(argv: list[str] | None = None) -> int:
         if limit is None and args.mode == "live":
             limit = LIVE_DEFAULT_LIMIT
         fronts = _fronts(args, policies)
+        if args.jobs < 0:
+            raise ValueError(f"--jobs must be >= 0 (0: one per CPU), got {args.jobs}")
+        if args.jobs != 1 and args.mode != "sim":
+            raise ValueError(f"--jobs {args.jobs}: only sim mode runs replays in parallel")
         records = read_trace(args.trace, args.trace_block_size, limit)
     except (OSError, ValueError) as exc:
         print(f"kvroute replay: {exc}", file=sys.stderr)
@@ -594,12 +610,28 @@ def _run_sim(args, records, policies, setup, progress) -> ReplayReport:
             setup["replica_sync_window_s"] = window if window != float("inf") else "inf"
     setup.update(strict_settings(args))
     report = ReplayReport(setup=setup)
+    references = () if args.no_bounds else REFERENCE_KINDS
+    jobs = resolve_jobs(args.jobs, len(policies) + len(references))
+    if jobs > 1:
+        if config.measure_route_time:
+            print(
+                f"kvroute replay: note: --jobs {jobs} with --route-decision-s measured: each "
+                "process times its own routes, slower where the processes outnumber idle cores",
+                file=sys.stderr,
+            )
+        runs = run_parallel(
+            records, config, args.trace_block_size, policies, references, jobs, progress
+        )
+        report.policies.extend(runs[: len(policies)])
+        for kind, ref in zip(references, runs[len(policies) :], strict=True):
+            _set_reference(report, kind, ref)
+        return report
     expander = TokenExpander(args.trace_block_size, config.vocab_size, args.seed)
     for policy in policies:
         report.policies.append(
             simulate(records, policy, config, expander, progress_stream=progress)
         )
-    if not args.no_bounds:
+    if references:
         _add_sim_references(args, records, report, progress, expander)
     return report
 
@@ -607,33 +639,27 @@ def _run_sim(args, records, policies, setup, progress) -> ReplayReport:
 def _add_sim_references(args, records, report, progress, expander=None) -> None:
     from bench.replay.sim import simulate_reference
 
-    config = _sim_config(args)
+    config = reference_config(_sim_config(args))
     expander = expander or TokenExpander(args.trace_block_size, config.vocab_size, args.seed)
-    for kind in ("pooled", "infinite"):
+    for kind in REFERENCE_KINDS:
         ref = simulate_reference(
             records,
             kind,
-            # no router to charge: no decision time, network delay or event loss there
-            replace(
-                config,
-                event_delay_s=0.0,
-                num_routers=1,
-                router_replicas=None,
-                route_decision_s=0.0,
-                measure_route_time=False,
-                network_delay_s=0.0,
-                event_loss=0.0,
-            ),
+            config,
             expander,
             trace_block_size=args.trace_block_size,
             progress_stream=progress,
         )
-        if ref.errors:
-            report.reference_errors[kind] = ref.errors
-        if kind == "pooled":
-            report.pooled_reference_hit_rate = ref.hit_rate
-        else:
-            report.infinite_hit_rate = ref.hit_rate
+        _set_reference(report, kind, ref)
+
+
+def _set_reference(report: ReplayReport, kind: str, ref) -> None:  # ref: PolicyReport
+    if ref.errors:
+        report.reference_errors[kind] = ref.errors
+    if kind == "pooled":
+        report.pooled_reference_hit_rate = ref.hit_rate
+    else:
+        report.infinite_hit_rate = ref.hit_rate
 
 
 if __name__ == "__main__":

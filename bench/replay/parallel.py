@@ -1,0 +1,145 @@
+"""``kvroute replay --jobs N``: the sim replays of one report, run in parallel processes.
+
+Every sim replay -- one per policy, and the pooled reference and infinite ceiling -- is a
+self-contained, seeded simulation of the same trace: it reads nothing another one writes, and
+its token expansion is a pure function of (seed, hash id). So the replays can run in separate
+processes and the report is the same, field for field, as the one a single process builds
+one replay after another (a test holds the two against each other); only the per-replay wall
+time, which the JSON leaves out, differs.
+
+The workers are started with ``spawn`` (a fresh interpreter each: no state forked from the
+parent, no fork-after-threads hazards) and receive the trace and the configuration once,
+when they start, not once per replay.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import replace
+from typing import TextIO
+
+from bench.replay.report import PolicyReport
+from bench.replay.trace import TokenExpander, TraceRecord
+
+__all__ = ["REFERENCE_KINDS", "reference_config", "resolve_jobs", "run_parallel"]
+
+REFERENCE_KINDS = ("pooled", "infinite")
+
+
+def reference_config(config):  # (SimConfig) -> SimConfig
+    """The configuration the references replay under: one engine as big as the fleet, and no
+    router to charge -- no decision time, network delay or event loss there."""
+    return replace(
+        config,
+        event_delay_s=0.0,
+        num_routers=1,
+        router_replicas=None,
+        route_decision_s=0.0,
+        measure_route_time=False,
+        network_delay_s=0.0,
+        event_loss=0.0,
+    )
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def resolve_jobs(jobs: int, tasks: int) -> int:
+    """How many processes ``--jobs`` asks for (0: one per available CPU), never more than
+    there are replays to run, at least 1."""
+    if jobs < 0:
+        raise ValueError(f"--jobs must be >= 0 (0: one per CPU), got {jobs}")
+    wanted = available_cpus() if jobs == 0 else jobs
+    return max(1, min(wanted, tasks))
+
+
+# one worker process's share of the job, set once by _start
+_records: Sequence[TraceRecord] = ()
+_config = None
+_trace_block_size = 0
+_expander: TokenExpander | None = None
+
+
+def _start(records: Sequence[TraceRecord], config, trace_block_size: int) -> None:
+    global _records, _config, _trace_block_size, _expander
+    _records, _config, _trace_block_size = records, config, trace_block_size
+    _expander = TokenExpander(trace_block_size, config.vocab_size, config.seed)
+
+
+def _replay(kind: str, name: str) -> PolicyReport:
+    """One replay in a worker process: ``kind`` "policy" (``name`` a policy) or "reference"
+    (``name`` one of REFERENCE_KINDS)."""
+    from bench.replay.sim import simulate, simulate_reference
+
+    assert _config is not None, "the worker process was not started by run_parallel"
+    if kind == "policy":
+        return simulate(_records, name, _config, _expander)
+    return simulate_reference(
+        _records,
+        name,
+        reference_config(_config),
+        _expander,
+        trace_block_size=_trace_block_size,
+    )
+
+
+def run_parallel(
+    records: Sequence[TraceRecord],
+    config,  # SimConfig
+    trace_block_size: int,
+    policies: Sequence[str],
+    references: Sequence[str],
+    jobs: int,
+    progress: TextIO | None = None,
+) -> list[PolicyReport]:
+    """Replay every policy and then every reference kind in up to ``jobs`` processes; the
+    reports come back in that order. A line on ``progress`` as each replay finishes. The
+    first replay that raises stops the rest (those not started are cancelled, the running
+    ones finish) and its exception is raised here."""
+    for kind in references:
+        if kind not in REFERENCE_KINDS:
+            raise ValueError(f"reference kind must be one of {REFERENCE_KINDS}, got {kind!r}")
+    tasks = [("policy", p) for p in policies] + [("reference", k) for k in references]
+    if not tasks:
+        return []
+    start = time.monotonic()
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(
+        max_workers=max(1, min(jobs, len(tasks))),
+        mp_context=context,
+        initializer=_start,
+        initargs=(list(records), config, trace_block_size),
+    ) as pool:
+        futures: dict[Future[PolicyReport], int] = {
+            pool.submit(_replay, kind, name): i for i, (kind, name) in enumerate(tasks)
+        }
+        results: list[PolicyReport | None] = [None] * len(tasks)
+        pending = set(futures)
+        while pending:
+            done, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for future in done:
+                error = future.exception()
+                if error is not None:
+                    for other in pending:
+                        other.cancel()
+                    raise error
+                i = futures[future]
+                result = results[i] = future.result()
+                if progress is not None:
+                    finished = sum(r is not None for r in results)
+                    print(
+                        f"kvroute replay: {tasks[i][1]} done in {result.wall_s:.1f} s "
+                        f"({finished}/{len(tasks)}, {time.monotonic() - start:.1f} s so far)",
+                        file=progress,
+                        flush=True,
+                    )
+    return [r for r in results if r is not None]
