@@ -34,7 +34,14 @@ from router.core_types import (
     DEFAULT_REPLICA_COLD_WINDOW_PICKS,
     INITIAL_REPLICA_SYNC_WINDOW_S,
 )
-from router.policy import COST_WEIGHTS_FORM, DEFAULT_BACKLOG_TOKENS, CostWeights, policy_names
+from router.policy import (
+    COST_WEIGHTS_FORM,
+    DEFAULT_BACKLOG_TOKENS,
+    DEFAULT_SATURATED_SCALE_TOKENS,
+    DEFAULT_SATURATED_TOKENS,
+    CostWeights,
+    policy_names,
+)
 from router.security_flags import add_router_security_args, apply_router_security
 from router.service.frontend import DEFAULT_MODEL_NAME, FrontendConfig
 from router.service.resilience import EjectionConfig
@@ -228,6 +235,20 @@ def build_parser() -> argparse.ArgumentParser:
         "cache miss double; 0 turns it off (default %(default)s)",
     )
     p.add_argument(
+        "--saturated-tokens",
+        type=float,
+        default=DEFAULT_SATURATED_TOKENS,
+        help="a saturated fleet: past this many queued prefill tokens on the least loaded "
+        "worker, every --saturated-scale-tokens more count a cache miss once more "
+        "(default %(default)s)",
+    )
+    p.add_argument(
+        "--saturated-scale-tokens",
+        type=float,
+        default=DEFAULT_SATURATED_SCALE_TOKENS,
+        help="see --saturated-tokens; 0 turns the saturated part off (default %(default)s)",
+    )
+    p.add_argument(
         "--spread-weight",
         type=float,
         default=0.0,
@@ -353,6 +374,8 @@ def config_from_args(
             weights=CostWeights.parse(args.cost_weights) if args.cost_weights else CostWeights(),
             recent_window_s=args.recent_window_s,
             backlog_tokens=args.backlog_tokens,
+            saturated_tokens=args.saturated_tokens,
+            saturated_scale_tokens=args.saturated_scale_tokens,
             spread_weight=args.spread_weight,
             recent_decode_ratio=args.recent_decode_ratio,
             replicas=args.replicas,

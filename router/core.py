@@ -161,6 +161,8 @@ class RouterCore:
                 config.backlog_tokens,
                 config.spread_weight,
                 config.affinity_tokens,
+                config.saturated_tokens,
+                config.saturated_scale_tokens,
             ),
         )
         if config.affinity_tokens:  # compile (or load) its kernel now, not on a route

@@ -12,7 +12,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvroute_proto.events import DEFAULT_PARTITION, LoadReport, Partition
-from router.policy import DEFAULT_BACKLOG_TOKENS, CostWeights
+from router.policy import (
+    DEFAULT_BACKLOG_TOKENS,
+    DEFAULT_SATURATED_SCALE_TOKENS,
+    DEFAULT_SATURATED_TOKENS,
+    CostWeights,
+)
 
 __all__ = [
     "DEFAULT_RECENT_DECODE_RATIO",
@@ -77,6 +82,9 @@ class RouterConfig:
     ``recent_window_s``: time constant of the decay of each worker's recent prefill tokens
     (the cost's balance term; router.policy). ``backlog_tokens``: the least loaded worker's
     queued prefill at which the cost counts a miss double (0: off; router.policy).
+    ``saturated_tokens`` / ``saturated_scale_tokens``: past the first, every second more
+    of the least loaded worker's queued prefill counts a miss once more (a saturated
+    fleet; scale 0: off; router.policy).
     ``recent_decode_ratio``: prefill tokens that one generated token of a finished request
     adds to its worker's recent sum (decode work counts toward the balance term, at half).
     ``replicas``: router replicas sharing the fleet behind one load balancer (each sees only
@@ -135,6 +143,8 @@ class RouterConfig:
     predict_stride: int = 4
     recent_window_s: float = DEFAULT_RECENT_WINDOW_S
     backlog_tokens: float = DEFAULT_BACKLOG_TOKENS
+    saturated_tokens: float = DEFAULT_SATURATED_TOKENS
+    saturated_scale_tokens: float = DEFAULT_SATURATED_SCALE_TOKENS
     recent_decode_ratio: float = DEFAULT_RECENT_DECODE_RATIO
     replicas: int = 1
     replica_cold_picks: float = DEFAULT_REPLICA_COLD_PICKS
@@ -176,6 +186,9 @@ class RouterConfig:
         for name in ("predicted_ttl_s", "approx_ttl_s", "backlog_tokens", "recent_decode_ratio"):
             if not getattr(self, name) >= 0:  # NaN too
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("saturated_tokens", "saturated_scale_tokens"):
+            if not 0 <= getattr(self, name) < float("inf"):  # NaN too
+                raise ValueError(f"{name} must be finite and >= 0, got {getattr(self, name)}")
         if self.max_indexed_blocks < 1:
             raise ValueError(f"max_indexed_blocks must be >= 1, got {self.max_indexed_blocks}")
 

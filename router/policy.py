@@ -80,6 +80,21 @@ replay on 4 saturated workers: from 92.6% to 95.5% of the pooled reference hit r
 p99 from 17.8 s to 15.8 s; support-agent at 4 workers, queued in bursts: TTFT p99 344 ->
 354 ms; the 8- and 16-worker runs barely change. BENCHMARKS.md.)
 
+A queue that every worker keeps is a saturated fleet, and there the factor grows steeply:
+past ``saturated_tokens`` (10,000, about 0.45 s of prefill) of queued prefill on the least
+loaded candidate, every further ``saturated_scale_tokens`` (2,000) counts a miss once more:
+``1 + floor / backlog_tokens + max(0, floor - saturated_tokens) / saturated_scale_tokens``.
+The linear factor alone was weak there (1.4 at a 20,000-token floor), so in a sustained
+overload hot prefixes still spread and every copy evicted something (Mooncake replay on 4
+workers with 400k KV tokens each: 92.1% of the pooled reference, where sglang's gateway
+policy, which keeps a request on its longest match regardless of load, reached 103%). A burst's
+queue is short-lived and rarely puts 10,000 tokens in front of every worker, so below
+that nothing changes (chosen on the training workloads: the Mooncake trace at 4 workers,
+400k KV tokens, +0.4 points of hit rate, TTFT p99 -10%, p50 -28%; no cold-bursts,
+zipf-tenants or support-agent training run moved; a floor of 5,000 gained 0.3 point more
+on Mooncake but moved a zipf-tenants run and, held out, put support-agent's TTFT p99 up 8%
+at 4 workers. BENCHMARKS.md, "A saturated fleet").
+
 The spread term is off by default (``PolicyConfig.spread_weight`` 0). A request whose
 longest match covers at least half of its prompt, held whole by two or more workers, starts
 something that sticks where it lands -- a conversation's first turn on a shared system
@@ -136,6 +151,8 @@ __all__ = [
     "ALIASES",
     "COST_WEIGHTS_FORM",
     "DEFAULT_BACKLOG_TOKENS",
+    "DEFAULT_SATURATED_SCALE_TOKENS",
+    "DEFAULT_SATURATED_TOKENS",
     "POLICIES",
     "SLOT_WAIT_TOKENS",
     "CandidateSet",
@@ -153,6 +170,9 @@ __all__ = [
 
 
 SLOT_WAIT_TOKENS = 1024.0  # CostWeights.slot_wait's default; BENCHMARKS.md, "The slot wait"
+# PolicyConfig.saturated_tokens / saturated_scale_tokens; BENCHMARKS.md, "A saturated fleet"
+DEFAULT_SATURATED_TOKENS = 10_000.0
+DEFAULT_SATURATED_SCALE_TOKENS = 2_000.0
 QUEUED_KNEE_PROMPTS = 14.0  # CostWeights.queued_knee's default; BENCHMARKS.md, "knee"
 # the --cost-weights option's form (CostWeights.parse), shown by every command that takes it
 COST_WEIGHTS_FORM = "PREFILL,QUEUED,DECODE[,RECENT[,SLOT_WAIT[,KNEE]]]"
@@ -243,6 +263,9 @@ class PolicyConfig:
 
     ``backlog_tokens``: the cost's backlog factor (module docstring): the smallest queued
     prefill among the candidates at which a miss counts double; 0 turns the factor off.
+    ``saturated_tokens`` / ``saturated_scale_tokens``: its steep part for a saturated fleet
+    (module docstring): past ``saturated_tokens`` of that smallest queue, every further
+    ``saturated_scale_tokens`` counts a miss once more; a scale of 0 turns it off.
     ``spread_weight``: the cost's spread term (module docstring), token equivalents per
     running request for a request that starts something sticky; 0 (default) turns it off.
     ``affinity_tokens``: the affinity term's largest value (module docstring), for router
@@ -254,6 +277,8 @@ class PolicyConfig:
     backlog_tokens: float = DEFAULT_BACKLOG_TOKENS
     spread_weight: float = 0.0
     affinity_tokens: float = 0.0
+    saturated_tokens: float = DEFAULT_SATURATED_TOKENS
+    saturated_scale_tokens: float = DEFAULT_SATURATED_SCALE_TOKENS
 
     def __post_init__(self) -> None:
         if self.prefix_hash_blocks < 1:
@@ -264,6 +289,9 @@ class PolicyConfig:
             raise ValueError(f"spread_weight must be finite and >= 0, got {self.spread_weight}")
         if not 0 <= self.affinity_tokens < math.inf:  # NaN too
             raise ValueError(f"affinity_tokens must be finite and >= 0, got {self.affinity_tokens}")
+        for name in ("saturated_tokens", "saturated_scale_tokens"):
+            if not 0 <= getattr(self, name) < math.inf:  # NaN too
+                raise ValueError(f"{name} must be finite and >= 0, got {getattr(self, name)}")
 
 
 class WorkerView:
@@ -602,6 +630,9 @@ class CacheAware(Policy):
         super().__init__(config)
         backlog = config.backlog_tokens
         self._per_backlog = 1.0 / backlog if backlog else 0.0
+        scale = config.saturated_scale_tokens
+        self._per_saturated = 1.0 / scale if scale else 0.0
+        self._saturated = config.saturated_tokens
         w = config.weights
         # an infinite weight times 0 is NaN, where select()'s min() depends on the order:
         # select_set leaves such a configuration to select()
@@ -612,18 +643,29 @@ class CacheAware(Policy):
             w.recent_prefill,
             w.slot_wait,
             self._per_backlog,
+            self._per_saturated,
         )
         self._finite = all(map(math.isfinite, factors))
+
+    def _backlog_factor(self, floor: float) -> float:
+        """The prefill term's factor when the least loaded candidate has ``floor`` > 0
+        tokens of prefill queued (module docstring: the backlog factor, steep past
+        ``saturated_tokens``)."""
+        factor = 1.0 + floor * self._per_backlog
+        over = floor - self._saturated
+        if over > 0:
+            factor += over * self._per_saturated
+        return factor
 
     def costs(
         self, query: RouteQuery, candidates: Sequence[WorkerView], matched: dict[int, int]
     ) -> list[float]:
         w = self.config.weights
         wp, wq, wd, wc = w.prefill, w.queued_prefill, w.decode, w.slot_wait
-        if self._per_backlog:
+        if self._per_backlog or self._per_saturated:
             floor = min(map(_queued, candidates))
             if floor > 0:  # every candidate has a backlog: a miss is fleet work
-                wp *= 1.0 + floor * self._per_backlog
+                wp *= self._backlog_factor(floor)
         wr = w.recent_prefill * query.recent_scale
         prompt = query.prompt_tokens
         full = wp * prompt
@@ -704,10 +746,10 @@ class CacheAware(Policy):
         fields = table.fields[:, candidates.columns]
         w = self.config.weights
         wp = w.prefill
-        if self._per_backlog:
+        if self._per_backlog or self._per_saturated:
             floor = float(fields[0].min())
             if floor > 0:  # as costs(): every candidate has a backlog
-                wp *= 1.0 + floor * self._per_backlog
+                wp *= self._backlog_factor(floor)
         # per candidate, as costs() adds them: ((wq*q + wd*r + wc*s) + wr*recent) + prefill,
         # then the knee and the affinity term
         cost = fields[2] * (w.recent_prefill * query.recent_scale)

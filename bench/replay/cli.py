@@ -250,6 +250,19 @@ def build_parser() -> argparse.ArgumentParser:
         "double; 0: off (default: the router's)",
     )
     p.add_argument(
+        "--saturated-tokens",
+        type=float,
+        default=None,
+        help="a saturated fleet: past this much queued prefill on the least loaded worker, "
+        "every --saturated-scale-tokens more count a miss once more (default: the router's)",
+    )
+    p.add_argument(
+        "--saturated-scale-tokens",
+        type=float,
+        default=None,
+        help="see --saturated-tokens; 0: the saturated part off (default: the router's)",
+    )
+    p.add_argument(
         "--spread-weight",
         type=float,
         default=None,
@@ -471,7 +484,14 @@ def _run_fronts(args, records, fronts, config, report, progress) -> None:
 
 # RouterConfig fields with a replay option of the same name (None: the router's default);
 # LiveConfig has the same fields and passes them to the router process
-_ROUTER_OPTIONS = ("recent_window_s", "backlog_tokens", "recent_decode_ratio", "spread_weight")
+_ROUTER_OPTIONS = (
+    "recent_window_s",
+    "backlog_tokens",
+    "saturated_tokens",
+    "saturated_scale_tokens",
+    "recent_decode_ratio",
+    "spread_weight",
+)
 
 
 def _router_overrides(args: argparse.Namespace) -> dict[str, Any]:

@@ -62,6 +62,8 @@ class LiveConfig:
     cost_weights: str | None = None  # the router's --cost-weights (None: its defaults)
     recent_window_s: float | None = None  # in trace seconds (None: the router's default)
     backlog_tokens: float | None = None  # the router's --backlog-tokens (None: its default)
+    saturated_tokens: float | None = None  # --saturated-tokens (None: its default)
+    saturated_scale_tokens: float | None = None  # --saturated-scale-tokens (None: its default)
     recent_decode_ratio: float | None = None  # --recent-decode-ratio (None: its default)
     spread_weight: float | None = None  # --spread-weight (None: its default)
     startup_timeout_s: float = 60.0  # each process, and readiness
@@ -229,6 +231,10 @@ class LiveFleet:
         router_args += ["--recent-window-s", repr(window_s / c.speedup)]
         if c.backlog_tokens is not None:
             router_args += ["--backlog-tokens", repr(c.backlog_tokens)]
+        if c.saturated_tokens is not None:
+            router_args += ["--saturated-tokens", repr(c.saturated_tokens)]
+        if c.saturated_scale_tokens is not None:
+            router_args += ["--saturated-scale-tokens", repr(c.saturated_scale_tokens)]
         if c.recent_decode_ratio is not None:
             router_args += ["--recent-decode-ratio", repr(c.recent_decode_ratio)]
         if c.spread_weight is not None:

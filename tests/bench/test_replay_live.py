@@ -53,6 +53,10 @@ def test_live_replay_through_real_processes(tmp_path):
         "20",
         "--backlog-tokens",
         "20000",
+        "--saturated-tokens",
+        "8000",
+        "--saturated-scale-tokens",
+        "1500",
         "--recent-decode-ratio",
         "0.5",
     ]
@@ -62,6 +66,10 @@ def test_live_replay_through_real_processes(tmp_path):
     assert p["policy"] == "cache_aware" and data["setup"]["mode"] == "live"
     assert data["setup"]["cost_weights"] == "1,0.25,16,0.1"
     assert data["setup"]["backlog_tokens"] == 20000.0
+    assert (data["setup"]["saturated_tokens"], data["setup"]["saturated_scale_tokens"]) == (
+        8000.0,
+        1500.0,
+    )
     assert p["requests"] == len(records) and p["errors"] == 0
     assert p["prompt_tokens"] == sum(r.input_length for r in records)
     assert p["completion_tokens"] == sum(r.output_length for r in records)

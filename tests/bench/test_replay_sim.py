@@ -219,10 +219,14 @@ def test_cost_settings_reach_the_router_and_the_report(tmp_path):
     args = build_parser().parse_args([*base, "--backlog-tokens", "9", "--recent-decode-ratio", "2"])
     router = _sim_config(args).router
     assert (router.backlog_tokens, router.recent_decode_ratio) == (9.0, 2.0)
+    saturated = ["--saturated-tokens", "700", "--saturated-scale-tokens", "30"]
+    router = _sim_config(build_parser().parse_args([*base, *saturated])).router
+    assert (router.saturated_tokens, router.saturated_scale_tokens) == (700.0, 30.0)
     router = _sim_config(build_parser().parse_args([*base, "--cost-weights", "2,0,1"])).router
     assert router.weights == CostWeights(2.0, 0.0, 1.0)  # RECENT keeps the router's default
     assert router.recent_window_s == RouterConfig().recent_window_s
     assert router.backlog_tokens == RouterConfig().backlog_tokens
+    assert router.saturated_tokens == RouterConfig().saturated_tokens
     assert router.recent_decode_ratio == RouterConfig().recent_decode_ratio
 
 

@@ -59,6 +59,11 @@ def test_config_validation() -> None:
     for bad in (-1.0, float("nan")):
         with pytest.raises(ValueError, match="backlog_tokens must be >= 0"):
             PolicyConfig(backlog_tokens=bad)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="saturated_tokens must be finite and >= 0"):
+            PolicyConfig(saturated_tokens=bad)
+        with pytest.raises(ValueError, match="saturated_scale_tokens must be finite and >= 0"):
+            PolicyConfig(saturated_scale_tokens=bad)
 
 
 def test_cache_aware_costs_are_exact() -> None:
@@ -97,7 +102,9 @@ def test_backlog_factor_weighs_a_miss_more_only_when_every_worker_is_queued() ->
     q, matched = query(8000), {0: 250}  # 4,000 of 8,000 tokens cached on w0
 
     def pick(backlog: float) -> tuple[list[float], int]:
-        policy = make_policy("approx_tree", PolicyConfig(weights, backlog_tokens=backlog))
+        # the linear factor alone: the saturated part (its own test) off
+        config = PolicyConfig(weights, backlog_tokens=backlog, saturated_scale_tokens=0)
+        policy = make_policy("approx_tree", config)
         return policy.costs(q, ws, matched), policy.select(q, ws, matched, random.Random(0))[0]
 
     # the least loaded worker has 10k queued: at backlog 10k a miss counts double
@@ -106,6 +113,42 @@ def test_backlog_factor_weighs_a_miss_more_only_when_every_worker_is_queued() ->
     ws[1].inflight_prefill_tokens = 0  # one worker is idle: no backlog, factor 1
     ws[1].refresh()
     assert pick(10_000) == ([7500 + 4000, 8000], 1)
+
+
+def test_saturated_fleet_counts_a_miss_steeply_past_the_saturated_floor() -> None:
+    ws = views(2)
+    ws[0].inflight_prefill_tokens = 30_000  # holds half the prompt, busier
+    ws[1].inflight_prefill_tokens = 14_000
+    for w in ws:
+        w.refresh()
+    weights = CostWeights(1.0, 0.25, 0.0, 0.0, queued_knee=0.0)  # a linear queued term
+    q, matched = query(8000), {0: 250}  # 4,000 of 8,000 tokens cached on w0
+
+    def pick(**settings: float) -> tuple[list[float], int]:
+        config = PolicyConfig(weights, backlog_tokens=0, **settings)
+        policy = make_policy("approx_tree", config)
+        return policy.costs(q, ws, matched), policy.select(q, ws, matched, random.Random(0))[0]
+
+    # off (scale 0), or the least loaded worker's 14k under the 20k floor: factor 1, the
+    # idler worker wins
+    assert pick(saturated_scale_tokens=0) == ([7500 + 4000, 3500 + 8000], 1)
+    assert pick(saturated_tokens=20_000) == ([7500 + 4000, 3500 + 8000], 1)
+    # past the floor: (14k - 10k) / 2k = 2 more misses' worth, factor 3; the holder wins
+    assert pick(saturated_tokens=10_000, saturated_scale_tokens=2_000) == (
+        [7500 + 3 * 4000, 3500 + 3 * 8000],
+        0,
+    )
+    # with the backlog factor too: 1 + 14k / 14k + 2 = 4
+    config = PolicyConfig(
+        weights, backlog_tokens=14_000, saturated_tokens=10_000, saturated_scale_tokens=2_000
+    )
+    assert make_policy("cache_aware", config).costs(q, ws, matched) == [
+        7500 + 4 * 4000,
+        3500 + 4 * 8000,
+    ]
+    ws[1].inflight_prefill_tokens = 0  # one worker is idle: the fleet is not saturated
+    ws[1].refresh()
+    assert pick(saturated_tokens=10_000, saturated_scale_tokens=2_000) == ([7500 + 4000, 8000], 1)
 
 
 def test_spread_term_sends_a_shared_start_to_the_worker_with_fewer_decodes() -> None:

@@ -75,6 +75,7 @@ def weights_of(w: CostWeights) -> tuple[float, ...]:
     data=st.data(),
     weights=st.builds(CostWeights, weight, weight, weight, weight, weight, knee),
     backlog=st.sampled_from([0.0, 1.0, 50_000.0]),
+    saturated=st.sampled_from([(0.0, 0.0), (0.0, 1.0), (10_000.0, 2_000.0), (5.0, 1e-300)]),
     spread=st.sampled_from([0.0, 1.0, 1000.0]),
     affinity=st.sampled_from([0.0, 1000.0, 1e-300]),
     prompt=st.integers(0, 700),
@@ -84,11 +85,16 @@ def weights_of(w: CostWeights) -> tuple[float, ...]:
 )
 @settings(max_examples=400, deadline=None)
 def test_select_set_equals_select(
-    data, weights, backlog, spread, affinity, prompt, scale, policy_name, seed
+    data, weights, backlog, saturated, spread, affinity, prompt, scale, policy_name, seed
 ):
     table, candidates, matched = data.draw(fleets(weights))
     config = PolicyConfig(
-        weights, backlog_tokens=backlog, spread_weight=spread, affinity_tokens=affinity
+        weights,
+        backlog_tokens=backlog,
+        spread_weight=spread,
+        affinity_tokens=affinity,
+        saturated_tokens=saturated[0],
+        saturated_scale_tokens=saturated[1],
     )
     policy = make_policy(policy_name, config)
     query = RouteQuery("r", prompt, 16, list(range(prompt // 16)), recent_scale=scale)

@@ -9,7 +9,12 @@ import pytest
 
 from router import cli, client, fleet
 from router.core_types import DEFAULT_RECENT_DECODE_RATIO, DEFAULT_RECENT_WINDOW_S
-from router.policy import DEFAULT_BACKLOG_TOKENS, CostWeights
+from router.policy import (
+    DEFAULT_BACKLOG_TOKENS,
+    DEFAULT_SATURATED_SCALE_TOKENS,
+    DEFAULT_SATURATED_TOKENS,
+    CostWeights,
+)
 from router.service.tenancy import TenancyConfig
 
 
@@ -48,6 +53,10 @@ def test_router_flags_map_to_the_config():
             "12",
             "--backlog-tokens",
             "0",
+            "--saturated-tokens",
+            "4000",
+            "--saturated-scale-tokens",
+            "0",
             "--recent-decode-ratio",
             "0.25",
         ]
@@ -64,6 +73,7 @@ def test_router_flags_map_to_the_config():
     assert config.core.weights == CostWeights(1.0, 0.5, 8.0)  # RECENT keeps its default
     assert config.core.recent_window_s == 12.0
     assert config.core.backlog_tokens == 0.0  # the backlog factor turned off
+    assert (config.core.saturated_tokens, config.core.saturated_scale_tokens) == (4000.0, 0.0)
     assert config.core.recent_decode_ratio == 0.25
 
 
@@ -74,6 +84,8 @@ def test_router_defaults():
     assert config.core.weights == CostWeights()
     assert config.core.recent_window_s == DEFAULT_RECENT_WINDOW_S
     assert config.core.backlog_tokens == DEFAULT_BACKLOG_TOKENS
+    assert config.core.saturated_tokens == DEFAULT_SATURATED_TOKENS == 10_000
+    assert config.core.saturated_scale_tokens == DEFAULT_SATURATED_SCALE_TOKENS == 2_000
     assert config.core.recent_decode_ratio == DEFAULT_RECENT_DECODE_RATIO
     assert config.service.split_prompts  # text prompts tokenized as far as a cache matches
     whole = cli.build_parser().parse_args(["--worker", "h:1", "--tokenize-whole"])
@@ -89,6 +101,8 @@ def test_router_defaults():
         ("--recent-window-s", "0", "recent_window_s must be > 0, got 0.0"),
         ("--backlog-tokens", "-5", "backlog_tokens must be >= 0, got -5.0"),
         ("--backlog-tokens", "nan", "backlog_tokens must be >= 0, got nan"),
+        ("--saturated-tokens", "-1", "saturated_tokens must be finite and >= 0, got -1.0"),
+        ("--saturated-scale-tokens", "inf", "saturated_scale_tokens must be finite and >= 0"),
         ("--recent-decode-ratio", "-1", "recent_decode_ratio must be >= 0, got -1.0"),
         ("--registry-grace-s", "-1", "(--registry-grace-s) must be >= 0, got -1.0"),
         ("--admission-window", "0", "(--admission-window) must be >= 1, got 0"),
