@@ -293,16 +293,18 @@ class ExplainRequest(_message.Message):
     def __init__(self, request: _Optional[_Union[GenerateRequest, _Mapping]] = ...) -> None: ...
 
 class ExplainResponse(_message.Message):
-    __slots__ = ("policy", "prompt_tokens", "chosen_worker_id", "workers")
+    __slots__ = ("policy", "prompt_tokens", "chosen_worker_id", "workers", "miss_factor")
     POLICY_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CHOSEN_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    MISS_FACTOR_FIELD_NUMBER: _ClassVar[int]
     policy: str
     prompt_tokens: int
     chosen_worker_id: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerScore]
-    def __init__(self, policy: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., chosen_worker_id: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerScore, _Mapping]]] = ...) -> None: ...
+    miss_factor: float
+    def __init__(self, policy: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., chosen_worker_id: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerScore, _Mapping]]] = ..., miss_factor: _Optional[float] = ...) -> None: ...
 
 class ReplicaRouted(_message.Message):
     __slots__ = ("request_id", "worker_id", "prompt_tokens", "matched_tokens", "block_hashes")

@@ -98,6 +98,7 @@ class ExplainResult:
     prompt_tokens: int
     chosen_worker_id: str
     workers: tuple[WorkerScoreView, ...]
+    miss_factor: float = 0.0  # a miss's weight in every cost now (0: the policy has none)
 
 
 def build_request(prompt: Prompt, options: GenerateOptions) -> pb.GenerateRequest:
@@ -210,6 +211,7 @@ class RouterClient:
             policy=resp.policy,
             prompt_tokens=resp.prompt_tokens,
             chosen_worker_id=resp.chosen_worker_id,
+            miss_factor=resp.miss_factor,
             workers=tuple(
                 WorkerScoreView(
                     worker_id=w.worker_id,
@@ -446,10 +448,12 @@ def format_explain(result: ExplainResult) -> str:
     predicts from what it sent there lately (short-lived); ``slotq`` how many requests a new
     one would wait behind for a running slot (past the worker's cap). ``cost`` is ``-``
     under a policy without costs and for a worker that is no candidate; ``why-not`` says why
-    it is not."""
+    it is not. ``miss_factor`` is what an uncached token counts in every cost now: 1 unless
+    every candidate has prefill queued (the backlog factor; far above 1: a saturated fleet)."""
+    factor = f" miss_factor={result.miss_factor:.3g}" if result.miss_factor else ""
     lines = [
         f"policy={result.policy} prompt_tokens={result.prompt_tokens} "
-        f"chosen={result.chosen_worker_id or '(none)'}",
+        f"chosen={result.chosen_worker_id or '(none)'}{factor}",
         f"  {'worker':<16} {'address':<22} {'ok':<3} {'matched':>8} {'events':>7} "
         f"{'predicted':>9} {'inflight':>9} {'run':>4} {'wait':>5} {'slotq':>5} {'recent':>9} "
         f"{'cost':>12}"

@@ -543,12 +543,14 @@ class RouterCore:
         candidates = self._candidates(req)
         costs: list[float] | None = None
         chosen: str | None = None
+        miss_factor = 0.0
         if candidates:
             policy = copy.copy(self._policy)
             rng = random.Random(req.request_id)
             i, _ = policy.select(query, candidates, matched, rng)
             chosen = candidates[i].worker_id
             costs = policy.costs(query, candidates, matched)
+            miss_factor = policy.miss_factor(candidates)
         cost_of = dict(zip((v.worker_id for v in candidates), costs or (), strict=False))
         block_size, prompt_tokens = query.block_size, query.prompt_tokens
         lines = []
@@ -576,7 +578,9 @@ class RouterCore:
                     v.slot_queue,
                 )
             )
-        return Explanation(self._policy.name, query.prompt_tokens, chosen, tuple(lines))
+        return Explanation(
+            self._policy.name, query.prompt_tokens, chosen, tuple(lines), miss_factor
+        )
 
     def may_match_past(self, token_ids: np.ndarray | Sequence[int], partition: Partition) -> bool:
         """Whether some worker's cached prefix (confirmed or predicted) may go on past

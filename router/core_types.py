@@ -271,6 +271,9 @@ class Explanation:
     prompt_tokens: int
     chosen_worker_id: str | None  # None when no worker is available
     workers: tuple[WorkerScore, ...]
+    # what a miss's tokens count in every candidate's cost (Policy.miss_factor; 0: no such
+    # factor in the policy's cost)
+    miss_factor: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -560,6 +560,11 @@ class Policy:
         i = _argmin_random(costs, rng)
         return i, costs[i]
 
+    def miss_factor(self, candidates: Sequence[WorkerView]) -> float:
+        """What one uncached token counts in every candidate's cost now, relative to an idle
+        fleet; 0 for a policy whose cost has no such factor (Explain reports it)."""
+        return 0.0
+
     def select_set(
         self,
         query: RouteQuery,
@@ -646,6 +651,14 @@ class CacheAware(Policy):
             self._per_saturated,
         )
         self._finite = all(map(math.isfinite, factors))
+
+    def miss_factor(self, candidates: Sequence[WorkerView]) -> float:
+        """The backlog factor (module docstring) over ``candidates`` now: 1 while one of
+        them has no prefill queued (or the factor is off)."""
+        if not (self._per_backlog or self._per_saturated) or not candidates:
+            return 1.0
+        floor = min(map(_queued, candidates))
+        return self._backlog_factor(floor) if floor > 0 else 1.0
 
     def _backlog_factor(self, floor: float) -> float:
         """The prefill term's factor when the least loaded candidate has ``floor`` > 0

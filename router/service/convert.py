@@ -61,6 +61,7 @@ def explanation_to_pb(
         policy=expl.policy,
         prompt_tokens=expl.prompt_tokens,
         chosen_worker_id=expl.chosen_worker_id or "",
+        miss_factor=expl.miss_factor,
         workers=[
             worker_score_to_pb(
                 w,

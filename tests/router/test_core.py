@@ -538,6 +538,25 @@ def test_explain_costs_for_cache_aware() -> None:
     assert core.explain(RouteRequest("r", tokens(70))).chosen_worker_id is None
 
 
+def test_explain_reports_the_miss_factor_of_a_queued_and_a_saturated_fleet() -> None:
+    config = {"backlog_tokens": 10_000.0, "saturated_tokens": 2_000.0}
+    core, _ = make_core(2, **config)
+    assert core.explain(RouteRequest("x", tokens(70))).miss_factor == 1.0  # an idle fleet
+    # 3,000 uncached tokens routed to each worker, none at its first token yet
+    for k in range(2):
+        core.route(RouteRequest(f"r{k}", tokens(3000, start=10_000 * (k + 1))))
+    queued = [
+        w.inflight_prefill_tokens for w in core.explain(RouteRequest("x", tokens(70))).workers
+    ]
+    assert sorted(queued) == [3000, 3000]
+    # 1 + 3,000 / 10,000 + (3,000 - 2,000) / 2,000 (the default scale)
+    assert core.explain(RouteRequest("x", tokens(70))).miss_factor == 1.0 + 0.3 + 0.5
+    core.on_first_token("r0")  # one worker's queue is gone: not every candidate is queued
+    assert core.explain(RouteRequest("x", tokens(70))).miss_factor == 1.0
+    rr, _ = make_core(2, policy="round_robin")
+    assert rr.explain(RouteRequest("x", tokens(70))).miss_factor == 0.0  # no such factor
+
+
 # ---- approx_tree ---------------------------------------------------------------------------
 
 

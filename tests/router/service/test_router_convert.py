@@ -62,11 +62,15 @@ def test_explanation_fills_address_ejection_no_cost_and_load():
     assert w1.HasField("cost") and w1.cost == 1.5
     assert (w1.address, w1.healthy, w1.load.num_running) == ("own:1", True, 3)
     assert explanation_to_pb(Explanation("random", 0, None, ())).chosen_worker_id == ""
+    assert explanation_to_pb(Explanation("cache_aware", 5, None, (), 4.25)).miss_factor == 4.25
 
 
 def test_explain_table_prints_events_and_predicted_columns():
     view = WorkerScoreView("w0", "a:1", True, 96, 0, 1.0, 0, 0, 0.0, 64, 32)
     table = format_explain(ExplainResult("cache_aware", 100, "w0", (view,)))
+    assert "miss_factor" not in table.splitlines()[0]  # 0: the policy has no such factor
+    saturated = format_explain(ExplainResult("cache_aware", 100, "w0", (view,), 6.5))
+    assert saturated.splitlines()[0].endswith("chosen=w0 miss_factor=6.5")
     header, row = table.splitlines()[1:]
     assert "events" in header and "predicted" in header
     cols = row.split()
