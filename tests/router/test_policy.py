@@ -92,13 +92,21 @@ def test_cache_aware_costs_are_exact() -> None:
     assert (i, cost) == (3, 20.0)
 
 
-def test_backlog_factor_weighs_a_miss_more_only_when_every_worker_is_queued() -> None:
-    ws = views(2)
-    ws[0].inflight_prefill_tokens = 30_000  # holds half the prompt, busier
-    ws[1].inflight_prefill_tokens = 10_000
-    for w in ws:
+def queued_views(*queued: int) -> list[WorkerView]:
+    """Workers with these prefill tokens in flight (the cost's queued term)."""
+    ws = views(len(queued))
+    for w, tokens in zip(ws, queued, strict=True):
+        w.inflight_prefill_tokens = tokens
         w.refresh()
-    weights = CostWeights(1.0, 0.25, 0.0, 0.0, queued_knee=0.0)  # a linear queued term
+    return ws
+
+
+LINEAR_QUEUED = CostWeights(1.0, 0.25, 0.0, 0.0, queued_knee=0.0)  # a linear queued term
+
+
+def test_backlog_factor_weighs_a_miss_more_only_when_every_worker_is_queued() -> None:
+    ws = queued_views(30_000, 10_000)  # w0 holds half the prompt, busier
+    weights = LINEAR_QUEUED
     q, matched = query(8000), {0: 250}  # 4,000 of 8,000 tokens cached on w0
 
     def pick(backlog: float) -> tuple[list[float], int]:
@@ -116,12 +124,8 @@ def test_backlog_factor_weighs_a_miss_more_only_when_every_worker_is_queued() ->
 
 
 def test_saturated_fleet_counts_a_miss_steeply_past_the_saturated_floor() -> None:
-    ws = views(2)
-    ws[0].inflight_prefill_tokens = 30_000  # holds half the prompt, busier
-    ws[1].inflight_prefill_tokens = 14_000
-    for w in ws:
-        w.refresh()
-    weights = CostWeights(1.0, 0.25, 0.0, 0.0, queued_knee=0.0)  # a linear queued term
+    ws = queued_views(30_000, 14_000)  # w0 holds half the prompt, busier
+    weights = LINEAR_QUEUED
     q, matched = query(8000), {0: 250}  # 4,000 of 8,000 tokens cached on w0
 
     def pick(**settings: float) -> tuple[list[float], int]:
