@@ -82,9 +82,9 @@ class RouterConfig:
     ``recent_window_s``: time constant of the decay of each worker's recent prefill tokens
     (the cost's balance term; router.policy). ``backlog_tokens``: the least loaded worker's
     queued prefill at which the cost counts a miss double (0: off; router.policy).
-    ``saturated_tokens`` / ``saturated_scale_tokens``: past the first, every second more
-    of the least loaded worker's queued prefill counts a miss once more (a saturated
-    fleet; scale 0: off; router.policy).
+    ``saturated_tokens`` / ``saturated_scale_tokens``: past ``saturated_tokens`` of the
+    least loaded worker's queued prefill, every ``saturated_scale_tokens`` more count a miss
+    once more (a saturated fleet; scale 0: off; router.policy).
     ``recent_decode_ratio``: prefill tokens that one generated token of a finished request
     adds to its worker's recent sum (decode work counts toward the balance term, at half).
     ``replicas``: router replicas sharing the fleet behind one load balancer (each sees only
