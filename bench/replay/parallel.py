@@ -9,13 +9,15 @@ time, which the JSON leaves out, differs.
 
 The workers are started with ``spawn`` (a fresh interpreter each: no state forked from the
 parent, no fork-after-threads hazards) and receive the trace and the configuration once,
-when they start, not once per replay.
+when they start, not once per replay. On Linux each asks the kernel to stop it when the
+replay process dies, so a killed replay leaves no worker running on.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
 import time
 from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -69,8 +71,26 @@ _trace_block_size = 0
 _expander: TokenExpander | None = None
 
 
-def _start(records: Sequence[TraceRecord], config, trace_block_size: int) -> None:
+def _die_with_parent(parent: int) -> None:
+    """On Linux, have the kernel stop this worker process when the replay that started it
+    dies (killed, or ended by a signal it does not catch): a worker must not go on
+    replaying for nobody. Elsewhere the pool's own shutdown is all there is."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0) != 0:
+        return  # not allowed here: the pool's shutdown still ends it on a normal exit
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(1)
+
+
+def _start(records: Sequence[TraceRecord], config, trace_block_size: int, parent: int) -> None:
     global _records, _config, _trace_block_size, _expander
+    _die_with_parent(parent)
     _records, _config, _trace_block_size = records, config, trace_block_size
     _expander = TokenExpander(trace_block_size, config.vocab_size, config.seed)
 
@@ -117,7 +137,7 @@ def run_parallel(
         max_workers=max(1, min(jobs, len(tasks))),
         mp_context=context,
         initializer=_start,
-        initargs=(list(records), config, trace_block_size),
+        initargs=(list(records), config, trace_block_size, os.getpid()),
     ) as pool:
         futures: dict[Future[PolicyReport], int] = {
             pool.submit(_replay, kind, name): i for i, (kind, name) in enumerate(tasks)

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -109,3 +113,50 @@ def test_a_failing_replay_raises_its_own_error(burst_trace):
         run_parallel(records[:20], config, 16, [], ["pooled", "huge"], jobs=2)
     assert run_parallel(records, config, 16, [], (), jobs=2) == []
     assert set(REFERENCE_KINDS) == {"pooled", "infinite"}
+
+
+def _children(pid: int) -> set[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    try:
+        return {int(c) for c in path.read_text().split()}
+    except OSError:  # the process is gone
+        return set()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and prctl: Linux only")
+def test_a_killed_replay_leaves_no_worker_replaying(tmp_path):
+    records = generate_cold_bursts(ColdBurstsConfig(duration_s=40, seed=11))
+    trace = tmp_path / "long.jsonl"
+    write_trace(trace, records)
+    argv = [sys.executable, "-m", "bench.replay.cli", "--trace", str(trace)]
+    argv += ["--trace-block-size", "16", "--workers", "8", "--policy", "all", "--jobs", "2"]
+    replay = subprocess.Popen([*argv, "--quiet"], stdout=subprocess.DEVNULL)
+    try:
+        workers: set[int] = set()
+        deadline = time.monotonic() + 60
+        while len(workers) < 2 and time.monotonic() < deadline and replay.poll() is None:
+            workers = {
+                c
+                for c in _children(replay.pid)
+                if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()
+            }
+            time.sleep(0.05)
+        assert len(workers) == 2, "the replay did not start its two worker processes"
+        replay.kill()  # SIGKILL: nothing in the replay runs to shut its pool down
+        replay.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while any(map(_alive, workers)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(map(_alive, workers)), "a worker went on replaying for nobody"
+    finally:
+        if replay.poll() is None:
+            replay.kill()
+            replay.wait()
