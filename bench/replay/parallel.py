@@ -22,17 +22,20 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import replace
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from bench.replay.report import PolicyReport
 from bench.replay.trace import TokenExpander, TraceRecord
+
+if TYPE_CHECKING:
+    from bench.replay.sim import SimConfig
 
 __all__ = ["REFERENCE_KINDS", "reference_config", "resolve_jobs", "run_parallel"]
 
 REFERENCE_KINDS = ("pooled", "infinite")
 
 
-def reference_config(config):  # (SimConfig) -> SimConfig
+def reference_config(config: SimConfig) -> SimConfig:
     """The configuration the references replay under: one engine as big as the fleet, and no
     router to charge -- no decision time, network delay or event loss there."""
     return replace(
@@ -66,7 +69,7 @@ def resolve_jobs(jobs: int, tasks: int) -> int:
 
 # one worker process's share of the job, set once by _start
 _records: Sequence[TraceRecord] = ()
-_config = None
+_config: SimConfig | None = None
 _trace_block_size = 0
 _expander: TokenExpander | None = None
 
@@ -88,7 +91,9 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def _start(records: Sequence[TraceRecord], config, trace_block_size: int, parent: int) -> None:
+def _start(
+    records: Sequence[TraceRecord], config: SimConfig, trace_block_size: int, parent: int
+) -> None:
     global _records, _config, _trace_block_size, _expander
     _die_with_parent(parent)
     _records, _config, _trace_block_size = records, config, trace_block_size
@@ -114,7 +119,7 @@ def _replay(kind: str, name: str) -> PolicyReport:
 
 def run_parallel(
     records: Sequence[TraceRecord],
-    config,  # SimConfig
+    config: SimConfig,
     trace_block_size: int,
     policies: Sequence[str],
     references: Sequence[str],
