@@ -46,6 +46,16 @@ class LiveReplayError(RuntimeError):
     """The fleet could not be started or did not become ready in time."""
 
 
+# LiveConfig fields passed to the router process as its option of the same name, unchanged
+_PASSED_AS_GIVEN = (
+    "backlog_tokens",
+    "saturated_tokens",
+    "saturated_scale_tokens",
+    "recent_decode_ratio",
+    "spread_weight",
+)
+
+
 @dataclass(frozen=True, slots=True)
 class LiveConfig:
     """Fleet shape and time limits of a live replay."""
@@ -229,16 +239,10 @@ class LiveFleet:
         # the router's clock is wall time, the trace's is compressed by the speedup
         window_s = c.recent_window_s if c.recent_window_s is not None else DEFAULT_RECENT_WINDOW_S
         router_args += ["--recent-window-s", repr(window_s / c.speedup)]
-        if c.backlog_tokens is not None:
-            router_args += ["--backlog-tokens", repr(c.backlog_tokens)]
-        if c.saturated_tokens is not None:
-            router_args += ["--saturated-tokens", repr(c.saturated_tokens)]
-        if c.saturated_scale_tokens is not None:
-            router_args += ["--saturated-scale-tokens", repr(c.saturated_scale_tokens)]
-        if c.recent_decode_ratio is not None:
-            router_args += ["--recent-decode-ratio", repr(c.recent_decode_ratio)]
-        if c.spread_weight is not None:
-            router_args += ["--spread-weight", repr(c.spread_weight)]
+        for name in _PASSED_AS_GIVEN:  # the router's option of the same name, when given
+            value = getattr(c, name)
+            if value is not None:
+                router_args += ["--" + name.replace("_", "-"), repr(value)]
         return router_args
 
     async def stop(self) -> None:
