@@ -24,10 +24,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from bench.replay.parallel import REFERENCE_KINDS, reference_config, resolve_jobs, run_parallel
+from bench.replay.parallel import REFERENCE_KINDS, resolve_jobs, run_replays
 from bench.replay.report import ReplayReport
 from bench.replay.strict import add_strict_options, strict_settings
-from bench.replay.trace import DEFAULT_TRACE_BLOCK_SIZE, TokenExpander, read_trace
+from bench.replay.trace import DEFAULT_TRACE_BLOCK_SIZE, read_trace
 from kvroute_proto.cli_help import RawDescriptionHelpFormatter, positive_float
 
 DEFAULT_POLICIES = ("cache_aware", "round_robin")
@@ -605,8 +605,6 @@ def _load_interval_s(args: argparse.Namespace) -> float:
 
 
 def _run_sim(args, records, policies, setup, progress) -> ReplayReport:
-    from bench.replay.sim import simulate
-
     config = _sim_config(args)
     setup = {
         **setup,
@@ -632,44 +630,25 @@ def _run_sim(args, records, policies, setup, progress) -> ReplayReport:
     report = ReplayReport(setup=setup)
     references = () if args.no_bounds else REFERENCE_KINDS
     jobs = resolve_jobs(args.jobs, len(policies) + len(references))
-    if jobs > 1:
-        if config.measure_route_time:
-            print(
-                f"kvroute replay: note: --jobs {jobs} with --route-decision-s measured: each "
-                "process times its own routes, slower where the processes outnumber idle cores",
-                file=sys.stderr,
-            )
-        runs = run_parallel(
-            records, config, args.trace_block_size, policies, references, jobs, progress
+    if jobs > 1 and config.measure_route_time:
+        print(
+            f"kvroute replay: note: --jobs {jobs} with --route-decision-s measured: each "
+            "process times its own routes, slower where the processes outnumber idle cores",
+            file=sys.stderr,
         )
-        report.policies.extend(runs[: len(policies)])
-        for kind, ref in zip(references, runs[len(policies) :], strict=True):
-            _set_reference(report, kind, ref)
-        return report
-    expander = TokenExpander(args.trace_block_size, config.vocab_size, args.seed)
-    for policy in policies:
-        report.policies.append(
-            simulate(records, policy, config, expander, progress_stream=progress)
-        )
-    if references:
-        _add_sim_references(args, records, report, progress, expander)
+    runs = run_replays(records, config, args.trace_block_size, policies, references, jobs, progress)
+    report.policies.extend(runs[: len(policies)])
+    for kind, ref in zip(references, runs[len(policies) :], strict=True):
+        _set_reference(report, kind, ref)
     return report
 
 
-def _add_sim_references(args, records, report, progress, expander=None) -> None:
-    from bench.replay.sim import simulate_reference
-
-    config = reference_config(_sim_config(args))
-    expander = expander or TokenExpander(args.trace_block_size, config.vocab_size, args.seed)
-    for kind in REFERENCE_KINDS:
-        ref = simulate_reference(
-            records,
-            kind,
-            config,
-            expander,
-            trace_block_size=args.trace_block_size,
-            progress_stream=progress,
-        )
+def _add_sim_references(args, records, report, progress) -> None:
+    """The sim's pooled reference and infinite ceiling beside a live replay."""
+    refs = run_replays(
+        records, _sim_config(args), args.trace_block_size, (), REFERENCE_KINDS, 1, progress
+    )
+    for kind, ref in zip(REFERENCE_KINDS, refs, strict=True):
         _set_reference(report, kind, ref)
 
 

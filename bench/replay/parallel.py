@@ -30,7 +30,7 @@ from bench.replay.trace import TokenExpander, TraceRecord
 if TYPE_CHECKING:
     from bench.replay.sim import SimConfig
 
-__all__ = ["REFERENCE_KINDS", "reference_config", "resolve_jobs", "run_parallel"]
+__all__ = ["REFERENCE_KINDS", "reference_config", "replay_one", "resolve_jobs", "run_replays"]
 
 REFERENCE_KINDS = ("pooled", "infinite")
 
@@ -67,7 +67,7 @@ def resolve_jobs(jobs: int, tasks: int) -> int:
     return max(1, min(wanted, tasks))
 
 
-# one worker process's share of the job, set once by _start
+# one worker process's share of the job, set once by _start (run_replays with jobs > 1)
 _records: Sequence[TraceRecord] = ()
 _config: SimConfig | None = None
 _trace_block_size = 0
@@ -100,42 +100,63 @@ def _start(
     _expander = TokenExpander(trace_block_size, config.vocab_size, config.seed)
 
 
-def _replay(kind: str, name: str) -> PolicyReport:
-    """One replay in a worker process: ``kind`` "policy" (``name`` a policy) or "reference"
-    (``name`` one of REFERENCE_KINDS)."""
+def replay_one(
+    kind: str,
+    name: str,
+    records: Sequence[TraceRecord],
+    config: SimConfig,
+    trace_block_size: int,
+    expander: TokenExpander,
+    progress: TextIO | None = None,
+) -> PolicyReport:
+    """One sim replay: ``kind`` "policy" (``name`` a policy) or "reference" (``name`` one of
+    REFERENCE_KINDS, under :func:`reference_config`)."""
     from bench.replay.sim import simulate, simulate_reference
 
-    assert _config is not None, "the worker process was not started by run_parallel"
     if kind == "policy":
-        return simulate(_records, name, _config, _expander)
+        return simulate(records, name, config, expander, progress_stream=progress)
     return simulate_reference(
-        _records,
+        records,
         name,
-        reference_config(_config),
-        _expander,
-        trace_block_size=_trace_block_size,
+        reference_config(config),
+        expander,
+        trace_block_size=trace_block_size,
+        progress_stream=progress,
     )
 
 
-def run_parallel(
+def _replay(kind: str, name: str) -> PolicyReport:
+    """:func:`replay_one` in a worker process, over what :func:`_start` was given."""
+    assert _config is not None and _expander is not None, "not started by run_replays"
+    return replay_one(kind, name, _records, _config, _trace_block_size, _expander)
+
+
+def run_replays(
     records: Sequence[TraceRecord],
     config: SimConfig,
     trace_block_size: int,
     policies: Sequence[str],
     references: Sequence[str],
-    jobs: int,
+    jobs: int = 1,
     progress: TextIO | None = None,
 ) -> list[PolicyReport]:
-    """Replay every policy and then every reference kind in up to ``jobs`` processes; the
-    reports come back in that order. A line on ``progress`` as each replay finishes. The
-    first replay that raises stops the rest (those not started are cancelled, the running
-    ones finish) and its exception is raised here."""
+    """Replay every policy and then every reference kind; the reports come back in that
+    order. ``jobs`` 1: one after another in this process, each with its progress bar on
+    ``progress``; more: in up to ``jobs`` processes, a line on ``progress`` as each replay
+    finishes, and the first replay that raises stops the rest (those not started are
+    cancelled, the running ones finish) and its exception is raised here."""
     for kind in references:
         if kind not in REFERENCE_KINDS:
             raise ValueError(f"reference kind must be one of {REFERENCE_KINDS}, got {kind!r}")
     tasks = [("policy", p) for p in policies] + [("reference", k) for k in references]
     if not tasks:
         return []
+    if jobs <= 1:
+        expander = TokenExpander(trace_block_size, config.vocab_size, config.seed)
+        return [
+            replay_one(kind, name, records, config, trace_block_size, expander, progress)
+            for kind, name in tasks
+        ]
     start = time.monotonic()
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(

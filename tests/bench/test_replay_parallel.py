@@ -12,7 +12,7 @@ import pytest
 
 from bench.replay import parallel
 from bench.replay.cli import main
-from bench.replay.parallel import REFERENCE_KINDS, resolve_jobs, run_parallel
+from bench.replay.parallel import REFERENCE_KINDS, resolve_jobs, run_replays
 from bench.replay.sim import SimConfig
 from bench.replay.trace import write_trace
 from bench.workload import ColdBurstsConfig, generate_cold_bursts
@@ -108,10 +108,10 @@ def test_a_failing_replay_raises_its_own_error(burst_trace):
     _, records = burst_trace
     config = SimConfig(num_workers=2)
     with pytest.raises(ValueError, match=r"policy must be one of .*; got 'nope'"):
-        run_parallel(records[:20], config, 16, ["round_robin", "nope"], (), jobs=2)
+        run_replays(records[:20], config, 16, ["round_robin", "nope"], (), jobs=2)
     with pytest.raises(ValueError, match="reference kind"):
-        run_parallel(records[:20], config, 16, [], ["pooled", "huge"], jobs=2)
-    assert run_parallel(records, config, 16, [], (), jobs=2) == []
+        run_replays(records[:20], config, 16, [], ["pooled", "huge"], jobs=2)
+    assert run_replays(records, config, 16, [], (), jobs=2) == []
     assert set(REFERENCE_KINDS) == {"pooled", "infinite"}
 
 
