@@ -654,7 +654,8 @@ class CacheAware(Policy):
 
     def miss_factor(self, candidates: Sequence[WorkerView]) -> float:
         """The backlog factor (module docstring) over ``candidates`` now: 1 while one of
-        them has no prefill queued (or the factor is off)."""
+        them has no prefill queued (or the factor is off); the prefill term's factor in
+        :meth:`costs` (``select_set`` reads the same floor from the table)."""
         if not (self._per_backlog or self._per_saturated) or not candidates:
             return 1.0
         floor = min(map(_queued, candidates))
@@ -675,10 +676,7 @@ class CacheAware(Policy):
     ) -> list[float]:
         w = self.config.weights
         wp, wq, wd, wc = w.prefill, w.queued_prefill, w.decode, w.slot_wait
-        if self._per_backlog or self._per_saturated:
-            floor = min(map(_queued, candidates))
-            if floor > 0:  # every candidate has a backlog: a miss is fleet work
-                wp *= self._backlog_factor(floor)
+        wp *= self.miss_factor(candidates)  # above 1 when every candidate has a backlog
         wr = w.recent_prefill * query.recent_scale
         prompt = query.prompt_tokens
         full = wp * prompt
