@@ -36,10 +36,13 @@ __all__ = [
 
 DEFAULT_RECENT_WINDOW_S = 30.0  # decay time constant of each worker's recent prefill
 DEFAULT_RECENT_DECODE_RATIO = 0.5  # recent-sum tokens per generated token of a finished request
-# RouterConfig.replica_cold_picks: chosen on cold-bursts seeds 200-204 at 4, 8 and 16 workers
-# (two routers: R = 2 picks best of 1.35-2; four: 2.5 best of 1.75-4; the training workloads
-# did not tell the values apart); reported on other seeds (BENCHMARKS.md, several routers)
-DEFAULT_REPLICA_COLD_PICKS = 2.5
+# RouterConfig.replica_cold_picks: first chosen (2.5) on cold-bursts seeds 200-204 at 4, 8
+# and 16 workers without sync; re-chosen with the synced defaults of today on those seeds and
+# on cold-bursts seeds 400-404 of 32-request bursts on 3,000-token prefixes: 2.5 and 2.25
+# spread each burst over one worker more than one router does (up to -2.0 points of hit
+# rate at 16 workers, four routers), 1.75 herds (TTFT p99 +10.8%), 2.0 is within on all 30
+# (BENCHMARKS.md, "A cold pick counts at most twice"). Two routers never reach the cap.
+DEFAULT_REPLICA_COLD_PICKS = 2.0
 # RouterConfig.replica_cold_window_picks: chosen on cold-bursts seeds 200-204 at 4, 8 and 16
 # workers, four routers, in three settings (--strict with a 0.5 ms and with a 5 ms sync, the
 # plain sim); reported on other seeds (BENCHMARKS.md, "A cold pick's count that follows the

@@ -253,7 +253,7 @@ def test_cli_routers(tmp_path, capsys):
     report = json.loads(out.read_text())
     assert report["setup"]["replica_sync_delay_s"] == 0.0005
     assert report["policies"][0]["extra"]["replica_events"] > 0
-    assert report["setup"]["replica_cold_picks"] == 2.5  # the router's default
+    assert report["setup"]["replica_cold_picks"] == 2.0  # the router's default
     assert report["setup"]["replica_peer_view"] is True  # on unless turned off
     assert report["setup"]["replica_cold_window_picks"] == 3
     off = ["--no-replica-peer-view", "--replica-cold-window-picks", "0", "--json", str(out)]

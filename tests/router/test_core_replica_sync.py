@@ -9,9 +9,16 @@ import numpy as np
 import pytest
 
 from router.core import RouterConfig, RouterCore, RouteRequest
-from router.core_types import ReplicaEvent, ReplicaFinished, ReplicaFirstToken, ReplicaRouted
+from router.core_types import (
+    DEFAULT_REPLICA_COLD_PICKS,
+    ReplicaEvent,
+    ReplicaFinished,
+    ReplicaFirstToken,
+    ReplicaRouted,
+)
 
 B = 16
+COLD = DEFAULT_REPLICA_COLD_PICKS  # a cold pick's count with R = 4 replicas
 BACKENDS = ("numba", "dict")
 
 
@@ -229,7 +236,7 @@ def test_with_sync_an_own_pick_counts_replicas_times_only_for_the_window(backend
     first = core.route(RouteRequest("cold", prompt(320)))
     view = core.worker_view(first.worker_id)
     cold_counted = view.inflight_prefill_tokens
-    assert cold_counted == round(320 * 2.5)  # a cold pick: replica_cold_picks times
+    assert cold_counted == round(320 * COLD)  # a cold pick: replica_cold_picks times
     clock.t = 0.001
     warm = core.route(RouteRequest("warm", prompt(400)))
     assert warm.worker_id == first.worker_id and warm.matched_tokens == 320
@@ -314,7 +321,7 @@ def test_with_the_peer_view_a_cold_pick_is_capped_once_a_window_held_the_window_
     from router.core_types import REPLICA_WINDOW_PICKS_PERIOD_S as PERIOD
 
     cold = _cold_router(backend)
-    capped = round(2.5 * 320)
+    capped = round(COLD * 320)
     assert cold(0.000) == 4 * 320  # none in the window: R times
     assert cold(0.001) == 2 * 4 * 320  # one
     assert cold(0.002) == 3 * 4 * 320  # two: still under 3
@@ -346,7 +353,7 @@ def test_the_cold_cap_always_holds_without_the_peer_view_or_sync_or_with_0(
     )
     assert RouterConfig().replica_peer_view and RouterConfig().replica_cold_window_picks == 3
     d = core.route(RouteRequest("x", prompt(320)))
-    assert core.worker_view(d.worker_id).inflight_prefill_tokens == round(2.5 * 320)
+    assert core.worker_view(d.worker_id).inflight_prefill_tokens == round(COLD * 320)
 
 
 def test_the_cold_window_picks_are_checked():
@@ -382,7 +389,7 @@ def test_the_window_changes_nothing_without_sync_one_router_or_inf(backend, wind
     core, clock = synced_core(backend, window=window, replicas=replicas, sync=sync)
     d = core.route(RouteRequest("x", prompt(320)))
     counted = core.worker_view(d.worker_id).inflight_prefill_tokens
-    assert counted == round(320 * min(replicas, 2.5))
+    assert counted == round(320 * min(replicas, COLD))
     clock.t = 10.0
     core.route(RouteRequest("y", prompt(16, start=7_000), exclude=frozenset({d.worker_id})))
     assert core.worker_view(d.worker_id).inflight_prefill_tokens == counted
@@ -415,7 +422,7 @@ def test_an_auto_window_follows_the_measured_delivery_time():
     view = core.worker_view(d.worker_id)
     clock.t = 0.018
     core.explain(RouteRequest("probe", prompt(16, start=10_000)))
-    assert view.inflight_prefill_tokens == 800
+    assert view.inflight_prefill_tokens == round(COLD * 320)  # a cold pick, inside its window
     clock.t = 0.02
     core.explain(RouteRequest("probe", prompt(16, start=10_000)))
     assert view.inflight_prefill_tokens == 320

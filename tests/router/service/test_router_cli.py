@@ -262,7 +262,7 @@ def test_replicas_reach_the_core_config():
     assert cli.config_from_args(args).core.replicas == 3
     args = cli.build_parser().parse_args(["--worker", "h:1"])
     assert cli.config_from_args(args).core.replicas == 1
-    assert cli.config_from_args(args).core.replica_cold_picks == 2.5
+    assert cli.config_from_args(args).core.replica_cold_picks == 2.0
     args = cli.build_parser().parse_args(["--worker", "h:1", "--replica-cold-picks", "4"])
     assert cli.config_from_args(args).core.replica_cold_picks == 4.0
     core = cli.config_from_args(cli.build_parser().parse_args(["--worker", "h:1"])).core
