@@ -37,8 +37,9 @@ __all__ = [
 DEFAULT_RECENT_WINDOW_S = 30.0  # decay time constant of each worker's recent prefill
 DEFAULT_RECENT_DECODE_RATIO = 0.5  # recent-sum tokens per generated token of a finished request
 # RouterConfig.replica_cold_picks: first chosen (2.5) on cold-bursts seeds 200-204 at 4, 8
-# and 16 workers without sync; re-chosen with the synced defaults of today on those seeds and
-# on cold-bursts seeds 400-404 of 32-request bursts on 3,000-token prefixes: 2.5 and 2.25
+# and 16 workers, before the peer view and the sync window were defaults; re-chosen with
+# today's defaults on those seeds and on cold-bursts seeds 400-404 of 32-request bursts on
+# 3,000-token prefixes (four routers, 1 ms sync): 2.5 and 2.25
 # spread each burst over one worker more than one router does (up to -2.0 points of hit
 # rate at 16 workers, four routers), 1.75 herds (TTFT p99 +10.8%), 2.0 is within on all 30
 # (BENCHMARKS.md, "A cold pick counts at most twice"). Two routers never reach the cap.
