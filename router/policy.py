@@ -658,13 +658,14 @@ class CacheAware(Policy):
         :meth:`costs` (``select_set`` reads the same floor from the table)."""
         if not (self._per_backlog or self._per_saturated) or not candidates:
             return 1.0
-        floor = min(map(_queued, candidates))
-        return self._backlog_factor(floor) if floor > 0 else 1.0
+        return self._backlog_factor(min(map(_queued, candidates)))
 
     def _backlog_factor(self, floor: float) -> float:
-        """The prefill term's factor when the least loaded candidate has ``floor`` > 0
-        tokens of prefill queued (module docstring: the backlog factor, steep past
-        ``saturated_tokens``)."""
+        """The prefill term's factor when the least loaded candidate has ``floor`` tokens
+        of prefill queued (module docstring: the backlog factor, steep past
+        ``saturated_tokens``): 1 unless every candidate has a backlog (``floor`` > 0)."""
+        if floor <= 0:
+            return 1.0
         factor = 1.0 + floor * self._per_backlog
         over = floor - self._saturated
         if over > 0:
@@ -757,10 +758,8 @@ class CacheAware(Policy):
         fields = table.fields[:, candidates.columns]
         w = self.config.weights
         wp = w.prefill
-        if self._per_backlog or self._per_saturated:
-            floor = float(fields[0].min())
-            if floor > 0:  # as costs(): every candidate has a backlog
-                wp *= self._backlog_factor(floor)
+        if self._per_backlog or self._per_saturated:  # as costs(), floor from the table
+            wp *= self._backlog_factor(float(fields[0].min()))
         # per candidate, as costs() adds them: ((wq*q + wd*r + wc*s) + wr*recent) + prefill,
         # then the knee and the affinity term
         cost = fields[2] * (w.recent_prefill * query.recent_scale)
