@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.replay.parallel import REFERENCE_KINDS, resolve_jobs, run_replays
-from bench.replay.report import ReplayReport
+from bench.replay.report import PolicyReport, ReplayReport
 from bench.replay.strict import add_strict_options, strict_settings
 from bench.replay.trace import DEFAULT_TRACE_BLOCK_SIZE, read_trace
 from kvroute_proto.cli_help import RawDescriptionHelpFormatter, positive_float
@@ -652,7 +652,7 @@ def _add_sim_references(args, records, report, progress) -> None:
         _set_reference(report, kind, ref)
 
 
-def _set_reference(report: ReplayReport, kind: str, ref) -> None:  # ref: PolicyReport
+def _set_reference(report: ReplayReport, kind: str, ref: PolicyReport) -> None:
     if ref.errors:
         report.reference_errors[kind] = ref.errors
     if kind == "pooled":
