@@ -11,16 +11,16 @@ import sys
 
 # subcommand -> (module, function, one-line help)
 COMMANDS: dict[str, tuple[str, str, str]] = {
-    "up": ("router.fleet", "main", "start N local workers and a router (the quick start)"),
+    "up": ("router.cli.fleet", "main", "start N local workers and a router (the quick start)"),
     "worker": ("worker.cli", "main", "run one serving worker (gRPC)"),
-    "router": ("router.cli", "main", "run the cache-aware router (gRPC)"),
-    "generate": ("router.client", "main", "send one prompt to a router and print the output"),
-    "explain": ("router.client", "explain_main", "show each worker's match, load and cost"),
+    "router": ("router.cli.router", "main", "run the cache-aware router (gRPC)"),
+    "generate": ("router.cli.client", "main", "send one prompt to a router and print the output"),
+    "explain": ("router.cli.client", "explain_main", "show each worker's match, load and cost"),
     "keys": ("router.service.auth", "keys_main", "hash an API key for kvroute router --api-keys"),
-    "status": ("router.status", "main", "live view of a router's fleet (health, load, cache)"),
-    "loadtest": ("router.loadtest", "main", "closed-loop load: throughput, latency, errors"),
-    "replay": ("bench.replay.cli", "main", "replay a trace against routing policies"),
-    "workload": ("bench.workload", "main", "generate a synthetic workload trace"),
+    "status": ("router.cli.status", "main", "live view of a router's fleet (health, load, cache)"),
+    "loadtest": ("router.cli.loadtest", "main", "closed-loop load: throughput, latency, errors"),
+    "replay": ("fleetsim.replay.cli", "main", "replay a trace against routing policies"),
+    "workload": ("fleetsim.workload", "main", "generate a synthetic workload trace"),
 }
 
 

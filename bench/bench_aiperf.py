@@ -46,9 +46,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from bench.replay.front import REPO_ROOT
-from bench.replay.sim import DEFAULT_KV_CAPACITY_TOKENS
-from bench.replay.trace import TraceRecord, read_trace, write_trace
+from fleetsim.replay.front import REPO_ROOT
+from fleetsim.replay.sim import DEFAULT_KV_CAPACITY_TOKENS
+from fleetsim.replay.trace import TraceRecord, read_trace, write_trace
 
 DEFAULT_AIPERF = REPO_ROOT / ".peers" / "aiperf" / "bin" / "aiperf"
 TOKENIZER_REPO = "kvroute/byte-tokenizer"  # a name only: it lives in the run's own HF cache
@@ -223,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
 async def _wait_fleet(url: str, proc: subprocess.Popen, timeout_s: float) -> str:
     import aiohttp
 
-    from bench.replay.live_http import front_model, wait_probe
+    from fleetsim.replay.live_http import front_model, wait_probe
 
     deadline = time.monotonic() + timeout_s
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5.0)) as session:
@@ -259,7 +259,7 @@ def _stop(proc: subprocess.Popen, timeout_s: float = 20.0) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from bench.replay.live_http import free_port
+    from fleetsim.replay.live_http import free_port
 
     if not args.aiperf.exists():
         print(

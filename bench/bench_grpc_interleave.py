@@ -3,9 +3,9 @@
 The replay's ``--replica-apply-s`` charges each router for applying the other routers'
 picks; whether that work waits for the router's whole queue of a burst's calls or goes
 between two of them decides how late a peer's pick counts during a burst. This measures it
-on the stack the router runs: a ``grpc.aio`` server on ``kvroute_proto.runtime``'s loop
+on the stack the router runs: a ``grpc.aio`` server on ``edge.runtime``'s loop
 (uvloop where installed), whose unary handler spins ``--route-us`` like ``route()``, and a
-subscription through ``router/redis_wire.py`` whose read callback spins ``--apply-us`` like
+subscription through ``router/service/redis_wire.py`` whose read callback spins ``--apply-us`` like
 ``apply_replica``. The first call of the burst blocks the loop ``--block-ms`` (so the rest of
 the burst's calls pile up) and starts a publisher process that sends ``--messages`` to the
 channel every ``--gap-us``. The server logs the order in which the handlers and the
@@ -31,8 +31,8 @@ from typing import Any
 
 import grpc
 
-from kvroute_proto.runtime import run_event_loop
-from router.redis_wire import RedisTarget, RespConnection
+from edge.runtime import run_event_loop
+from router.service.redis_wire import RedisTarget, RespConnection
 
 SERVICE = "kvroute.bench.Interleave"
 

@@ -78,9 +78,9 @@ Usage::
     python -m bench.bench_index --rss-entries 10000000 [--rss-holders K] [--backend ...]
 
 ``--backend`` picks the index of the comparable, memory and route sections (the text route
-section always runs the router's default): numba (router.index_nb, the router's default,
-``RouterConfig.index_backend``), dict (router.index, the pure-Python reference) or vec
-(router.index_vec's numpy index; its route section runs the dict index).
+section always runs the router's default): numba (router.core.index_nb, the router's default,
+``RouterConfig.index_backend``), dict (router.core.index, the pure-Python reference) or vec
+(router.core.index_vec's numpy index; its route section runs the dict index).
 bench/peers/dynamo_index.py runs the comparable section on Dynamo's Rust RadixTree.
 """
 
@@ -104,6 +104,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from bench.bpe import english_like_text, train_bpe
+from edge.tokenizer import HFTokenizer
 from kvroute_proto.codec import (
     WireBatch,
     decode_stream_lazy,
@@ -113,10 +114,9 @@ from kvroute_proto.codec import (
 )
 from kvroute_proto.events import DEFAULT_PARTITION, BlockRemoved, BlockStored, EventBatch
 from kvroute_proto.hashing import block_hashes, enable_compiled
-from kvroute_proto.tokenizer import HFTokenizer
-from router.core import RouterConfig, RouterCore, RouteRequest
-from router.index import IndexConfig, PrefixIndex
-from router.index_vec import VecPrefixIndex
+from router.core.index import IndexConfig, PrefixIndex
+from router.core.index_vec import VecPrefixIndex
+from router.core.router_core import RouterConfig, RouterCore, RouteRequest
 from router.service.frontend import tokenize_prompt
 from router.service.metrics import RouterMetrics
 from router.service.token_cache import with_chunk_cache
@@ -125,14 +125,14 @@ from router.service.validation import RequestLimits
 VOCAB = 32_000
 
 if TYPE_CHECKING:
-    from router.index_nb import NumbaPrefixIndex
+    from router.core.index_nb import NumbaPrefixIndex
 
 AnyIndex: TypeAlias = "PrefixIndex | VecPrefixIndex | NumbaPrefixIndex"
 Feed: TypeAlias = Callable[[int, bytes], None]  # decode one stream message and apply it
 
 
 def _numba_index(config: IndexConfig | None = None) -> NumbaPrefixIndex:
-    from router.index_nb import NumbaPrefixIndex  # numba imported only when asked for
+    from router.core.index_nb import NumbaPrefixIndex  # numba imported only when asked for
 
     return NumbaPrefixIndex(config)
 
@@ -452,7 +452,7 @@ def bench_route_text(
     cfg: ScaleConfig, text: TextConfig, metrics: RouterMetrics | None = None
 ) -> dict[str, float]:
     """``route_text_*``: what the router's front end does for a text prompt of
-    ``cfg.prompt_tokens`` tokens -- tokenize it with a real BPE (kvroute_proto.tokenizer,
+    ``cfg.prompt_tokens`` tokens -- tokenize it with a real BPE (edge.tokenizer,
     as ``kvroute router --model`` does), then hash, match and score it (``RouterCore.route``)
     -- on the 64-worker, 1M-block index of the token-id section, whose system prompts are
     now the token ids of system-prompt texts."""
@@ -709,8 +709,9 @@ def main(argv: list[str] | None = None) -> int:
         choices=sorted(BACKENDS),
         default="numba",
         help="index implementation of the comparable, memory and route sections "
-        "(numba: router.index_nb, the router's default; dict: router.index, the reference; "
-        "vec: router.index_vec, route on dict) (default: numba)",
+        "(numba: router.core.index_nb, the router's default; dict: router.core.index, the "
+        "reference; "
+        "vec: router.core.index_vec, route on dict) (default: numba)",
     )
     parser.add_argument(
         "--comparable-only",
@@ -764,7 +765,7 @@ def main(argv: list[str] | None = None) -> int:
         scale = dataclasses.replace(scale, num_workers=args.route_workers)
     results = {}
     if args.backend == "numba":  # compiling, or loading from numba's cache: not timed below
-        from router.index_nb import warm_up
+        from router.core.index_nb import warm_up
 
         t0 = time.perf_counter()
         results["numba_warm_up_s"] = time.perf_counter() - t0 if warm_up() else 0.0

@@ -3,7 +3,7 @@
     python -m bench.bench_overload [--workers 2] [--load 3] [--duration-s 20] [--json OUT]
 
 Starts N sim workers (paced: ``--sim-speedup``) and a router as real processes on
-127.0.0.1 (bench.replay.live's fleet), then sends requests of ``--new-tokens`` tokens
+127.0.0.1 (fleetsim.replay.live's fleet), then sends requests of ``--new-tokens`` tokens
 (ignore_eos) at a fixed rate for ``--duration-s`` seconds, each with a ``--deadline-s``
 gRPC deadline, once with the router's deadline-aware admission off and once on.
 
@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 
 import grpc
 
-from bench.replay.live import LiveConfig, LiveFleet, _wait_ready
+from fleetsim.replay.live import LiveConfig, LiveFleet, _wait_ready
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
 from worker.engine.sim_executor import SimCostModel

@@ -31,8 +31,8 @@ import numpy as np
 from bench.bench_index import VOCAB, ScaleConfig, _fill, _route_percentiles, _system_prompts
 from kvroute_proto.events import DEFAULT_PARTITION
 from kvroute_proto.hashing import block_hashes
-from router.core import RouterConfig, RouterCore, RouteRequest
-from router.core_types import ReplicaFinished, ReplicaFirstToken, ReplicaRouted
+from router.core.core_types import ReplicaFinished, ReplicaFirstToken, ReplicaRouted
+from router.core.router_core import RouterConfig, RouterCore, RouteRequest
 
 
 def bench_apply(

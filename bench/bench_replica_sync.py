@@ -45,10 +45,10 @@ from typing import Any
 import numpy as np
 import redis.asyncio as aioredis
 
-from kvroute_proto.runtime import run_event_loop
-from router.core import RouterConfig, RouterCore, RouteRequest
-from router.core_types import ReplicaEvent, ReplicaRouted
-from router.replica_sync import ReplicaSync
+from edge.runtime import run_event_loop
+from router.core.core_types import ReplicaEvent, ReplicaRouted
+from router.core.router_core import RouterConfig, RouterCore, RouteRequest
+from router.service.replica_sync import ReplicaSync
 
 BLOCK = 16
 

@@ -27,8 +27,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass, replace
 
-from bench.replay.sim import FleetSim, SimConfig
-from bench.replay.trace import TokenExpander, read_trace
+from fleetsim.replay.sim import FleetSim, SimConfig
+from fleetsim.replay.trace import TokenExpander, read_trace
 from worker.cache.base import SPLIT_RECENCY
 from worker.engine.engine import EngineConfig
 from worker.engine.engine_config import AdaptiveReserve

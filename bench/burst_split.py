@@ -25,14 +25,14 @@ from collections import Counter, defaultdict
 
 import numpy as np
 
-from bench.replay.report import RequestResult
-from bench.replay.sim import FleetSim
-from bench.replay.trace import TokenExpander, TraceRecord, read_trace
+from fleetsim.replay.report import RequestResult
+from fleetsim.replay.sim import FleetSim
+from fleetsim.replay.trace import TokenExpander, TraceRecord, read_trace
 
 
 def _sim_config(args: argparse.Namespace):  # -> SimConfig
     """The SimConfig ``kvroute replay`` builds from the same options."""
-    from bench.replay import cli
+    from fleetsim.replay import cli
 
     argv = [
         "--trace",

@@ -7,7 +7,8 @@ COPY pyproject.toml README.md kvroute_cli.py ./
 COPY proto ./proto
 COPY router ./router
 COPY worker ./worker
-COPY bench ./bench
+COPY edge ./edge
+COPY fleetsim ./fleetsim
 RUN pip install --no-cache-dir '.[worker]'
 EXPOSE 50061
 ENTRYPOINT ["kvroute", "worker"]

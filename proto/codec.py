@@ -120,7 +120,7 @@ def encode_stream_message(item: EventBatch | Snapshot) -> bytes:
 class PackedHashes(Sequence[int]):
     """Block hashes decoded from the wire: the wire's little-endian uint64 words as a
     read-only array (:attr:`array`), read as a sequence of ints. An index that works on
-    arrays (router.index_nb) takes the array as it is; the ints are made only when someone
+    arrays (router.core.index_nb) takes the array as it is; the ints are made only when someone
     reads them (once, then kept). Equal to -- and hashes as -- the tuple of the same ints,
     so events holding it compare equal to events built with tuples."""
 
@@ -426,7 +426,7 @@ class WireBatch(EventBatch):
     report as values, its events as the compiled scan's ``layout`` (wire_nb's layout, the
     hashes after it) of the wire bytes ``data``. A plain batch only (wire_nb.PLAIN: default
     partitions, token ids of the right length), so ``events`` always builds (on first use)
-    the same events :func:`decode_stream_message` gives; router.index_nb applies the
+    the same events :func:`decode_stream_message` gives; router.core.index_nb applies the
     layout itself (``apply_wire``) without building them."""
 
     __slots__ = ("data", "layout")

@@ -53,21 +53,15 @@ from typing import NewType, cast
 import numpy as np
 import xxhash
 
+from kvroute_proto.hash_constants import _A, _F1, _F2, _MASK, _TOKEN_MUL, _TOKEN_XOR
+
 BlockHash = NewType("BlockHash", int)
 """A block's 64-bit chained hash (unsigned)."""
 
 MAX_TOKEN_ID = 2**32 - 1
-_MASK = (1 << 64) - 1
 
-# Odd multiplier (invertible mod 2**64) for the chain, and the token pre-mix constants.
-_A = 0x9E3779B97F4A7C15
+# The inverses mod 2**64 of the chain multiplier and of the fmix64 constants.
 _A_INV = pow(_A, -1, 1 << 64)
-_TOKEN_XOR = 0x2545F4914F6CDD1D
-_TOKEN_MUL = 0xD6E8FEB86659FD93
-
-# fmix64 constants (MurmurHash3 finaliser) and their inverses mod 2**64.
-_F1 = 0xFF51AFD7ED558CCD
-_F2 = 0xC4CEB9FE1A85EC53
 _F1_INV = pow(_F1, -1, 1 << 64)
 _F2_INV = pow(_F2, -1, 1 << 64)
 

@@ -14,7 +14,7 @@ from typing import Any
 import numba
 import numpy as np
 
-from kvroute_proto.hashing import _A, _F1, _F2, _MASK, _TOKEN_MUL, _TOKEN_XOR
+from kvroute_proto.hash_constants import _A, _F1, _F2, _MASK, _TOKEN_MUL, _TOKEN_XOR
 
 _UA = np.uint64(_A)
 _UXOR = np.uint64(_TOKEN_XOR)

@@ -18,7 +18,7 @@ Layout of ``out`` (uint64) after a scan that returned ``n`` >= 0 events::
     out[12]          (scan_batch) the number of events
     out[13]          (scan_batch) 1 when the batch is plain: every stored event's token ids
                      are block_size uint32 ids per block and its partition is the default
-                     (no cache_salt, no extra_key) -- what router.index_nb.apply_wire takes
+                     (no cache_salt, no extra_key) -- what router.core.index_nb.apply_wire takes
     out[16 + 12 * e + k], event e:
         k = 0  kind (1 stored, 2 removed, 3 cleared)
             1, 2  block_hashes: offset, length      3 has_parent   4 parent_hash

@@ -12,13 +12,21 @@ def test_every_package_is_listed_in_pyproject():
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     listed = set(config["packages"])
     mapping = config["package-dir"]
+    top = {name.split(".")[0] for name in listed}
     found = set()
-    for name, folder in mapping.items():
-        for init in (ROOT / folder).rglob("__init__.py"):
-            rel = init.parent.relative_to(ROOT / folder)
+    for name in top:
+        folder = ROOT / mapping.get(name, name)
+        for init in folder.rglob("__init__.py"):
+            rel = init.parent.relative_to(folder)
             found.add(".".join((name, *rel.parts)))
     assert found - listed == set(), "add these to [tool.setuptools] packages"
     assert listed - found == set(), "these listed packages do not exist"
+
+
+def test_bench_is_not_installed():
+    """bench/ holds developer scripts run from the repository root, not a shipped package."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert not [p for p in config["packages"] if p.split(".")[0] == "bench"]
 
 
 def test_router_never_imports_torch_or_worker():
@@ -37,7 +45,7 @@ def test_router_never_imports_torch_or_worker():
 def test_contract_imports_neither_side():
     code = (
         "import sys, kvroute_proto.codec, kvroute_proto.hashing, kvroute_proto.events\n"
-        "import kvroute_proto.registry, kvroute_proto.generate\n"
+        "import edge.registry, kvroute_proto.generate\n"
         "bad = sorted(n for n in sys.modules if n.split('.')[0] in ('torch', 'worker', 'router'))\n"
         "assert not bad, bad\n"
     )

@@ -18,18 +18,18 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvroute_proto.cli_help import HelpFormatter, port_number
-from kvroute_proto.hashing import set_hash_key
-from kvroute_proto.http_front import HttpFrontConfig
-from kvroute_proto.registry import (
+from edge.cli_help import HelpFormatter, port_number
+from edge.http_front import HttpFrontConfig
+from edge.registry import (
     DEFAULT_PREFIX,
     DEFAULT_TTL_S,
     RedisRegistration,
     WorkerRecord,
 )
-from kvroute_proto.runtime import run_event_loop
-from kvroute_proto.security_cli import redis_auth_from_args
-from kvroute_proto.telemetry import configure_tracing
+from edge.runtime import run_event_loop
+from edge.security_cli import redis_auth_from_args
+from edge.telemetry import configure_tracing
+from kvroute_proto.hashing import set_hash_key
 from worker.cache.eviction import strategy_names
 from worker.engine.engine_config import EngineConfig
 from worker.engine.schedule_policy import POLICIES as SCHEDULE_POLICIES

@@ -15,7 +15,7 @@ the key nor which tenant's hash it nearly matched leaks through timing. Missing 
 UNAUTHENTICATED / HTTP 401. The tenant the key maps to is the request's tenant: its cache
 partition and its quota.
 
-Pure: no grpc, no aiohttp (the edge -- kvroute_proto.auth -- calls :meth:`ApiKeys.authenticate`).
+Pure: no grpc, no aiohttp (the edge -- edge.auth -- calls :meth:`ApiKeys.authenticate`).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvroute_proto.auth import Metadata, bearer_token
-from kvroute_proto.frontdoor import Unauthenticated
+from edge.auth import Metadata, bearer_token
+from edge.frontdoor import Unauthenticated
 
 API_KEYS_ENV = "KVROUTE_API_KEYS"
 _HEX = frozenset("0123456789abcdef")

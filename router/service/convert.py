@@ -1,6 +1,6 @@
 """Router values -> protobuf messages (the service shells' one place for it).
 
-The core's :class:`~router.core_types.Explanation` knows neither protobuf nor the pool; the
+The core's :class:`~router.core.core_types.Explanation` knows neither protobuf nor the pool; the
 gRPC servicer (and anything else answering Explain) turns it into an ``ExplainResponse``
 here, filling the address from the pool and the health from ejections.
 """
@@ -12,8 +12,8 @@ from collections.abc import Callable, Container
 
 from kvroute_proto import codec
 from kvroute_proto import kvroute_pb2 as pb
-from router.core import UNHEALTHY
-from router.core_types import Explanation, WorkerScore
+from router.core.core_types import Explanation, WorkerScore
+from router.core.router_core import UNHEALTHY
 
 
 def worker_score_to_pb(

@@ -17,7 +17,7 @@
 
 It knows neither protocol's server side: it takes a ``GenerateRequest`` message (our own
 request type, also what is forwarded to the worker) and a ``CallInfo``, yields the worker's
-messages, and refuses by raising a ``kvroute_proto.frontdoor.ServiceError``, which carries
+messages, and refuses by raising a ``edge.frontdoor.ServiceError``, which carries
 its gRPC code and HTTP status. Closing the iterator (a cancelled gRPC call, an HTTP client
 that went away) cancels the worker call, which aborts the request on the worker.
 
@@ -46,10 +46,7 @@ import grpc
 import numpy as np
 from opentelemetry import propagate, trace
 
-from kvroute_proto import codec
-from kvroute_proto import kvroute_pb2 as pb
-from kvroute_proto.events import Partition
-from kvroute_proto.frontdoor import (
+from edge.frontdoor import (
     BadRequest,
     CallInfo,
     DeadlineExceeded,
@@ -58,10 +55,13 @@ from kvroute_proto.frontdoor import (
     Unavailable,
     error_for_grpc_code,
 )
-from kvroute_proto.tokenizer import chat_specials
-from router.admission import Admission, AdmissionConfig
-from router.core import Explanation, RouteDecision, RouterCore, RouteRequest
-from router.errors import InvalidRouteRequestError, NoWorkerAvailable
+from edge.tokenizer import chat_specials
+from kvroute_proto import codec
+from kvroute_proto import kvroute_pb2 as pb
+from kvroute_proto.events import Partition
+from router.core.admission import Admission, AdmissionConfig
+from router.core.errors import InvalidRouteRequestError, NoWorkerAvailable
+from router.core.router_core import Explanation, RouteDecision, RouterCore, RouteRequest
 from router.service import spans
 from router.service.observe import NO_OBSERVER, RequestObserver
 from router.service.pool import WorkerPool
@@ -152,7 +152,7 @@ def tokenize_prompt(
 ) -> tuple[np.ndarray, str]:
     """``(ids, tail)`` of a text prompt for routing (uint32 ids; BadRequest past ``limit``
     tokens). ``chat``: the text is a rendered chat template (its special tokens as
-    ``encode_chat`` adds them: :func:`kvroute_proto.tokenizer.chat_specials`).
+    ``encode_chat`` adds them: :func:`edge.tokenizer.chat_specials`).
 
     With ``split`` and a chunk cache (:class:`CachedTokenizer`), only the head that some
     worker's cache may still match (``core.may_match_past``) is tokenized, and ``tail`` is

@@ -8,7 +8,7 @@ Two sources, one registry per router (docs/METRICS.md lists every name):
   latency as the router sees them, retries.
 * ``RouterStateCollector`` reads the router's state at scrape time -- core.stats(),
   core.worker_stats(), the worker connections, the ejector -- as one snapshot of plain
-  values taken on the event loop (``kvroute_proto.metrics_http.call_on_loop``), and turns it
+  values taken on the event loop (``edge.metrics_http.call_on_loop``), and turns it
   into gauges and counters: index blocks and bytes, event batches by outcome, event lag,
   resyncs and snapshots, worker health and ejections, in-flight per worker.
 
@@ -31,13 +31,13 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from edge.histogram import HistogramCounter, HistogramStats
+from edge.metrics_http import MetricsHttpServer, call_on_loop, histogram_family
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto.events import LoadReport
-from kvroute_proto.histogram import HistogramCounter, HistogramStats
-from kvroute_proto.metrics_http import MetricsHttpServer, call_on_loop, histogram_family
-from router.core import RouteDecision, RouterStats, WorkerStats
-from router.replica_sync import COUNTER_NAMES
+from router.core.router_core import RouteDecision, RouterStats, WorkerStats
 from router.service.observe import NO_OBSERVER
+from router.service.replica_sync import COUNTER_NAMES
 from router.service.token_cache import CachedTokenizer
 
 if TYPE_CHECKING:
@@ -98,7 +98,7 @@ LATENCY_BUCKETS_S = (
     640.0,
 )
 
-# router.sync counter -> the outcome label of kvroute_router_event_batches_total
+# router.core.sync counter -> the outcome label of kvroute_router_event_batches_total
 BATCH_OUTCOMES = {
     "applied": "applied",
     "duplicate": "duplicate",
@@ -302,7 +302,7 @@ class RouterSnapshot:
     # the text tokenizer's chunk cache (token_cache.CachedTokenizer), when the router has one
     chunks: tuple[int, int] = (0, 0)  # chunks taken from the cache, chunks tokenized
     text_prompts: tuple[int, int] = (0, 0)  # tokenized whole, head only (tail to the worker)
-    # replica sync (router/replica_sync.py): its counters and live peers; None when off
+    # replica sync (router/service/replica_sync.py): its counters and live peers; None when off
     replica: dict[str, int] | None = None
     replica_peers: int = 0
     # how long an own pick counts --replicas times (RouterCore.replica_sync_window_s; 0 when

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from kvroute_proto import kvroute_pb2 as pb
-from router.core import RouteDecision
+from router.core.router_core import RouteDecision
 
 __all__ = ["NO_OBSERVER", "NullObserver", "RequestObserver"]
 

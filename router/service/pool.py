@@ -14,8 +14,8 @@ import logging
 import random
 from collections.abc import Callable, Iterable
 
-from router.core import RouterCore
-from router.errors import RouterError
+from router.core.errors import RouterError
+from router.core.router_core import RouterCore
 from router.service.worker_conn import ConnectionConfig, ConnectionHooks, WorkerConnection
 
 log = logging.getLogger(__name__)

@@ -30,7 +30,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from kvroute_proto.frontdoor import Overloaded
+from edge.frontdoor import Overloaded
 
 
 @dataclass(frozen=True, slots=True)

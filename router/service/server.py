@@ -26,24 +26,24 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvroute_proto import kvroute_pb2 as pb
-from kvroute_proto import kvroute_pb2_grpc as pb_grpc
-from kvroute_proto.auth import AuthInterceptor, auth_middleware
-from kvroute_proto.grpc_services import HEALTH_SERVICE_NAME, HealthServicer, enable_reflection
-from kvroute_proto.http_front import HttpFront, HttpFrontConfig, build_app
-from kvroute_proto.malformed import MalformedRequestInterceptor
-from kvroute_proto.registry import (
+from edge.auth import AuthInterceptor, auth_middleware
+from edge.grpc_services import HEALTH_SERVICE_NAME, HealthServicer, enable_reflection
+from edge.http_front import HttpFront, HttpFrontConfig, build_app
+from edge.malformed import MalformedRequestInterceptor
+from edge.registry import (
     DEFAULT_PREFIX,
     DEFAULT_TTL_S,
     RedisMembershipWatcher,
     WorkerRecord,
 )
-from kvroute_proto.tls import RedisAuth, ServerTls, add_port
-from router.core import RouterConfig, RouterCore
-from router.replica_sync import ReplicaSync
+from edge.tls import RedisAuth, ServerTls, add_port
+from kvroute_proto import kvroute_pb2 as pb
+from kvroute_proto import kvroute_pb2_grpc as pb_grpc
+from router.core.router_core import RouterConfig, RouterCore
 from router.service.auth import ApiKeys
 from router.service.frontend import Frontend, FrontendConfig, TextTokenizer
 from router.service.pool import WorkerPool
+from router.service.replica_sync import ReplicaSync
 from router.service.servicer import RouterServicer
 from router.service.worker_conn import ConnectionConfig
 
@@ -62,7 +62,7 @@ class RegistryConfig:
     poll_s: float = 2.0
     absent_grace_s: float = DEFAULT_TTL_S  # a worker missing from the registry is kept this long
     auth: RedisAuth = field(default_factory=RedisAuth)  # rediss:// TLS and an ACL user
-    # replica sync (router/replica_sync.py) on this Redis: the router replicas publish their
+    # replica sync (router/service/replica_sync.py) on this Redis: the router replicas publish their
     # picks to each other
     replica_sync: bool = False
 

@@ -17,10 +17,10 @@ from typing import NoReturn
 
 import grpc
 
+from edge.auth import AUTHENTICATED_TENANT
+from edge.frontdoor import CallInfo, ServiceError
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
-from kvroute_proto.auth import AUTHENTICATED_TENANT
-from kvroute_proto.frontdoor import CallInfo, ServiceError
 from router.service import convert
 from router.service.frontend import Frontend
 from router.service.pool import WorkerPool
@@ -32,7 +32,7 @@ def call_info(context: grpc.aio.ServicerContext) -> CallInfo:
         (k.lower(), v.decode("utf-8", "replace") if isinstance(v, bytes) else v)
         for k, v in (context.invocation_metadata() or ())
     )
-    # the tenant the auth interceptor established for this call (kvroute_proto.auth)
+    # the tenant the auth interceptor established for this call (edge.auth)
     return CallInfo(metadata, context.time_remaining(), AUTHENTICATED_TENANT.get())
 
 

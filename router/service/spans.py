@@ -23,7 +23,12 @@ from opentelemetry import trace
 from opentelemetry.trace import Span
 
 from kvroute_proto import kvroute_pb2 as pb
-from router.core import InvalidRouteRequestError, RouteDecision, RouterCore, RouteRequest
+from router.core.router_core import (
+    InvalidRouteRequestError,
+    RouteDecision,
+    RouterCore,
+    RouteRequest,
+)
 
 __all__ = [
     "TOP_COSTS",

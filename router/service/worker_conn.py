@@ -33,15 +33,15 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from edge.auth import bearer_interceptors
+from edge.tls import ClientTls
+from edge.tls import channel as make_channel
 from kvroute_proto import codec
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
-from kvroute_proto.auth import bearer_interceptors
 from kvroute_proto.errors import ContractError
-from kvroute_proto.tls import ClientTls
-from kvroute_proto.tls import channel as make_channel
-from router.core import Resubscribe, RouterCore
-from router.errors import RouterError
+from router.core.errors import RouterError
+from router.core.router_core import Resubscribe, RouterCore
 from router.service.resilience import Backoff, BackoffConfig
 
 log = logging.getLogger(__name__)
@@ -64,10 +64,10 @@ class ConnectionConfig:
     purge_after_s: float = 10.0
     backoff: BackoffConfig = field(default_factory=BackoffConfig)
     subscriber_id: str = "kvroute-router"
-    # the router's tokenizer fingerprint (kvroute_proto.tokenizer); a worker reporting
+    # the router's tokenizer fingerprint (edge.tokenizer); a worker reporting
     # another one in GetLoad is left out of routing. None: no check (in-process tests).
     tokenizer_fingerprint: str | None = None
-    # security (kvroute_proto.tls / auth): TLS to the workers (a client certificate for
+    # security (edge.tls / auth): TLS to the workers (a client certificate for
     # mTLS), the token workers require (--router-token there), and the fingerprint of the
     # block-hashing key; a worker reporting another fingerprint is left out of routing
     tls: ClientTls | None = None

@@ -17,7 +17,7 @@ from bench.bench_aiperf import (
     write_byte_tokenizer,
     write_tokenizer_cache,
 )
-from bench.replay.trace import TraceRecord
+from fleetsim.replay.trace import TraceRecord
 from worker.engine.tokenizer import ByteTokenizer
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench import bench_reserve
-from bench.replay.trace import TraceRecord, write_trace
+from fleetsim.replay.trace import TraceRecord, write_trace
 
 
 def _trace(path: Path) -> Path:

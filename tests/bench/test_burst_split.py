@@ -8,8 +8,8 @@ from collections import Counter
 import pytest
 
 from bench.burst_split import main
-from bench.replay.trace import TraceRecord, write_trace
-from bench.workload import ColdBurstsConfig, generate_cold_bursts
+from fleetsim.replay.trace import TraceRecord, write_trace
+from fleetsim.workload import ColdBurstsConfig, generate_cold_bursts
 
 
 def test_round_robin_splits_each_burst_evenly(tmp_path, capsys):

@@ -143,7 +143,7 @@ def test_router_replicas_are_told_how_many_they_are_and_sync_through_redis() -> 
     """Each router's --replicas matches the replicas deployed, --replica-sync has the Redis it
     needs, the workers keep their 1 s load reports (the picks travel through the sync; faster
     reports cost TTFT p99, BENCHMARKS.md), and the real parsers accept every flag."""
-    from router import cli as router_cli
+    from router.cli import router as router_cli
     from worker import cli as worker_cli
 
     services = _compose()["services"]

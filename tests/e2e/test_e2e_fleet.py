@@ -12,7 +12,7 @@ import time
 import pytest
 from e2e_procs import ROOT, procs, until
 
-from router.client import GenerateOptions, RouterClient
+from router.cli.client import GenerateOptions, RouterClient
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 

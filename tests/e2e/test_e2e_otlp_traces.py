@@ -14,7 +14,7 @@ import pytest
 from e2e_procs import procs, until
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from router.client import GenerateOptions, RouterClient
+from router.cli.client import GenerateOptions, RouterClient
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 

@@ -14,7 +14,7 @@ import sys
 import pytest
 from e2e_procs import ROOT, procs, until
 
-from router.client import ExplainResult, GenerateOptions, RouterClient
+from router.cli.client import ExplainResult, GenerateOptions, RouterClient
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 

@@ -17,10 +17,10 @@ from e2e_procs import ROOT, procs, until
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "security"))
 from tls_certs import Pki, make_pki
 
+from edge.tls import ClientTls
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
-from kvroute_proto.tls import ClientTls
-from router.client import GenerateOptions, RouterClient
+from router.cli.client import GenerateOptions, RouterClient
 from router.service.auth import hash_key
 
 pytestmark = pytest.mark.e2e

@@ -13,8 +13,8 @@ import pytest
 from e2e_procs import procs, until
 
 from bench.bpe import write_bpe_model_dir
-from kvroute_proto.tokenizer import load_tokenizer
-from router.client import GenerateOptions, RouterClient
+from edge.tokenizer import load_tokenizer
+from router.cli.client import GenerateOptions, RouterClient
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 

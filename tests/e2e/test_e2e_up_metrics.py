@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 from e2e_procs import procs, until
 
-from router.client import GenerateOptions, RouterClient
+from router.cli.client import GenerateOptions, RouterClient
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 

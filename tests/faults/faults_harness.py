@@ -35,7 +35,7 @@ from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
 from kvroute_proto.codec import stream_message_from_pb
 from kvroute_proto.events import Snapshot
-from router.core import RouterConfig
+from router.core.router_core import RouterConfig
 from router.service.frontend import FrontendConfig
 from router.service.resilience import BackoffConfig, EjectionConfig
 from router.service.server import RegistryConfig, RouterServer, RouterServerConfig

@@ -34,10 +34,10 @@ from faults_harness import (
     wait_until,
 )
 
+from edge.frontdoor import Overloaded
+from edge.registry import DEFAULT_PREFIX
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
-from kvroute_proto.frontdoor import Overloaded
-from kvroute_proto.registry import DEFAULT_PREFIX
-from router.admission import AdmissionConfig
+from router.core.admission import AdmissionConfig
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 

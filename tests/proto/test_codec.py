@@ -142,7 +142,7 @@ def test_block_stored_packs_token_ids_as_little_endian_uint32():
 @settings(max_examples=200, deadline=None)
 def test_decoded_hashes_keep_the_wire_words_as_an_array(batch):
     """Decoded hashes (PackedHashes) read as the tuple of ints the events were built with
-    and hold the wire's uint64 words as an array (what router.index_nb takes as it is)."""
+    and hold the wire's uint64 words as an array (what router.core.index_nb takes as it is)."""
     decoded = decode_stream_message(encode_stream_message(batch))
     for ev, sent in zip(decoded.events, batch.events, strict=True):
         if isinstance(ev, AllCleared):

@@ -18,13 +18,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from secure_harness import WAIT_S, secure_worker
 
+from edge.auth import bearer_token, token_authenticator
+from edge.frontdoor import Unauthenticated
+from edge.http_front import HttpFrontConfig
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
-from kvroute_proto.auth import bearer_token, token_authenticator
-from kvroute_proto.frontdoor import Unauthenticated
-from kvroute_proto.http_front import HttpFrontConfig
-from router import cli as router_cli
-from router.client import GenerateOptions, RouterClient
+from router.cli import router as router_cli
+from router.cli.client import GenerateOptions, RouterClient
 from router.service.auth import ApiKeys, hash_key, keys_main
 from router.service.server import RouterServer
 from router.service.tenancy import TenancyConfig, tenant_of

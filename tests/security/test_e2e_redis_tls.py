@@ -16,7 +16,7 @@ from tls_certs import Pki
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 from e2e_procs import procs, until
 
-from router.client import GenerateOptions, RouterClient
+from router.cli.client import GenerateOptions, RouterClient
 
 pytestmark = pytest.mark.e2e
 

@@ -17,7 +17,7 @@ from secure_harness import WAIT_S, secure_worker
 
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
-from router.client import GenerateOptions, RouterClient
+from router.cli.client import GenerateOptions, RouterClient
 from router.service.auth import ApiKeys, hash_key
 from router.service.server import RouterServer
 from router.service.tenancy import TenancyConfig, salt_for_tenant

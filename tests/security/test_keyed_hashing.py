@@ -23,8 +23,8 @@ from kvroute_proto.hashing import (
     set_hash_key,
     unfmix64,
 )
-from router import cli as router_cli
-from router.client import GenerateOptions, RouterClient
+from router.cli import router as router_cli
+from router.cli.client import GenerateOptions, RouterClient
 from router.service.server import RouterServer
 
 HERE = Path(__file__).resolve().parent

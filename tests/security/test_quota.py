@@ -14,10 +14,10 @@ import grpc
 import pytest
 from secure_harness import WAIT_S, secure_worker
 
-from kvroute_proto.frontdoor import Overloaded
-from kvroute_proto.http_front import HttpFrontConfig
-from router import cli as router_cli
-from router.client import GenerateOptions, RouterClient
+from edge.frontdoor import Overloaded
+from edge.http_front import HttpFrontConfig
+from router.cli import router as router_cli
+from router.cli.client import GenerateOptions, RouterClient
 from router.service.quota import QuotaConfig, TenantLimit, TenantQuotas, parse_overrides
 from router.service.server import RouterServer
 

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from tls_certs import Pki
 
-from kvroute_proto.tls import ClientTls, RedisAuth
-from router.core import RouterConfig, RouterCore, RouteRequest
-from router.redis_wire import RedisTarget, RespConnection, RespError
-from router.replica_sync import ReplicaSync
+from edge.tls import ClientTls, RedisAuth
+from router.core.router_core import RouterConfig, RouterCore, RouteRequest
+from router.service.redis_wire import RedisTarget, RespConnection, RespError
+from router.service.replica_sync import ReplicaSync
 
 B = 16
 

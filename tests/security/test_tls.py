@@ -20,11 +20,9 @@ import pytest
 from secure_harness import WAIT_S, secure_worker
 from tls_certs import Pki
 
-from kvroute_proto import kvroute_pb2 as pb
-from kvroute_proto import kvroute_pb2_grpc as pb_grpc
-from kvroute_proto.http_front import HttpFrontConfig
-from kvroute_proto.registry import RedisMembershipWatcher, RedisRegistration, WorkerRecord
-from kvroute_proto.tls import (
+from edge.http_front import HttpFrontConfig
+from edge.registry import RedisMembershipWatcher, RedisRegistration, WorkerRecord
+from edge.tls import (
     ClientTls,
     RedisAuth,
     ServerTls,
@@ -33,8 +31,10 @@ from kvroute_proto.tls import (
     client_tls_from_flags,
     server_tls_from_flags,
 )
-from router import cli as router_cli
-from router.client import GenerateOptions, RouterClient
+from kvroute_proto import kvroute_pb2 as pb
+from kvroute_proto import kvroute_pb2_grpc as pb_grpc
+from router.cli import router as router_cli
+from router.cli.client import GenerateOptions, RouterClient
 from router.service.server import RouterServer
 
 HERE = Path(__file__).resolve().parent

@@ -2,7 +2,7 @@
 
 A model directory holds ``config.json``, one or more ``*.safetensors`` files and,
 optionally, ``tokenizer.json`` and ``tokenizer_config.json`` (read by the shared
-:mod:`kvroute_proto.tokenizer`, as the router reads them; without tokenizer.json the byte
+:mod:`edge.tokenizer`, as the router reads them; without tokenizer.json the byte
 tokenizer is used if the model's vocab covers it) and ``generation_config.json`` (its
 ``eos_token_id`` ids join config.json's).
 Nothing is fetched from the network. Every failure is a ``ModelLoadError`` that names the
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from kvroute_proto.tokenizer import (
+from edge.tokenizer import (
     ByteTokenizer,
     Tokenizer,
     TokenizerLoadError,
@@ -227,7 +227,7 @@ def load_model(
 
 def load_tokenizer(model_dir: Path, cfg: LlamaConfig) -> Tokenizer:
     """The model directory's tokenizer as the router loads it
-    (:func:`kvroute_proto.tokenizer.load_tokenizer_or_bytes`: tokenizer.json and
+    (:func:`edge.tokenizer.load_tokenizer_or_bytes`: tokenizer.json and
     tokenizer_config.json, else bytes if the model's vocab covers them)."""
     try:
         tok = load_tokenizer_or_bytes(model_dir)

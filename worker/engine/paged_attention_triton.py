@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.engine.paged_attention import PrefillPlan, decode_splits, prefill_splits
+from worker.engine.attention_plan import PrefillPlan, decode_splits, prefill_splits
 
 # The interpreter multiplies bfloat16 tiles in tl.dot as raw uint16 (wrong); there the
 # kernels upcast dot operands to float32 first. A GPU multiplies bfloat16 on tensor cores.

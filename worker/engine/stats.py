@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from numbers import Integral
 
-from kvroute_proto.histogram import HistogramCounter, HistogramStats
+from edge.histogram import HistogramCounter, HistogramStats
 
 __all__ = [
     "QUEUE_WAIT_BUCKETS_S",

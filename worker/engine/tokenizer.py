@@ -1,7 +1,7 @@
-"""The worker's tokenizers: re-exported from :mod:`kvroute_proto.tokenizer`, where they live
+"""The worker's tokenizers: re-exported from :mod:`edge.tokenizer`, where they live
 so the router tokenizes text prompts exactly as the worker does (same files, same ids)."""
 
-from kvroute_proto.tokenizer import (
+from edge.tokenizer import (
     ByteTokenizer,
     HFTokenizer,
     IncrementalDetokenizer,

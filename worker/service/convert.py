@@ -16,10 +16,10 @@ from typing import Protocol
 
 import numpy as np
 
+from edge.tokenizer import chat_specials
 from kvroute_proto import codec
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto.events import EventBatch, LoadReport, Snapshot
-from kvroute_proto.tokenizer import chat_specials
 from worker.engine.types import EngineRequest, FinishReason, SamplingParams, Usage
 from worker.errors import InvalidRequestError
 
@@ -54,7 +54,7 @@ class WorkerInfo:
     executor: str
     load: LoadReport
     model_name: str = ""  # the model directory's name, or "kvroute-tiny"
-    tokenizer_fingerprint: str = ""  # kvroute_proto.tokenizer; routers check it matches theirs
+    tokenizer_fingerprint: str = ""  # edge.tokenizer; routers check it matches theirs
     hash_key_fingerprint: str = ""  # kvroute_proto.hashing; routers check it matches theirs
     max_running_requests: int = 0  # the engine's running-batch cap (0: not stated)
 

@@ -2,7 +2,7 @@
 
 ``WorkerGeneration.generate``: admit (decode + submit) -> stream the outputs as
 ``GenerateResponse`` messages (chunks, then one Finished) -> abort on close. It knows neither
-protocol: it refuses by raising a :class:`~kvroute_proto.frontdoor.ServiceError` (BadRequest
+protocol: it refuses by raising a :class:`~edge.frontdoor.ServiceError` (BadRequest
 for an invalid request, Overloaded when the waiting queue is full, Unavailable while shutting
 down or when the engine loop stopped). Closing the iterator before the Finished (a cancelled
 gRPC call, an HTTP client that went away) releases the request: the engine aborts it and
@@ -22,8 +22,8 @@ from collections.abc import AsyncGenerator
 from opentelemetry import propagate, trace
 from opentelemetry.trace import Span, Status, StatusCode
 
+from edge.frontdoor import BadRequest, CallInfo, Overloaded, Unavailable
 from kvroute_proto import kvroute_pb2 as pb
-from kvroute_proto.frontdoor import BadRequest, CallInfo, Overloaded, Unavailable
 from worker.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from worker.engine.types import RequestOutput
 from worker.errors import InvalidRequestError, QueueFullError
@@ -41,7 +41,7 @@ SHUTTING_DOWN = "the worker is shutting down; send it elsewhere"
 
 
 class WorkerGeneration:
-    """Generate over an :class:`EngineRunner`; a ``kvroute_proto.frontdoor.GenerationBackend``."""
+    """Generate over an :class:`EngineRunner`; a ``edge.frontdoor.GenerationBackend``."""
 
     def __init__(
         self,

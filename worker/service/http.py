@@ -22,10 +22,10 @@ from typing import Any
 
 from aiohttp import web
 
-from kvroute_proto import http_front as hf
+from edge import http_front as hf
+from edge import openai_api as oa
+from edge.frontdoor import BadRequest, Internal, ServiceError
 from kvroute_proto import kvroute_pb2 as pb
-from kvroute_proto import openai_api as oa
-from kvroute_proto.frontdoor import BadRequest, Internal, ServiceError
 from worker.service.engine_runner import EngineRunner
 from worker.service.generation import WorkerGeneration
 
@@ -276,7 +276,7 @@ def build_worker_app(
     middlewares: Iterable[Any] = (),
 ) -> web.Application:
     """The worker's HTTP app: the OpenAI routes and the SGLang/vLLM compat routes
-    (``middlewares``: e.g. the router-token check, kvroute_proto.auth)."""
+    (``middlewares``: e.g. the router-token check, edge.auth)."""
     routes = WorkerHttpRoutes(generation, runner, model_path=model_path, executor=executor)
     return hf.build_app(
         generation,

@@ -28,7 +28,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from kvroute_proto.metrics_http import MetricsHttpServer, await_on_loop, histogram_family
+from edge.metrics_http import MetricsHttpServer, await_on_loop, histogram_family
 from worker.engine.stats import EngineStats, HistogramStats
 from worker.service.observe import NO_OBSERVER
 

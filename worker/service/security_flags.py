@@ -9,7 +9,7 @@ import argparse
 import dataclasses
 import os
 
-from kvroute_proto.security_cli import (
+from edge.security_cli import (
     ROUTER_TOKEN_ENV,
     add_hash_key_arg,
     add_redis_auth_args,

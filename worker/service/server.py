@@ -23,15 +23,15 @@ from typing import TYPE_CHECKING
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from edge.auth import AuthInterceptor, auth_middleware, token_authenticator
+from edge.grpc_services import HEALTH_SERVICE_NAME, HealthServicer, enable_reflection
+from edge.http_front import HttpFront, HttpFrontConfig
+from edge.malformed import MalformedRequestInterceptor
+from edge.tls import ServerTls, add_port
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
-from kvroute_proto.auth import AuthInterceptor, auth_middleware, token_authenticator
 from kvroute_proto.events import LoadReport
-from kvroute_proto.grpc_services import HEALTH_SERVICE_NAME, HealthServicer, enable_reflection
 from kvroute_proto.hashing import hash_key_fingerprint
-from kvroute_proto.http_front import HttpFront, HttpFrontConfig
-from kvroute_proto.malformed import MalformedRequestInterceptor
-from kvroute_proto.tls import ServerTls, add_port
 from worker.engine.engine_config import EngineConfig
 from worker.engine.tokenizer import Tokenizer
 from worker.service.convert import RequestLimits, WorkerInfo
@@ -184,7 +184,7 @@ class WorkerServer:
                 ("grpc.http2.max_ping_strikes", 0),
             ],
             # only routers: the Worker service needs the router token (health stays open)
-            # unparsable requests are INVALID_ARGUMENT (kvroute_proto.malformed), not UNKNOWN
+            # unparsable requests are INVALID_ARGUMENT (edge.malformed), not UNKNOWN
             interceptors=[MalformedRequestInterceptor()]
             + ([AuthInterceptor(self._authenticate())] if self.config.router_token else []),
         )

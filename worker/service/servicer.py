@@ -15,9 +15,9 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from edge.frontdoor import CallInfo, ServiceError
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
-from kvroute_proto.frontdoor import CallInfo, ServiceError
 from worker.engine.tokenizer import Tokenizer
 from worker.service import convert
 from worker.service.convert import RequestLimits, WorkerInfo

@@ -11,8 +11,8 @@ import dataclasses
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from router.client import RouterClient
-from router.core import RouterConfig
+from router.cli.client import RouterClient
+from router.core.router_core import RouterConfig
 from router.service.frontend import FrontendConfig
 from router.service.resilience import BackoffConfig, EjectionConfig
 from router.service.server import RegistryConfig, RouterServer, RouterServerConfig

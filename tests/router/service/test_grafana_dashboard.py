@@ -11,7 +11,7 @@ from pathlib import Path
 from metrics_scrape import scrape
 from router_harness import router_config, running_router, sim_worker
 
-from router.client import GenerateOptions
+from router.cli.client import GenerateOptions
 from router.service.metrics import RouterMetricsEndpoint
 
 DASHBOARD = Path(__file__).resolve().parents[3] / "deploy" / "grafana" / "kvroute.json"

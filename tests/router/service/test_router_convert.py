@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 
 from kvroute_proto.events import LoadReport
-from router.client import ExplainResult, WorkerScoreView, format_explain
-from router.core_types import Explanation, WorkerScore
+from router.cli.client import ExplainResult, WorkerScoreView, format_explain
+from router.core.core_types import Explanation, WorkerScore
 from router.service.convert import explanation_to_pb, worker_score_to_pb
 
 

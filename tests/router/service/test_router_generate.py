@@ -15,14 +15,14 @@ from router_fake_worker import FakeWorker, running_fake
 from router_harness import FAST_CONN, WAIT_S, router_config, running_router
 
 from bench.bpe import BOS, CHAT_TEMPLATE, EOS, english_like_text, train_bpe
+from edge.http_front import HttpFrontConfig
+from edge.tokenizer import HFTokenizer, TokenizerSettings
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
 from kvroute_proto.events import BlockStored, EventBatch, Partition
 from kvroute_proto.hashing import block_hash_list
-from kvroute_proto.http_front import HttpFrontConfig
-from kvroute_proto.tokenizer import HFTokenizer, TokenizerSettings
-from router.admission import AdmissionConfig
-from router.client import GenerateOptions, build_request, format_explain
+from router.cli.client import GenerateOptions, build_request, format_explain
+from router.core.admission import AdmissionConfig
 from router.service.frontend import FrontendConfig
 from router.service.resilience import EjectionConfig
 from router.service.server import RegistryConfig, RouterServer

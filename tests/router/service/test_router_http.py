@@ -12,7 +12,7 @@ import openai
 import pytest
 from router_harness import WAIT_S, router_config, running_router, sim_worker
 
-from kvroute_proto.http_front import HttpFrontConfig
+from edge.http_front import HttpFrontConfig
 
 MODEL = "kvroute-tiny"
 PROMPT = "You are a helpful support agent for ExampleCorp. Answer briefly. " * 2

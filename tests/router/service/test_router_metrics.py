@@ -12,9 +12,9 @@ import pytest
 from metrics_scrape import Scrape, scrape
 from router_harness import RunningRouter, router_config, running_router, sim_worker
 
-from router.client import GenerateOptions
-from router.core import RouterConfig
-from router.policy import CostWeights
+from router.cli.client import GenerateOptions
+from router.core.policy import CostWeights
+from router.core.router_core import RouterConfig
 from router.service.metrics import RouterMetricsEndpoint
 from worker.engine.engine_config import EngineConfig
 
@@ -165,8 +165,8 @@ def test_tokenizer_chunk_and_text_prompt_counters() -> None:
     from prometheus_client import CollectorRegistry, generate_latest
 
     from bench.bpe import english_like_text, train_bpe
-    from kvroute_proto.tokenizer import HFTokenizer
-    from router.core import RouterCore
+    from edge.tokenizer import HFTokenizer
+    from router.core.router_core import RouterCore
     from router.service.metrics import RouterSnapshot, RouterStateCollector, _tokenizer_counts
     from router.service.token_cache import CachedTokenizer
 

@@ -10,8 +10,8 @@ import pytest
 from metrics_scrape import scrape
 from router_harness import router_config, running_router, sim_worker
 
-from router.client import GenerateOptions
-from router.core import RouterConfig
+from router.cli.client import GenerateOptions
+from router.core.router_core import RouterConfig
 from router.service.metrics import RouterMetricsEndpoint
 from router.service.server import RegistryConfig
 

@@ -13,10 +13,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from router_harness import router_config, running_router, sim_worker
 
+from edge.registry import RedisRegistration, WorkerRecord
 from kvroute_proto.events import Partition
 from kvroute_proto.hashing import block_hash_list
-from kvroute_proto.registry import RedisRegistration, WorkerRecord
-from router.client import GenerateOptions
+from router.cli.client import GenerateOptions
 from router.service.server import RegistryConfig
 
 BLOCK = 4

@@ -9,7 +9,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from router_harness import running_router, sim_worker
 
-from router.client import GenerateOptions
+from router.cli.client import GenerateOptions
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 
-from router.core import RouterConfig, RouterCore
+from router.core.router_core import RouterConfig, RouterCore
 from router.service.resilience import BackoffConfig
 from router.service.worker_conn import ConnectionConfig, ConnectionHooks, WorkerConnection
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench.bpe import BOS, CHAT_TEMPLATE, EOS, english_like_text, train_bpe
-from kvroute_proto.tokenizer import ByteTokenizer, HFTokenizer, TokenizerSettings
+from edge.tokenizer import ByteTokenizer, HFTokenizer, TokenizerSettings
 from router.service.token_cache import (
     CachedTokenizer,
     chunk_cache_problem,

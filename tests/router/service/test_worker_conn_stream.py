@@ -24,7 +24,7 @@ from kvroute_proto.events import (
     Snapshot,
 )
 from kvroute_proto.hashing import block_hashes
-from router.core import RouterConfig, RouterCore
+from router.core.router_core import RouterConfig, RouterCore
 from router.service.resilience import BackoffConfig
 from router.service.worker_conn import (
     SUBSCRIBE_METHOD,

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from edge.http_front import HttpFrontConfig
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
 from kvroute_proto.codec import stream_message_from_pb
@@ -20,7 +21,6 @@ from kvroute_proto.events import (
     Partition,
     Snapshot,
 )
-from kvroute_proto.http_front import HttpFrontConfig
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.factory import build_executor
 from worker.engine.sim_executor import SimCostModel, SimExecutor, SimExecutorConfig

@@ -10,9 +10,9 @@ import sys
 import grpc
 import pytest
 
+from edge.tokenizer import ByteTokenizer
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
-from kvroute_proto.tokenizer import ByteTokenizer
 from worker import cli
 
 

@@ -115,7 +115,7 @@ def test_a_rendered_chat_is_encoded_by_the_templates_rule() -> None:
     """prompt_text_is_chat: the text is a rendered template; a model's template writes its
     own bos (none added), the default template writes none (encode's are added)."""
     from bench.bpe import BOS, CHAT_TEMPLATE, EOS, train_bpe
-    from kvroute_proto.tokenizer import HFTokenizer, TokenizerSettings
+    from edge.tokenizer import HFTokenizer, TokenizerSettings
 
     limits = RequestLimits(max_prompt_text_chars=10_000)
     for template in (CHAT_TEMPLATE, None):

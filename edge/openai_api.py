@@ -1,0 +1,562 @@
+"""The OpenAI API, sans I/O: request JSON in, our ``GenerateRequest`` out; our response
+messages in, OpenAI JSON (responses, stream chunks, errors) and SSE frames out.
+
+No HTTP stack here (``http_front.py`` is the aiohttp shell): everything is a plain function
+of its arguments, so the whole mapping is tested without a socket.
+
+What is supported, and what is refused with a 400 that names the field:
+
+* ``POST /v1/completions``: ``prompt`` as a string, a list of token ids, or a one-element
+  list of either (several prompts in one call: 400, send one request per prompt).
+* ``POST /v1/chat/completions``: ``messages`` with string content or a list of ``text``
+  parts, rendered with the backend tokenizer's ``apply_chat_template`` (a plain default
+  template when the tokenizer has none).
+* Sampling: ``max_tokens`` / ``max_completion_tokens``, ``temperature`` (default 1.0 as
+  OpenAI's), ``top_p``, ``seed``, ``stop`` (strings that are exactly one token of the
+  backend tokenizer; the stop text is cut from the output as OpenAI does), and the vLLM/SGLang
+  extensions ``top_k``, ``ignore_eos``, ``stop_token_ids``. ``n`` must be 1; ``logprobs``,
+  ``echo``, ``best_of`` > 1, penalties, tools and response formats are refused.
+* Unknown fields are ignored (peer routers add their own defaults to forwarded bodies).
+* ``finish_reason``: ``stop`` (a stop token or EOS), ``length`` (``max_tokens`` or the
+  model's context), and ``abort`` for a request aborted on the worker: OpenAI has no value
+  for that; ``abort`` is what vLLM's and SGLang's OpenAI servers send.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from edge.frontdoor import BadRequest, NotFound, ServiceError
+from kvroute_proto import kvroute_pb2 as pb
+
+Kind = Literal["completion", "chat"]
+
+MAX_STOP_SEQUENCES = 4  # OpenAI's limit
+MAX_UINT32 = (1 << 32) - 1
+MAX_REQUEST_ID_CHARS = 128
+_REQUEST_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:")
+_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+
+FINISH_REASONS: dict[int, str] = {
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_MAX_CONTEXT: "length",
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_ABORT: "abort",
+    pb.FINISH_REASON_UNSPECIFIED: "stop",
+}
+
+
+class ChatTokenizer(Protocol):
+    """What the API mapping needs of a backend's tokenizer (``encode`` for stop strings)."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+
+class ModelNotFound(NotFound):
+    """The request names a model this server does not serve (OpenAI: 404 model_not_found)."""
+
+    code = "model_not_found"
+
+
+@dataclass(frozen=True, slots=True)
+class ApiRequest:
+    """A parsed OpenAI request: what goes to the backend and how to answer."""
+
+    kind: Kind
+    request: pb.GenerateRequest
+    stream: bool = False
+    include_usage: bool = False
+    stop_texts: Mapping[int, str] = field(default_factory=dict)  # stop token id -> its text
+
+
+# ---- request parsing ---------------------------------------------------------------------
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object (400 naming the problem otherwise)."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def check_request_id(value: str) -> str:
+    """A client-chosen request id (X-Request-Id): 1..128 characters of [A-Za-z0-9-_.:]."""
+    if not 0 < len(value) <= MAX_REQUEST_ID_CHARS or not set(value) <= _REQUEST_ID_CHARS:
+        raise BadRequest(
+            f"X-Request-Id must be 1..{MAX_REQUEST_ID_CHARS} characters of "
+            f"[A-Za-z0-9-_.:], got {value[:40]!r}{'...' if len(value) > 40 else ''}",
+            param="X-Request-Id",
+        )
+    return value
+
+
+def check_model(body: Mapping[str, Any], model_name: str) -> None:
+    """``model`` must be absent or the served model (404 model_not_found otherwise)."""
+    model = body.get("model")
+    if model is None:
+        return
+    if model != model_name:
+        raise ModelNotFound(
+            f"The model {model!r} does not exist: this server serves {model_name!r}",
+            param="model",
+        )
+
+
+def parse_completion(
+    body: Mapping[str, Any], *, model_name: str, request_id: str, tokenizer: ChatTokenizer | None
+) -> ApiRequest:
+    """``POST /v1/completions`` body -> ApiRequest (raises BadRequest / ModelNotFound)."""
+    check_model(body, model_name)
+    _refuse_unsupported(body, "completion")
+    request = pb.GenerateRequest(request_id=request_id)
+    prompt = _one_prompt(body.get("prompt"))
+    if isinstance(prompt, str):
+        request.prompt_text = prompt
+    else:
+        request.prompt_token_ids.ids.extend(prompt)
+    return _finish_parse("completion", body, request, tokenizer)
+
+
+def parse_chat(
+    body: Mapping[str, Any],
+    *,
+    model_name: str,
+    request_id: str,
+    tokenizer: ChatTokenizer | None,
+) -> ApiRequest:
+    """``POST /v1/chat/completions`` body -> ApiRequest; the messages are rendered into one
+    text prompt with the tokenizer's chat template."""
+    check_model(body, model_name)
+    _refuse_unsupported(body, "chat")
+    messages = parse_messages(body.get("messages"))
+    request = pb.GenerateRequest(request_id=request_id)
+    # the rendered conversation as text, marked as such: whoever encodes it (the router's
+    # front end, which may tokenize only the part a cache can match, or a worker) applies
+    # the template's rule for special tokens
+    request.prompt_text = render_chat(messages, tokenizer)
+    request.prompt_text_is_chat = True
+    return _finish_parse("chat", body, request, tokenizer)
+
+
+def chat_prompt(messages: Sequence[Mapping[str, str]], tokenizer: object | None) -> str | list[int]:
+    """What a conversation is served as: the token ids when the tokenizer renders and
+    encodes chats itself (``encode_chat``: special tokens exactly as the template puts
+    them, no second BOS), else the rendered text (:func:`render_chat`)."""
+    encode_chat = getattr(tokenizer, "encode_chat", None)
+    if callable(encode_chat):
+        return [int(t) for t in encode_chat([dict(m) for m in messages])]
+    return render_chat(messages, tokenizer)
+
+
+def parse_messages(value: object) -> list[dict[str, str]]:
+    """Chat messages as ``[{"role", "content"}]`` with string content (text parts joined)."""
+    if not isinstance(value, list) or not value:
+        raise BadRequest("messages: must be a non-empty list of messages", param="messages")
+    out = []
+    for i, msg in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise BadRequest(f"{where}: must be an object with role and content", param=where)
+        role = msg.get("role")
+        if role not in _ROLES:
+            raise BadRequest(
+                f"{where}.role: must be one of {sorted(_ROLES)}, got {role!r}",
+                param=f"{where}.role",
+            )
+        out.append({"role": role, "content": _content_text(msg.get("content"), where)})
+    return out
+
+
+def _content_text(content: object, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise BadRequest(
+            f"{where}.content: must be a string or a list of text parts",
+            param=f"{where}.content",
+        )
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text":
+            got = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise BadRequest(
+                f"{where}.content[{j}]: only parts of type 'text' are supported, got {got!r}",
+                param=f"{where}.content[{j}]",
+            )
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise BadRequest(
+                f"{where}.content[{j}].text: must be a string", param=f"{where}.content[{j}]"
+            )
+        texts.append(text)
+    return "".join(texts)
+
+
+def render_chat(messages: Sequence[Mapping[str, str]], tokenizer: object | None) -> str:
+    """The prompt text of a conversation, ending where the assistant's reply starts.
+
+    With a tokenizer that has ``apply_chat_template(messages) -> str`` (the model's Jinja
+    template), that; otherwise a plain default::
+
+        <|system|>\\nYou are terse.\\n<|user|>\\nHi\\n<|assistant|>\\n
+    """
+    apply = getattr(tokenizer, "apply_chat_template", None)
+    if callable(apply):
+        rendered = apply([dict(m) for m in messages])
+        if not isinstance(rendered, str):
+            raise TypeError(f"apply_chat_template returned {type(rendered).__name__}, not str")
+        return rendered
+    parts = [f"<|{m['role']}|>\n{m['content']}\n" for m in messages]
+    return "".join(parts) + "<|assistant|>\n"
+
+
+def _one_prompt(prompt: object) -> str | list[int]:
+    """A completion prompt: a string or a list of token ids (or a one-element list of one)."""
+    if isinstance(prompt, list) and prompt and not _is_int(prompt[0]):
+        if len(prompt) != 1:
+            raise BadRequest(
+                f"prompt: one prompt per request is supported, got a list of {len(prompt)}; "
+                "send one request per prompt",
+                param="prompt",
+            )
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and all(_is_int(t) and 0 <= t <= MAX_UINT32 for t in prompt):
+        return list(prompt)
+    raise BadRequest(
+        "prompt: must be a string or a list of token ids (integers in 0..2^32-1)",
+        param="prompt",
+    )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# (field, kind, the value that means "off") -> 400 when set to anything else
+_UNSUPPORTED: tuple[tuple[str, Kind | None, tuple[object, ...]], ...] = (
+    ("logprobs", None, (None, False, 0)),
+    ("top_logprobs", None, (None, 0)),
+    ("echo", "completion", (None, False)),
+    ("suffix", "completion", (None, "")),
+    ("best_of", "completion", (None, 1)),
+    ("presence_penalty", None, (None, 0, 0.0)),
+    ("frequency_penalty", None, (None, 0, 0.0)),
+    ("logit_bias", None, (None, {})),
+    ("tools", "chat", (None, [])),
+    ("functions", "chat", (None, [])),
+    ("response_format", "chat", (None, {"type": "text"})),
+)
+
+
+def _refuse_unsupported(body: Mapping[str, Any], kind: Kind) -> None:
+    for name, only_for, off in _UNSUPPORTED:
+        if only_for not in (None, kind) or name not in body:
+            continue
+        if body[name] not in off:
+            raise BadRequest(f"{name}: not supported by this server", param=name)
+    n = body.get("n", 1)
+    if n is not None and n != 1:
+        raise BadRequest(f"n: only n=1 is supported, got {n!r}", param="n")
+
+
+def _finish_parse(
+    kind: Kind,
+    body: Mapping[str, Any],
+    request: pb.GenerateRequest,
+    tokenizer: ChatTokenizer | None,
+) -> ApiRequest:
+    s = request.sampling
+    names = ("max_completion_tokens", "max_tokens") if kind == "chat" else ("max_tokens",)
+    for name in names:
+        value = body.get(name)
+        if value is not None:
+            s.max_new_tokens = _int_field(body, name, 1, MAX_UINT32)
+            break
+    s.temperature = _float_field(body, "temperature", 0.0, 2.0, default=1.0)
+    s.top_p = _float_field(body, "top_p", 0.0, 1.0, default=1.0, low_open=True)
+    top_k = body.get("top_k")
+    if top_k is not None and top_k != -1:  # -1: vLLM's "off"
+        s.top_k = _int_field(body, "top_k", 0, MAX_UINT32)
+    if body.get("seed") is not None:
+        s.seed = _int_field(body, "seed", 0, (1 << 64) - 1)
+    s.ignore_eos = _bool_field(body, "ignore_eos")
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None:
+        if not isinstance(stop_ids, list) or not all(
+            _is_int(t) and 0 <= t <= MAX_UINT32 for t in stop_ids
+        ):
+            raise BadRequest("stop_token_ids: must be a list of token ids", param="stop_token_ids")
+        s.stop_token_ids.extend(stop_ids)
+    stop_texts = _stop_strings(body.get("stop"), tokenizer)
+    s.stop_token_ids.extend(t for t in stop_texts if t not in s.stop_token_ids)
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise BadRequest("user: must be a string", param="user")
+    stream = _bool_field(body, "stream")
+    include_usage = False
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise BadRequest("stream_options: must be an object", param="stream_options")
+        include_usage = _bool_field(options, "include_usage", where="stream_options.")
+    return ApiRequest(kind, request, stream, include_usage and stream, stop_texts)
+
+
+def _stop_strings(value: object, tokenizer: ChatTokenizer | None) -> dict[int, str]:
+    """Stop strings as token ids: each must be exactly one token of the backend tokenizer
+    (the engine stops on token ids; multi-token stop strings are refused, not ignored)."""
+    if value is None:
+        return {}
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(x, str) for x in stops):
+        raise BadRequest("stop: must be a string or a list of strings", param="stop")
+    if len(stops) > MAX_STOP_SEQUENCES:
+        raise BadRequest(
+            f"stop: at most {MAX_STOP_SEQUENCES} sequences, got {len(stops)}", param="stop"
+        )
+    if stops and tokenizer is None:
+        raise BadRequest(
+            "stop: this server has no tokenizer to map stop strings to tokens; use stop_token_ids",
+            param="stop",
+        )
+    assert tokenizer is not None
+    # what encode adds to any text (a BOS): not part of the stop string
+    added = tokenizer.encode("") if stops else []
+    out: dict[int, str] = {}
+    for text in stops:
+        ids = tokenizer.encode(text) if text else []
+        if added and ids[: len(added)] == added:
+            ids = ids[len(added) :]
+        if len(ids) != 1:
+            raise BadRequest(
+                f"stop: only stop strings that are exactly one token are supported; "
+                f"{text!r} is {len(ids)} tokens (use stop_token_ids)",
+                param="stop",
+            )
+        out[ids[0]] = text
+    return out
+
+
+def _int_field(body: Mapping[str, Any], name: str, low: int, high: int) -> int:
+    value = body[name]
+    if not _is_int(value) or not low <= value <= high:
+        raise BadRequest(f"{name}: must be an integer in {low}..{high}, got {value!r}", param=name)
+    return int(value)
+
+
+def _float_field(
+    body: Mapping[str, Any],
+    name: str,
+    low: float,
+    high: float,
+    *,
+    default: float,
+    low_open: bool = False,
+) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    ok = (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and (low < value if low_open else low <= value)
+        and value <= high
+    )
+    if not ok:
+        bracket = "(" if low_open else "["
+        raise BadRequest(
+            f"{name}: must be a number in {bracket}{low:g}, {high:g}], got {value!r}", param=name
+        )
+    return float(value)
+
+
+def _bool_field(body: Mapping[str, Any], name: str, *, where: str = "") -> bool:
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise BadRequest(
+            f"{where}{name}: must be true or false, got {value!r}", param=f"{where}{name}"
+        )
+    return value
+
+
+# ---- responses ---------------------------------------------------------------------------
+
+
+class ApiOutput:
+    """The output of one request as it streams in: text deltas (stop strings cut), then the
+    finish. Streamed deltas concatenate to exactly ``text``."""
+
+    def __init__(self, api: ApiRequest) -> None:
+        self.api = api
+        self.parts: list[str] = []
+        self.finished: pb.Finished | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    def push(self, msg: pb.GenerateResponse) -> str | None:
+        """Take one backend message: the text delta of a chunk, None for the Finished."""
+        if msg.HasField("finished"):
+            self.finished = msg.finished
+            return None
+        chunk = msg.chunk
+        text = chunk.text
+        if chunk.token_ids and self.api.stop_texts:
+            stop = self.api.stop_texts.get(chunk.token_ids[-1])
+            if stop is not None and text.endswith(stop):  # the request ends here
+                text = text[: len(text) - len(stop)]
+        self.parts.append(text)
+        return text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return None if self.finished is None else FINISH_REASONS[self.finished.reason]
+
+    def usage(self) -> dict[str, Any]:
+        u = self.finished.usage if self.finished is not None else pb.Usage()
+        return {
+            "prompt_tokens": u.prompt_tokens,
+            "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens},
+        }
+
+    def extension(self) -> dict[str, Any]:
+        """Our own fields (``kvroute``): which worker served it, after how many attempts."""
+        f = self.finished
+        return {"worker_id": f.worker_id if f else "", "attempts": f.attempts if f else 0}
+
+
+def response_id(kind: Kind, request_id: str) -> str:
+    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{request_id}"
+
+
+def _envelope(api: ApiRequest, model: str, created: int, *, chunk: bool) -> dict[str, Any]:
+    if api.kind == "chat":
+        obj = "chat.completion.chunk" if chunk else "chat.completion"
+    else:
+        obj = "text_completion"
+    return {
+        "id": response_id(api.kind, api.request.request_id),
+        "object": obj,
+        "created": created,
+        "model": model,
+    }
+
+
+def full_response(out: ApiOutput, model: str, created: int | None = None) -> dict[str, Any]:
+    """The non-streamed response body."""
+    api = out.api
+    body = _envelope(api, model, created or int(time.time()), chunk=False)
+    choice: dict[str, Any] = {"index": 0}
+    if api.kind == "chat":
+        choice["message"] = {"role": "assistant", "content": out.text}
+    else:
+        choice["text"] = out.text
+    choice["logprobs"] = None
+    choice["finish_reason"] = out.finish_reason
+    body["choices"] = [choice]
+    body["usage"] = out.usage()
+    body["kvroute"] = out.extension()
+    return body
+
+
+def delta_chunk(
+    out: ApiOutput, model: str, created: int, text: str, *, first: bool = False
+) -> dict[str, Any]:
+    """A streamed chunk carrying ``text`` (chat: the first one also carries the role)."""
+    body = _envelope(out.api, model, created, chunk=True)
+    choice: dict[str, Any] = {"index": 0}
+    if out.api.kind == "chat":
+        choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
+    else:
+        choice["text"] = text
+    choice["logprobs"] = None
+    choice["finish_reason"] = None
+    body["choices"] = [choice]
+    if out.api.include_usage:
+        body["usage"] = None
+    return body
+
+
+def finish_chunk(out: ApiOutput, model: str, created: int) -> dict[str, Any]:
+    """The streamed chunk with the finish reason and our ``kvroute`` extension."""
+    body = _envelope(out.api, model, created, chunk=True)
+    choice: dict[str, Any] = {"index": 0}
+    if out.api.kind == "chat":
+        choice["delta"] = {}
+    else:
+        choice["text"] = ""
+    choice["logprobs"] = None
+    choice["finish_reason"] = out.finish_reason
+    body["choices"] = [choice]
+    if out.api.include_usage:
+        body["usage"] = None
+    body["kvroute"] = out.extension()
+    return body
+
+
+def usage_chunk(out: ApiOutput, model: str, created: int) -> dict[str, Any]:
+    """The last chunk under ``stream_options.include_usage``: no choices, the usage."""
+    body = _envelope(out.api, model, created, chunk=True)
+    body["choices"] = []
+    body["usage"] = out.usage()
+    return body
+
+
+def models_list(model: str, created: int, *, owned_by: str = "kvroute") -> dict[str, Any]:
+    """``GET /v1/models``."""
+    return {
+        "object": "list",
+        "data": [{"id": model, "object": "model", "created": created, "owned_by": owned_by}],
+    }
+
+
+# ---- errors and SSE ----------------------------------------------------------------------
+
+
+def error_body(exc: ServiceError) -> dict[str, Any]:
+    """OpenAI's error JSON for one of our errors."""
+    return {
+        "error": {
+            "message": exc.message,
+            "type": exc.error_type,
+            "param": exc.param,
+            "code": getattr(exc, "code", None),
+        }
+    }
+
+
+def plain_error_body(
+    message: str, error_type: str, *, code: str | None = None, param: str | None = None
+) -> dict[str, Any]:
+    """OpenAI's error JSON for an HTTP-level error (no route, wrong method, body too big)."""
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def dumps(obj: object) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def sse_event(obj: object) -> bytes:
+    """One server-sent event carrying a JSON object."""
+    return b"data: " + dumps(obj) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"

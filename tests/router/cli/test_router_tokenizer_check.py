@@ -1,0 +1,97 @@
+"""The router leaves out a worker whose tokenizer differs from its own (GetLoad's
+tokenizer_fingerprint), with one WARNING naming both fingerprints; real in-process workers
+and router on 127.0.0.1 port 0."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+
+from edge.tokenizer import ByteTokenizer
+from router.cli import router as cli
+from tests.router.service.router_harness import FAST_CONN, router_config, running_router, sim_worker
+
+ROUTER_TOK = ByteTokenizer()
+OTHER_TOK = ByteTokenizer(add_bos=True)  # a real tokenizer that encodes differently
+
+
+async def test_a_worker_with_another_tokenizer_is_left_out(caplog: pytest.LogCaptureFixture):
+    caplog.set_level(logging.WARNING, logger="router.service.worker_conn")
+    conn = dataclasses.replace(FAST_CONN, tokenizer_fingerprint=ROUTER_TOK.fingerprint)
+    async with (
+        sim_worker("w-same") as same,
+        sim_worker("w-other", tokenizer=OTHER_TOK) as other,
+    ):
+        config = router_config([same.address, other.address], connection=conn)
+        async with running_router([], config, tokenizer=ROUTER_TOK) as r:
+            await r.wait_synced(1)
+            bad = r.server.pool.conns[other.address]
+            # it keeps retrying GetLoad (backoff 0.02-0.2 s) and is refused each time
+            await r.wait_for(lambda: bad.num_failures >= 3)
+            assert not bad.healthy and bad.worker_id is None
+            assert r.server.pool.conns[same.address].healthy
+            expl = await r.client.explain("hello there")
+            assert [w.worker_id for w in expl.workers] == ["w-same"]
+            for i in range(3):
+                res = await r.client.generate(f"prompt {i}")
+                assert res.worker_id == "w-same"
+    lines = [
+        rec.getMessage() for rec in caplog.records if "tokenizer fingerprint" in rec.getMessage()
+    ]
+    assert len(lines) == 1, lines  # logged once, not per retry
+    assert all(
+        rec.levelno == logging.WARNING for rec in caplog.records if "tokenizer" in rec.getMessage()
+    )
+    line = lines[0]
+    assert "w-other" in line and other.address in line
+    assert OTHER_TOK.fingerprint in line and ROUTER_TOK.fingerprint in line
+
+
+async def test_no_fingerprint_configured_means_no_check():
+    async with (
+        sim_worker("w-other", tokenizer=OTHER_TOK) as other,
+        running_router([other.address]) as r,
+    ):
+        await r.wait_synced(1)
+        info = r.server.pool.conns[other.address].info
+        assert info is not None and info.tokenizer_fingerprint == OTHER_TOK.fingerprint
+
+
+async def test_worker_that_changes_tokenizer_on_restart_is_let_go():
+    conn = dataclasses.replace(FAST_CONN, tokenizer_fingerprint=ROUTER_TOK.fingerprint)
+    async with sim_worker("w0") as first:
+        port = int(first.address.rsplit(":", 1)[1])
+        config = router_config([first.address], connection=conn)
+        async with running_router([], config) as r:
+            await r.wait_synced(1)
+            assert r.server.core.has_worker("w0")
+            await first.server.stop(grace_s=0.0)  # type: ignore[attr-defined]
+            await r.wait_for(lambda: r.server.pool.num_healthy == 0)
+            async with sim_worker("w0", port=port, tokenizer=OTHER_TOK):
+                conn_ = r.server.pool.conns[first.address]
+                await r.wait_for(lambda: conn_.num_failures >= 3 and conn_.worker_id is None)
+                assert not r.server.core.has_worker("w0")
+
+
+def test_cli_router_checks_the_fingerprint_of_its_tokenizer(tmp_path):
+    args = cli.build_parser().parse_args(["--worker", "127.0.0.1:1"])
+    assert cli.config_from_args(args).connection.tokenizer_fingerprint is None
+    config = cli.config_from_args(args, tokenizer_fingerprint=ROUTER_TOK.fingerprint)
+    assert config.connection.tokenizer_fingerprint == ROUTER_TOK.fingerprint
+    model = tmp_path / "my-model"
+    model.mkdir()
+    args = cli.build_parser().parse_args(["--worker", "127.0.0.1:1", "--model", str(model)])
+    assert cli.config_from_args(args).service.model_name == "my-model"
+    assert cli.main(["--worker", "127.0.0.1:1", "--model", str(tmp_path / "nope")]) == 2
+
+
+def test_fleet_passes_its_model_to_every_worker(tmp_path):
+    from router.cli.fleet import FleetConfig, worker_command
+
+    argv = worker_command(FleetConfig(model=str(tmp_path)), "worker-0")
+    assert argv[argv.index("--model") + 1] == str(tmp_path)
+    assert "--model" not in worker_command(FleetConfig(), "worker-0")
+    with pytest.raises(ValueError, match="--model needs --executor torch"):
+        FleetConfig(model=str(tmp_path), executor="sim")

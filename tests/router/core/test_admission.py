@@ -1,0 +1,144 @@
+"""Deadline-aware admission: the step model, slow start, exclusions, and the in-flight
+accounting against a reference model."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from router.core.admission import Admission, AdmissionConfig
+
+
+def feed(adm: Admission, worker: str, k: int, itl_s: float, chunks: int, t0: float = 0.0):
+    """k requests in flight on ``worker``, each relaying ``chunks`` one-token chunks
+    ``itl_s`` apart (after a first chunk 0.5 s after dispatch)."""
+    rids = [f"{worker}-{k}-{i}" for i in range(k)]
+    for rid in rids:
+        adm.on_dispatch(rid, worker, t0)
+    for rid in rids:
+        adm.on_tokens(rid, 1, t0 + 0.5)
+    for c in range(1, chunks + 1):
+        for rid in rids:
+            adm.on_tokens(rid, 1, t0 + 0.5 + c * itl_s)
+    for rid in rids:
+        adm.on_done(rid)
+
+
+def test_unknown_worker_is_admitted_up_to_the_initial_window():
+    adm = Admission(AdmissionConfig(initial_window=2))
+    assert adm.estimate_s("w0", 100) is None
+    assert adm.excluded(["w0"], 100, 0.001) == frozenset()  # no model: no time estimate
+    adm.on_dispatch("a", "w0", 0.0)
+    adm.on_dispatch("b", "w0", 0.0)
+    assert adm.excluded(["w0", "w1"], 100, 60.0) == {"w0"}  # window full
+    adm.on_done("a")
+    assert adm.excluded(["w0", "w1"], 100, 60.0) == frozenset()
+
+
+def test_step_model_fits_a_line_and_extrapolates():
+    adm = Admission(AdmissionConfig(min_samples=8, halflife_samples=1e9))
+    for k in (2, 4, 8, 16):
+        feed(adm, "w0", k, 0.01 + 0.002 * k, chunks=4)
+    model = adm._models["w0"]
+    assert model.step_s(16) == pytest.approx(0.042, rel=1e-6)
+    assert model.step_s(32) == pytest.approx(0.074, rel=1e-6)
+    assert model.ttft_s == pytest.approx(0.5)
+    # 20 in flight: a 100-token request joins as the 21st -> 0.5 + 100 * (0.01 + 0.042)
+    for i in range(20):
+        adm.on_dispatch(f"x{i}", "w0", 10.0)
+    assert adm.estimate_s("w0", 100) == pytest.approx(0.5 + 100 * 0.052, rel=1e-6)
+
+
+def test_constant_concurrency_uses_the_mean_step():
+    adm = Admission(AdmissionConfig(min_samples=4))
+    feed(adm, "w0", 4, 0.03, chunks=10)
+    assert adm._models["w0"].step_s(5) == pytest.approx(0.03)
+
+
+def test_workers_that_cannot_finish_in_time_are_excluded_and_counted():
+    adm = Admission(AdmissionConfig(min_samples=4, margin=1.0, initial_window=64))
+    feed(adm, "slow", 4, 0.1, chunks=10)  # 0.5 + n * 0.1
+    feed(adm, "fast", 4, 0.01, chunks=10)  # 0.5 + n * 0.01
+    # 100 tokens: slow needs 10.5 s, fast 1.5 s
+    assert adm.excluded(["slow", "fast"], 100, 5.0) == {"slow"}
+    assert adm.excluded(["slow", "fast"], 100, 1.0) == {"slow", "fast"}
+    assert adm.excluded(["slow", "fast"], 100, 11.0) == frozenset()
+    assert adm.stats.num_excluded == 3
+    # max_new_tokens 0 (the worker's default) is estimated at default_new_tokens
+    assert adm.excluded(["fast"], 0, 0.5 + 256 * 0.01 - 0.01) == {"fast"}
+
+
+def test_slow_start_window_doubles_what_was_sampled():
+    adm = Admission(AdmissionConfig(initial_window=4, min_samples=2))
+    assert adm.window("w0") == 4
+    feed(adm, "w0", 3, 0.01, chunks=2)
+    assert adm.window("w0") == 6
+    feed(adm, "w0", 6, 0.01, chunks=2)
+    assert adm.window("w0") == 12
+
+
+def test_disabled_admission_excludes_nothing():
+    adm = Admission(AdmissionConfig(enabled=False, initial_window=1))
+    adm.on_dispatch("a", "w0", 0.0)
+    assert adm.excluded(["w0"], 10, 0.0) == frozenset()
+
+
+def test_retry_moves_the_request_and_done_is_idempotent():
+    adm = Admission()
+    adm.on_dispatch("r", "w0", 0.0)
+    adm.on_dispatch("r", "w1", 1.0)  # retried elsewhere
+    assert (adm.num_inflight("w0"), adm.num_inflight("w1")) == (0, 1)
+    adm.on_done("r")
+    adm.on_done("r")
+    assert adm.num_inflight("w1") == 0
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("initial_window", 0, r"initial_window \(--admission-window\) must be >= 1"),
+        ("min_samples", 1, "min_samples must be >= 2"),
+        ("halflife_samples", 0, "halflife_samples must be > 0"),
+        ("margin", 0.5, "margin must be a finite number >= 1"),
+        ("margin", float("nan"), "margin must be a finite number >= 1"),
+        ("default_new_tokens", 0, "default_new_tokens must be >= 1"),
+    ],
+)
+def test_config_validation(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        AdmissionConfig(**{field: value})
+
+
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["dispatch", "tokens", "done"]),
+        st.integers(0, 5),  # request
+        st.integers(0, 2),  # worker
+        st.integers(0, 3),  # tokens
+    ),
+    max_size=60,
+)
+
+
+@given(ops)
+def test_inflight_counts_match_a_reference_model(seq):
+    adm = Admission()
+    where: dict[str, str] = {}  # reference: request -> worker
+    now = 0.0
+    for op, r, w, n in seq:
+        rid, wid = f"r{r}", f"w{w}"
+        now += 0.01
+        if op == "dispatch":
+            adm.on_dispatch(rid, wid, now)
+            where[rid] = wid
+        elif op == "tokens":
+            adm.on_tokens(rid, n, now)
+        else:
+            adm.on_done(rid)
+            where.pop(rid, None)
+        for worker in ("w0", "w1", "w2"):
+            expected = sum(1 for v in where.values() if v == worker)
+            assert adm.num_inflight(worker) == expected
+    for model in adm._models.values():
+        assert model.n >= 0 and model.ttft_s >= 0
