@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m bench.bench_replica_sync",
         description=__doc__.split("\n\n")[0],
-        epilog="Figures: p50 / p90 / p99 / max. BENCHMARKS.md, 'Replica sync through Redis'.",
+        epilog="Figures: p50 / p90 / p99 / max (decision 0025).",
     )
     p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="default %(default)s")
     p.add_argument("--routers", type=int, default=2, help="router processes (default 2)")

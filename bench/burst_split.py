@@ -5,8 +5,8 @@ replays the trace in the simulator (as ``kvroute replay`` does, seed 0) and prin
 first bursts, how many requests each worker took, and the TTFT p50/p99 of burst requests and
 of the rest. A burst is the ``--burst-size`` requests that arrive in one instant on one new
 prefix (same timestamp, same first block): a unique document arriving in the same
-millisecond is not part of it. BENCHMARKS.md ("Where cache_aware misses: cold-bursts at 4
-workers", "A cold pick's count that follows the sync's pace") quotes it.
+millisecond is not part of it. Decisions 0019 and 0020 (the cold-pick cap, the cold window)
+were made with it.
 
 ``--replay-args`` passes ``kvroute replay``'s sim options (``--strict``,
 ``--replica-sync-delay-s``, ``--step-reports``, ...) through, so a run here is the run a

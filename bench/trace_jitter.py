@@ -3,8 +3,8 @@
 ``python -m bench.trace_jitter --trace in.jsonl --seed K -o out.jsonl`` writes the trace
 with each ``output_length`` changed by -1, 0 or +1 (seeded; never below 1) and nothing
 else: the same arrivals, prompts, prefixes and bursts. A routing comparison that flips
-when the workload changes this little is inside the noise of one run; BENCHMARKS.md
-("How much one router's TTFT p99 moves") replays K such copies to measure that floor.
+when the workload changes this little is inside the noise of one run; replaying K such
+copies measures that floor (decision 0023).
 """
 
 from __future__ import annotations

@@ -35,12 +35,12 @@ hash instead of the affine recurrence::
     S_0 = seed;   S_(i+1) = BLAKE2b-64(key=K, S_i as 8 bytes LE || block i's ids as u32 LE)
     hash of block i = fmix64(S_(i+1))
 
-Nobody without K can compute a block's hash, let alone craft two prompts whose hashes
-collide, so nobody outside can steer routing with colliding prompts. The chained property
-and every caller stay as they are (a block's hash still determines the state after it:
-``unfmix64``); only the cost grows, one BLAKE2b call per block (BENCHMARKS.md: hashing with
-and without a key). The key is process-wide, set once at start-up before any hashing; a
-router refuses workers whose :func:`hash_key_fingerprint` differs from its own.
+Nobody without K can compute a block's hash, let alone craft two prompts whose hashes collide,
+so nobody outside can steer routing with colliding prompts. The chained property and every
+caller stay as they are (a block's hash still determines the state after it: ``unfmix64``);
+only the cost grows, one BLAKE2b call per block (decision 0006). The key is process-wide, set
+once at start-up before any hashing; a router refuses workers whose
+:func:`hash_key_fingerprint` differs from its own.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ the contract defines, once for singular fields, varints that fit their field. An
 -- a snapshot, an unknown or repeated singular field, a second event kind, a truncated or
 overlong length, a varint past its type -- makes the scan answer ``IRREGULAR`` and the codec
 decodes the message with the protobuf runtime instead (which then accepts it, merging as
-protobuf does, or raises the contract's error). The router imports it (``codec.
+protobuf does, or raises the contract's error). Kept beside the runtime for a measured need:
+decision 0002. The router imports it (``codec.
 enable_compiled_decode``); a worker never does.
 
 Layout of ``out`` (uint64) after a scan that returned ``n`` >= 0 events::

@@ -2,10 +2,10 @@
 a pushed message is handled in the read callback that receives it.
 
 redis-py's asyncio client makes every publish an awaited round trip in a task of its own and
-every received message a task wake-up. During a burst of routing calls those tasks queue
-behind the calls, and a pick reached the other routers milliseconds late (BENCHMARKS.md,
-"Replica sync through a real Redis"). Here a publish is one non-blocking socket write from
-inside ``route()``, and a peer's batch is applied in the callback that read it.
+every received message a task wake-up. During a burst of routing calls those tasks queue behind
+the calls, and a pick reached the other routers milliseconds late (measured: decision 0025).
+Here a publish is one non-blocking socket write from inside ``route()``, and a peer's batch is
+applied in the callback that read it.
 
 Only what the sync needs: AUTH, CLIENT SETNAME, PUBLISH, SUBSCRIBE, PING. Addresses and
 options are redis-py's: ``redis://``, ``rediss://`` and ``unix://`` URLs (parsed by redis-py's

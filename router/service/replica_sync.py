@@ -3,7 +3,7 @@
 Production runs several router replicas behind one load balancer. Each sees every worker's
 KV events and load reports, but only its own routing decisions, so in the tens of
 milliseconds between two load reports it cannot see the requests the others just sent
-(BENCHMARKS.md, "Several routers"). With ``kvroute router --replica-sync`` every replica
+(decision 0016). With ``kvroute router --replica-sync`` every replica
 publishes its own picks, first tokens and finishes (:class:`~router.core.core_types.ReplicaEvent`,
 from :meth:`RouterCore.set_replica_listener`) on the Redis channel ``<prefix>replica`` of the
 registry it already uses, and applies everybody else's (:meth:`RouterCore.apply_replica`):

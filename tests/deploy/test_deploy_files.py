@@ -142,7 +142,7 @@ def test_the_router_image_ships_its_compiled_kernels() -> None:
 def test_router_replicas_are_told_how_many_they_are_and_sync_through_redis() -> None:
     """Each router's --replicas matches the replicas deployed, --replica-sync has the Redis it
     needs, the workers keep their 1 s load reports (the picks travel through the sync; faster
-    reports cost TTFT p99, BENCHMARKS.md), and the real parsers accept every flag."""
+    reports cost TTFT p99: decision 0023), and the real parsers accept every flag."""
     from router.cli import router as router_cli
     from worker import cli as worker_cli
 

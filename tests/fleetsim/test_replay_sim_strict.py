@@ -118,8 +118,7 @@ def test_with_sync_own_picks_stop_counting_r_times_once_the_others_picks_arrive(
     # worker of its own; inside the window each warm own pick stands for the other router's
     # in every load term (running requests and recent work too, not only queued prefill),
     # so each router moves on sooner than with window inf, where only queued prefill
-    # counts twice: more workers, fewer hits (BENCHMARKS.md, "an own pick that stands for
-    # the replicas in every load term")
+    # counts twice: more workers, fewer hits (decision 0024)
     (blind_workers, blind_hits), (inf_blind_workers, inf_blind_hits) = (
         placed(0.0005, 0.0),
         placed(float("inf"), 0.0),
