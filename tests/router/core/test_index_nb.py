@@ -21,7 +21,7 @@ from kvroute_proto.events import BlockRemoved, BlockStored, EventBatch
 from router.core.index import IndexConfig, PrefixIndex
 from router.core.index_nb import NumbaPrefixIndex, _as_keys, warm_up
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 class NumbaAgreement(IndexAgreement):
