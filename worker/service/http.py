@@ -112,8 +112,8 @@ class WorkerHttpRoutes:
     def _prompt_ids(self, body: dict[str, Any], kind: oa.Kind) -> list[int]:
         if kind == "chat":
             messages = oa.parse_messages(body.get("messages"))
-            prompt = oa.chat_prompt(messages, self.generation.tokenizer)
-            return self._encode(prompt) if isinstance(prompt, str) else prompt
+            rendered = oa.chat_prompt(messages, self.generation.tokenizer)
+            return self._encode(rendered) if isinstance(rendered, str) else rendered
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
             prompt = prompt[0]
