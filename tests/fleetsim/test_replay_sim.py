@@ -11,7 +11,8 @@ from fleetsim.replay.cli import _sim_config, build_parser, main
 from fleetsim.replay.sim import SimConfig, infinite_capacity_tokens, simulate, simulate_reference
 from fleetsim.replay.trace import TokenExpander, TraceRecord, write_trace
 from fleetsim.workload import SupportAgentConfig, generate_support_agent
-from router.core.policy import CostWeights, policy_names
+from router.core.policy import CostWeights
+from router.core.registry import policy_names
 from router.core.router_core import RouterConfig
 
 

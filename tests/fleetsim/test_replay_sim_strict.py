@@ -91,6 +91,7 @@ def test_with_sync_own_picks_stop_counting_r_times_once_the_others_picks_arrive(
     # the other router's picks arrive through the sync within it: counting each own pick
     # twice for all that time (window inf) counts the burst twice and spreads it over twice
     # the workers, prefilling the prefix twice as often; a 0.5 ms window keeps it on two
+    from router.core.core_types import ReplicaConfig
     from router.core.router_core import RouterConfig
 
     burst = [TraceRecord(0.0, 33 * BS, 4, (*range(32), 1000 + i)) for i in range(64)]
@@ -102,7 +103,7 @@ def test_with_sync_own_picks_stop_counting_r_times_once_the_others_picks_arrive(
             num_routers=2,
             replica_sync_delay_s=0.0005,
             route_decision_s=decision_s,
-            router=RouterConfig(replica_sync_window_s=window),
+            router=RouterConfig(replica=ReplicaConfig(sync_window_s=window)),
         )
         sim = run(burst, "cache_aware", cfg)
         return len({r.worker_id for r in sim.results}), sim.report("x").hit_rate
