@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="sim mode: a worker load report every this many seconds (default: 1.0 with one "
         f"router or with --replica-sync-delay-s, {MULTI_ROUTER_LOAD_INTERVAL_S} with --routers "
         "> 1 without sync: those routers see each other's picks only through the workers' "
-        "reports; BENCHMARKS.md, several routers)",
+        "reports; decision 0016)",
     )
     add_router_options(p)
     p.add_argument(

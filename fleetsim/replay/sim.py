@@ -57,8 +57,7 @@ others that much later (``RouterCore.apply_replica``, as ``kvroute router --repl
 does through Redis); with a decision time and ``replica_apply_s`` applying a peer's event is
 a job of the receiving router too, done before its next queued decision.
 
-The pooled reference and the infinite ceiling run this simulation on one big engine
-(:mod:`fleetsim.replay.references`).
+The references (pooled, infinite) run it on one big engine: :mod:`fleetsim.replay.references`.
 """
 
 from __future__ import annotations

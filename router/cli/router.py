@@ -131,7 +131,7 @@ def _first_start_args(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="DIR",
         help="the fleet's HF model directory (the workers' --model), for its tokenizer and chat "
-        "template; workers with another tokenizer are left out (default: the byte tokenizer "
+        "template; workers with another tokenizer are left out (without it: the byte tokenizer "
         "of the tiny default model)",
     )
     g.add_argument(

@@ -326,7 +326,7 @@ class ConsistentHash(Policy):
 
     This replaces ``prefix_hash`` (plain rendezvous hashing of the same prefix), which sent
     every request sharing the first blocks -- a system prompt -- to one worker. The prefix
-    length is ``RouterConfig.prefix_hash_blocks`` (``kvroute replay --prefix-hash-blocks``).
+    length is ``PolicyConfig.prefix_hash_blocks`` (``kvroute replay --prefix-hash-blocks``).
     """
 
     name = "consistent_hash"
