@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from fleetsim.replay.front import REPO_ROOT
-from fleetsim.replay.sim import DEFAULT_KV_CAPACITY_TOKENS
+from fleetsim.replay.sim_config import DEFAULT_KV_CAPACITY_TOKENS
 from fleetsim.replay.trace import TraceRecord, read_trace, write_trace
 
 DEFAULT_AIPERF = REPO_ROOT / ".peers" / "aiperf" / "bin" / "aiperf"

@@ -116,6 +116,7 @@ from kvroute_proto.events import DEFAULT_PARTITION, BlockRemoved, BlockStored, E
 from kvroute_proto.hashing import block_hashes, enable_compiled
 from router.core.index import IndexConfig, PrefixIndex
 from router.core.index_vec import VecPrefixIndex
+from router.core.replicas import ReplicaConfig
 from router.core.router_core import RouterConfig, RouterCore, RouteRequest
 from router.service.frontend import tokenize_prompt
 from router.service.metrics import RouterMetrics
@@ -349,11 +350,14 @@ def bench_scale(
     now = [0.0]
     config = RouterConfig(
         block_size=bs,
-        max_indexed_blocks=2 * cfg.num_blocks,
         predicted_ttl_s=5.0,
         # the router's index backends (vec is not one: its route runs the dict index)
-        index_backend=backend if backend in ("dict", "numba") else "dict",
-        replicas=replicas,  # > 1: replicas without sync, the cost's affinity term on
+        index=IndexConfig(
+            max_blocks=2 * cfg.num_blocks,
+            backend=backend if backend in ("dict", "numba") else "dict",
+        ),
+        # > 1: replicas without sync, the cost's affinity term on
+        replica=ReplicaConfig(count=replicas),
     )
     core = RouterCore(config, clock=lambda: now[0], rng=random.Random(cfg.seed))
     for w in range(cfg.num_workers):
@@ -481,7 +485,11 @@ def bench_route_text(
     ]
     now = [0.0]
     core = RouterCore(
-        RouterConfig(block_size=bs, max_indexed_blocks=2 * cfg.num_blocks, predicted_ttl_s=5.0),
+        RouterConfig(
+            block_size=bs,
+            index=IndexConfig(max_blocks=2 * cfg.num_blocks, backend="numba"),
+            predicted_ttl_s=5.0,
+        ),
         clock=lambda: now[0],
         rng=random.Random(cfg.seed),
     )

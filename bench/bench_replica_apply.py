@@ -32,6 +32,8 @@ from bench.bench_index import VOCAB, ScaleConfig, _fill, _route_percentiles, _sy
 from kvroute_proto.events import DEFAULT_PARTITION
 from kvroute_proto.hashing import block_hashes
 from router.core.core_types import ReplicaFinished, ReplicaFirstToken, ReplicaRouted
+from router.core.index import IndexConfig
+from router.core.replicas import ReplicaConfig
 from router.core.router_core import RouterConfig, RouterCore, RouteRequest
 
 
@@ -47,11 +49,8 @@ def bench_apply(
     now = [0.0]
     config = RouterConfig(
         block_size=bs,
-        max_indexed_blocks=2 * cfg.num_blocks,
-        index_backend=backend,
-        replicas=4,
-        replica_sync=True,
-        replica_peer_view=peer_view,
+        index=IndexConfig(max_blocks=2 * cfg.num_blocks, backend=backend),
+        replica=ReplicaConfig(count=4, sync=True, peer_view=peer_view),
     )
     core = RouterCore(config, clock=lambda: now[0], rng=random.Random(cfg.seed))
     for w in range(cfg.num_workers):

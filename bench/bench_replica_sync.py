@@ -47,6 +47,7 @@ import redis.asyncio as aioredis
 
 from edge.runtime import run_event_loop
 from router.core.core_types import ReplicaEvent, ReplicaRouted
+from router.core.replicas import ReplicaConfig
 from router.core.router_core import RouterConfig, RouterCore, RouteRequest
 from router.service.replica_sync import ReplicaSync
 
@@ -92,7 +93,7 @@ def _quantiles(values: list[float]) -> dict[str, float | int]:
 
 async def _router(k: int, plan: Plan, ready: Any, start: Any) -> dict[str, Any]:
     core = RouterCore(
-        RouterConfig(block_size=BLOCK, replicas=plan.routers, replica_sync=True),
+        RouterConfig(block_size=BLOCK, replica=ReplicaConfig(count=plan.routers, sync=True)),
         clock=time.monotonic,
         rng=random.Random(k),
     )

@@ -82,3 +82,22 @@ def test_the_rendered_help_shows_the_generate_defaults(monkeypatch, capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "router HOST:PORT (default: 127.0.0.1:50051)" in text
     assert "(default: 32)" in text  # --max-new-tokens
+
+
+def test_router_help_first_screen_names_what_a_first_start_needs(monkeypatch, capsys):
+    """`kvroute router --help`: the first 40 lines name the worker source (and that one is
+    required), the ports, the model and the policy."""
+    monkeypatch.setenv("COLUMNS", "80")
+    with pytest.raises(SystemExit):
+        kvroute_cli.main(["router", "--help"])
+    first = "\n".join(capsys.readouterr().out.splitlines()[:40])
+    for flag in (
+        "--worker HOST:PORT",
+        "--redis-url",
+        "--port",
+        "--http-port",
+        "--model",
+        "--policy",
+    ):
+        assert flag in first, flag
+    assert "REQUIRED" in first

@@ -22,11 +22,11 @@ import argparse
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 from edge.cli_help import RawDescriptionHelpFormatter, positive_float
 from fleetsim.replay.parallel import REFERENCE_KINDS, resolve_jobs, run_replays
 from fleetsim.replay.report import PolicyReport, ReplayReport
+from fleetsim.replay.router_options import add_router_options, router_config, router_overrides
 from fleetsim.replay.strict import add_strict_options, strict_settings
 from fleetsim.replay.trace import DEFAULT_TRACE_BLOCK_SIZE, read_trace
 
@@ -38,19 +38,13 @@ LIVE_DEFAULT_LIMIT = 200
 
 def available_policies() -> list[str]:
     """Names in the router's policy registry (registration order)."""
-    from router.core.policy import POLICIES
+    from router.core.registry import POLICIES
 
     return list(POLICIES)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from fleetsim.replay.sim import DEFAULT_KV_CAPACITY_TOKENS
-    from router.core.core_types import (
-        DEFAULT_REPLICA_AFFINITY_TOKENS,
-        DEFAULT_REPLICA_COLD_PICKS,
-        DEFAULT_REPLICA_COLD_WINDOW_PICKS,
-    )
-    from router.core.policy import COST_WEIGHTS_FORM
+    from fleetsim.replay.sim_config import DEFAULT_KV_CAPACITY_TOKENS
 
     p = argparse.ArgumentParser(
         prog="kvroute replay",
@@ -124,158 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="sim mode: a worker load report every this many seconds (default: 1.0 with one "
         f"router or with --replica-sync-delay-s, {MULTI_ROUTER_LOAD_INTERVAL_S} with --routers "
         "> 1 without sync: those routers see each other's picks only through the workers' "
-        "reports; BENCHMARKS.md, several routers)",
+        "reports; decision 0016)",
     )
-    p.add_argument(
-        "--routers",
-        type=int,
-        default=1,
-        help="sim mode: independent router replicas, each fed every worker's events but "
-        "routing only its share of the requests (default %(default)s)",
-    )
-    p.add_argument(
-        "--router-replicas",
-        type=int,
-        default=None,
-        help="sim mode: the replica count each router is told (RouterConfig.replicas: its "
-        "picks count that many times in a worker's queued prefill); default: --routers; 1: "
-        "each router counts its own picks once",
-    )
-    p.add_argument(
-        "--replica-cold-picks",
-        type=float,
-        default=None,
-        help="sim mode, --routers > 1: a cold pick (nothing of its prompt on the chosen "
-        "worker) counts min(router replicas, this) times in the worker's queued prefill "
-        f"(RouterConfig.replica_cold_picks; default: the router's, {DEFAULT_REPLICA_COLD_PICKS})",
-    )
-    p.add_argument(
-        "--replica-affinity-tokens",
-        type=float,
-        default=None,
-        help="sim mode, --routers > 1: the cost's affinity term, the same order of "
-        "preference on every router for a new prefix (RouterConfig.replica_affinity_tokens; "
-        f"default: {DEFAULT_REPLICA_AFFINITY_TOKENS:g} without replica sync, 0 with it; 0: off)",
-    )
-    p.add_argument(
-        "--replica-peer-view",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="sim mode, with --replica-sync-delay-s: each router counts a peer's pick by the "
-        "better of the peer's view and its own of what the worker holds "
-        "(RouterConfig.replica_peer_view; default: on; --no-replica-peer-view: the peer's "
-        "view alone, with every cold pick capped)",
-    )
-    p.add_argument(
-        "--replica-cold-window-picks",
-        type=int,
-        default=None,
-        help="sim mode, with --replica-sync-delay-s and the peer view: a cold pick counts "
-        "--router-replicas times, not capped by --replica-cold-picks, while the most of its "
-        "router's own picks found inside their sync window at once (lately) stays under "
-        "this: the sync keeps pace with the router "
-        f"(RouterConfig.replica_cold_window_picks; default: {DEFAULT_REPLICA_COLD_WINDOW_PICKS}; "
-        "0: always capped)",
-    )
-    p.add_argument(
-        "--replica-sync-delay-s",
-        type=float,
-        default=None,
-        help="sim mode, --routers > 1: replica sync -- each router's picks, first tokens and "
-        "finishes reach the other routers this many seconds later (what kvroute router "
-        "--replica-sync does through Redis); default: no sync",
-    )
-    p.add_argument(
-        "--replica-sync-window-s",
-        type=float,
-        default=None,
-        help="sim mode, with --replica-sync-delay-s: how long each router counts an own pick "
-        "--router-replicas times before counting it once (the others' picks have arrived by "
-        "then; RouterConfig.replica_sync_window_s; default: the sync delay, as a live "
-        "router measures it; inf: until its first token)",
-    )
-    p.add_argument(
-        "--step-reports",
-        action="store_true",
-        help="sim mode: workers also send load reports around steps (kvroute worker "
-        "--step-reports); default: only the periodic ones",
-    )
-    p.add_argument(
-        "--flush-interval-s",
-        type=float,
-        default=0.0,
-        help="sim mode: every this many seconds the next worker in turn drops its cache "
-        "(as /flush_cache or a restarted cache would; KV events tell the routers); 0: never",
-    )
-    p.add_argument(
-        "--router-assignment",
-        choices=("round_robin", "random", "prefix"),
-        default="round_robin",
-        help="sim mode, with --routers > 1: request i goes to router i %% R (round_robin, "
-        "default: a conversation's turns spread over the routers), to a seeded random one, or "
-        "by a hash of its first --affinity-blocks trace blocks (prefix: a load balancer with "
-        "prefix affinity)",
-    )
-    p.add_argument(
-        "--affinity-blocks",
-        type=int,
-        default=8,
-        help="sim mode, --router-assignment prefix: leading trace blocks hashed to pick the "
-        "router (default %(default)s)",
-    )
-    p.add_argument(
-        "--cost-weights",
-        metavar=COST_WEIGHTS_FORM,
-        help="cache_aware/approx_tree CostWeights (default: the router's)",
-    )
-    p.add_argument(
-        "--recent-window-s",
-        type=float,
-        default=None,
-        help="decay time constant, in trace seconds, of the recent-prefill balance term "
-        "(default: the router's)",
-    )
-    p.add_argument(
-        "--recent-decode-ratio",
-        type=float,
-        default=None,
-        help="recent-prefill tokens per generated token of a finished request "
-        "(default: the router's)",
-    )
-    p.add_argument(
-        "--backlog-tokens",
-        type=float,
-        default=None,
-        help="queued prefill on the least loaded worker at which the cost counts a miss "
-        "double; 0: off (default: the router's)",
-    )
-    p.add_argument(
-        "--saturated-tokens",
-        type=float,
-        default=None,
-        help="a saturated fleet: past this much queued prefill on the least loaded worker, "
-        "every --saturated-scale-tokens more count a miss once more (default: the router's)",
-    )
-    p.add_argument(
-        "--saturated-scale-tokens",
-        type=float,
-        default=None,
-        help="see --saturated-tokens; 0: the saturated part off (default: the router's)",
-    )
-    p.add_argument(
-        "--spread-weight",
-        type=float,
-        default=None,
-        help="the cost's spread term per running request for a request starting something "
-        "sticky (router/core/policy.py; default: the router's, 0 = off)",
-    )
-    p.add_argument(
-        "--prefix-hash-blocks",
-        type=int,
-        default=None,
-        help="sim mode: leading blocks consistent_hash keys on (default: the router's, "
-        "RouterConfig.prefix_hash_blocks)",
-    )
+    add_router_options(p)
     p.add_argument(
         "--cost-profile",
         default="h100",
@@ -380,80 +225,23 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         policies = _policies(args.policy)
-        sim_config = _sim_config(args)  # validates the weights and window before any work
-        if args.workers < 1:
-            raise ValueError(f"--workers must be >= 1, got {args.workers}")
-        limit = args.limit
-        if limit is None and args.mode == "live":
-            limit = LIVE_DEFAULT_LIMIT
-        fronts = _fronts(args, policies)
-        if args.jobs < 0:
-            raise ValueError(f"--jobs must be >= 0 (0: one per CPU), got {args.jobs}")
-        if args.jobs != 1 and args.mode != "sim":
-            raise ValueError(f"--jobs {args.jobs}: only sim mode runs replays in parallel")
-        records = read_trace(args.trace, args.trace_block_size, limit)
+        _sim_config(args)  # validates the weights and window before any work
+        fronts = _check_args(args, policies)
+        records = read_trace(args.trace, args.trace_block_size, _limit(args))
     except (OSError, ValueError) as exc:
         print(f"kvroute replay: {exc}", file=sys.stderr)
         return 2
-    if args.routers > 1 and not (sim_config.route_decision_s > 0 or sim_config.measure_route_time):
-        print(
-            f"kvroute replay: note: {args.routers} routers deciding in no time place requests "
-            "that arrive together (a burst) in one instant, before any replica sync or load "
-            "report can reach the others; --strict or --route-decision-s charges each "
-            "decision its time (BENCHMARKS.md, several routers)",
-            file=sys.stderr,
-        )
-    setup: dict[str, object] = {
-        "trace": str(args.trace),
-        "trace_block_size": args.trace_block_size,
-        "requests": len(records),
-        "workers": args.workers,
-        "mode": args.mode,
-        "kv_capacity_tokens": args.kv_capacity_tokens,
-        "seed": args.seed,
-        "page_size": args.page_size,
-        "block_size": args.block_size,
-    }
-    if args.cost_weights:
-        setup["cost_weights"] = args.cost_weights
-    setup.update(_router_overrides(args))
-    if args.prefix_hash_blocks is not None:
-        setup["prefix_hash_blocks"] = args.prefix_hash_blocks
-    if args.mode == "sim":
-        setup["cost_profile"] = args.cost_profile
+    _note_instant_routers(args)
+    setup = _setup(args, len(records))
     progress = None if args.quiet else sys.stderr
     if args.mode == "sim":
         report = _run_sim(args, records, policies, setup, progress)
     else:
-        from fleetsim.replay.live import LiveConfig, LiveReplayError, run_live
-
-        setup["speedup"] = args.speedup
-        config = LiveConfig(
-            num_workers=args.workers,
-            kv_capacity_tokens=args.kv_capacity_tokens,
-            speedup=args.speedup,
-            seed=args.seed,
-            page_size=args.page_size,
-            block_size=args.block_size,
-            trace_block_size=args.trace_block_size,
-            timeout_s=args.timeout_s,
-            cost_weights=args.cost_weights,
-            **_router_overrides(args),
-        )
-        report = ReplayReport(setup=setup)
         try:
-            if fronts:
-                _run_fronts(args, records, fronts, config, report, progress)
-            else:
-                for policy in policies:
-                    report.policies.append(
-                        run_live(records, policy, config, progress_stream=progress)
-                    )
-        except (LiveReplayError, ValueError) as exc:  # a fleet that did not start
+            report = _run_live(args, records, policies, fronts, setup, progress)
+        except ValueError as exc:  # a fleet that did not start
             print(f"kvroute replay: {exc}", file=sys.stderr)
             return 1
-        if not args.no_bounds:
-            _add_sim_references(args, records, report, progress)
     print(report.format_table())
     if args.json:
         Path(args.json).write_text(report.dumps(), encoding="utf-8")
@@ -464,6 +252,91 @@ def main(argv: list[str] | None = None) -> int:
         plot_report(report, args.plot)
         print(f"wrote {args.plot}")
     return 0
+
+
+def _limit(args: argparse.Namespace) -> int | None:
+    if args.limit is None and args.mode == "live":
+        return LIVE_DEFAULT_LIMIT
+    return args.limit
+
+
+def _check_args(args: argparse.Namespace, policies: list[str]) -> list:  # -> list[FrontSpec]
+    """The options that apply to the whole run, checked; the --front values expanded."""
+    if args.workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {args.workers}")
+    fronts = _fronts(args, policies)
+    if args.jobs < 0:
+        raise ValueError(f"--jobs must be >= 0 (0: one per CPU), got {args.jobs}")
+    if args.jobs != 1 and args.mode != "sim":
+        raise ValueError(f"--jobs {args.jobs}: only sim mode runs replays in parallel")
+    return fronts
+
+
+def _note_instant_routers(args: argparse.Namespace) -> None:
+    strict = strict_settings(args)
+    if args.routers > 1 and not (
+        strict.get("route_decision_s", 0) > 0 or strict.get("measure_route_time")
+    ):
+        print(
+            f"kvroute replay: note: {args.routers} routers deciding in no time place requests "
+            "that arrive together (a burst) in one instant, before any replica sync or load "
+            "report can reach the others; --strict or --route-decision-s charges each "
+            "decision its time (decision 0026)",
+            file=sys.stderr,
+        )
+
+
+def _setup(args: argparse.Namespace, num_requests: int) -> dict[str, object]:
+    """The report's setup: what was replayed, on what."""
+    setup: dict[str, object] = {
+        "trace": str(args.trace),
+        "trace_block_size": args.trace_block_size,
+        "requests": num_requests,
+        "workers": args.workers,
+        "mode": args.mode,
+        "kv_capacity_tokens": args.kv_capacity_tokens,
+        "seed": args.seed,
+        "page_size": args.page_size,
+        "block_size": args.block_size,
+    }
+    if args.cost_weights:
+        setup["cost_weights"] = args.cost_weights
+    setup.update(router_overrides(args))
+    if args.prefix_hash_blocks is not None:
+        setup["prefix_hash_blocks"] = args.prefix_hash_blocks
+    if args.mode == "sim":
+        setup["cost_profile"] = args.cost_profile
+    return setup
+
+
+def _run_live(args, records, policies, fronts, setup, progress) -> ReplayReport:
+    from fleetsim.replay.live import LiveConfig, LiveReplayError, run_live
+
+    setup["speedup"] = args.speedup
+    config = LiveConfig(
+        num_workers=args.workers,
+        kv_capacity_tokens=args.kv_capacity_tokens,
+        speedup=args.speedup,
+        seed=args.seed,
+        page_size=args.page_size,
+        block_size=args.block_size,
+        trace_block_size=args.trace_block_size,
+        timeout_s=args.timeout_s,
+        cost_weights=args.cost_weights,
+        **router_overrides(args),
+    )
+    report = ReplayReport(setup=setup)
+    try:
+        if fronts:
+            _run_fronts(args, records, fronts, config, report, progress)
+        else:
+            for policy in policies:
+                report.policies.append(run_live(records, policy, config, progress_stream=progress))
+    except LiveReplayError as exc:
+        raise ValueError(str(exc)) from exc
+    if not args.no_bounds:
+        _add_sim_references(args, records, report, progress)
+    return report
 
 
 def _run_fronts(args, records, fronts, config, report, progress) -> None:
@@ -482,81 +355,37 @@ def _run_fronts(args, records, fronts, config, report, progress) -> None:
         report.policies.append(run_http(records, front, config, options, progress))
 
 
-# RouterConfig fields with a replay option of the same name (None: the router's default);
-# LiveConfig has the same fields and passes them to the router process
-_ROUTER_OPTIONS = (
-    "recent_window_s",
-    "backlog_tokens",
-    "saturated_tokens",
-    "saturated_scale_tokens",
-    "recent_decode_ratio",
-    "spread_weight",
-)
-
-
-def _router_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """The router options given on the command line, by RouterConfig field name."""
-    return {k: v for k in _ROUTER_OPTIONS if (v := getattr(args, k)) is not None}
-
-
-def _sim_config(args: argparse.Namespace):  # -> SimConfig
-    from fleetsim.replay.sim import SimConfig
-
-    router = SimConfig().router
-    if args.routers != 1 and args.mode != "sim":
-        raise ValueError("--routers needs --mode sim")
-    if args.flush_interval_s and args.mode != "sim":
-        raise ValueError("--flush-interval-s needs --mode sim")
-    if args.step_reports and args.mode != "sim":
-        raise ValueError("--step-reports needs --mode sim")
-    if args.replica_sync_delay_s is not None and args.routers < 2:
+def _check_sim_options(args: argparse.Namespace) -> None:
+    """Options that need sim mode, several routers or replica sync, and their ranges."""
+    sim_only = {
+        "--routers": args.routers != 1,
+        "--flush-interval-s": bool(args.flush_interval_s),
+        "--step-reports": args.step_reports,
+    }
+    for flag, given in sim_only.items():
+        if given and args.mode != "sim":
+            raise ValueError(f"{flag} needs --mode sim")
+    sync = args.replica_sync_delay_s is not None
+    if sync and args.routers < 2:
         raise ValueError(
             "--replica-sync-delay-s needs --routers 2 or more (sync is between routers)"
         )
-    if args.replica_sync_window_s is not None:
-        if args.replica_sync_delay_s is None:
-            raise ValueError("--replica-sync-window-s needs --replica-sync-delay-s")
-        if not args.replica_sync_window_s >= 0:
-            raise ValueError(
-                f"--replica-sync-window-s must be >= 0, got {args.replica_sync_window_s}"
-            )
-        router = replace(router, replica_sync_window_s=args.replica_sync_window_s)
-    if args.cost_weights is not None:
-        from router.core.policy import CostWeights
-
-        router = replace(router, weights=CostWeights.parse(args.cost_weights))
-    router = replace(router, **_router_overrides(args))
-    if args.prefix_hash_blocks is not None:
-        if args.prefix_hash_blocks < 1:
-            raise ValueError(f"--prefix-hash-blocks must be >= 1, got {args.prefix_hash_blocks}")
-        router = replace(router, prefix_hash_blocks=args.prefix_hash_blocks)
-    if args.replica_cold_picks is not None:
-        router = replace(router, replica_cold_picks=args.replica_cold_picks)
-    if args.replica_peer_view is not None:
-        if args.replica_sync_delay_s is None:
-            raise ValueError("--replica-peer-view needs --replica-sync-delay-s")
-        router = replace(router, replica_peer_view=args.replica_peer_view)
-    if args.replica_cold_window_picks is not None:
-        if args.replica_sync_delay_s is None:
-            raise ValueError("--replica-cold-window-picks needs --replica-sync-delay-s")
-        if args.replica_cold_window_picks < 0:
-            raise ValueError(
-                f"--replica-cold-window-picks must be >= 0, got {args.replica_cold_window_picks}"
-            )
-        router = replace(router, replica_cold_window_picks=args.replica_cold_window_picks)
-    if args.replica_affinity_tokens is not None:
-        if args.routers < 2:
-            raise ValueError("--replica-affinity-tokens needs --routers 2 or more")
-        router = replace(router, replica_affinity_tokens=args.replica_affinity_tokens)
-    from worker.engine.sim_executor import cost_profile
-
+    for flag, name in (
+        ("--replica-sync-window-s", "replica_sync_window_s"),
+        ("--replica-peer-view", "replica_peer_view"),
+        ("--replica-cold-window-picks", "replica_cold_window_picks"),
+    ):
+        if getattr(args, name) is not None and not sync:
+            raise ValueError(f"{flag} needs --replica-sync-delay-s")
+    if args.replica_affinity_tokens is not None and args.routers < 2:
+        raise ValueError("--replica-affinity-tokens needs --routers 2 or more")
     strict = strict_settings(args)
     if strict and args.mode != "sim":
         raise ValueError(
             "--strict, --weight-read-s, --route-decision-s, --network-delay-s, "
             "--max-context, --event-loss and --replica-apply-s need --mode sim"
         )
-    if getattr(args, "replica_apply_s", None) is not None and args.replica_sync_delay_s is None:
+    if getattr(args, "replica_apply_s", None) is not None and not sync:
         raise ValueError("--replica-apply-s needs --replica-sync-delay-s (peers' events to apply)")
     if "replica_apply_s" in strict and not (
         "route_decision_s" in strict or strict.get("measure_route_time")
@@ -565,6 +394,15 @@ def _sim_config(args: argparse.Namespace):  # -> SimConfig
             "--replica-apply-s needs a decision time (--route-decision-s, or --strict): "
             "it queues with the router's decisions"
         )
+
+
+def _sim_config(args: argparse.Namespace):  # -> SimConfig
+    from fleetsim.replay.sim_config import SimConfig
+    from worker.engine.sim_executor import cost_profile
+
+    _check_sim_options(args)
+    router = router_config(args)
+    strict = strict_settings(args)
     cost_model = cost_profile(args.cost_profile)
     if "weight_read_s" in strict:
         cost_model = replace(cost_model, weight_read_s=strict.pop("weight_read_s"))
@@ -580,9 +418,6 @@ def _sim_config(args: argparse.Namespace):  # -> SimConfig
         page_size=args.page_size,
         block_size=args.block_size,
         num_routers=args.routers,
-        router_assignment=args.router_assignment,
-        affinity_blocks=args.affinity_blocks,
-        router_replicas=args.router_replicas,
         replica_sync_delay_s=args.replica_sync_delay_s,
         flush_interval_s=args.flush_interval_s,
         step_reports=args.step_reports,
@@ -615,16 +450,16 @@ def _run_sim(args, records, policies, setup, progress) -> ReplayReport:
     if config.num_routers > 1:
         setup.update(
             routers=config.num_routers,
-            router_assignment=config.router_assignment,
-            router_replicas=config.replicas,
-            replica_cold_picks=config.router.replica_cold_picks,
-            replica_affinity_tokens=config.router_config().affinity_tokens,
+            router_assignment="round_robin",  # request i to router i % R
+            router_replicas=config.num_routers,
+            replica_cold_picks=config.router.replica.cold_picks,
+            replica_affinity_tokens=config.router_config().replica.policy_affinity_tokens,
             replica_sync_delay_s=config.replica_sync_delay_s,
         )
         if config.replica_sync_delay_s is not None:
-            setup["replica_peer_view"] = config.router.replica_peer_view
-            setup["replica_cold_window_picks"] = config.router.replica_cold_window_picks
-            window = config.router_config().replica_sync_window_s
+            setup["replica_peer_view"] = config.router.replica.peer_view
+            setup["replica_cold_window_picks"] = config.router.replica.cold_window_picks
+            window = config.router_config().replica.sync_window_s
             setup["replica_sync_window_s"] = window if window != float("inf") else "inf"
     setup.update(strict_settings(args))
     report = ReplayReport(setup=setup)

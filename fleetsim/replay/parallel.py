@@ -28,7 +28,7 @@ from fleetsim.replay.report import PolicyReport
 from fleetsim.replay.trace import TokenExpander, TraceRecord
 
 if TYPE_CHECKING:
-    from fleetsim.replay.sim import SimConfig
+    from fleetsim.replay.sim_config import SimConfig
 
 __all__ = ["REFERENCE_KINDS", "reference_config", "replay_one", "resolve_jobs", "run_replays"]
 
@@ -42,7 +42,6 @@ def reference_config(config: SimConfig) -> SimConfig:
         config,
         event_delay_s=0.0,
         num_routers=1,
-        router_replicas=None,
         route_decision_s=0.0,
         measure_route_time=False,
         network_delay_s=0.0,
@@ -111,7 +110,8 @@ def replay_one(
 ) -> PolicyReport:
     """One sim replay: ``kind`` "policy" (``name`` a policy) or "reference" (``name`` one of
     REFERENCE_KINDS, under :func:`reference_config`)."""
-    from fleetsim.replay.sim import simulate, simulate_reference
+    from fleetsim.replay.references import simulate_reference
+    from fleetsim.replay.sim import simulate
 
     if kind == "policy":
         return simulate(records, name, config, expander, progress_stream=progress)

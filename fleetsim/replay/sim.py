@@ -44,37 +44,20 @@ part of the result.
 
 Granularity: trace hash ids (512 tokens for Mooncake) only decide token *content*; the
 engines run with page_size 16 and announce 16-token blocks (both configurable), as a real
-fleet would. 16 keeps matches within 15 tokens of exact while the radix cache and the index
-stay fast enough: the whole Mooncake trace (3,993 requests, 61 M prompt tokens) replays on
-8 workers in ~15-25 s per policy on a 2-core machine.
+fleet would.
 
-Several routers (``SimConfig.num_routers`` R > 1): production runs router replicas, each
-seeing every worker's events but only its own routing decisions. The simulation then runs R
-independent :class:`RouterCore` objects (own index, predictions, in-flight counts, seeded
-tie-breaks); request i goes to router ``i % R`` (``router_assignment="round_robin"``, the
-default: a conversation's turns land on different routers, the worst case for history) or
-to a seeded uniformly random one (``"random"``), or by a hash of the trace's first
-``affinity_blocks`` blocks (``"prefix"``: a load balancer with prefix affinity, so requests
-sharing a prefix meet at one router); every worker's event batches and load
-reports reach every router, each through its own sequencer, and a Resubscribe replays to
-the router that asked only. Each core is told how many replicas there are
-(``RouterConfig.replicas``, ``router_replicas``): its own picks then count R times in a
-worker's queued-prefill estimate, since the others, seeing the same state, are likely
-placing the same burst alike. First token and finish are reported to the router that routed
-the request. With replica sync (``replica_sync_delay_s``) each router's picks, first tokens
-and finishes also reach every other router that much later (``RouterCore.apply_replica``, as
-``kvroute router --replica-sync`` does through Redis), which count them once; with a
-decision time and ``replica_apply_s`` applying a peer's event is a job of the receiving
-router too, done before its next queued decision (a router's event loop reads its
-subscription between two calls of a burst: ``bench/bench_grpc_interleave.py``).
+Several routers (``SimConfig.num_routers`` R > 1): R independent :class:`RouterCore`
+objects (own index, predictions, in-flight counts, seeded tie-breaks), each told there are R
+replicas; request i goes to router ``i % R`` (a conversation's turns land on different
+routers, the worst case for history). Every worker's batches and load reports reach every
+router through its own sequencer; a Resubscribe replays to the router that asked only. First
+token and finish are reported to the router that routed the request. With replica sync
+(``replica_sync_delay_s``) each router's picks, first tokens and finishes also reach the
+others that much later (``RouterCore.apply_replica``, as ``kvroute router --replica-sync``
+does through Redis); with a decision time and ``replica_apply_s`` applying a peer's event is
+a job of the receiving router too, done before its next queued decision.
 
-References: :func:`simulate_reference` runs one engine with N times the KV capacity and N
-times the speed (a wrapper divides the step cost by N) under the same scheduler -- the
-"pooled" reference -- or with room for every token the trace ever holds -- the "infinite"
-ceiling (nothing is ever evicted). The pooled run is a reference, not a bound: its
-scheduler admits work sooner than N queued workers do, and a policy whose queues hold
-requests back longer can reuse more (the old prefix_hash exceeded it at 4 workers). The
-infinite run is a true ceiling on hit rate for the trace's content.
+The references (pooled, infinite) run it on one big engine: :mod:`fleetsim.replay.references`.
 """
 
 from __future__ import annotations
@@ -85,12 +68,13 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import TextIO
 
 from fleetsim.replay.progress import Progress
 from fleetsim.replay.report import PolicyReport, RequestResult, summarize
+from fleetsim.replay.sim_config import SimConfig
 from fleetsim.replay.trace import TokenExpander, TraceRecord
 from kvroute_proto.events import EventBatch, LoadReport, Snapshot
 from router.core.router_core import (
@@ -98,13 +82,12 @@ from router.core.router_core import (
     ReplicaEvent,
     ReplicaRouted,
     Resubscribe,
-    RouterConfig,
     RouterCore,
     RouteRequest,
 )
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.load_reports import StepReports
-from worker.engine.sim_executor import SimCostModel, SimExecutor, SimExecutorConfig
+from worker.engine.sim_executor import SimExecutor, SimExecutorConfig
 from worker.engine.types import EngineRequest, ForwardItem, RequestOutput, SamplingParams
 from worker.errors import WorkerError
 from worker.service.publisher import EventPublisher, PublisherConfig
@@ -124,107 +107,8 @@ class _Kind(enum.IntEnum):
     ARRIVE = 7
 
 
-ROUTER_ASSIGNMENTS = ("round_robin", "random", "prefix")
-DEFAULT_KV_CAPACITY_TOKENS = 450_000  # ~58 GiB of Llama-3-8B KV (128 KiB/token) on an H100
-
-
 class SimulationStuckError(RuntimeError):
     """A worker had work but made no progress for too many steps (an engine bug)."""
-
-
-@dataclass(frozen=True, slots=True)
-class SimConfig:
-    """Fleet and engine settings of one simulated replay."""
-
-    num_workers: int = 8
-    kv_capacity_tokens: int = DEFAULT_KV_CAPACITY_TOKENS  # per worker
-    event_delay_s: float = 0.005
-    load_interval_s: float = 1.0
-    seed: int = 0
-    page_size: int = 16
-    block_size: int = 16  # engine event / router block size
-    engine: EngineConfig = field(default_factory=EngineConfig)  # other engine knobs
-    router: RouterConfig = field(default_factory=RouterConfig)  # policy is overridden
-    cost_model: SimCostModel = field(default_factory=SimCostModel)
-    vocab_size: int = 128_256
-    max_context_tokens: int | None = None  # None: fit the longest request of the trace
-    num_routers: int = 1  # independent router replicas (module docstring)
-    router_assignment: str = "round_robin"  # request -> router: round_robin | random | prefix
-    affinity_blocks: int = 8  # router_assignment="prefix": trace blocks the balancer hashes
-    # RouterConfig.replicas of each router core: None = num_routers (each router knows how
-    # many replicas share the fleet); 1 = each counts only its own picks once
-    router_replicas: int | None = None
-    route_decision_s: float = 0.0  # each routing decision takes this long (a router queue)
-    measure_route_time: bool = False  # charge RouterCore.route's measured time instead
-    network_delay_s: float = 0.0  # router -> worker: a routed request arrives this later
-    event_loss: float = 0.0  # probability that an event batch never reaches a router
-    flush_interval_s: float = 0.0  # > 0: every this often one worker (in turn) drops its cache
-    # workers also send load reports around steps (worker/engine/load_reports.py):
-    # kvroute worker --step-reports
-    step_reports: bool = False
-    # replica sync (num_routers > 1): each router's picks, first tokens and finishes reach
-    # the other routers this much later (RouterCore.apply_replica); None: no sync
-    replica_sync_delay_s: float | None = None
-    # with sync and a decision time: applying a peer's pick is a job of the receiving
-    # router's too, this long (a first token or finish a quarter of it), one job at a time
-    # with its decisions: done before the next queued one, which waits for it
-    replica_apply_s: float = 0.0
-
-    @property
-    def replicas(self) -> int:
-        """RouterConfig.replicas of each router core (router_replicas, else num_routers)."""
-        return self.router_replicas or self.num_routers
-
-    def router_config(self, policy: str | None = None) -> RouterConfig:
-        """Each router core's config: ``router`` with this fleet's block size, replica
-        count and whether the replicas sync (and ``policy``, when given). With sync and an
-        auto window (``router.replica_sync_window_s`` None) the window is the sync delay:
-        what a live router measures of its own sync (RouterCore.observe_replica_sync_delay)."""
-        sync = self.num_routers > 1 and self.replica_sync_delay_s is not None
-        window = self.router.replica_sync_window_s
-        if sync and window is None:
-            window = self.replica_sync_delay_s
-        return replace(
-            self.router,
-            policy=policy or self.router.policy,
-            block_size=self.block_size,
-            replicas=self.replicas,
-            replica_sync=sync,
-            replica_sync_window_s=window,
-        )
-
-    def __post_init__(self) -> None:
-        if self.num_workers < 1:
-            raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
-        if self.num_routers < 1:
-            raise ValueError(f"num_routers must be >= 1, got {self.num_routers}")
-        if self.affinity_blocks < 1:
-            raise ValueError(f"affinity_blocks must be >= 1, got {self.affinity_blocks}")
-        if self.router_replicas is not None and self.router_replicas < 1:
-            raise ValueError(f"router_replicas must be >= 1, got {self.router_replicas}")
-        for name in ("route_decision_s", "network_delay_s", "flush_interval_s", "replica_apply_s"):
-            if not getattr(self, name) >= 0:  # NaN too
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if not 0 <= self.event_loss < 1:
-            raise ValueError(f"event_loss must be in [0, 1), got {self.event_loss}")
-        if self.router_assignment not in ROUTER_ASSIGNMENTS:
-            raise ValueError(
-                f"router_assignment must be one of {', '.join(ROUTER_ASSIGNMENTS)}, "
-                f"got {self.router_assignment!r}"
-            )
-        if self.kv_capacity_tokens < self.page_size:
-            raise ValueError(
-                f"kv_capacity_tokens must be >= page_size {self.page_size}, "
-                f"got {self.kv_capacity_tokens}"
-            )
-        if self.event_delay_s < 0:
-            raise ValueError(f"event_delay_s must be >= 0, got {self.event_delay_s}")
-        if self.load_interval_s < 0:
-            raise ValueError(f"load_interval_s must be >= 0, got {self.load_interval_s}")
-        if self.replica_sync_delay_s is not None and not self.replica_sync_delay_s >= 0:
-            raise ValueError(
-                f"replica_sync_delay_s must be >= 0 or None, got {self.replica_sync_delay_s}"
-            )
 
 
 class _ScaledExecutor:
@@ -306,7 +190,6 @@ class FleetSim:
         if config.num_routers > 1 and config.replica_sync_delay_s is not None:
             for k, router in enumerate(self.routers):
                 router.set_replica_listener(partial(self._tell_replicas, k))
-        self._assign_rng = random.Random(config.seed + 104_729)
         self._owner: dict[str, RouterCore] = {}  # request id -> the router that routed it
         # a router decides one request at a time: with a decision time, arrivals queue
         self._charge_routing = config.route_decision_s > 0 or config.measure_route_time
@@ -422,18 +305,8 @@ class FleetSim:
             case _Kind.REPLICA:
                 self._replica(payload)  # type: ignore[arg-type]
 
-    def _router_for(self, index: int) -> int:
-        n = len(self.routers)
-        if n == 1:
-            return 0
-        if self.config.router_assignment == "random":
-            return self._assign_rng.randrange(n)
-        if self.config.router_assignment == "prefix":  # a balancer with prefix affinity
-            return hash(self.records[index].hash_ids[: self.config.affinity_blocks]) % n
-        return index % n
-
     def _arrive(self, index: int) -> None:
-        k = self._router_for(index)
+        k = index % len(self.routers)  # a load balancer taking the routers in turn
         if not self._charge_routing:
             self._route(index, k)  # no decision time: route and admit at once
             return
@@ -721,74 +594,3 @@ def simulate(
     if progress is not None:
         progress.close()
     return sim.report(policy, wall_s=time.monotonic() - start)
-
-
-def infinite_capacity_tokens(records: Sequence[TraceRecord], block_size: int) -> int:
-    """KV tokens that hold every distinct prompt block plus every output: no eviction."""
-    ids: dict[tuple[int, int], int] = {}  # (parent node, hash id) -> one distinct prefix block
-    for r in records:
-        parent = -1
-        for h in r.hash_ids:
-            key = (parent, h)
-            node = ids.get(key)
-            if node is None:
-                node = ids[key] = len(ids)
-            parent = node
-    outputs = sum(r.output_length for r in records)
-    return len(ids) * block_size + outputs + 2 * max_context_for(records)
-
-
-def simulate_reference(
-    records: Sequence[TraceRecord],
-    kind: str,
-    config: SimConfig,
-    expander: TokenExpander | None = None,
-    *,
-    trace_block_size: int = 512,
-    progress_stream: TextIO | None = None,
-) -> PolicyReport:
-    """The ``pooled`` reference or the ``infinite`` ceiling: one engine as big and fast as
-    the fleet (module docstring)."""
-    n = config.num_workers
-    match kind:
-        case "pooled":
-            capacity = n * config.kv_capacity_tokens
-        case "infinite":
-            capacity = max(
-                n * config.kv_capacity_tokens, infinite_capacity_tokens(records, trace_block_size)
-            )
-        case _:
-            raise ValueError(f"kind must be 'pooled' or 'infinite', got {kind!r}")
-    e = config.engine
-    # flushes: the fleet loses one worker's cache (1/n of what it holds) every interval; the
-    # one big cache loses all of it every n intervals -- the same share per second
-    one = replace(
-        config,
-        num_workers=1,
-        kv_capacity_tokens=capacity,
-        flush_interval_s=config.flush_interval_s * n,
-    )
-
-    def engine_config(worker_id: str) -> EngineConfig:
-        return replace(
-            e,
-            worker_id=worker_id,
-            num_kv_slots=capacity,
-            page_size=config.page_size,
-            block_size=config.block_size,
-            seed=config.seed,
-            max_running_requests=e.max_running_requests * n,
-            max_waiting_requests=e.max_waiting_requests * n,
-            max_prefill_tokens_per_step=e.max_prefill_tokens_per_step * n,
-        )
-
-    expander = expander or TokenExpander(vocab_size=config.vocab_size, seed=config.seed)
-    start = time.monotonic()
-    sim = FleetSim(
-        records, "round_robin", one, expander, engine_config=engine_config, speed=float(n)
-    )
-    progress = Progress(kind, len(records), progress_stream) if progress_stream else None
-    sim.run(progress)
-    if progress is not None:
-        progress.close()
-    return sim.report(kind, wall_s=time.monotonic() - start)

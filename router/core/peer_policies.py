@@ -2,8 +2,8 @@
 
 Each class follows one peer's published source at a stated version (cited in its docstring)
 with that peer's defaults, using only what RouterCore gives a policy: the candidates'
-:class:`~router.core.policy.WorkerView` (router-side in-flight counts, the worker's last
-:class:`LoadReport`), the request's :class:`~router.core.policy.RouteQuery` and the matched prefix
+:class:`~router.core.views.WorkerView` (router-side in-flight counts, the worker's last
+:class:`LoadReport`), the request's :class:`~router.core.views.RouteQuery` and the matched prefix
 depth per worker. Where a peer reads a quantity kvroute does not track, the docstring says
 what stands in for it. Reading the peers' code to learn their rules is the point; nothing is
 copied.
@@ -22,24 +22,26 @@ from __future__ import annotations
 
 import bisect
 import math
-import random
 from collections.abc import Sequence
+from random import Random
 
 from kvroute_proto.hashing import fmix64, partition_seed
-from router.core.policy import POLICIES, Policy, PolicyConfig, RouteQuery, WorkerView
+from router.core.policy import Policy
+from router.core.policy_config import PolicyConfig
+from router.core.views import Matched, Pick, RouteQuery, Views, WorkerView
 
 __all__ = ["PEER_POLICIES", "AIBrix", "ConsistentHash", "Dynamo", "LlmD", "SGLang"]
 
 
-def _matched_tokens(query: RouteQuery, matched: dict[int, int], slot: int) -> int:
+def _matched_tokens(query: RouteQuery, matched: Matched, slot: int) -> int:
     return min(matched.get(slot, 0) * query.block_size, query.prompt_tokens)
 
 
-def _pick_random(indices: list[int], rng: random.Random) -> int:
+def _pick_random(indices: list[int], rng: Random) -> int:
     return indices[rng.randrange(len(indices))] if len(indices) > 1 else indices[0]
 
 
-def _argmin(values: Sequence[float], rng: random.Random) -> int:
+def _argmin(values: Sequence[float], rng: Random) -> int:
     best = min(values)
     return _pick_random([i for i, v in enumerate(values) if v == best], rng)
 
@@ -94,13 +96,7 @@ class SGLang(Policy):
         other.tree_tokens = dict(self.tree_tokens)
         return other
 
-    def select(
-        self,
-        query: RouteQuery,
-        candidates: Sequence[WorkerView],
-        matched: dict[int, int],
-        rng: random.Random,
-    ) -> tuple[int, float]:
+    def select(self, query: RouteQuery, candidates: Views, matched: Matched, rng: Random) -> Pick:
         loads = [c.num_active for c in candidates]
         hi, lo = max(loads), min(loads)
         if hi - lo > self.balance_abs_threshold and hi > lo * self.balance_rel_threshold:
@@ -165,13 +161,7 @@ class Dynamo(Policy):
         entry = self._since_report.get(view.worker_id)
         return entry[1] if entry is not None and entry[0] is view.load else 0
 
-    def select(
-        self,
-        query: RouteQuery,
-        candidates: Sequence[WorkerView],
-        matched: dict[int, int],
-        rng: random.Random,
-    ) -> tuple[int, float]:
+    def select(self, query: RouteQuery, candidates: Views, matched: Matched, rng: Random) -> Pick:
         costs = self.costs(query, candidates, matched)
         i = _argmin(costs, rng)
         chosen = candidates[i]
@@ -182,9 +172,7 @@ class Dynamo(Policy):
         self._since_report[chosen.worker_id] = (chosen.load, sent)
         return i, costs[i]
 
-    def costs(
-        self, query: RouteQuery, candidates: Sequence[WorkerView], matched: dict[int, int]
-    ) -> list[float]:
+    def costs(self, query: RouteQuery, candidates: Views, matched: Matched) -> list[float]:
         bs = query.block_size
         prompt = query.prompt_tokens
         prompt_blocks = -(-prompt // bs)
@@ -242,9 +230,7 @@ class LlmD(Policy):
     kv_utilization_weight = 1.0
     queue_weight = 1.0
 
-    def costs(
-        self, query: RouteQuery, candidates: Sequence[WorkerView], matched: dict[int, int]
-    ) -> list[float]:
+    def costs(self, query: RouteQuery, candidates: Views, matched: Matched) -> list[float]:
         depth = [matched.get(c.slot, 0) for c in candidates]
         hits = [d for d in depth if d > 0]
         lo_d, hi_d = (min(hits), max(hits)) if hits else (0, 0)
@@ -300,13 +286,7 @@ class AIBrix(Policy):
     imbalance_min_gap = 8
     stddev_factor = 1.0
 
-    def select(
-        self,
-        query: RouteQuery,
-        candidates: Sequence[WorkerView],
-        matched: dict[int, int],
-        rng: random.Random,
-    ) -> tuple[int, float]:
+    def select(self, query: RouteQuery, candidates: Views, matched: Matched, rng: Random) -> Pick:
         counts = [c.num_active for c in candidates]
         n = len(counts)
         mean = sum(counts) / n
@@ -346,7 +326,7 @@ class ConsistentHash(Policy):
 
     This replaces ``prefix_hash`` (plain rendezvous hashing of the same prefix), which sent
     every request sharing the first blocks -- a system prompt -- to one worker. The prefix
-    length is ``RouterConfig.prefix_hash_blocks`` (``kvroute replay --prefix-hash-blocks``).
+    length is ``PolicyConfig.prefix_hash_blocks`` (``kvroute replay --prefix-hash-blocks``).
     """
 
     name = "consistent_hash"
@@ -360,7 +340,7 @@ class ConsistentHash(Policy):
         self._points: list[int] = []
         self._owners: list[str] = []
 
-    def _ring(self, candidates: Sequence[WorkerView]) -> tuple[list[int], list[str]]:
+    def _ring(self, candidates: Views) -> tuple[list[int], list[str]]:
         ids = tuple(c.worker_id for c in candidates)
         if ids != self._ring_for:
             ring = sorted(
@@ -382,13 +362,7 @@ class ConsistentHash(Policy):
             raw = partition_seed("consistent_hash/request", query.request_id)
         return fmix64(raw)
 
-    def select(
-        self,
-        query: RouteQuery,
-        candidates: Sequence[WorkerView],
-        matched: dict[int, int],
-        rng: random.Random,
-    ) -> tuple[int, float]:
+    def select(self, query: RouteQuery, candidates: Views, matched: Matched, rng: Random) -> Pick:
         points, owners = self._ring(candidates)
         index_of = {c.worker_id: i for i, c in enumerate(candidates)}
         total = sum(c.num_active for c in candidates)
@@ -413,5 +387,3 @@ class ConsistentHash(Policy):
 
 PEER_POLICIES: tuple[type[Policy], ...] = (SGLang, Dynamo, LlmD, AIBrix, ConsistentHash)
 """The peers' algorithms, in the order the replay tables list them."""
-
-POLICIES.update({cls.name: cls for cls in PEER_POLICIES})

@@ -12,7 +12,11 @@ What it owns::
     PrefixIndex (index.py) <-- predicted entries --- route() ---> returned to the shell
           |  matched blocks per worker
           v
-    Policy (policy.py): cost per worker, pick (seeded tie-break)
+    Policy (registry.py: cost.py, policy.py, peer_policies.py): cost per worker, pick
+
+It delegates: the workers and their streams to :class:`~router.core.fleet.Fleet`, requests
+in flight among router replicas to :class:`~router.core.replicas.ReplicaAccounting`,
+explanations and per-worker stats to :mod:`router.core.introspect`.
 
 The shell (service or simulator) does the I/O: it subscribes to each worker's KV event
 stream with :meth:`RouterCore.expected_subscription`, feeds every message to
@@ -27,13 +31,10 @@ Threading: not thread-safe; call it from one thread (or one event loop) only.
 
 from __future__ import annotations
 
-import copy
-import heapq
 import math
 import random
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 import numpy as np
@@ -42,9 +43,6 @@ from kvroute_proto.codec import WireBatch, enable_compiled_decode
 from kvroute_proto.events import EventBatch, Partition, Snapshot
 from kvroute_proto.hashing import as_token_array, block_hashes, enable_compiled
 from router.core.core_types import (  # the API's value types live there; re-exported here
-    INITIAL_REPLICA_SYNC_WINDOW_S,
-    REPLICA_SYNC_WINDOW_DECAY,
-    REPLICA_WINDOW_PICKS_PERIOD_S,
     Action,
     Explanation,
     ReplicaEvent,
@@ -59,6 +57,7 @@ from router.core.core_types import (  # the API's value types live there; re-exp
     WorkerScore,
     WorkerStats,
 )
+from router.core.cost import affinity_terms
 from router.core.errors import (  # re-exported for the shells
     BlockSizeMismatchError,
     DuplicateWorkerError,
@@ -66,23 +65,21 @@ from router.core.errors import (  # re-exported for the shells
     NoWorkerAvailable,
     UnknownWorkerError,
 )
-from router.core.index import IndexConfig, PrefixIndex, make_index
-from router.core.policy import (
-    CandidateSet,
-    CostWeights,
-    PolicyConfig,
-    RouteQuery,
-    WorkerTable,
-    WorkerView,
-    affinity_terms,
-    make_policy,
-)
-from router.core.sync import StreamSequencer, SyncConfig
+from router.core.fleet import Fleet
+from router.core.index import PrefixIndex, make_index
+from router.core.introspect import EXCLUDED, UNHEALTHY, explanation, worker_stats
+from router.core.policy_config import CostWeights
+from router.core.registry import make_policy
+from router.core.replicas import Inflight, ReplicaAccounting, open_flight
+from router.core.sync import SyncConfig
+from router.core.views import RouteQuery, WorkerView
 
 if TYPE_CHECKING:
     from router.core.index_nb import NumbaPrefixIndex
 
 __all__ = [
+    "EXCLUDED",
+    "UNHEALTHY",
     "Action",
     "BlockSizeMismatchError",
     "CostWeights",
@@ -102,40 +99,6 @@ __all__ = [
     "WorkerView",
 ]
 
-# Explain's reasons for a worker that is not a candidate (WorkerScore.not_candidate_reason)
-UNHEALTHY = "unhealthy"
-EXCLUDED = "excluded by the request"
-
-
-@dataclass(slots=True)
-class _Inflight:
-    view: WorkerView
-    prefill_tokens: int
-    prefilling: bool = True
-    held: Sequence[int] = ()  # predicted blocks held until the first token (index.predict)
-    # with replica sync, what an own pick adds for the replicas' unseen picks of the same
-    # moment until its sync window ends (RouterCore._account, _settle_picks): requests
-    # counted active beyond this one, and recent work in the views' scaled units (with
-    # the scale's origin then, so a rebase in between leaves it alone)
-    extra_active: int = 0
-    extra_recent: float = 0.0
-    extra_recent_t0: float = 0.0
-
-
-def _open_flight(view: WorkerView, prefill_tokens: int) -> _Inflight:
-    """A request in flight on ``view``'s worker: its prefill queued there, one more active."""
-    view.inflight_prefill_tokens += prefill_tokens
-    view.num_active += 1
-    view.refresh()
-    return _Inflight(view, prefill_tokens)
-
-
-@dataclass(slots=True)
-class _Worker:
-    view: WorkerView
-    stream: StreamSequencer
-    last_message_at: float | None = None  # router clock at its stream's last message
-
 
 class RouterCore:
     """The router's brain: index + per-worker stream sequencing + policy + in-flight load.
@@ -144,104 +107,48 @@ class RouterCore:
     """
 
     def __init__(
-        self,
-        config: RouterConfig | None = None,
-        *,
-        clock: Callable[[], float],
-        rng: random.Random,
+        self, config: RouterConfig | None = None, *, clock: Callable[[], float], rng: random.Random
     ) -> None:
         self.config = config = config or RouterConfig()
         self._clock = clock
         self._rng = rng
-        self._policy = make_policy(
-            config.policy,
-            PolicyConfig(
-                config.weights,
-                config.prefix_hash_blocks,
-                config.backlog_tokens,
-                config.spread_weight,
-                config.affinity_tokens,
-                config.saturated_tokens,
-                config.saturated_scale_tokens,
-            ),
-        )
-        if config.affinity_tokens:  # compile (or load) its kernel now, not on a route
+        policy_config = config.policy_config
+        affinity = config.replica.policy_affinity_tokens  # the replicas decide the term
+        if affinity != policy_config.affinity_tokens:
+            policy_config = policy_config.with_affinity(affinity)
+        self._policy = make_policy(config.policy, policy_config)
+        if affinity:  # compile (or load) its kernel now, not on a route
             affinity_terms([1], np.zeros(2, dtype=np.intp), np.arange(2, dtype=np.uint64), 1.0)
         self._use_events = self._policy.uses_events
         self._ttl = config.predicted_ttl_s if self._use_events else config.approx_ttl_s
-        self._index = make_index(
-            IndexConfig(
-                max_blocks=config.max_indexed_blocks,
-                verify_hashes=config.verify_hashes,
-                predict_stride=config.predict_stride,
-                backend=config.index_backend,
-            )
-        )
+        self._index = make_index(config.index)
         # batches decoded lazily (kvroute_proto.codec.WireBatch) applied from their scanned
         # layout, without event objects: the numba index, when it need not verify hashes
-        self._wire_apply = hasattr(self._index, "apply_wire") and not config.verify_hashes
+        self._wire_apply = hasattr(self._index, "apply_wire") and not config.index.verify_hashes
         # a query's hashes as the index takes them fastest: a uint64 array, or a list of ints
         self._hash_arrays = bool(getattr(self._index, "takes_arrays", False))
         if self._hash_arrays:  # numba is at hand: hash prompts with its compiled chain too,
             enable_compiled()  # and decode event batches with its compiled scan
             enable_compiled_decode()
-        self._sync_config = SyncConfig(max_pending_batches=config.max_pending_batches)
-        self._block_size = config.block_size
-        self._workers: dict[str, _Worker] = {}
-        self._free_slots: list[int] = []  # heap of slots freed by remove_worker
-        self._next_slot = 0
-        self._healthy: list[WorkerView] = []
-        # the views' cost fields by slot, for policies that score all candidates at once
-        self._table = WorkerTable(weights=config.weights)
-        self._healthy_set = CandidateSet.of(self._healthy, self._table)
-        self._inflight: dict[str, _Inflight] = {}
-        # replica sync: other routers' requests, by (router id, request id), and who hears
-        # of this router's own picks (set_replica_listener)
-        self._replica_inflight: dict[tuple[str, str], _Inflight] = {}
-        self._replica_listener: Callable[[ReplicaEvent], None] | None = None
-        # with replica sync, own picks count R times only for replica_sync_window_s (or,
-        # None, the sync's measured delivery time): (when the window ends, request id, its
-        # flight, the extra tokens to take off then), in the order placed; settled by the
-        # next route (_settle_picks)
-        self._sync_window_auto = config.replica_sync_window_s is None
-        self._sync_window_measured = False
-        self._sync_window_s = (
-            math.inf
-            if not (config.replica_sync and config.replicas > 1)
-            else INITIAL_REPLICA_SYNC_WINDOW_S
-            if config.replica_sync_window_s is None
-            else config.replica_sync_window_s
-        )
-        self._unsettled: deque[tuple[float, str, _Inflight, int]] = deque()
-        # with sync and the peer view, a cold pick counts R times (not capped) while the
-        # most own picks inside their window at once, lately, stays under this (0: always
-        # capped, or no cap to lift: R <= replica_cold_picks; nothing is tracked then;
-        # RouterConfig.replica_cold_window_picks): that most in the current period of
-        # REPLICA_WINDOW_PICKS_PERIOD_S and in the one before it, and when this one began
-        self._cold_window_picks = (
-            config.replica_cold_window_picks
-            if config.replica_peer_view
-            and self._sync_window_s != math.inf
-            and config.replicas > config.replica_cold_picks
-            else 0
-        )
-        self._window_picks_now = 0
-        self._window_picks_before = 0
-        self._window_picks_since = clock()
+        weights = config.policy_config.weights
+        sync = SyncConfig(max_pending_batches=config.max_pending_batches)
+        self._fleet = Fleet(weights, sync, config.block_size)
+        self._workers = self._fleet.workers
+        self._inflight: dict[str, Inflight] = {}
+        self._replicas = ReplicaAccounting(config.replica, clock())
         self._num_routed = 0
-        # recent prefill per worker decays as exp(-t / window); views hold it scaled by
-        # exp((t - t0) / window) so that a route touches one view, not all (see _recent_scale)
+        # recent work per worker decays as exp(-t / window); views hold it scaled by
+        # exp((t - t0) / window) so that a route touches one view, not all (_recent_scale)
         self._recent_window_s = config.recent_window_s
         self._recent_decode_ratio = config.recent_decode_ratio
         self._recent_t0 = clock()
-        self._sync_counters: Counter[str] = Counter()
 
     # ---- fleet membership ----------------------------------------------------------------
 
     @property
     def block_size(self) -> int | None:
         """The fleet block size (None until the first worker announced one)."""
-        return self._block_size
+        return self._fleet.block_size
 
     @property
     def policy_name(self) -> str:
@@ -252,65 +159,37 @@ class RouterCore:
         """The prefix index (read-only use: metrics, tests)."""
         return self._index
 
-    def _check_block_size(self, worker_id: str, block_size: int | None) -> None:
-        if block_size is None:
-            return
-        if block_size <= 0:
-            raise InvalidRouteRequestError("block_size", f"must be >= 1, got {block_size}")
-        if self._block_size is None:
-            self._block_size = block_size
-        elif block_size != self._block_size:
-            raise BlockSizeMismatchError(worker_id, block_size, self._block_size)
-
     def add_worker(self, worker_id: str, address: str = "", block_size: int | None = None) -> None:
-        """Register a worker (healthy, nothing indexed, not yet subscribed).
-
-        Raises DuplicateWorkerError if known, BlockSizeMismatchError if ``block_size``
-        differs from the fleet's.
-        """
-        if not worker_id:
-            raise InvalidRouteRequestError("worker_id", "must not be empty")
-        if worker_id in self._workers:
-            raise DuplicateWorkerError(worker_id)
-        self._check_block_size(worker_id, block_size)
-        if self._free_slots:
-            slot = heapq.heappop(self._free_slots)
-        else:
-            slot = self._next_slot
-            self._next_slot += 1
-        view = WorkerView(worker_id, slot, address)
-        self._table.attach(view)
-        self._workers[worker_id] = _Worker(view, StreamSequencer(worker_id, self._sync_config))
-        self._refresh_healthy()
+        """Register a worker (healthy, nothing indexed, not yet subscribed). Raises
+        DuplicateWorkerError if known, BlockSizeMismatchError if ``block_size`` differs
+        from the fleet's."""
+        self._fleet.add(worker_id, address, block_size)
 
     def remove_worker(self, worker_id: str) -> None:
         """Forget a worker: its index entries, stream state and in-flight accounting."""
-        worker = self._get(worker_id)
-        del self._workers[worker_id]
-        self._table.detach(worker.view)
-        self._index.remove_worker(worker.view.slot)
-        heapq.heappush(self._free_slots, worker.view.slot)
+        view = self._fleet.remove(worker_id)
+        self._index.remove_worker(view.slot)
         now = self._clock()
-        for request_id in [r for r, f in self._inflight.items() if f.view is worker.view]:
+        for request_id in [r for r, f in self._inflight.items() if f.view is view]:
             self._release(self._inflight.pop(request_id), now)
-        for key in [k for k, f in self._replica_inflight.items() if f.view is worker.view]:
-            self._release(self._replica_inflight.pop(key), now)
-        self._refresh_healthy()
+        peers = self._replicas.peers
+        for key in [k for k, f in peers.items() if f.view is view]:
+            self._release(peers.pop(key), now)
+        self._fleet.refresh_healthy()
 
     def set_max_running(self, worker_id: str, max_running: int) -> None:
         """The worker's stated cap on running requests (GetLoad's ``max_running_requests``;
-        0: none stated): past it the cost charges each request a new one would wait behind
-        for a running slot (``CostWeights.slot_wait``)."""
+        0: none stated): past it the cost's slot-wait term applies."""
         if max_running < 0:
             raise InvalidRouteRequestError(
                 "max_running_requests", f"must be >= 0, got {max_running}"
             )
-        self._get(worker_id).view.max_running = max_running
+        self._fleet.get(worker_id).view.max_running = max_running
 
     def set_health(self, worker_id: str, healthy: bool) -> None:
         """Unhealthy workers keep their index entries but are never routed to."""
-        self._get(worker_id).view.healthy = healthy
-        self._refresh_healthy()
+        self._fleet.get(worker_id).view.healthy = healthy
+        self._fleet.refresh_healthy()
 
     def workers(self) -> list[str]:
         """Registered worker ids, in registration order."""
@@ -321,17 +200,7 @@ class RouterCore:
 
     def worker_view(self, worker_id: str) -> WorkerView:
         """The live per-worker state policies see (health, in-flight counts, last load)."""
-        return self._get(worker_id).view
-
-    def _get(self, worker_id: str) -> _Worker:
-        worker = self._workers.get(worker_id)
-        if worker is None:
-            raise UnknownWorkerError(worker_id)
-        return worker
-
-    def _refresh_healthy(self) -> None:
-        self._healthy = [w.view for w in self._workers.values() if w.view.healthy]
-        self._healthy_set = CandidateSet.of(self._healthy, self._table)
+        return self._fleet.get(worker_id).view
 
     # ---- KV event streams ----------------------------------------------------------------
 
@@ -340,12 +209,12 @@ class RouterCore:
 
         Call it whenever a stream (re)starts, whatever the reason.
         """
-        return self._get(worker_id).stream.expected_subscription()
+        return self._fleet.get(worker_id).stream.expected_subscription()
 
     def stream_position(self, worker_id: str) -> tuple[int, int]:
         """(epoch, seq) of the last applied batch or snapshot; read-only, unlike
         :meth:`expected_subscription`, which also records the subscription as asked."""
-        stream = self._get(worker_id).stream
+        stream = self._fleet.get(worker_id).stream
         return stream.epoch, stream.last_seq
 
     def on_stream_message(self, worker_id: str, msg: EventBatch | Snapshot) -> list[Action]:
@@ -359,8 +228,8 @@ class RouterCore:
         BlockSizeMismatchError when the message's block_size is not the fleet's and
         UnknownWorkerError for an unknown worker.
         """
-        worker = self._get(worker_id)
-        self._check_block_size(worker_id, msg.block_size)
+        worker = self._fleet.get(worker_id)
+        self._fleet.check_block_size(worker_id, msg.block_size)
         step = worker.stream.receive(msg)
         worker.last_message_at = self._clock()
         view = worker.view
@@ -404,6 +273,11 @@ class RouterCore:
         self._recent_t0 = now
         return 1.0
 
+    def _hashes(self, tokens: np.ndarray, seed: int) -> Sequence[int]:
+        """The prompt's full blocks' hashes, as the index takes them fastest."""
+        array = block_hashes(tokens, self._fleet.block_size or 1, seed, validate=False)
+        return cast(Sequence[int], array) if self._hash_arrays else array.tolist()
+
     def _query(self, req: RouteRequest, recent_scale: float = 1.0) -> RouteQuery:
         tokens = req.token_ids
         if not (isinstance(tokens, np.ndarray) and tokens.dtype == np.uint32 and tokens.ndim == 1):
@@ -411,15 +285,10 @@ class RouterCore:
                 tokens = as_token_array(tokens)
             except (TypeError, ValueError) as exc:
                 raise InvalidRouteRequestError("token_ids", str(exc)) from None
-        block_size = self._block_size
-        hashes: Sequence[int]
-        if block_size is None:
-            hashes = []
-            block_size = 1
-        else:
-            seed = req.partition.seed
-            array = block_hashes(tokens, block_size, seed, validate=False)
-            hashes = array if self._hash_arrays else array.tolist()
+        block_size = self._fleet.block_size
+        hashes: Sequence[int] = []
+        if block_size is not None:
+            hashes = self._hashes(tokens, req.partition.seed)
         prompt_tokens = len(tokens)
         if req.prompt_tokens is not None:
             if req.prompt_tokens < prompt_tokens:
@@ -428,17 +297,7 @@ class RouterCore:
                     f"must be >= len(token_ids) = {prompt_tokens}, got {req.prompt_tokens}",
                 )
             prompt_tokens = req.prompt_tokens
-        return RouteQuery(req.request_id, prompt_tokens, block_size, hashes, recent_scale)
-
-    def _candidates(self, req: RouteRequest) -> list[WorkerView]:
-        if req.exclude:
-            return [v for v in self._healthy if v.worker_id not in req.exclude]
-        return self._healthy
-
-    def _candidate_set(self, req: RouteRequest) -> CandidateSet:
-        if req.exclude:
-            return CandidateSet.of(self._candidates(req), self._table)
-        return self._healthy_set
+        return RouteQuery(req.request_id, prompt_tokens, block_size or 1, hashes, recent_scale)
 
     def route(self, req: RouteRequest) -> RouteDecision:
         """Pick a worker for ``req`` and account it as in flight there (on_routed).
@@ -450,13 +309,14 @@ class RouterCore:
         InvalidRouteRequestError for bad token ids. A request_id still in flight is first
         finished (a retry moves its accounting).
         """
-        candidate_set = self._candidate_set(req)
+        candidate_set = self._fleet.candidate_set(req.exclude)
         candidates = candidate_set.views
         if not candidates:
             raise self._no_worker(req)
         now = self._clock()
-        if self._unsettled:
-            self._settle_picks(now)
+        replicas = self._replicas
+        if replicas.unsettled:
+            replicas.settle(now, self._inflight, self._recent_t0)
         scale = self._recent_scale(now)
         query = self._query(req, 1.0 / scale)
         index = self._index
@@ -478,30 +338,29 @@ class RouterCore:
         best_tokens = max(min(best * query.block_size, query.prompt_tokens), matched_tokens)
         if req.request_id in self._inflight:
             self.on_finished(req.request_id)
-        flight = self._account(
-            req.request_id, view, query.prompt_tokens - matched_tokens, not matched_tokens, now
-        )
         uncached = query.prompt_tokens - matched_tokens
+        flight = self._account(req.request_id, view, uncached, not matched_tokens, now)
         view.recent_prefill += uncached * scale
         if flight.extra_active:  # the replicas' same-moment picks, until the window ends
             flight.extra_recent = uncached * flight.extra_active * scale
             flight.extra_recent_t0 = self._recent_t0
             view.recent_prefill += flight.extra_recent
-        if len(hashes) and self._policy.uses_matches:
+        uses_matches = self._policy.uses_matches
+        if len(hashes) and uses_matches:
             deadline = now + self._ttl
             if not self._use_events and depth:  # approx mode: what was used stays longer
                 index.refresh_predicted(hashes[:depth], deadline)
             # held until the first token: however long it queues there, the worker will
             # write these blocks, and its events confirm them soon after
             flight.held = index.predict(view.slot, hashes, deadline, start=depth, hold=True)
-        if self._replica_listener is not None:
-            self._replica_listener(
+        if replicas.listener is not None:
+            replicas.listener(
                 ReplicaRouted(
                     req.request_id,
                     view.worker_id,
                     query.prompt_tokens,
                     matched_tokens,
-                    hashes if self._policy.uses_matches else (),
+                    hashes if uses_matches else (),
                 )
             )
         return RouteDecision(
@@ -517,70 +376,29 @@ class RouterCore:
         )
 
     def _no_worker(self, req: RouteRequest) -> NoWorkerAvailable:
-        num_excluded = sum(1 for v in self._healthy if v.worker_id in req.exclude)
-        return NoWorkerAvailable(
-            req.request_id, len(self._workers), len(self._healthy), num_excluded
-        )
+        healthy = self._fleet.healthy
+        num_excluded = sum(1 for v in healthy if v.worker_id in req.exclude)
+        return NoWorkerAvailable(req.request_id, len(self._workers), len(healthy), num_excluded)
 
     def explain(self, req: RouteRequest) -> Explanation:
         """Per-worker match, load, cost and the pick route() would make; changes nothing
         (beyond dropping predictions past their deadline, which route() would drop too).
-
         Ties are broken with a generator seeded by the request id (not the router's), and
-        stateful policies (round_robin) are consulted on a copy.
-        """
+        stateful policies (round_robin) are consulted on a copy."""
         now = self._clock()
-        if self._unsettled:  # as route() would see the fleet
-            self._settle_picks(now)
+        if self._replicas.unsettled:  # as route() would see the fleet
+            self._replicas.settle(now, self._inflight, self._recent_t0)
         unscale = 1.0 / self._recent_scale(now)
         query = self._query(req, unscale)
         hashes = query.block_hashes
-        self._index.expire(now)  # as route() does: a lapsed prediction matches nothing
-        matched = self._index.find_matches(hashes, touch=False) if len(hashes) else {}
-        confirmed, predicted = (
-            self._index.find_matches_by_source(hashes) if len(hashes) else ({}, {})
-        )
-        candidates = self._candidates(req)
-        costs: list[float] | None = None
-        chosen: str | None = None
-        miss_factor = 0.0
-        if candidates:
-            policy = copy.copy(self._policy)
-            rng = random.Random(req.request_id)
-            i, _ = policy.select(query, candidates, matched, rng)
-            chosen = candidates[i].worker_id
-            costs = policy.costs(query, candidates, matched)
-            miss_factor = policy.miss_factor(candidates)
-        cost_of = dict(zip((v.worker_id for v in candidates), costs or (), strict=False))
-        block_size, prompt_tokens = query.block_size, query.prompt_tokens
-        lines = []
-        for worker in self._workers.values():
-            v = worker.view
-            reason = ""
-            if not v.healthy:
-                reason = UNHEALTHY
-            elif req.exclude and v.worker_id in req.exclude:
-                reason = EXCLUDED
-            lines.append(
-                WorkerScore(
-                    v.worker_id,
-                    v.address,
-                    v.healthy,
-                    min(matched.get(v.slot, 0) * query.block_size, query.prompt_tokens),
-                    v.queued_prefill_tokens,
-                    v.num_active,
-                    cost_of.get(v.worker_id),
-                    v.load,
-                    v.recent_prefill * unscale,
-                    min(confirmed.get(v.slot, 0) * block_size, prompt_tokens),
-                    min(predicted.get(v.slot, 0) * block_size, prompt_tokens),
-                    reason,
-                    v.slot_queue,
-                )
-            )
-        return Explanation(
-            self._policy.name, query.prompt_tokens, chosen, tuple(lines), miss_factor
-        )
+        index = self._index
+        index.expire(now)  # as route() does: a lapsed prediction matches nothing
+        matched = index.find_matches(hashes, touch=False) if len(hashes) else {}
+        confirmed, predicted = index.find_matches_by_source(hashes) if len(hashes) else ({}, {})
+        candidates = self._fleet.candidates(req.exclude)
+        matches = (matched, confirmed, predicted)
+        workers = self._workers.values()
+        return explanation(self._policy, req, query, workers, candidates, matches, unscale)
 
     def may_match_past(self, token_ids: np.ndarray | Sequence[int], partition: Partition) -> bool:
         """Whether some worker's cached prefix (confirmed or predicted) may go on past
@@ -589,11 +407,9 @@ class RouterCore:
         the rest of a text prompt untokenized). May say True wrongly, never False wrongly:
         a prediction is probed only every ``predict_stride`` blocks, so a predicted match
         that reaches the last probe counts as going on. Changes nothing."""
-        if self._block_size is None or not self._policy.uses_matches:
+        if self._fleet.block_size is None or not self._policy.uses_matches:
             return False
-        tokens = np.asarray(token_ids, dtype=np.uint32)
-        array = block_hashes(tokens, self._block_size, partition.seed, validate=False)
-        hashes = array if self._hash_arrays else array.tolist()
+        hashes = self._hashes(np.asarray(token_ids, dtype=np.uint32), partition.seed)
         if not len(hashes):
             return True
         index = self._index
@@ -605,105 +421,20 @@ class RouterCore:
         best = max(matched.values(), default=0)
         if best <= confirmed:  # no prediction goes further than the events' walks end
             return False
-        stride = self.config.predict_stride
+        stride = self.config.index.predict_stride
         return best >= n // stride * stride
+
+    # ---- requests in flight --------------------------------------------------------------
 
     def _account(
         self, request_id: str, view: WorkerView, prefill_tokens: int, cold: bool, now: float
-    ) -> _Inflight:
-        # with R router replicas a pick counts R times, a cold one at most
-        # replica_cold_picks times -- unless the sync keeps pace with this router: lately
-        # fewer than replica_cold_window_picks of its own picks in one window (RouterConfig)
-        picks: float = self.config.replicas
-        if self._cold_window_picks:
-            self._note_window_picks(now)
-        if (
-            cold
-            and picks > self.config.replica_cold_picks
-            and max(self._window_picks_now, self._window_picks_before) >= self._cold_window_picks
-        ):
-            picks = self.config.replica_cold_picks
-        counted = round(prefill_tokens * picks)
-        flight = self._inflight[request_id] = _open_flight(view, counted)
+    ) -> Inflight:
+        flight = self._replicas.count(request_id, view, prefill_tokens, cold, now)
+        self._inflight[request_id] = flight
         self._num_routed += 1
-        if counted > prefill_tokens and self._sync_window_s != math.inf:
-            # with replica sync the others' picks arrive and count themselves: R times only
-            # until they can have (RouterConfig.replica_sync_window_s). Until then a pick
-            # that found its prefix there stands for the replicas' same-moment picks in
-            # every load term: as running requests too (and, in route(), as recent work),
-            # not only as queued prefill. A cold one does not: their picks of that worker
-            # would mostly find its prefix there (why its queued count is capped), and
-            # counting them spread bursts (BENCHMARKS.md, "an own pick that stands for the
-            # replicas in every load term")
-            due = now + self._sync_window_s
-            self._unsettled.append((due, request_id, flight, counted - prefill_tokens))
-            extra = int(picks) - 1
-            if extra > 0 and not cold:
-                flight.extra_active = extra
-                view.num_active += extra
-                view.refresh()
         return flight
 
-    def _note_window_picks(self, now: float) -> None:
-        """Keep the most own picks found inside their sync window at one pick (those still
-        counted R times: placed with tokens to prefill, not settled), per period of
-        REPLICA_WINDOW_PICKS_PERIOD_S."""
-        if now - self._window_picks_since >= REPLICA_WINDOW_PICKS_PERIOD_S:
-            # a period with no pick at all leaves nothing to carry over
-            late = now - self._window_picks_since >= 2 * REPLICA_WINDOW_PICKS_PERIOD_S
-            self._window_picks_before = 0 if late else self._window_picks_now
-            self._window_picks_now = 0
-            self._window_picks_since = now
-        held = len(self._unsettled)
-        if held > self._window_picks_now:
-            self._window_picks_now = held
-
-    @property
-    def replica_sync_window_s(self) -> float:
-        """How long an own pick counts R times (inf: until its first token; the window of
-        RouterConfig.replica_sync_window_s, measured when that is None)."""
-        return self._sync_window_s
-
-    def observe_replica_sync_delay(self, delay_s: float) -> None:
-        """The sync delivered a message ``delay_s`` after it was queued (replica sync times
-        its own messages' echo). With an auto window (RouterConfig.replica_sync_window_s
-        None) the first measurement replaces INITIAL_REPLICA_SYNC_WINDOW_S; after it the
-        window rises to a longer delay at once and falls toward shorter ones by
-        REPLICA_SYNC_WINDOW_DECAY of the difference; otherwise nothing changes. Negative
-        or non-finite delays are ignored."""
-        if not self._sync_window_auto or self._sync_window_s == math.inf:
-            return
-        if not 0 <= delay_s < math.inf:
-            return
-        window = self._sync_window_s
-        if delay_s >= window or not self._sync_window_measured:  # the first replaces the guess
-            self._sync_window_s = delay_s
-            self._sync_window_measured = True
-        else:
-            self._sync_window_s = window + (delay_s - window) * REPLICA_SYNC_WINDOW_DECAY
-
-    def _settle_picks(self, now: float) -> None:
-        """Own picks whose sync window has ended count once from now on."""
-        unsettled = self._unsettled
-        inflight = self._inflight
-        while unsettled and unsettled[0][0] < now:
-            _, request_id, flight, extra = unsettled.popleft()
-            view = flight.view
-            # still the same request, still queued for prefill (a finish or first token
-            # already took off all it counted)
-            if flight.prefilling and inflight.get(request_id) is flight:
-                flight.prefill_tokens -= extra
-                view.inflight_prefill_tokens -= extra
-            if flight.extra_active:  # (a finish took it off already)
-                view.num_active -= flight.extra_active
-                flight.extra_active = 0
-            if flight.extra_recent:
-                if flight.extra_recent_t0 == self._recent_t0:  # no rebase since
-                    view.recent_prefill = max(0.0, view.recent_prefill - flight.extra_recent)
-                flight.extra_recent = 0.0
-            view.refresh()
-
-    def _release(self, flight: _Inflight, now: float) -> None:
+    def _release(self, flight: Inflight, now: float) -> None:
         """End the hold on the request's predicted blocks: their TTL starts ``now``."""
         if flight.held:
             self._index.release_predicted(flight.held, now + self._ttl)
@@ -714,25 +445,25 @@ class RouterCore:
     ) -> None:
         """Account a request as in flight (route() calls it; the shell needs it only when it
         placed a request itself)."""
-        view = self._get(worker_id).view
+        view = self._fleet.get(worker_id).view
         if request_id in self._inflight:
             self.on_finished(request_id)
         uncached = max(0, prompt_tokens - matched_tokens)
         self._account(request_id, view, uncached, not matched_tokens, self._clock())
-        if self._replica_listener is not None:
-            self._replica_listener(
-                ReplicaRouted(request_id, worker_id, prompt_tokens, matched_tokens)
-            )
+        listener = self._replicas.listener
+        if listener is not None:
+            listener(ReplicaRouted(request_id, worker_id, prompt_tokens, matched_tokens))
 
     def on_first_token(self, request_id: str) -> None:
         """Prefill of ``request_id`` is done: its tokens leave the queued-prefill estimate."""
         flight = self._inflight.get(request_id)
         if flight is not None and flight.prefilling:
             self._first_token(flight)
-            if self._replica_listener is not None:
-                self._replica_listener(ReplicaFirstToken(request_id))
+            listener = self._replicas.listener
+            if listener is not None:
+                listener(ReplicaFirstToken(request_id))
 
-    def _first_token(self, flight: _Inflight) -> None:
+    def _first_token(self, flight: Inflight) -> None:
         self._release(flight, self._clock())
         flight.prefilling = False
         flight.view.inflight_prefill_tokens -= flight.prefill_tokens
@@ -748,10 +479,11 @@ class RouterCore:
         if flight is None:
             return
         self._finish(flight, generated_tokens)
-        if self._replica_listener is not None:
-            self._replica_listener(ReplicaFinished(request_id, generated_tokens))
+        listener = self._replicas.listener
+        if listener is not None:
+            listener(ReplicaFinished(request_id, generated_tokens))
 
-    def _finish(self, flight: _Inflight, generated_tokens: int) -> None:
+    def _finish(self, flight: Inflight, generated_tokens: int) -> None:
         now = self._clock()
         self._release(flight, now)
         if generated_tokens > 0 and self._recent_decode_ratio:
@@ -767,27 +499,34 @@ class RouterCore:
 
     def set_replica_listener(self, listener: Callable[[ReplicaEvent], None] | None) -> None:
         """Call ``listener`` with every pick, first token and finish of this router's own
-        requests (:class:`ReplicaRouted` from :meth:`route` and :meth:`on_routed`,
-        :class:`ReplicaFirstToken`, :class:`ReplicaFinished`), so the other router replicas
-        can count them (:meth:`apply_replica`); None stops. The listener must not block:
-        it runs inside every route."""
-        self._replica_listener = listener
+        requests, so the other router replicas can count them (:meth:`apply_replica`); None
+        stops. The listener must not block: it runs inside every route."""
+        self._replicas.listener = listener
+
+    @property
+    def replica_sync_window_s(self) -> float:
+        """How long an own pick counts R times (inf: until its first token)."""
+        return self._replicas.window_s
+
+    def observe_replica_sync_delay(self, delay_s: float) -> None:
+        """The sync delivered a message ``delay_s`` after it was queued (an auto window
+        follows it: ReplicaAccounting.observe_delay)."""
+        self._replicas.observe_delay(delay_s)
 
     def apply_replica(self, router_id: str, event: ReplicaEvent) -> bool:
         """Another router replica (``router_id``) placed, started or ended a request.
 
-        Counted as this router's own picks are, once (not ``replicas`` times: it is what
-        happened, not an anticipation): a placed request's uncached tokens queue on the
-        worker until its :class:`ReplicaFirstToken`, it counts as active until its
-        :class:`ReplicaFinished`, adds to the worker's recent work, and its full blocks are
-        predicted there (held until the first token, then kept for the TTL) -- so a burst
-        that one router started on a worker is seen as cached there by the others before
-        any KV event arrives. Returns False, changing nothing, for a worker this router
-        does not know, a request it already counts, or an end it never saw begin."""
+        Counted once (it is what happened, not an anticipation): a placed request's uncached
+        tokens queue on the worker until its first token, it counts as active until its
+        finish, adds to the worker's recent work, and its full blocks are predicted there
+        (held until the first token), so a burst one router started on a worker is seen as
+        cached there by the others before any KV event arrives. Returns False, changing
+        nothing, for an unknown worker, a request already counted, or an end never begun."""
         key = (router_id, event.request_id)
+        peers = self._replicas.peers
         if isinstance(event, ReplicaRouted):
             worker = self._workers.get(event.worker_id)
-            if worker is None or key in self._replica_inflight:
+            if worker is None or key in peers:
                 return False
             view = worker.view
             now = self._clock()
@@ -795,35 +534,31 @@ class RouterCore:
             hashes: Sequence[int] = ()
             start = 0  # the first block to enter as predicted there
             seen = 0  # tokens of the prompt this router sees cached or predicted there
-            if len(array) and self._policy.uses_matches and self._block_size is not None:
+            block_size = self._fleet.block_size
+            if len(array) and self._policy.uses_matches and block_size is not None:
                 # the numba index takes the array; the dict index keys on ints
                 hashes = cast(Sequence[int], array) if self._hash_arrays else array.tolist()
                 self._index.expire(now)
-                start = event.matched_tokens // self._block_size
-                if self.config.replica_peer_view:
+                start = event.matched_tokens // block_size
+                if self.config.replica.peer_view:  # the better of the two views (0020)
                     depth = self._index.match_depth(view.slot, hashes)
-                    # the blocks either view has there are not entered again
                     start = max(depth, start)
-                    seen = min(depth * self._block_size, event.prompt_tokens)
-            # with replica_peer_view, uncached by the better of the two views: the peer's
-            # pick was cold in its own when this router (or a third) had just started the
-            # same prefix there -- a burst's same-instant picks -- and the worker computes
-            # that prefix once
+                    seen = min(depth * block_size, event.prompt_tokens)
             uncached = max(0, event.prompt_tokens - max(event.matched_tokens, seen))
             view.recent_prefill += uncached * self._recent_scale(now)
-            flight = self._replica_inflight[key] = _open_flight(view, uncached)
+            flight = peers[key] = open_flight(view, uncached)
             if len(hashes):
                 flight.held = self._index.predict(
                     view.slot, hashes, now + self._ttl, start=min(start, len(hashes)), hold=True
                 )
             return True
         if isinstance(event, ReplicaFirstToken):
-            started = self._replica_inflight.get(key)
+            started = peers.get(key)
             if started is None or not started.prefilling:
                 return False
             self._first_token(started)
             return True
-        ended = self._replica_inflight.pop(key, None)
+        ended = peers.pop(key, None)
         if ended is None:
             return False
         self._finish(ended, event.generated_tokens)
@@ -832,14 +567,15 @@ class RouterCore:
     @property
     def num_replica_inflight(self) -> int:
         """Requests of other router replicas this router counts in flight."""
-        return len(self._replica_inflight)
+        return len(self._replicas.peers)
 
     def drop_replica(self, router_id: str) -> int:
         """End every request router ``router_id`` placed (it left, restarted or went
         silent: their ends will never be heard); how many there were."""
-        keys = [k for k in self._replica_inflight if k[0] == router_id]
+        peers = self._replicas.peers
+        keys = [k for k in peers if k[0] == router_id]
         for key in keys:
-            self._finish(self._replica_inflight.pop(key), 0)
+            self._finish(peers.pop(key), 0)
         return len(keys)
 
     # ---- introspection -------------------------------------------------------------------
@@ -851,7 +587,7 @@ class RouterCore:
         index = self._index
         return RouterStats(
             num_workers=len(self._workers),
-            num_healthy=len(self._healthy),
+            num_healthy=len(self._fleet.healthy),
             num_indexed_blocks=index.size(),
             num_index_entries=index.num_entries,
             num_predicted_entries=index.num_predicted,
@@ -861,37 +597,14 @@ class RouterCore:
             sync_counters=dict(counters),
             num_evicted_blocks=index.num_evicted,
             index_bytes=index.approx_bytes(),
-            num_replica_inflight=len(self._replica_inflight),
+            num_replica_inflight=len(self._replicas.peers),
         )
 
     def worker_stats(self) -> list[WorkerStats]:
         """Each registered worker's routing state, in registration order (metrics)."""
-        index = self._index
-        now = self._clock()
-        result = []
-        for worker in self._workers.values():
-            v = worker.view
-            stream = worker.stream
-            result.append(
-                WorkerStats(
-                    worker_id=v.worker_id,
-                    address=v.address,
-                    healthy=v.healthy,
-                    num_active_requests=v.num_active,
-                    inflight_prefill_tokens=v.inflight_prefill_tokens,
-                    num_indexed_blocks=index.num_worker_blocks(v.slot),
-                    epoch=stream.epoch,
-                    last_seq=stream.last_seq,
-                    seconds_since_message=(
-                        None if worker.last_message_at is None else now - worker.last_message_at
-                    ),
-                    sync_counters=dict(stream.counters),
-                    load=v.load,
-                    max_running=v.max_running,
-                )
-            )
-        return result
+        blocks_of = self._index.num_worker_blocks
+        return worker_stats(self._workers.values(), blocks_of, self._clock())
 
     def worker_blocks(self, worker_id: str) -> set[int]:
         """The block hashes the index believes ``worker_id`` holds (confirmed by events)."""
-        return self._index.snapshot(self._get(worker_id).view.slot)
+        return self._index.snapshot(self._fleet.get(worker_id).view.slot)

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from sim_traces import BS, tiny_config, two_prefix_trace
 
 from fleetsim.replay.cli import _sim_config, build_parser, main
-from fleetsim.replay.sim import SimConfig, infinite_capacity_tokens, simulate, simulate_reference
+from fleetsim.replay.references import infinite_capacity_tokens, simulate_reference
+from fleetsim.replay.sim import SimConfig, simulate
 from fleetsim.replay.trace import TokenExpander, TraceRecord, write_trace
 from fleetsim.workload import SupportAgentConfig, generate_support_agent
-from router.core.policy import CostWeights, policy_names
+from router.core.policy import CostWeights
+from router.core.registry import policy_names
 from router.core.router_core import RouterConfig
 
 
@@ -218,24 +221,25 @@ def test_cost_settings_reach_the_router_and_the_report(tmp_path):
     assert (setup["backlog_tokens"], setup["recent_decode_ratio"]) == (9.0, 2.0)
     args = build_parser().parse_args([*base, "--backlog-tokens", "9", "--recent-decode-ratio", "2"])
     router = _sim_config(args).router
-    assert (router.backlog_tokens, router.recent_decode_ratio) == (9.0, 2.0)
+    assert (router.policy_config.backlog_tokens, router.recent_decode_ratio) == (9.0, 2.0)
     saturated = ["--saturated-tokens", "700", "--saturated-scale-tokens", "30"]
     router = _sim_config(build_parser().parse_args([*base, *saturated])).router
-    assert (router.saturated_tokens, router.saturated_scale_tokens) == (700.0, 30.0)
+    policy = router.policy_config
+    assert (policy.saturated_tokens, policy.saturated_scale_tokens) == (700.0, 30.0)
     router = _sim_config(build_parser().parse_args([*base, "--cost-weights", "2,0,1"])).router
-    assert router.weights == CostWeights(2.0, 0.0, 1.0)  # RECENT keeps the router's default
+    # RECENT keeps the router's default; the rest of the policy config too
+    assert router.policy_config.weights == CostWeights(2.0, 0.0, 1.0)
+    assert replace(router.policy_config, weights=CostWeights()) == RouterConfig().policy_config
     assert router.recent_window_s == RouterConfig().recent_window_s
-    assert router.backlog_tokens == RouterConfig().backlog_tokens
-    assert router.saturated_tokens == RouterConfig().saturated_tokens
     assert router.recent_decode_ratio == RouterConfig().recent_decode_ratio
 
 
 def test_prefix_hash_blocks_reaches_consistent_hash(tmp_path, capsys):
     base = ["--trace", "t.jsonl", "--workers", "2"]
     args = build_parser().parse_args([*base, "--prefix-hash-blocks", "8"])
-    assert _sim_config(args).router.prefix_hash_blocks == 8
+    assert _sim_config(args).router.policy_config.prefix_hash_blocks == 8
     trace = tmp_path / "t.jsonl"
     write_trace(trace, two_prefix_trace(4))
     argv = ["--trace", str(trace), "--trace-block-size", "64", "--prefix-hash-blocks", "0"]
     assert main(argv) == 2
-    assert "--prefix-hash-blocks must be >= 1" in capsys.readouterr().err
+    assert "prefix_hash_blocks must be >= 1" in capsys.readouterr().err

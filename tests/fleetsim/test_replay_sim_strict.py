@@ -91,6 +91,7 @@ def test_with_sync_own_picks_stop_counting_r_times_once_the_others_picks_arrive(
     # the other router's picks arrive through the sync within it: counting each own pick
     # twice for all that time (window inf) counts the burst twice and spreads it over twice
     # the workers, prefilling the prefix twice as often; a 0.5 ms window keeps it on two
+    from router.core.core_types import ReplicaConfig
     from router.core.router_core import RouterConfig
 
     burst = [TraceRecord(0.0, 33 * BS, 4, (*range(32), 1000 + i)) for i in range(64)]
@@ -102,7 +103,7 @@ def test_with_sync_own_picks_stop_counting_r_times_once_the_others_picks_arrive(
             num_routers=2,
             replica_sync_delay_s=0.0005,
             route_decision_s=decision_s,
-            router=RouterConfig(replica_sync_window_s=window),
+            router=RouterConfig(replica=ReplicaConfig(sync_window_s=window)),
         )
         sim = run(burst, "cache_aware", cfg)
         return len({r.worker_id for r in sim.results}), sim.report("x").hit_rate
@@ -189,33 +190,9 @@ def test_a_load_report_due_during_a_step_goes_out_when_the_step_ends():
     assert 0 < first.num_queued_prefill_tokens == 64 * BS - cfg.engine.chunk_size
 
 
-def test_random_assignment_is_seeded_and_covers_every_router():
-    records = two_prefix_trace(40)
-    a = run(records, "round_robin", tiny_config(num_routers=4, router_assignment="random"))
-    b = run(records, "round_robin", tiny_config(num_routers=4, router_assignment="random"))
-    counts = [r.stats().num_routed for r in a.routers]
-    assert counts == [r.stats().num_routed for r in b.routers]
-    assert sum(counts) == 40 and min(counts) > 0 and counts != [10, 10, 10, 10]
-
-
-def test_prefix_assignment_sends_a_shared_prefix_to_one_router():
-    # A (12 requests) and B (12) each land on a single router, whatever the hash says
-    # (their first 4 blocks; a fifth would add each request's own block)
-    records = two_prefix_trace(24)
-    cfg = tiny_config(num_routers=3, router_assignment="prefix", affinity_blocks=4)
-    sim = run(records, "cache_aware", cfg)
-    counts = sorted(r.stats().num_routed for r in sim.routers)
-    assert counts in ([0, 0, 24], [0, 12, 12])
-    assert sim.report("x").cached_tokens == (24 - 2) * 4 * BS
-
-
 def test_router_config_is_checked():
     with pytest.raises(ValueError, match="num_routers must be >= 1"):
         SimConfig(num_routers=0)
-    with pytest.raises(ValueError, match="router_assignment must be one of"):
-        SimConfig(router_assignment="sticky")
-    with pytest.raises(ValueError, match="affinity_blocks must be >= 1"):
-        SimConfig(affinity_blocks=0)
 
 
 def test_cli_routers(tmp_path, capsys):
@@ -265,13 +242,13 @@ def test_cli_routers(tmp_path, capsys):
     assert main([*base, "--routers", "2", "--replica-cold-window-picks", "1"]) == 2
     assert "--replica-cold-window-picks needs --replica-sync-delay-s" in capsys.readouterr().err
     assert main([*base, *sync, "--replica-cold-window-picks", "-1"]) == 2
-    assert "--replica-cold-window-picks must be >= 0, got -1" in capsys.readouterr().err
+    assert "replica_cold_window_picks must be >= 0, got -1" in capsys.readouterr().err
     assert report["setup"]["replica_sync_window_s"] == 0.0005  # auto: the sync delay
     window = ["--replica-sync-window-s", "inf", "--json", str(out)]
     assert main([*base, *sync, *window]) == 0
     assert json.loads(out.read_text())["setup"]["replica_sync_window_s"] == "inf"
     assert main([*base, *sync, "--replica-sync-window-s", "-1"]) == 2
-    assert "--replica-sync-window-s must be >= 0, got -1.0" in capsys.readouterr().err
+    assert "replica_sync_window_s must be >= 0 or None, got -1.0" in capsys.readouterr().err
     assert main([*base, "--routers", "2", "--replica-sync-window-s", "0.01"]) == 2
     assert "--replica-sync-window-s needs --replica-sync-delay-s" in capsys.readouterr().err
     assert main([*base, *sync, "--replica-cold-picks", "1", "--json", str(out)]) == 0

@@ -71,10 +71,15 @@ def test_router_flags_map_to_the_config():
     assert config.service.tenancy == TenancyConfig("x-org", b"s", False)
     assert config.connection.purge_after_s == 3
     assert config.seed == 4
-    assert config.core.weights == CostWeights(1.0, 0.5, 8.0)  # RECENT keeps its default
+    assert config.core.policy_config.weights == CostWeights(
+        1.0, 0.5, 8.0
+    )  # RECENT keeps its default
     assert config.core.recent_window_s == 12.0
-    assert config.core.backlog_tokens == 0.0  # the backlog factor turned off
-    assert (config.core.saturated_tokens, config.core.saturated_scale_tokens) == (4000.0, 0.0)
+    assert config.core.policy_config.backlog_tokens == 0.0  # the backlog factor turned off
+    assert (
+        config.core.policy_config.saturated_tokens,
+        config.core.policy_config.saturated_scale_tokens,
+    ) == (4000.0, 0.0)
     assert config.core.recent_decode_ratio == 0.25
 
 
@@ -82,11 +87,13 @@ def test_router_defaults():
     config = cli.config_from_args(cli.build_parser().parse_args(["--worker", "h:1"]))
     assert config.core.policy == "cache_aware" and config.port == 50051
     assert config.service.tenancy == TenancyConfig()
-    assert config.core.weights == CostWeights()
+    assert config.core.policy_config.weights == CostWeights()
     assert config.core.recent_window_s == DEFAULT_RECENT_WINDOW_S
-    assert config.core.backlog_tokens == DEFAULT_BACKLOG_TOKENS
-    assert config.core.saturated_tokens == DEFAULT_SATURATED_TOKENS == 10_000
-    assert config.core.saturated_scale_tokens == DEFAULT_SATURATED_SCALE_TOKENS == 2_000
+    assert config.core.policy_config.backlog_tokens == DEFAULT_BACKLOG_TOKENS
+    assert config.core.policy_config.saturated_tokens == DEFAULT_SATURATED_TOKENS == 10_000
+    assert (
+        config.core.policy_config.saturated_scale_tokens == DEFAULT_SATURATED_SCALE_TOKENS == 2_000
+    )
     assert config.core.recent_decode_ratio == DEFAULT_RECENT_DECODE_RATIO
     assert config.service.split_prompts  # text prompts tokenized as far as a cache matches
     whole = cli.build_parser().parse_args(["--worker", "h:1", "--tokenize-whole"])
@@ -131,15 +138,15 @@ def test_bad_worker_address_is_a_usage_error(bad, capsys):
     assert "HOST:PORT" in capsys.readouterr().err
 
 
-def test_replica_sync_and_spread_weight_map_to_the_config(capsys):
+def test_replica_sync_maps_to_the_config(capsys):
     args = cli.build_parser().parse_args(["--redis-url", "redis://r:6379/0", "--replica-sync"])
     assert cli.config_from_args(args).registry.replica_sync
-    assert cli.config_from_args(args).core.replica_sync
-    assert cli.config_from_args(args).core.replica_sync_window_s is None  # auto: measured
+    assert cli.config_from_args(args).core.replica.sync
+    assert cli.config_from_args(args).core.replica.sync_window_s is None  # auto: measured
     window = cli.build_parser().parse_args(
         ["--redis-url", "redis://r:6379/0", "--replica-sync", "--replica-sync-window-s", "0.02"]
     )
-    assert cli.config_from_args(window).core.replica_sync_window_s == 0.02
+    assert cli.config_from_args(window).core.replica.sync_window_s == 0.02
     for value, expected in (("auto", None), ("inf", float("inf")), ("0", 0.0)):
         parsed = cli.build_parser().parse_args(["--replica-sync-window-s", value])
         assert parsed.replica_sync_window_s == expected
@@ -151,17 +158,14 @@ def test_replica_sync_and_spread_weight_map_to_the_config(capsys):
     assert not cli.config_from_args(
         cli.build_parser().parse_args(["--worker", "h:1"])
     ).registry.replica_sync
-    spread = cli.build_parser().parse_args(["--worker", "h:1", "--spread-weight", "500"])
-    assert cli.config_from_args(spread).core.spread_weight == 500.0
-    assert cli.main(["--worker", "h:1", "--spread-weight", "-1"]) == 2
-    assert "spread_weight must be finite and >= 0" in capsys.readouterr().err
     assert cli.main(["--worker", "h:1", "--replica-sync"]) == 2
     assert "--replica-sync needs --redis-url" in capsys.readouterr().err
 
 
 def test_router_needs_a_worker_or_redis(capsys):
     assert cli.main([]) == 2
-    assert "--worker or --redis-url" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "worker source is required" in err and "--worker" in err and "--redis-url" in err
 
 
 @pytest.mark.parametrize(
@@ -260,17 +264,17 @@ def test_replay_speedup_must_be_positive(value, capsys):
 
 def test_replicas_reach_the_core_config():
     args = cli.build_parser().parse_args(["--worker", "h:1", "--replicas", "3"])
-    assert cli.config_from_args(args).core.replicas == 3
+    assert cli.config_from_args(args).core.replica.count == 3
     args = cli.build_parser().parse_args(["--worker", "h:1"])
-    assert cli.config_from_args(args).core.replicas == 1
-    assert cli.config_from_args(args).core.replica_cold_picks == 2.0
+    assert cli.config_from_args(args).core.replica.count == 1
+    assert cli.config_from_args(args).core.replica.cold_picks == 2.0
     args = cli.build_parser().parse_args(["--worker", "h:1", "--replica-cold-picks", "4"])
-    assert cli.config_from_args(args).core.replica_cold_picks == 4.0
+    assert cli.config_from_args(args).core.replica.cold_picks == 4.0
     core = cli.config_from_args(cli.build_parser().parse_args(["--worker", "h:1"])).core
-    assert core.replica_peer_view is True and core.replica_cold_window_picks == 3
+    assert core.replica.peer_view is True and core.replica.cold_window_picks == 3
     off = ["--worker", "h:1", "--no-replica-peer-view", "--replica-cold-window-picks", "0"]
     core = cli.config_from_args(cli.build_parser().parse_args(off)).core
-    assert core.replica_peer_view is False and core.replica_cold_window_picks == 0
+    assert core.replica.peer_view is False and core.replica.cold_window_picks == 0
 
 
 def test_replica_affinity_is_on_without_sync():
@@ -278,12 +282,12 @@ def test_replica_affinity_is_on_without_sync():
     other's picks); --replica-sync turns it off; --replica-affinity-tokens sets it."""
     parse = cli.build_parser().parse_args
     core = cli.config_from_args(parse(["--worker", "h:1", "--replicas", "3"])).core
-    assert core.replica_sync is False and core.affinity_tokens == 1000.0
+    assert core.replica.sync is False and core.replica.policy_affinity_tokens == 1000.0
     sync = ["--redis-url", "redis://127.0.0.1:6379/0", "--replica-sync"]
     core = cli.config_from_args(parse(["--worker", "h:1", "--replicas", "3", *sync])).core
-    assert core.replica_sync is True and core.affinity_tokens == 0.0
+    assert core.replica.sync is True and core.replica.policy_affinity_tokens == 0.0
     flag = ["--replica-affinity-tokens", "300"]
     core = cli.config_from_args(parse(["--worker", "h:1", "--replicas", "3", *flag])).core
-    assert core.affinity_tokens == 300.0
+    assert core.replica.policy_affinity_tokens == 300.0
     core = cli.config_from_args(parse(["--worker", "h:1", *flag])).core
-    assert core.affinity_tokens == 0.0  # one router: nobody to agree with
+    assert core.replica.policy_affinity_tokens == 0.0  # one router: nobody to agree with

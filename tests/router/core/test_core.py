@@ -19,6 +19,7 @@ from kvroute_proto.events import (
     Snapshot,
 )
 from kvroute_proto.hashing import block_hash_list
+from router.core.policy_config import PolicyConfig
 from router.core.router_core import (
     BlockSizeMismatchError,
     CostWeights,
@@ -43,8 +44,10 @@ class Clock:
         return self.now
 
 
-def make_core(n: int = 4, **config) -> tuple[RouterCore, Clock]:
+def make_core(n: int = 4, weights: CostWeights | None = None, **config) -> tuple[RouterCore, Clock]:
     clock = Clock()
+    if weights is not None:
+        config["policy_config"] = PolicyConfig(weights=weights)
     core = RouterCore(RouterConfig(**config), clock=clock, rng=random.Random(0))
     for i in range(n):
         core.add_worker(f"w{i}", f"10.0.0.{i}:50051", block_size=B)
@@ -539,8 +542,8 @@ def test_explain_costs_for_cache_aware() -> None:
 
 
 def test_explain_reports_the_miss_factor_of_a_queued_and_a_saturated_fleet() -> None:
-    config = {"backlog_tokens": 10_000.0, "saturated_tokens": 2_000.0}
-    core, _ = make_core(2, **config)
+    config = PolicyConfig(backlog_tokens=10_000.0, saturated_tokens=2_000.0)
+    core, _ = make_core(2, policy_config=config)
     assert core.explain(RouteRequest("x", tokens(70))).miss_factor == 1.0  # an idle fleet
     # 3,000 uncached tokens routed to each worker, none at its first token yet
     for k in range(2):

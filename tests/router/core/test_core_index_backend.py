@@ -37,7 +37,7 @@ def test_numba_index_core_decides_as_the_dict_one(data, n, policy, cap) -> None:
     cores = []
     for backend in ("dict", "numba"):
         config = RouterConfig(
-            policy=policy, index_backend=backend, max_indexed_blocks=cap, predicted_ttl_s=2.0
+            policy=policy, predicted_ttl_s=2.0, index=IndexConfig(backend=backend, max_blocks=cap)
         )
         cores.append(RouterCore(config, clock=clock, rng=random.Random(seed)))
     ref, nb = cores
@@ -131,11 +131,9 @@ def test_index_backend_from_the_command_line_and_config() -> None:
     for name, kind in (("dict", PrefixIndex), ("numba", NumbaPrefixIndex)):
         args = cli.build_parser().parse_args(["--worker", "127.0.0.1:1", "--index-backend", name])
         config = cli.config_from_args(args).core
-        assert config.index_backend == name
+        assert config.index.backend == name
         core = RouterCore(config, clock=Clock(), rng=random.Random(0))
         assert isinstance(core.index, kind)
         assert isinstance(make_index(IndexConfig(backend=name)), kind)
-    with pytest.raises(ValueError, match="index_backend"):
-        RouterConfig(index_backend="tree")
     with pytest.raises(ValueError, match="backend"):
         IndexConfig(backend="tree")

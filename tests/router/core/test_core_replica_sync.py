@@ -10,6 +10,8 @@ import pytest
 
 from router.core.core_types import (
     DEFAULT_REPLICA_COLD_PICKS,
+    IndexConfig,
+    ReplicaConfig,
     ReplicaEvent,
     ReplicaFinished,
     ReplicaFirstToken,
@@ -27,7 +29,9 @@ def make_core(
 ) -> RouterCore:
     core = RouterCore(
         RouterConfig(
-            block_size=B, replicas=replicas, index_backend=backend, replica_peer_view=peer_view
+            block_size=B,
+            index=IndexConfig(backend=backend),
+            replica=ReplicaConfig(count=replicas, peer_view=peer_view),
         ),
         clock=lambda: 0.0,
         rng=random.Random(seed),
@@ -213,12 +217,14 @@ def synced_core(
     core = RouterCore(
         RouterConfig(
             block_size=B,
-            replicas=replicas,
-            replica_sync=sync,
-            replica_sync_window_s=window,
-            index_backend=backend,
-            replica_peer_view=peer_view,
-            replica_cold_window_picks=cold_window_picks,
+            index=IndexConfig(backend=backend),
+            replica=ReplicaConfig(
+                count=replicas,
+                sync=sync,
+                sync_window_s=window,
+                peer_view=peer_view,
+                cold_window_picks=cold_window_picks,
+            ),
         ),
         clock=clock,
         rng=random.Random(0),
@@ -351,14 +357,14 @@ def test_the_cold_cap_always_holds_without_the_peer_view_or_sync_or_with_0(
     core, _ = synced_core(
         backend, window=0.005, peer_view=peer_view, cold_window_picks=cold_window_picks, sync=sync
     )
-    assert RouterConfig().replica_peer_view and RouterConfig().replica_cold_window_picks == 3
+    assert RouterConfig().replica.peer_view and RouterConfig().replica.cold_window_picks == 3
     d = core.route(RouteRequest("x", prompt(320)))
     assert core.worker_view(d.worker_id).inflight_prefill_tokens == round(COLD * 320)
 
 
 def test_the_cold_window_picks_are_checked():
     with pytest.raises(ValueError, match="replica_cold_window_picks must be >= 0, got -1"):
-        RouterConfig(replica_cold_window_picks=-1)
+        RouterConfig(replica=ReplicaConfig(cold_window_picks=-1))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -397,9 +403,9 @@ def test_the_window_changes_nothing_without_sync_one_router_or_inf(backend, wind
 
 def test_the_window_is_checked():
     with pytest.raises(ValueError, match="replica_sync_window_s must be >= 0 or None, got -1"):
-        RouterConfig(replica_sync_window_s=-1.0)
+        RouterConfig(replica=ReplicaConfig(sync_window_s=-1.0))
     with pytest.raises(ValueError, match="replica_sync_window_s must be >= 0 or None, got nan"):
-        RouterConfig(replica_sync_window_s=float("nan"))
+        RouterConfig(replica=ReplicaConfig(sync_window_s=float("nan")))
 
 
 def test_an_auto_window_follows_the_measured_delivery_time():

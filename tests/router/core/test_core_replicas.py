@@ -11,13 +11,14 @@ import numpy as np
 import pytest
 
 from kvroute_proto.events import EventBatch, LoadReport
+from router.core.core_types import ReplicaConfig
 from router.core.router_core import RouterConfig, RouterCore, RouteRequest
 
 B = 16
 
 
 def make_core(replicas: int, cold: float = 8.0) -> RouterCore:
-    config = RouterConfig(block_size=B, replicas=replicas, replica_cold_picks=cold)
+    config = RouterConfig(block_size=B, replica=ReplicaConfig(count=replicas, cold_picks=cold))
     core = RouterCore(config, clock=lambda: 0.0, rng=random.Random(0))
     for i in range(2):
         core.add_worker(f"w{i}", block_size=B)
@@ -84,10 +85,10 @@ def test_one_replica_counts_each_pick_once_and_a_larger_report_wins():
 
 def test_replicas_must_be_positive():
     with pytest.raises(ValueError, match="replicas must be >= 1"):
-        RouterConfig(replicas=0)
+        RouterConfig(replica=ReplicaConfig(count=0))
 
 
 @pytest.mark.parametrize("bad", [0.5, float("inf"), float("nan")])
 def test_the_cold_picks_must_be_at_least_one(bad):
     with pytest.raises(ValueError, match="replica_cold_picks must be finite and >= 1"):
-        RouterConfig(replica_cold_picks=bad)
+        RouterConfig(replica=ReplicaConfig(cold_picks=bad))

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from test_core import B, Clock, stored
 
 from kvroute_proto.events import EventBatch, LoadReport
+from router.core.core_types import PolicyConfig
 from router.core.policy import CandidateSet, Policy
 from router.core.router_core import (
     CostWeights,
@@ -58,7 +59,9 @@ ops = st.sampled_from(OPS.split())  # routes three times as often as the rest
 @settings(max_examples=60, deadline=None)
 def test_route_picks_what_select_over_the_views_picks(data, n, weights, backlog) -> None:
     clock = Clock()
-    config = RouterConfig(weights=weights, backlog_tokens=backlog, recent_window_s=5.0)
+    config = RouterConfig(
+        recent_window_s=5.0, policy_config=PolicyConfig(weights=weights, backlog_tokens=backlog)
+    )
     core = RouterCore(config, clock=clock, rng=random.Random(data.draw(st.integers(0, 99))))
     checked = Checked(core._policy)
     core._policy = checked  # type: ignore[assignment]

@@ -32,6 +32,7 @@ from kvroute_proto.events import (
     Partition,
     Snapshot,
 )
+from router.core.core_types import IndexConfig
 from router.core.index import PrefixIndex
 from router.core.index_nb import NumbaPrefixIndex
 from router.core.router_core import NoWorkerAvailable, RouterConfig, RouterCore, RouteRequest
@@ -92,7 +93,7 @@ def _wire(batch: EventBatch | Snapshot, damage: str) -> bytes:
 
 def _state(core: RouterCore, workers: list[str]) -> tuple:
     index = core.index
-    slots = {w: core._get(w).view.slot for w in workers if w in core.workers()}
+    slots = {w: core.worker_view(w).slot for w in workers if w in core.workers()}
     return (
         {w: index.snapshot(s) for w, s in slots.items()},
         {w: index.num_worker_blocks(s) for w, s in slots.items()},
@@ -115,7 +116,9 @@ def test_wire_batches_apply_as_decoded_events(data, cap, verify) -> None:
     clock = Clock()
     cores = []
     for backend in ("numba", "numba", "dict"):
-        config = RouterConfig(index_backend=backend, max_indexed_blocks=cap, verify_hashes=verify)
+        config = RouterConfig(
+            index=IndexConfig(backend=backend, max_blocks=cap, verify_hashes=verify)
+        )
         cores.append(RouterCore(config, clock=clock, rng=random.Random(3)))
     assert isinstance(cores[0].index, NumbaPrefixIndex)
     assert isinstance(cores[2].index, PrefixIndex)

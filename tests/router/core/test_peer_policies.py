@@ -10,7 +10,8 @@ import pytest
 
 from kvroute_proto.events import LoadReport
 from router.core.peer_policies import ConsistentHash
-from router.core.policy import PolicyConfig, RouteQuery, WorkerView, make_policy
+from router.core.policy import PolicyConfig, RouteQuery, WorkerView
+from router.core.registry import make_policy
 from router.core.router_core import RouterConfig, RouterCore, RouteRequest
 
 B = 16

@@ -13,9 +13,8 @@ from router.core.policy import (
     PolicyConfig,
     RouteQuery,
     WorkerView,
-    make_policy,
-    policy_names,
 )
+from router.core.registry import make_policy, policy_names
 
 B = 16
 
@@ -76,7 +75,7 @@ def test_cache_aware_costs_are_exact() -> None:
         w.refresh()
     # a knee of 3.2 prompts of 320 tokens: 1,024 queued tokens
     weights = CostWeights(1.0, 0.5, 10.0, queued_knee=3.2)
-    policy = make_policy("cache_aware", PolicyConfig(weights))
+    policy = make_policy("cache_aware", PolicyConfig(weights=weights))
     matched = {0: 4, 1: 20, 3: 25}  # worker 3: more blocks than the prompt has
     costs = policy.costs(query(320), ws, matched)
     assert costs == pytest.approx(
@@ -111,7 +110,7 @@ def test_backlog_factor_weighs_a_miss_more_only_when_every_worker_is_queued() ->
 
     def pick(backlog: float) -> tuple[list[float], int]:
         # the linear factor alone: the saturated part (its own test) off
-        config = PolicyConfig(weights, backlog_tokens=backlog, saturated_scale_tokens=0)
+        config = PolicyConfig(weights=weights, backlog_tokens=backlog, saturated_scale_tokens=0)
         policy = make_policy("approx_tree", config)
         return policy.costs(q, ws, matched), policy.select(q, ws, matched, random.Random(0))[0]
 
@@ -129,7 +128,7 @@ def test_saturated_fleet_counts_a_miss_steeply_past_the_saturated_floor() -> Non
     q, matched = query(8000), {0: 250}  # 4,000 of 8,000 tokens cached on w0
 
     def pick(**settings: float) -> tuple[list[float], int]:
-        config = PolicyConfig(weights, backlog_tokens=0, **settings)
+        config = PolicyConfig(weights=weights, backlog_tokens=0, **settings)
         policy = make_policy("approx_tree", config)
         return policy.costs(q, ws, matched), policy.select(q, ws, matched, random.Random(0))[0]
 
@@ -144,7 +143,10 @@ def test_saturated_fleet_counts_a_miss_steeply_past_the_saturated_floor() -> Non
     )
     # with the backlog factor too: 1 + 14k / 14k + 2 = 4
     config = PolicyConfig(
-        weights, backlog_tokens=14_000, saturated_tokens=10_000, saturated_scale_tokens=2_000
+        weights=weights,
+        backlog_tokens=14_000,
+        saturated_tokens=10_000,
+        saturated_scale_tokens=2_000,
     )
     assert make_policy("cache_aware", config).costs(q, ws, matched) == [
         7500 + 4 * 4000,
@@ -153,37 +155,6 @@ def test_saturated_fleet_counts_a_miss_steeply_past_the_saturated_floor() -> Non
     ws[1].inflight_prefill_tokens = 0  # one worker is idle: the fleet is not saturated
     ws[1].refresh()
     assert pick(saturated_tokens=10_000, saturated_scale_tokens=2_000) == ([7500 + 4000, 8000], 1)
-
-
-def test_spread_term_sends_a_shared_start_to_the_worker_with_fewer_decodes() -> None:
-    ws = views(3)
-    for w, running in zip(ws, (12, 2, 0), strict=True):
-        w.num_active = running
-        w.refresh()
-    weights = CostWeights(1.0, 0.25, 16.0, 0.0)
-    spread = make_policy("cache_aware", PolicyConfig(weights, spread_weight=200.0))
-    plain = make_policy("cache_aware", PolicyConfig(weights))
-    # a first turn: 2,048 of its 2,200 tokens held whole by workers 0 and 1 (a shared start)
-    first, held = query(2200), {0: 128, 1: 128}
-    assert plain.costs(first, ws, held) == [152 + 16 * 12, 152 + 16 * 2, 2200]
-    assert spread.costs(first, ws, held) == [
-        152 + 16 * 12 + 200 * 12,
-        152 + 16 * 2 + 200 * 2,
-        2200,
-    ]
-    assert plain.select(first, ws, held, random.Random(0))[0] == 1
-    ws[1].num_active = 12  # both holders busy decoding: a cold worker takes the conversation
-    ws[1].refresh()
-    assert plain.select(first, ws, held, random.Random(0))[0] in (0, 1)  # a busy holder
-    assert spread.select(first, ws, held, random.Random(0))[0] == 2
-    # not a shared start: the longest match is one worker's (a later turn), or it covers
-    # less than half of the prompt (a long document after a short system prompt)
-    for q, matched in ((query(2200), {0: 128, 1: 100}), (query(2200), {0: 32, 1: 32})):
-        assert spread.costs(q, ws, matched) == plain.costs(q, ws, matched)
-    with pytest.raises(ValueError, match="spread_weight must be finite and >= 0"):
-        PolicyConfig(spread_weight=-1.0)
-    with pytest.raises(ValueError, match="spread_weight must be finite and >= 0"):
-        PolicyConfig(spread_weight=float("nan"))
 
 
 def test_cost_weights_parse() -> None:
@@ -209,11 +180,11 @@ def test_queued_term_grows_past_its_knee_and_a_burst_leaves_the_holder_sooner() 
     ws = views(2)
     q, held = query(3000), {0: 187}  # worker 0 holds 2,992 of the 3,000 tokens
     linear = make_policy(
-        "cache_aware", PolicyConfig(CostWeights(1.0, 0.25, 0.0, 0.0, queued_knee=0.0))
+        "cache_aware", PolicyConfig(weights=CostWeights(1.0, 0.25, 0.0, 0.0, queued_knee=0.0))
     )
     # a knee of two prompts: 6,000 queued tokens for this 3,000-token request
     kneed = make_policy(
-        "cache_aware", PolicyConfig(CostWeights(1.0, 0.25, 0.0, 0.0, queued_knee=2.0))
+        "cache_aware", PolicyConfig(weights=CostWeights(1.0, 0.25, 0.0, 0.0, queued_knee=2.0))
     )
     ws[0].inflight_prefill_tokens = 6000  # a burst's requests queued on the holder
     ws[0].refresh()
@@ -235,7 +206,7 @@ def test_recent_prefill_term_is_exact_and_scaled() -> None:
     ws = views(3)
     ws[1].recent_prefill = 1000.0  # stored values are in the core's scaled units
     ws[2].recent_prefill = 4000.0
-    policy = make_policy("cache_aware", PolicyConfig(CostWeights(1.0, 0.0, 0.0, 0.5)))
+    policy = make_policy("cache_aware", PolicyConfig(weights=CostWeights(1.0, 0.0, 0.0, 0.5)))
     q = RouteQuery("r", 320, B, list(range(20)), recent_scale=0.25)
     assert policy.costs(q, ws, {}) == [320.0, 320.0 + 0.5 * 0.25 * 1000, 320.0 + 0.5 * 0.25 * 4000]
     # with a match the term is added the same way

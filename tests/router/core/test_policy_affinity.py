@@ -1,6 +1,6 @@
 """The cost's affinity term (router.core.policy): router replicas that cannot see each other's
 picks get the same order of preference for a new prefix, whatever their slots and candidate
-order; the config that turns it on (RouterConfig.affinity_tokens) and its checks."""
+order; the config that turns it on (ReplicaConfig.policy_affinity_tokens) and its checks."""
 
 from __future__ import annotations
 
@@ -18,17 +18,17 @@ from hypothesis import strategies as st
 from kvroute_proto.events import DEFAULT_PARTITION, BlockStored, Snapshot
 from kvroute_proto.hashing import block_hash_list
 from router.core.affinity_nb import RANKED_MAX
-from router.core.core_types import DEFAULT_REPLICA_AFFINITY_TOKENS
+from router.core.core_types import DEFAULT_REPLICA_AFFINITY_TOKENS, ReplicaConfig
+from router.core.cost import affinity_terms
 from router.core.policy import (
     CandidateSet,
     PolicyConfig,
     RouteQuery,
     WorkerTable,
     WorkerView,
-    affinity_terms,
-    make_policy,
     worker_id_hash,
 )
+from router.core.registry import make_policy
 from router.core.router_core import RouterConfig, RouterCore, RouteRequest
 
 B = 16
@@ -200,18 +200,15 @@ def test_load_still_decides_past_the_term() -> None:
 
 
 def test_affinity_is_on_for_replicas_without_sync_only() -> None:
-    assert RouterConfig().affinity_tokens == 0.0
-    assert RouterConfig(replica_affinity_tokens=500.0).affinity_tokens == 0.0  # one router
-    assert RouterConfig(replicas=2).affinity_tokens == DEFAULT_REPLICA_AFFINITY_TOKENS
-    assert RouterConfig(replicas=4, replica_sync=True).affinity_tokens == 0.0
-    assert RouterConfig(replicas=4, replica_affinity_tokens=250.0).affinity_tokens == 250.0
-    assert (
-        RouterConfig(replicas=4, replica_sync=True, replica_affinity_tokens=9.0).affinity_tokens
-        == 9.0
-    )
+    assert ReplicaConfig().policy_affinity_tokens == 0.0
+    assert ReplicaConfig(affinity_tokens=500.0).policy_affinity_tokens == 0.0  # one router
+    assert ReplicaConfig(count=2).policy_affinity_tokens == DEFAULT_REPLICA_AFFINITY_TOKENS
+    assert ReplicaConfig(count=4, sync=True).policy_affinity_tokens == 0.0
+    assert ReplicaConfig(count=4, affinity_tokens=250.0).policy_affinity_tokens == 250.0
+    assert ReplicaConfig(count=4, sync=True, affinity_tokens=9.0).policy_affinity_tokens == 9.0
     for bad in (-1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="replica_affinity_tokens must be finite and >= 0"):
-            RouterConfig(replica_affinity_tokens=bad)
+            RouterConfig(replica=ReplicaConfig(affinity_tokens=bad))
         with pytest.raises(ValueError, match="affinity_tokens must be finite and >= 0"):
             PolicyConfig(affinity_tokens=bad)
 
@@ -224,7 +221,7 @@ def test_two_router_cores_start_a_new_prefix_on_the_same_worker() -> None:
     cores = []
     for k, order in enumerate(([0, 1, 2, 3], [3, 1, 0, 2])):
         core = RouterCore(
-            RouterConfig(block_size=B, replicas=2),
+            RouterConfig(block_size=B, replica=ReplicaConfig(count=2)),
             clock=lambda: clock[0],
             rng=random.Random(100 + k),
         )
@@ -244,7 +241,9 @@ def test_a_stored_prefix_is_not_ranked_away() -> None:
     """A worker holding the request's prefix pays no term: the term only orders the
     workers that lack it, so the holder the order ranks last still gets the request."""
     core = RouterCore(
-        RouterConfig(block_size=B, replicas=4), clock=lambda: 0.0, rng=random.Random(0)
+        RouterConfig(block_size=B, replica=ReplicaConfig(count=4)),
+        clock=lambda: 0.0,
+        rng=random.Random(0),
     )
     for w in range(4):
         core.add_worker(f"worker-{w}", address=f"sim://{w}", block_size=B)

@@ -6,11 +6,13 @@ from __future__ import annotations
 import math
 import random
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvroute_proto.events import LoadReport
+from router.core.cost import affinity_terms
 from router.core.policy import (
     CandidateSet,
     CostWeights,
@@ -18,8 +20,8 @@ from router.core.policy import (
     RouteQuery,
     WorkerTable,
     WorkerView,
-    make_policy,
 )
+from router.core.registry import make_policy
 
 # small values make equal costs (ties) common; inf weights make NaN costs (inf * 0), which
 # select_set leaves to select()
@@ -76,7 +78,6 @@ def weights_of(w: CostWeights) -> tuple[float, ...]:
     weights=st.builds(CostWeights, weight, weight, weight, weight, weight, knee),
     backlog=st.sampled_from([0.0, 1.0, 50_000.0]),
     saturated=st.sampled_from([(0.0, 0.0), (0.0, 1.0), (10_000.0, 2_000.0), (5.0, 1e-300)]),
-    spread=st.sampled_from([0.0, 1.0, 1000.0]),
     affinity=st.sampled_from([0.0, 1000.0, 1e-300]),
     prompt=st.integers(0, 700),
     scale=st.sampled_from([1.0, 0.5, 1e-30]),
@@ -85,13 +86,12 @@ def weights_of(w: CostWeights) -> tuple[float, ...]:
 )
 @settings(max_examples=400, deadline=None)
 def test_select_set_equals_select(
-    data, weights, backlog, saturated, spread, affinity, prompt, scale, policy_name, seed
+    data, weights, backlog, saturated, affinity, prompt, scale, policy_name, seed
 ):
     table, candidates, matched = data.draw(fleets(weights))
     config = PolicyConfig(
-        weights,
+        weights=weights,
         backlog_tokens=backlog,
-        spread_weight=spread,
         affinity_tokens=affinity,
         saturated_tokens=saturated[0],
         saturated_scale_tokens=saturated[1],
@@ -105,6 +105,37 @@ def test_select_set_equals_select(
     assert cost_new == cost_ref or (math.isnan(cost_new) and math.isnan(cost_ref))
     assert type(cost_new) is float
     assert rng_new.getstate() == rng_ref.getstate()  # the same draws
+    if policy._finite:  # the formula, bit for bit, against its plain-Python definition
+        assert policy.costs(query, candidates, matched) == reference_costs(
+            policy, query, candidates, matched
+        )
+
+
+def reference_costs(policy, query, candidates, matched) -> list[float]:
+    """The cache-aware cost written out per candidate in plain Python (router.core.cost's
+    module docstring), in the float operations' order: ((wq*q + wd*r + wc*s) + wr*recent)
+    + prefill, then the knee, then the affinity term."""
+    w = policy.config.weights
+    wp = w.prefill * policy.miss_factor(candidates)
+    wr = w.recent_prefill * query.recent_scale
+    wqk = w.queued_prefill * w.per_knee(query.prompt_tokens)
+    prompt, bs = query.prompt_tokens, query.block_size
+    out = []
+    for c in candidates:
+        q = c.queued_prefill_tokens
+        x = w.queued_prefill * q + w.decode * c.num_running + w.slot_wait * c.slot_queue
+        x += wr * c.recent_prefill
+        x += wp * max(prompt - matched.get(c.slot, 0) * bs, 0) if c.slot in matched else wp * prompt
+        if wqk:
+            x += q * (q * wqk)
+        out.append(x)
+    if policy.config.affinity_tokens:
+        depths = np.array([matched.get(c.slot, 0) for c in candidates], dtype=np.intp)
+        ids = np.array([c.id_hash for c in candidates], dtype=np.uint64)
+        extra = affinity_terms(query.block_hashes, depths, ids, policy.config.affinity_tokens)
+        if extra is not None:
+            out = [x + e for x, e in zip(out, extra.tolist(), strict=True)]
+    return out
 
 
 def test_table_follows_every_change_of_an_attached_view() -> None:
@@ -149,14 +180,14 @@ def test_table_keeps_the_linear_load_part_and_the_knee_is_added_per_route() -> N
     v.inflight_prefill_tokens, v.num_active = 512, 1
     v.refresh()  # the knee depends on the request: not in the table
     assert table.fields[:, 0].tolist() == [512.0, 1.0, 0.0, 0.25 * 512 + 16.0, 0.0]
-    policy = make_policy("cache_aware", PolicyConfig(weights, backlog_tokens=0))
+    policy = make_policy("cache_aware", PolicyConfig(weights=weights, backlog_tokens=0))
     query = RouteQuery("r", 256, 16, [])  # knee: 2 prompts of 256 tokens, 512 queued
     _, cost = policy.select_set(query, CandidateSet.of([v], table), {}, random.Random(0))
     assert cost == 0.25 * 512 * 2 + 16.0 + 256
 
 
 def test_a_subclass_with_its_own_cost_is_scored_by_it() -> None:
-    from router.core.policy import CacheAware
+    from router.core.cost import CacheAware
 
     class Reversed(CacheAware):
         def costs(self, query, candidates, matched):

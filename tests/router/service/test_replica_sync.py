@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvroute_proto import kvroute_pb2 as pb
-from router.core.core_types import ReplicaFinished, ReplicaFirstToken, ReplicaRouted
+from router.core.core_types import ReplicaConfig, ReplicaFinished, ReplicaFirstToken, ReplicaRouted
 from router.core.router_core import RouterConfig, RouterCore, RouteRequest
 from router.service.redis_wire import RedisTarget, RespConnection, RespParser
 from router.service.replica_sync import (
@@ -224,12 +224,12 @@ async def test_the_echo_of_its_own_batches_times_the_window(redis_url):
     prefix = f"kvroute-test-{uuid.uuid4().hex[:8]}:"
     fake_now = [100.0]  # the sync's clock: the echo comes 30 ms after the pick was queued
     auto = RouterCore(
-        RouterConfig(block_size=B, replicas=2, replica_sync=True),
+        RouterConfig(block_size=B, replica=ReplicaConfig(count=2, sync=True)),
         clock=lambda: 0.0,
         rng=random.Random(0),
     )
     fixed = RouterCore(
-        RouterConfig(block_size=B, replicas=2, replica_sync=True, replica_sync_window_s=0.001),
+        RouterConfig(block_size=B, replica=ReplicaConfig(count=2, sync=True, sync_window_s=0.001)),
         clock=lambda: 0.0,
         rng=random.Random(0),
     )

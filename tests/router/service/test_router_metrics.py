@@ -13,6 +13,7 @@ from metrics_scrape import Scrape, scrape
 from router_harness import RunningRouter, router_config, running_router, sim_worker
 
 from router.cli.client import GenerateOptions
+from router.core.core_types import PolicyConfig
 from router.core.policy import CostWeights
 from router.core.router_core import RouterConfig
 from router.service.metrics import RouterMetricsEndpoint
@@ -31,7 +32,10 @@ async def fleet() -> AsyncIterator[tuple[RunningRouter, RouterMetricsEndpoint, l
         # for a while, so the same prompt again goes to the other one (cache forgone)
         config = router_config(
             [w0.address, w1.address],
-            core=RouterConfig(policy="cache_aware", weights=CostWeights(1.0, 0.25, 16.0, 10.0)),
+            core=RouterConfig(
+                policy="cache_aware",
+                policy_config=PolicyConfig(weights=CostWeights(1.0, 0.25, 16.0, 10.0)),
+            ),
         )
         async with running_router([], config) as router:
             endpoint = RouterMetricsEndpoint(router.server, "127.0.0.1", 0)

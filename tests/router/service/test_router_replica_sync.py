@@ -11,6 +11,7 @@ from metrics_scrape import scrape
 from router_harness import router_config, running_router, sim_worker
 
 from router.cli.client import GenerateOptions
+from router.core.core_types import ReplicaConfig
 from router.core.router_core import RouterConfig
 from router.service.metrics import RouterMetricsEndpoint
 from router.service.server import RegistryConfig
@@ -33,7 +34,7 @@ async def test_a_request_served_by_one_replica_is_seen_by_the_other(redis_url):
     registry = RegistryConfig(redis_url, prefix, poll_s=0.05, replica_sync=True)
     async with sim_worker("w0") as w0, sim_worker("w1") as w1:
         workers = [w0.address, w1.address]
-        core = RouterConfig(policy="cache_aware", replicas=2, replica_sync=True)
+        core = RouterConfig(policy="cache_aware", replica=ReplicaConfig(count=2, sync=True))
         config = router_config(workers, registry=registry, core=core)
         # bounded: a cancel swallowed inside a Redis call once hung the routers' shutdown
         async with asyncio.timeout(60):

@@ -24,6 +24,7 @@ from kvroute_proto.events import (
     Snapshot,
 )
 from kvroute_proto.hashing import block_hashes
+from router.core.core_types import IndexConfig
 from router.core.router_core import RouterConfig, RouterCore
 from router.service.resilience import BackoffConfig
 from router.service.worker_conn import (
@@ -90,7 +91,9 @@ async def serving(worker: RawWorker) -> AsyncIterator[str]:
 async def connected(
     address: str, backend: str
 ) -> AsyncIterator[tuple[WorkerConnection, RouterCore]]:
-    core = RouterCore(RouterConfig(index_backend=backend), clock=lambda: 0.0, rng=random.Random(0))
+    core = RouterCore(
+        RouterConfig(index=IndexConfig(backend=backend)), clock=lambda: 0.0, rng=random.Random(0)
+    )
 
     def claim(conn: WorkerConnection, worker_id: str, block_size: int) -> bool:
         core.add_worker(worker_id, conn.address, block_size)
