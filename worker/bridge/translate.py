@@ -41,7 +41,7 @@ number ours 1, 2, ... within a random epoch of our own::
                              | |  \\ \\ \\
                              | |   duplicates of held batches: dropped
                              feed_replay(3), feed_replay(4): applied, then 5 6 7 drain
-                                                end_replay(): nothing left -> done
+                                                end_replay(): nothing left -> None
     live                         8              feed(8): applied (after 7)
 
 * ``feed(batch)`` takes a live batch. The next seq is applied; an older one is a duplicate
@@ -53,7 +53,9 @@ number ours 1, 2, ... within a random epoch of our own::
   behind it. If the replay starts past the seq we need, the engine no longer has the
   missing batches: they are lost (below).
 * ``end_replay()`` when the replay answer ended (its seq -1 frame) or the caller gave up
-  on it: if a gap remains, the missing batches are lost.
+  on it. If a gap remains and this answer brought the seq forward, ``ReplayFrom`` asks
+  again (a batch lost after the replay was asked for); if it brought nothing, the missing
+  batches are lost.
 * Lost batches (or more than ``max_held_batches`` held): what the engine holds can no
   longer be known, so a new epoch begins with ``AllCleared``, the state is reset and the
   held batches are applied after it. Our view then holds only what is announced from
@@ -244,12 +246,20 @@ class EventTranslator:
         self._apply(batch)
         self._drain()
 
-    def end_replay(self) -> None:
-        """The replay answer ended, or the caller gave up on it."""
-        self._awaiting = None
-        if self._held:
-            self._lose(min(self._held))
-            self._drain()
+    def end_replay(self) -> ReplayFrom | None:
+        """The replay answer ended, or the caller gave up on it. A gap that remains (a
+        batch lost after the replay was asked for) is asked for again while each answer
+        makes progress; otherwise its batches are lost."""
+        asked, self._awaiting = self._awaiting, None
+        if not self._held:
+            return None
+        if asked is not None and self._expected > asked:
+            self._awaiting = self._expected
+            self._counts.add("num_gaps")
+            return ReplayFrom(self._expected)
+        self._lose(min(self._held))
+        self._drain()
+        return None
 
     def reset_engine(self) -> None:
         """The engine restarted (the caller knows it): a new epoch, everything forgotten."""

@@ -227,3 +227,17 @@ def test_block_sizes_that_do_not_fit_are_dropped() -> None:
     ev = EngineBlockStored((1, 2), None, tuple(range(48)), 24)
     tr.feed(EngineBatch(0, 0.0, (ev,)))
     assert tr.stats().dropped_block_size == 2 and not tr.take_batches()
+
+
+def test_a_replay_that_makes_progress_is_asked_again() -> None:
+    """The answer brought seq 1 but not 2 (lost after the replay was asked for): ask for 2."""
+    live = batches(load("vllm-0.32.0_b16"))
+    tr, _ = make()
+    tr.feed(live[0])
+    assert tr.feed(live[3]) == ReplayFrom(1)
+    tr.feed_replay(live[1])
+    assert tr.end_replay() == ReplayFrom(2)
+    tr.feed_replay(live[2])  # 3 drains behind it
+    assert tr.end_replay() is None
+    st = tr.stats()
+    assert (st.num_gaps, st.num_batches_lost, st.num_batches_applied) == (2, 0, 4)
