@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import base64
 import json
+import os
 import random
 import sys
 import tempfile
@@ -262,6 +263,8 @@ class VllmEngine:
 def record_vllm(out: Path) -> None:
     from vllm.lora.request import LoRARequest
 
+    # VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0: events carry the 32-byte hashes (b16 only).
+    as_bytes = os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES") == "0"
     with tempfile.TemporaryDirectory() as sockdir:
         # --- 16-token blocks: stores, duplicates, a salt, eviction, a reset, a replay -------
         e = VllmEngine(16, 16, sockdir, "b16")
@@ -298,12 +301,15 @@ def record_vllm(out: Path) -> None:
         write(
             out,
             e.finish(
-                "b16",
+                "b16-bytes" if as_bytes else "b16",
                 "BlockPool at 16-token blocks: stores, a duplicate store (two requests in one "
                 "step), a reused prefix, a cache_salt, LRU eviction of one duplicate copy, "
                 "reset_prefix_cache, then a replay from seq 2",
             ),
         )
+
+        if as_bytes:
+            return
 
         # --- 32-token blocks ------------------------------------------------------------------
         e = VllmEngine(32, 8, sockdir, "b32")

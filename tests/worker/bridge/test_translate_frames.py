@@ -17,7 +17,7 @@ from tests.worker.bridge.recorded import (
     expected_vllm,
     load,
 )
-from worker.bridge.engine_wire import EngineBatch
+from worker.bridge.engine_wire import EngineBatch, EngineBlockStored
 from worker.bridge.translate import EventTranslator, ReplayFrom, TranslatorConfig
 
 VLLM = ["0.32.0", "0.23.0"]
@@ -221,8 +221,6 @@ def test_snapshot_rebuilds_the_same_set() -> None:
 
 
 def test_block_sizes_that_do_not_fit_are_dropped() -> None:
-    from worker.bridge.engine_wire import EngineBlockStored
-
     tr, _ = make()
     ev = EngineBlockStored((1, 2), None, tuple(range(48)), 24)
     tr.feed(EngineBatch(0, 0.0, (ev,)))
@@ -241,3 +239,13 @@ def test_a_replay_that_makes_progress_is_asked_again() -> None:
     assert tr.end_replay() is None
     st = tr.stats()
     assert (st.num_gaps, st.num_batches_lost, st.num_batches_applied) == (2, 0, 4)
+
+
+def test_vllm_bytes_hashes() -> None:
+    """VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0: 32-byte engine hashes, the same blocks of ours."""
+    doc = load("vllm-0.32.0_b16-bytes")
+    first = batches(doc)[0].events[0]
+    assert isinstance(first, EngineBlockStored)
+    assert all(isinstance(h, bytes) and len(h) == 32 for h in first.block_hashes)
+    tr, _ = run_live("vllm-0.32.0_b16-bytes", expected_vllm)
+    assert tr.stats().num_engine_duplicate_stores == 2
