@@ -27,11 +27,11 @@ PACKAGES = {
     "fleetsim": "fleetsim",
 }
 
-CORE_PREFIXES = ("router.core", "worker.cache", "worker.engine")
+CORE_PREFIXES = ("router.core", "worker.cache", "worker.engine", "worker.bridge")
 # Executors that run the real model on the device: not cores. TorchExecutor times its own
 # compute with a real clock on purpose (that time is the engine's cost report).
 NOT_CORE = {"worker.engine.torch_executor"}
-FORBIDDEN_IN_CORE = ("asyncio", "grpc", "aiohttp", "redis", "time", "datetime", "uvloop")
+FORBIDDEN_IN_CORE = ("asyncio", "grpc", "aiohttp", "redis", "time", "datetime", "uvloop", "zmq")
 
 GENERATED = ("kvroute_proto.kvroute_pb2", "kvroute_proto.kvroute_pb2_grpc")
 # Who may touch the generated classes: the codec, and the shells that speak gRPC.
