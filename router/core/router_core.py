@@ -34,7 +34,7 @@ import random
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import numpy as np
 
@@ -66,7 +66,8 @@ from router.core.errors import (  # re-exported for the shells
     NoWorkerAvailable,
     UnknownWorkerError,
 )
-from router.core.index import IndexConfig, PrefixIndex, make_index
+from router.core.index_api import IndexConfig, PrefixIndexAPI
+from router.core.index_factory import make_index
 from router.core.policy import (
     CandidateSet,
     CostWeights,
@@ -78,9 +79,6 @@ from router.core.policy import (
     make_policy,
 )
 from router.core.sync import StreamSequencer, SyncConfig
-
-if TYPE_CHECKING:
-    from router.core.index_nb import NumbaPrefixIndex
 
 __all__ = [
     "Action",
@@ -179,9 +177,9 @@ class RouterCore:
         )
         # batches decoded lazily (kvroute_proto.codec.WireBatch) applied from their scanned
         # layout, without event objects: the numba index, when it need not verify hashes
-        self._wire_apply = hasattr(self._index, "apply_wire") and not config.verify_hashes
+        self._wire_apply = self._index.prefers_wire and not config.verify_hashes
         # a query's hashes as the index takes them fastest: a uint64 array, or a list of ints
-        self._hash_arrays = bool(getattr(self._index, "takes_arrays", False))
+        self._hash_arrays = self._index.takes_arrays
         if self._hash_arrays:  # numba is at hand: hash prompts with its compiled chain too,
             enable_compiled()  # and decode event batches with its compiled scan
             enable_compiled_decode()
@@ -248,7 +246,7 @@ class RouterCore:
         return self._policy.name
 
     @property
-    def index(self) -> PrefixIndex | NumbaPrefixIndex:
+    def index(self) -> PrefixIndexAPI:
         """The prefix index (read-only use: metrics, tests)."""
         return self._index
 
@@ -372,7 +370,7 @@ class RouterCore:
             if isinstance(item, EventBatch):
                 if self._use_events:
                     if type(item) is WireBatch and self._wire_apply:
-                        index.apply_wire(slot, item.layout)  # type: ignore[union-attr]
+                        index.apply_wire(slot, item.layout)
                     else:
                         for event in item.events:
                             index.apply(slot, event)
