@@ -55,8 +55,8 @@ takes the plain path instead, with the same answers. The other kernels release t
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator, Sequence
-from typing import cast, overload
+from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 
@@ -73,7 +73,6 @@ from router.core.index_nb_confirmed import (
     _W_EVICT,
     _W_GROW,
     _apply_wire,
-    _check,
     _drop_empty,
     _evict,
     _grow_in_place,
@@ -93,23 +92,24 @@ from router.core.index_nb_predicted import (
     _rehash_pred,
 )
 from router.core.index_nb_table import (
-    _GROW_LOAD,
     _M_LIVE,
-    _M_USED,
     _MASK,
     _NIL,
     _P_HEAD,
     _P_HEAP,
     _P_LIVE,
-    _P_ROWS,
     _P_TAIL,
-    _PBITS,
-    _PHELD,
     _U64,
     _ZERO_INT,
-    _find,
 )
-from router.core.index_nb_tables import NumbaTables
+from router.core.index_nb_tables import (
+    _EMPTY_PROBES,
+    _WIRE_NATIVE,
+    NumbaTables,
+    Probes,
+    _as_keys,
+    _is_u64,
+)
 from router.core.index_nb_walk import (
     _BAD_ITEM,
     _COUNT,
@@ -130,54 +130,6 @@ CAPI_DEFAULT = True
 of the two)."""
 
 # ---- Python side -------------------------------------------------------------------------
-
-
-class Probes(Sequence[int]):
-    """The probes a held prediction entered (the handle :meth:`NumbaPrefixIndex.predict`
-    returns for :meth:`NumbaPrefixIndex.release_predicted`): raw hashes in a uint64 array."""
-
-    __slots__ = ("keys",)
-
-    def __init__(self, keys: np.ndarray) -> None:
-        self.keys = keys
-
-    def __len__(self) -> int:
-        return len(self.keys)
-
-    @overload
-    def __getitem__(self, i: int) -> int: ...
-    @overload
-    def __getitem__(self, i: slice) -> Sequence[int]: ...
-    def __getitem__(self, i: int | slice) -> int | Sequence[int]:
-        if isinstance(i, slice):
-            return self.keys[i].tolist()  # type: ignore[no-any-return]
-        return int(self.keys[i])
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.keys.tolist())
-
-    def __repr__(self) -> str:
-        return f"Probes({self.keys.tolist()})"
-
-
-_EMPTY_PROBES = Probes(np.empty(0, dtype=_U64))
-_WIRE_NATIVE = np.dtype("<u8") == np.dtype(_U64)  # the wire's uint64 is the kernels' (x86, arm)
-
-
-def _is_u64(item: object) -> bool:
-    """Whether CPython's PyLong_AsUnsignedLongLong takes ``item`` (router.core.index_capi)."""
-    return isinstance(item, int) and 0 <= item < 1 << 64
-
-
-def _as_keys(hashes: Sequence[int] | np.ndarray) -> np.ndarray:
-    """Block hashes as a C-contiguous uint64 array (raw: kernels map 0 themselves)."""
-    if type(hashes) is np.ndarray and hashes.dtype == _U64 and hashes.flags.c_contiguous:
-        return hashes
-    if type(hashes) is PackedHashes and _WIRE_NATIVE:  # decoded events: the wire's words
-        return cast(PackedHashes, hashes).array
-    if isinstance(hashes, Probes):
-        return hashes.keys
-    return np.ascontiguousarray(np.asarray(hashes, dtype=_U64))
 
 
 _warm = False
@@ -641,28 +593,4 @@ class NumbaPrefixIndex(NumbaTables, AppliesEvents):
 
     def check_invariants(self) -> None:
         """Assert the internal invariants (for tests; O(size))."""
-        used = int(self._meta[_M_USED])
-        code = _check(self._tab, self._counts, self.size(), used)
-        assert code == 0, f"confirmed table inconsistent (code {code})"
-        assert self._tab.shape[0] * _GROW_LOAD >= used >= self.size()
-        assert (self._counts >= 0).all()
-        ptab = self._ptab
-        rows = np.flatnonzero(ptab[:, 0])
-        bits = ptab[rows, _PBITS:].any(axis=1)
-        held = ptab[rows, _PHELD] != 0
-        assert (bits | held).all(), "a predicted row with neither a worker nor a hold"
-        assert len(rows) == self._meta[_P_ROWS]
-        assert int(bits.sum()) == self._meta[_P_LIVE]
-        for r in rows.tolist():
-            assert _find(ptab, ptab[r, 0]) == r
-        # a prediction nobody holds has an expiry record at its deadline; the FIFO's
-        # records are in deadline order
-        heap, head, tail = (int(self._meta[i]) for i in (_P_HEAP, _P_HEAD, _P_TAIL))
-        assert 0 <= heap <= self._rd.shape[1] and 0 <= head <= tail <= self._rd.shape[1]
-        fifo = self._rd[1, head:tail]
-        assert (fifo[1:] >= fifo[:-1]).all()
-        records = set(zip(self._rd[0, :heap].tolist(), self._rk[0, :heap].tolist(), strict=True))
-        records.update(zip(fifo.tolist(), self._rk[1, head:tail].tolist(), strict=True))
-        for r in rows.tolist():
-            if ptab[r, _PBITS:].any() and not ptab[r, _PHELD]:
-                assert (float(self._until[r]), int(ptab[r, 0])) in records, r
+        self._check_tables()
