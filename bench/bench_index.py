@@ -74,13 +74,14 @@ section and the memory trace (the A/B runs in BENCHMARKS.md).
 Usage::
 
     python -m bench.bench_index [--quick] [--route-only | --comparable-only] [--no-text]
-        [--route-metrics] [--backend numba|dict|vec] [--json OUT]
+        [--route-metrics] [--backend numba|dict] [--json OUT]
     python -m bench.bench_index --rss-entries 10000000 [--rss-holders K] [--backend ...]
 
 ``--backend`` picks the index of the comparable, memory and route sections (the text route
 section always runs the router's default): numba (router.core.index_nb, the router's default,
-``RouterConfig.index_backend``), dict (router.core.index, the pure-Python reference) or vec
-(router.core.index_vec's numpy index; its route section runs the dict index).
+``RouterConfig.index_backend``) or dict (router.core.index, the pure-Python reference).
+``--no-capi`` runs the numba index's find_matches on its plain path instead of through
+CPython's C API (router.core.index_capi), for an A/B of the two.
 bench/peers/dynamo_index.py runs the comparable section on Dynamo's Rust RadixTree.
 """
 
@@ -98,7 +99,7 @@ import time
 import tracemalloc
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import Any, TypeAlias
 
 import numpy as np
 from prometheus_client import CollectorRegistry
@@ -114,8 +115,8 @@ from kvroute_proto.codec import (
 )
 from kvroute_proto.events import DEFAULT_PARTITION, BlockRemoved, BlockStored, EventBatch
 from kvroute_proto.hashing import block_hashes, enable_compiled
-from router.core.index import IndexConfig, PrefixIndex
-from router.core.index_vec import VecPrefixIndex
+from router.core.index_api import IndexConfig, PrefixIndexAPI
+from router.core.index_factory import make_index
 from router.core.replicas import ReplicaConfig
 from router.core.router_core import RouterConfig, RouterCore, RouteRequest
 from router.service.frontend import tokenize_prompt
@@ -125,25 +126,19 @@ from router.service.validation import RequestLimits
 
 VOCAB = 32_000
 
-if TYPE_CHECKING:
-    from router.core.index_nb import NumbaPrefixIndex
-
-AnyIndex: TypeAlias = "PrefixIndex | VecPrefixIndex | NumbaPrefixIndex"
 Feed: TypeAlias = Callable[[int, bytes], None]  # decode one stream message and apply it
 
 
-def _numba_index(config: IndexConfig | None = None) -> NumbaPrefixIndex:
-    from router.core.index_nb import NumbaPrefixIndex  # numba imported only when asked for
+BACKENDS = ("dict", "numba")
+"""Index implementations the benchmarks can run (``--backend``; numba imported only when
+asked for)."""
 
-    return NumbaPrefixIndex(config)
 
-
-BACKENDS: dict[str, Callable[..., AnyIndex]] = {
-    "dict": PrefixIndex,
-    "vec": VecPrefixIndex,
-    "numba": _numba_index,
-}
-"""Index implementations the comparable and memory sections can run (``--backend``)."""
+def _index(backend: str, max_blocks: int | None = None) -> PrefixIndexAPI:
+    config = IndexConfig(backend=backend)
+    if max_blocks is not None:
+        config = dataclasses.replace(config, max_blocks=max_blocks)
+    return make_index(config)
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,12 +213,15 @@ def bench_comparable(cfg: ComparableConfig, backend: str = "dict") -> dict[str, 
         assert probes[-1][:extra] == h[:extra]
 
     results: dict[str, float] = {}
-    make = BACKENDS[backend]
+
+    def make() -> PrefixIndexAPI:
+        return _index(backend)
+
     index = make()
     if backend == "numba":  # as the router does with that index (RouterCore)
         enable_compiled_decode()
 
-    wire_apply = hasattr(index, "apply_wire")  # as RouterCore decides (no verify_hashes)
+    wire_apply = index.prefers_wire  # as RouterCore decides (no verify_hashes)
 
     def wire(w: int, data: bytes) -> None:
         """The router service's path: codec.decode_stream_lazy, then RouterCore applies a
@@ -231,7 +229,7 @@ def bench_comparable(cfg: ComparableConfig, backend: str = "dict") -> dict[str, 
         and any other batch's decoded events one by one."""
         msg = decode_stream_lazy(data)
         if wire_apply and type(msg) is WireBatch:
-            index.apply_wire(w, msg.layout)  # type: ignore[union-attr]
+            index.apply_wire(w, msg.layout)
         else:
             for ev in msg.events:
                 index.apply(w, ev)
@@ -304,7 +302,7 @@ def bench_comparable(cfg: ComparableConfig, backend: str = "dict") -> dict[str, 
     return results
 
 
-def _fill(index: AnyIndex, cfg: ScaleConfig, system_hashes: list[list[int]]) -> None:
+def _fill(index: PrefixIndexAPI, cfg: ScaleConfig, system_hashes: list[list[int]]) -> None:
     """Index the system prompts on their holders and random chains up to num_blocks."""
     rng = np.random.default_rng(cfg.seed)
     for p, h in enumerate(system_hashes):
@@ -351,11 +349,7 @@ def bench_scale(
     config = RouterConfig(
         block_size=bs,
         predicted_ttl_s=5.0,
-        # the router's index backends (vec is not one: its route runs the dict index)
-        index=IndexConfig(
-            max_blocks=2 * cfg.num_blocks,
-            backend=backend if backend in ("dict", "numba") else "dict",
-        ),
+        index=IndexConfig(max_blocks=2 * cfg.num_blocks, backend=backend),
         # > 1: replicas without sync, the cost's affinity term on
         replica=ReplicaConfig(count=replicas),
     )
@@ -607,7 +601,7 @@ def _bench_memory(
     tracemalloc.start()
     try:
         base = tracemalloc.get_traced_memory()[0]
-        index = BACKENDS[backend]()
+        index = _index(backend)
         _fill(index, cfg, system_hashes)
         gc.collect()
         used = tracemalloc.get_traced_memory()[0] - base
@@ -641,7 +635,7 @@ def bench_memory_rss(
     workers of ``workers`` -- on a fresh index; ``rss_index_mb`` the growth in MiB."""
     rng = np.random.default_rng(3)
     gc.collect()
-    index = BACKENDS[backend](IndexConfig(max_blocks=entries + 1))  # no eviction
+    index = _index(backend, max_blocks=entries + 1)  # no eviction
     base = _rss_bytes()
     c = 0
     while index.num_entries < entries:
@@ -718,8 +712,13 @@ def main(argv: list[str] | None = None) -> int:
         default="numba",
         help="index implementation of the comparable, memory and route sections "
         "(numba: router.core.index_nb, the router's default; dict: router.core.index, the "
-        "reference; "
-        "vec: router.core.index_vec, route on dict) (default: numba)",
+        "reference) (default: numba)",
+    )
+    parser.add_argument(
+        "--no-capi",
+        action="store_true",
+        help="numba: find_matches on its plain path, not through CPython's C API "
+        "(router.core.index_capi), every section",
     )
     parser.add_argument(
         "--comparable-only",
@@ -771,6 +770,10 @@ def main(argv: list[str] | None = None) -> int:
         comparable, scale, text = ComparableConfig(), ScaleConfig(), TextConfig()
     if args.route_workers != scale.num_workers:
         scale = dataclasses.replace(scale, num_workers=args.route_workers)
+    if args.no_capi:  # every numba index of this process (RouterCore's included)
+        from router.core import index_nb
+
+        index_nb.CAPI_DEFAULT = False
     results = {}
     if args.backend == "numba":  # compiling, or loading from numba's cache: not timed below
         from router.core.index_nb import warm_up
@@ -790,6 +793,7 @@ def main(argv: list[str] | None = None) -> int:
         "quick": args.quick,
         "route_metrics": args.route_metrics,
         "backend": args.backend,
+        "capi": not args.no_capi,
         "route_workers": args.route_workers,
         "route_replicas": args.route_replicas,
         "loadavg_1m": os.getloadavg()[0],

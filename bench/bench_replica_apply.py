@@ -32,7 +32,7 @@ from bench.bench_index import VOCAB, ScaleConfig, _fill, _route_percentiles, _sy
 from kvroute_proto.events import DEFAULT_PARTITION
 from kvroute_proto.hashing import block_hashes
 from router.core.core_types import ReplicaFinished, ReplicaFirstToken, ReplicaRouted
-from router.core.index import IndexConfig
+from router.core.index_api import IndexConfig
 from router.core.replicas import ReplicaConfig
 from router.core.router_core import RouterConfig, RouterCore, RouteRequest
 

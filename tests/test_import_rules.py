@@ -4,6 +4,7 @@
   scheduler) import no asyncio, grpc, aiohttp, redis or clock;
 - only the codec and the service shells import the generated protobuf modules;
 - router and worker never import each other, and the router never imports torch;
+- product code has no import circle.
 
 Imports are read from the syntax tree (every ``import`` statement, also inside functions;
 ``if TYPE_CHECKING:`` blocks excepted), so a lazy import counts like any other.
@@ -146,3 +147,57 @@ def test_the_contract_and_the_edge_import_neither_side():
         if _in(i, ("router", "worker", "fleetsim"))
     ]
     assert bad == []
+
+
+def _cycles() -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    graph = {m: sorted(i for i in _imports(m) if i in MODULES and i != m) for m in MODULES}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def strongconnect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                strongconnect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            strongconnect(v)
+    return found
+
+
+def test_no_import_circle_in_product_code():
+    assert _cycles() == []
+
+
+def test_the_cycle_finder_finds_a_cycle(monkeypatch):
+    """The check above could pass by finding nothing: show it finds a planted circle."""
+    fake = {"router.core.a": {"router.core.b"}, "router.core.b": {"router.core.a"}}
+    monkeypatch.setitem(MODULES, "router.core.a", MODULES["router.core.policy"])
+    monkeypatch.setitem(MODULES, "router.core.b", MODULES["router.core.policy"])
+    real = _imports
+
+    def imports(module: str) -> set[str]:
+        return fake.get(module) or real(module)
+
+    monkeypatch.setitem(globals(), "_imports", imports)
+    assert ["router.core.a", "router.core.b"] in _cycles()

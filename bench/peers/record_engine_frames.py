@@ -419,7 +419,9 @@ def record_sglang(out: Path) -> None:
 
         def held_paths() -> list[list[Any]]:
             paths = []
-            stack = [(child, []) for child in cache.root_node.children.values()]
+            stack: list[tuple[Any, list[Any]]] = [
+                (child, []) for child in cache.root_node.children.values()
+            ]
             while stack:
                 node, above = stack.pop()
                 toks = above + list(node.key.token_ids)
@@ -475,4 +477,4 @@ def record_sglang(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

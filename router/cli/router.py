@@ -27,7 +27,7 @@ from kvroute_proto.hashing import set_hash_key
 from router.cli.security_flags import add_router_security_args, apply_router_security
 from router.core.admission import AdmissionConfig
 from router.core.core_types import DEFAULT_RECENT_DECODE_RATIO, DEFAULT_RECENT_WINDOW_S
-from router.core.index import IndexConfig
+from router.core.index_api import IndexConfig
 from router.core.policy_config import (
     COST_WEIGHTS_FORM,
     DEFAULT_BACKLOG_TOKENS,

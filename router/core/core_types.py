@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvroute_proto.events import DEFAULT_PARTITION, LoadReport, Partition
-from router.core.index import IndexConfig
+from router.core.index_api import IndexConfig
 from router.core.policy_config import PolicyConfig
 from router.core.replicas import (  # re-exported: the replica constants' old home
     DEFAULT_REPLICA_AFFINITY_TOKENS,

@@ -54,80 +54,22 @@ import heapq
 import sys
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from functools import partial
 from itertools import accumulate, repeat, takewhile
 from operator import and_, is_not, neg
-from typing import TYPE_CHECKING, cast
-
-import numpy as np
+from typing import cast
 
 from kvroute_proto.codec import PackedHashes
-from kvroute_proto.events import AllCleared, BlockRemoved, BlockStored, KvEvent
-from kvroute_proto.hashing import block_hashes, unfmix64
+from kvroute_proto.events import BlockStored
+from router.core.index_api import COMPACT_MIN, ERROR_KINDS, AppliesEvents, IndexConfig
 from router.core.predicted import PredictedEntries, bits_of
 
-if TYPE_CHECKING:
-    from router.core.index_nb import NumbaPrefixIndex
-
-__all__ = ["ERROR_KINDS", "INDEX_BACKENDS", "IndexConfig", "PrefixIndex", "make_index"]
-
-INDEX_BACKENDS = ("dict", "numba")
-"""``IndexConfig.backend``: dict (this module, the reference implementation) or numba
-(router.core.index_nb: flat tables walked by compiled kernels, same answers)."""
-
-ERROR_KINDS = ("unknown_parent", "unknown_block", "wrong_partition", "hash_mismatch")
-"""Kinds of apply errors counted in :attr:`PrefixIndex.errors` (never raised).
-
-unknown_parent: a stored chain's parent is not held by that worker (still indexed).
-unknown_block: a removed block the worker was not known to hold (ignored).
-wrong_partition: with ``verify_hashes``, a root block whose hash is not that of its tokens
-    under its partition's seed (event dropped).
-hash_mismatch: with ``verify_hashes``, a non-root chain that does not follow from its
-    parent hash and tokens (event dropped).
-"""
+__all__ = ["PrefixIndex"]
 
 _INT_BYTES = 36  # sys.getsizeof of a 64-bit Python int
-_COMPACT_MIN = 4096  # don't bother compacting dicts smaller than this
-
-
-@dataclass(frozen=True, slots=True)
-class IndexConfig:
-    """``max_blocks``: cap on indexed (confirmed) blocks; predictions are bounded by their TTL.
-
-    ``predict_stride``: keep every stride-th block of a prediction (see router.core.predicted).
-
-    ``verify_hashes``: recompute each stored chain from its tokens (about 1 us per block;
-    off by default -- workers share the hashing code, and a bad hash can only misroute).
-
-    ``backend``: which implementation :func:`make_index` builds (``INDEX_BACKENDS``).
-    """
-
-    max_blocks: int = 4_000_000
-    verify_hashes: bool = False
-    predict_stride: int = 4
-    backend: str = "dict"
-
-    def __post_init__(self) -> None:
-        if self.backend not in INDEX_BACKENDS:
-            raise ValueError(f"index backend must be one of {INDEX_BACKENDS}, got {self.backend!r}")
-        if self.max_blocks < 1:
-            raise ValueError(f"max_blocks must be >= 1, got {self.max_blocks}")
-        if self.predict_stride < 1:
-            raise ValueError(f"predict_stride must be >= 1, got {self.predict_stride}")
 
 
 _is_not_none = partial(is_not, None)
-
-
-def make_index(config: IndexConfig | None = None) -> PrefixIndex | NumbaPrefixIndex:
-    """The index ``config.backend`` names (numba is imported only when asked for)."""
-    config = config or IndexConfig()
-    if config.backend == "numba":
-        from router.core.index_nb import NumbaPrefixIndex
-
-        return NumbaPrefixIndex(config)
-    return PrefixIndex(config)
 
 
 def _depths(
@@ -161,58 +103,6 @@ def _depths(
     return (masks, _depths(masks, slots_of)[1]) if masks else (masks, {})
 
 
-class AppliesEvents:
-    """``apply``: one KV event to ``store`` / ``remove`` / ``remove_worker``, and ``_verify``
-    (a stored chain against its tokens, ``IndexConfig.verify_hashes``), for every index
-    implementation (this module's, router.core.index_nb's, router.core.index_vec's)."""
-
-    errors: Counter[str]  # the rejected events, by ERROR_KINDS
-
-    def store(self, slot: int, event: BlockStored) -> None:
-        raise NotImplementedError
-
-    def remove(self, slot: int, hashes: Sequence[int]) -> None:
-        raise NotImplementedError
-
-    def remove_worker(self, slot: int, predictions: bool = True) -> int:
-        raise NotImplementedError
-
-    def apply(self, slot: int, event: KvEvent) -> None:
-        """Apply one KV event of worker ``slot``. Errors are counted, never raised."""
-        kind = type(event)  # the two common kinds first, without the match's checks
-        if kind is BlockStored:
-            self.store(slot, event)
-            return
-        if kind is BlockRemoved:
-            self.remove(slot, event.block_hashes)
-            return
-        match event:
-            case BlockStored():
-                self.store(slot, event)
-            case BlockRemoved(block_hashes=hashes):
-                self.remove(slot, hashes)
-            case AllCleared():
-                self.remove_worker(slot)
-            case _:
-                raise TypeError(f"not a KV event: {event!r}")
-
-    def _verify(self, event: BlockStored) -> bool:
-        """Recompute the chain's hashes from its tokens; count and reject a mismatch."""
-        hashes = event.block_hashes
-        tokens = event.token_array.astype(np.uint64)
-        if len(tokens) % len(hashes):
-            self.errors["hash_mismatch"] += 1
-            return False
-        block_size = len(tokens) // len(hashes)
-        parent = event.parent_hash
-        start = event.partition.seed if parent is None else unfmix64(parent)
-        expect = block_hashes(tokens, block_size, start, validate=False)
-        if np.array_equal(expect, np.asarray(hashes, dtype=np.uint64)):
-            return True
-        self.errors["wrong_partition" if parent is None else "hash_mismatch"] += 1
-        return False
-
-
 class PrefixIndex(AppliesEvents):
     """Block hash -> set of worker slots, with predicted entries and a size cap.
 
@@ -221,6 +111,7 @@ class PrefixIndex(AppliesEvents):
     """
 
     takes_arrays = False  # queries as lists of Python ints (its dict lookups need them)
+    prefers_wire = False  # a scanned batch's decoded events applied one by one are as fast
 
     def __init__(self, config: IndexConfig | None = None) -> None:
         self.config = config or IndexConfig()
@@ -523,7 +414,7 @@ class PrefixIndex(AppliesEvents):
     def _maybe_compact(self) -> None:
         """Rebuild the dicts once they hold a quarter of their peak (dicts never shrink)."""
         n = len(self._masks)
-        if (self._peak >= _COMPACT_MIN and n * 4 <= self._peak) or (n == 0 and self._peak):
+        if (self._peak >= COMPACT_MIN and n * 4 <= self._peak) or (n == 0 and self._peak):
             self._masks = dict(self._masks)
             self._parents = dict(self._parents)
             self._stamps = dict(self._stamps)

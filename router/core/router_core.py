@@ -9,7 +9,7 @@ What it owns::
     on_stream_message(worker, EventBatch|Snapshot) --> StreamSequencer (per worker, sync.py)
           |  in-order batches / snapshots                   | actions (Resubscribe)
           v                                                 v
-    PrefixIndex (index.py) <-- predicted entries --- route() ---> returned to the shell
+    the index (index_api) <-- predicted entries --- route() ---> returned to the shell
           |  matched blocks per worker
           v
     Policy (registry.py: cost.py, policy.py, peer_policies.py): cost per worker, pick
@@ -35,7 +35,7 @@ import math
 import random
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import numpy as np
 
@@ -66,16 +66,14 @@ from router.core.errors import (  # re-exported for the shells
     UnknownWorkerError,
 )
 from router.core.fleet import Fleet
-from router.core.index import PrefixIndex, make_index
+from router.core.index_api import PrefixIndexAPI
+from router.core.index_factory import make_index
 from router.core.introspect import EXCLUDED, UNHEALTHY, explanation, worker_stats
 from router.core.policy_config import CostWeights
 from router.core.registry import make_policy
 from router.core.replicas import Inflight, ReplicaAccounting, open_flight
 from router.core.sync import SyncConfig
 from router.core.views import RouteQuery, WorkerView
-
-if TYPE_CHECKING:
-    from router.core.index_nb import NumbaPrefixIndex
 
 __all__ = [
     "EXCLUDED",
@@ -124,9 +122,9 @@ class RouterCore:
         self._index = make_index(config.index)
         # batches decoded lazily (kvroute_proto.codec.WireBatch) applied from their scanned
         # layout, without event objects: the numba index, when it need not verify hashes
-        self._wire_apply = hasattr(self._index, "apply_wire") and not config.index.verify_hashes
+        self._wire_apply = self._index.prefers_wire and not config.index.verify_hashes
         # a query's hashes as the index takes them fastest: a uint64 array, or a list of ints
-        self._hash_arrays = bool(getattr(self._index, "takes_arrays", False))
+        self._hash_arrays = self._index.takes_arrays
         if self._hash_arrays:  # numba is at hand: hash prompts with its compiled chain too,
             enable_compiled()  # and decode event batches with its compiled scan
             enable_compiled_decode()
@@ -155,7 +153,7 @@ class RouterCore:
         return self._policy.name
 
     @property
-    def index(self) -> PrefixIndex | NumbaPrefixIndex:
+    def index(self) -> PrefixIndexAPI:
         """The prefix index (read-only use: metrics, tests)."""
         return self._index
 
@@ -241,7 +239,7 @@ class RouterCore:
             if isinstance(item, EventBatch):
                 if self._use_events:
                     if type(item) is WireBatch and self._wire_apply:
-                        index.apply_wire(slot, item.layout)  # type: ignore[union-attr]
+                        index.apply_wire(slot, item.layout)
                     else:
                         for event in item.events:
                             index.apply(slot, event)

@@ -6,13 +6,14 @@ expiry, and a small size cap -- and after every step asserts they answer alike:
 find_matches (with and without touch, so the LRU stamps must agree for evictions to),
 match_depth (one worker's find_matches answer), find_matches_by_source, snapshots, sizes,
 counters. Worker slots go past 64 so a second bitmask word is exercised; a hash of 0 is
-drawn too. test_index_nb.py and test_index_vec.py subclass it.
+drawn too. test_index_nb.py subclasses it, for each of find_matches' paths (the C-API
+one, router.core.index_capi, and the plain one). Both sides are driven through the
+interface they share (router.core.index_api.PrefixIndexAPI).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -20,7 +21,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvroute_proto.codec import decode_stream_message, encode_stream_message
 from kvroute_proto.events import AllCleared, BlockRemoved, BlockStored, EventBatch, KvEvent
 from kvroute_proto.hashing import block_hash_list
-from router.core.index import IndexConfig, PrefixIndex
+from router.core.index import PrefixIndex
+from router.core.index_api import IndexConfig, PrefixIndexAPI
 
 B = 2
 STRIDE = 2
@@ -47,13 +49,13 @@ class IndexAgreement(RuleBasedStateMachine):
     """Drives the reference (dict) index and ``make_other``'s with the same operations and
     asserts after every step that they answer alike. Subclass it with ``make_other``."""
 
-    make_other: Callable[[IndexConfig], Any]
+    make_other: Callable[[IndexConfig], PrefixIndexAPI]
 
     def __init__(self) -> None:
         super().__init__()
         self.cap = 0
-        self.ref: PrefixIndex | None = None
-        self.other: Any = None
+        self.ref: PrefixIndexAPI | None = None
+        self.other: PrefixIndexAPI | None = None
         self.chains: list[list[int]] = [[0, 1, 2]]
         self.handles: list[tuple[object, object]] = []
         self.now = 0.0
@@ -64,7 +66,7 @@ class IndexAgreement(RuleBasedStateMachine):
         config = IndexConfig(max_blocks=cap, predict_stride=STRIDE)
         self.ref, self.other = PrefixIndex(config), type(self).make_other(config)
 
-    def both(self) -> tuple[PrefixIndex, Any]:
+    def both(self) -> tuple[PrefixIndexAPI, PrefixIndexAPI]:
         if self.ref is None or self.other is None:
             config = IndexConfig(predict_stride=STRIDE)
             self.ref, self.other = PrefixIndex(config), type(self).make_other(config)

@@ -17,7 +17,9 @@ from test_core import B, Clock, stored
 
 from kvroute_proto.events import DEFAULT_PARTITION, BlockRemoved, EventBatch, Snapshot
 from router.cli import router as cli
-from router.core.index import IndexConfig, PrefixIndex, make_index
+from router.core.index import PrefixIndex
+from router.core.index_api import IndexConfig
+from router.core.index_factory import make_index
 from router.core.index_nb import NumbaPrefixIndex
 from router.core.router_core import NoWorkerAvailable, RouterConfig, RouterCore, RouteRequest
 

@@ -205,7 +205,7 @@ def test_plain_batches_decode_lazily_and_others_do_not() -> None:
 
 
 def test_apply_wire_refuses_to_skip_hash_verification() -> None:
-    from router.core.index import IndexConfig
+    from router.core.index_api import IndexConfig
 
     index = NumbaPrefixIndex(IndexConfig(verify_hashes=True))
     batch = EventBatch("w", 1, 1, B, (BlockStored((5,), None, tuple(range(B))),))

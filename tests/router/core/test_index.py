@@ -6,7 +6,8 @@ import pytest
 
 from kvroute_proto.events import DEFAULT_PARTITION, AllCleared, BlockRemoved, BlockStored, Partition
 from kvroute_proto.hashing import block_hash_list
-from router.core.index import ERROR_KINDS, IndexConfig, PrefixIndex
+from router.core.index import PrefixIndex
+from router.core.index_api import ERROR_KINDS, IndexConfig
 
 B = 4
 

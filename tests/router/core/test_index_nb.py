@@ -18,7 +18,8 @@ from index_agreement import IndexAgreement
 
 from kvroute_proto.codec import PackedHashes, decode_stream_message, encode_stream_message
 from kvroute_proto.events import BlockRemoved, BlockStored, EventBatch
-from router.core.index import IndexConfig, PrefixIndex
+from router.core.index import PrefixIndex
+from router.core.index_api import IndexConfig
 from router.core.index_nb import NumbaPrefixIndex, _as_keys, warm_up
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -28,13 +29,29 @@ class NumbaAgreement(IndexAgreement):
     make_other = NumbaPrefixIndex
 
 
+class NumbaPlainAgreement(IndexAgreement):
+    """The same on find_matches' plain path (no C API: router.core.index_capi)."""
+
+    @staticmethod
+    def make_other(config: IndexConfig) -> NumbaPrefixIndex:
+        return NumbaPrefixIndex(config, capi=False)
+
+
 NumbaAgreement.TestCase.settings = settings(
     max_examples=300,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+NumbaPlainAgreement.TestCase.settings = settings(
+    max_examples=150,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 TestNumbaAgreesWithDictIndex = NumbaAgreement.TestCase
+TestNumbaPlainAgreesWithDictIndex = NumbaPlainAgreement.TestCase
+CAPI = pytest.mark.parametrize("capi", [True, False], ids=["capi", "plain"])
 
 
 def test_held_prediction_with_a_repeated_hash_releases() -> None:
@@ -62,9 +79,9 @@ def test_a_repeated_hash_held_twice_is_freed_by_two_releases() -> None:
         assert index.num_predicted == 0
 
 
-def _pair(**kw: int) -> tuple[PrefixIndex, NumbaPrefixIndex]:
+def _pair(capi: bool = True, **kw: int) -> tuple[PrefixIndex, NumbaPrefixIndex]:
     config = IndexConfig(**kw)
-    return PrefixIndex(config), NumbaPrefixIndex(config)
+    return PrefixIndex(config), NumbaPrefixIndex(config, capi=capi)
 
 
 def _assert_same(ref: PrefixIndex, nb: NumbaPrefixIndex, slots: range | list[int]) -> None:
@@ -92,14 +109,17 @@ def test_eviction_order_and_inherited_stamps() -> None:
     assert nb.snapshot(0) == set(a[:3]) and nb.snapshot(1) == set(b[:3])
 
 
-def test_long_random_histories_agree() -> None:
+@CAPI
+def test_long_random_histories_agree(capi: bool) -> None:
     """Seeded histories longer than the state machine's: branching chains (a shared head
     stored once, suffixes stored with their parent), partial finds that touch, removals of
     suffixes, worker removal, predictions with holds -- with a size cap small enough to
     evict often, over 70 workers (two bitset words)."""
     for seed in range(12):
         rng = random.Random(seed)
-        ref, nb = _pair(max_blocks=rng.choice([30, 60, 200]), predict_stride=rng.choice([1, 4]))
+        ref, nb = _pair(
+            capi, max_blocks=rng.choice([30, 60, 200]), predict_stride=rng.choice([1, 4])
+        )
         heads = [[rng.getrandbits(64) for _ in range(rng.randint(1, 6))] for _ in range(5)]
         chains: list[list[int]] = []
         handles: list[tuple[object, object]] = []
@@ -155,11 +175,12 @@ def _same_home(home: int, count: int) -> list[int]:
     return [((home << 32) + j + 1) * inv % (1 << 64) for j in range(count)]
 
 
-def test_crowded_and_wrapping_probe_runs_agree() -> None:
+@CAPI
+def test_crowded_and_wrapping_probe_runs_agree(capi: bool) -> None:
     """Keys sharing home rows, at the table's end too (probe runs wrap to row 0): stored,
     removed from the middle of runs (rows shift back), found, stored again."""
     crowd = _same_home(1023, 12) + _same_home(0, 5) + _same_home(5, 20) + _same_home(6, 6)
-    ref, nb = _pair()
+    ref, nb = _pair(capi)
     for w, part in enumerate((crowd[:10], crowd, crowd[5:30], crowd[::-1])):
         for index in (ref, nb):
             index.store(w, BlockStored(tuple(part), None, ()))
@@ -252,9 +273,10 @@ def test_tables_grown_in_place_keep_every_row_findable() -> None:
         assert nb.find_matches(q, False) == ref.find_matches(q, False)
 
 
-def test_array_hashes_answer_as_lists() -> None:
+@CAPI
+def test_array_hashes_answer_as_lists(capi: bool) -> None:
     """uint64 arrays (what block_hashes returns) are taken as they are, 0 included."""
-    nb = NumbaPrefixIndex(IndexConfig(predict_stride=2))
+    nb = NumbaPrefixIndex(IndexConfig(predict_stride=2), capi=capi)
     chain = [0, 2**64 - 1, 5, 2**63, 9]
     nb.store(3, BlockStored(tuple(chain[:3]), None, ()))
     nb.store(4, BlockStored(tuple(chain), None, ()))
@@ -275,7 +297,8 @@ def test_kernels_compile_without_a_writable_cache() -> None:
         "import numba.core.caching as c\n"
         "c.CacheImpl._locator_classes = []\n"  # as if no locator found a writable place
         "import router.core.index_nb as m\n"
-        "assert not m.CACHED\n"
+        "import router.core.jit as j\n"
+        "assert not j.CACHED\n"
         "index = m.NumbaPrefixIndex()\n"
         "from kvroute_proto.events import BlockStored\n"
         "index.store(0, BlockStored((1, 2), None, ()))\n"
@@ -372,14 +395,15 @@ def test_dead_rows_do_not_pile_up() -> None:
     assert nb.size() == 0 and nb._tab.shape[0] <= 1024
 
 
-def test_list_queries_are_read_only_as_far_as_the_walks_go() -> None:
+@CAPI
+def test_list_queries_are_read_only_as_far_as_the_walks_go(capi: bool) -> None:
     """A list query's ints are read by the kernel as the walks reach them (no conversion
     of the whole list first): the answers are the array query's and the dict index's; an
     item it reads that is no uint64 int raises as numpy's conversion does, with nothing
     changed; items past where both walks stop are never read, as in the dict index."""
-    from router.core.index_nb import _M_TICK
+    from router.core.index_nb_table import _M_TICK
 
-    ref, nb = _pair(predict_stride=4)
+    ref, nb = _pair(capi, predict_stride=4)
     chain = list(range(1, 41))
     for index in (ref, nb):
         index.store(0, BlockStored(tuple(chain[:30]), None, ()))
@@ -414,11 +438,12 @@ def test_list_queries_are_read_only_as_far_as_the_walks_go() -> None:
     assert nb.find_matches(long) == ref.find_matches(long) == {0: 30, 1: 10}
 
 
-def test_answers_written_by_the_kernel_own_their_ints() -> None:
+@CAPI
+def test_answers_written_by_the_kernel_own_their_ints(capi: bool) -> None:
     """find_matches' dicts are filled by the kernel (CPython's C API): every int it makes
     belongs to its dict, so 10,000 answers dropped leave no traced memory behind, and an
     answer's value is held by nothing but its dict (depths past 256: no cached ints)."""
-    nb = NumbaPrefixIndex(IndexConfig(predict_stride=4))
+    nb = NumbaPrefixIndex(IndexConfig(predict_stride=4), capi=capi)
     chain = list(range(1, 400))
     for w in range(20):
         nb.store(w, BlockStored(tuple(chain[: 300 + w]), None, ()))
@@ -442,10 +467,11 @@ def test_answers_written_by_the_kernel_own_their_ints() -> None:
         tracemalloc.stop()
 
 
-def test_match_depth_reads_one_worker() -> None:
+@CAPI
+def test_match_depth_reads_one_worker(capi: bool) -> None:
     """match_depth: one slot's find_matches answer -- confirmed, continued by predicted
     probes, past the tables' words -- for lists and arrays, writable or not."""
-    ref, nb = _pair(max_blocks=100, predict_stride=2)
+    ref, nb = _pair(capi, max_blocks=100, predict_stride=2)
     chain = [11, 12, 13, 14, 15, 16]
     for index in (ref, nb):
         index.store(0, BlockStored(tuple(chain[:4]), None, ()))

@@ -4,20 +4,26 @@ against a tiny reference model) driving a NumbaPrefixIndex."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import test_index
 from hypothesis import settings
 from test_index_state import STRIDE, IndexMachine
 
-from router.core.index import IndexConfig
+from router.core.index_api import IndexConfig
 from router.core.index_nb import NumbaPrefixIndex
 
 UNIT_TESTS = sorted(name for name in dir(test_index) if name.startswith("test_"))
 
 
+@pytest.mark.parametrize("capi", [True, False], ids=["capi", "plain"])
 @pytest.mark.parametrize("name", UNIT_TESTS)
-def test_dict_index_unit_test_on_numba(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(test_index, "PrefixIndex", NumbaPrefixIndex)
+def test_dict_index_unit_test_on_numba(
+    name: str, capi: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On both of find_matches' paths (router.core.index_capi)."""
+    monkeypatch.setattr(test_index, "PrefixIndex", partial(NumbaPrefixIndex, capi=capi))
     getattr(test_index, name)()
 
 

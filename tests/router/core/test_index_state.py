@@ -18,7 +18,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvroute_proto.events import AllCleared, BlockRemoved, BlockStored
 from kvroute_proto.hashing import block_hash_list
-from router.core.index import IndexConfig, PrefixIndex
+from router.core.index import PrefixIndex
+from router.core.index_api import IndexConfig
 
 B = 2
 STRIDE = 2
