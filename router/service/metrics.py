@@ -6,10 +6,10 @@ Two sources, one registry per router (docs/METRICS.md lists every name):
   worker / policy / outcome, route-decision latency, matched / best / forgone cached tokens
   at each decision, realised vs predicted cached tokens of finished requests, TTFT and e2e
   latency as the router sees them, retries.
-* ``RouterStateCollector`` (metrics_state.py) reads the router's state at scrape time -- core.stats(),
-  core.worker_stats(), the worker connections, the ejector -- as one snapshot of plain
-  values taken on the event loop (``edge.metrics_http.call_on_loop``), and turns it
-  into gauges and counters: index blocks and bytes, event batches by outcome, event lag,
+* ``RouterStateCollector`` (``metrics_state.py``) reads the router's state at scrape time
+  -- core.stats(), core.worker_stats(), the worker connections, the ejector -- as one
+  snapshot of plain values taken on the event loop (``edge.metrics_http.call_on_loop``), and
+  turns it into gauges and counters: index blocks and bytes, event batches by outcome, event lag,
   resyncs and snapshots, worker health and ejections, in-flight per worker.
 
 "Cache left on the table": each decision knows the longest match on any worker it could have

@@ -238,18 +238,16 @@ class WorkerStateCollector(Collector):
         snap = self._snapshot()
         s = snap.engine
         w = [self._worker_id]
-        for name, attr, doc in ENGINE_GAUGES:
-            g = gauge_family(name, doc, _WORKER)
-            g.add_metric(w, getattr(s, attr))
-            yield g
-        for name, attr, doc in ENGINE_COUNTERS:
-            c = counter_family(name, doc, _WORKER)
-            c.add_metric(w, getattr(s, attr))
-            yield c
-        for name, attr, doc in PUBLISHER_COUNTERS:
-            c = counter_family(name, doc, _WORKER)
-            c.add_metric(w, getattr(snap, attr))
-            yield c
+        tables = (
+            (gauge_family, ENGINE_GAUGES, s),
+            (counter_family, ENGINE_COUNTERS, s),
+            (counter_family, PUBLISHER_COUNTERS, snap),
+        )
+        for family, table, source in tables:
+            for name, attr, doc in table:
+                f = family(name, doc, _WORKER)
+                f.add_metric(w, getattr(source, attr))
+                yield f
         last_seq = gauge_family(
             "kvroute_worker_event_last_seq", "Seq of the last published batch", _WORKER
         )
