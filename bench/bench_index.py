@@ -104,6 +104,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from bench.bpe import english_like_text, train_bpe
+from edge.limits import RequestLimits
 from edge.tokenizer import HFTokenizer
 from kvroute_proto.codec import (
     WireBatch,
@@ -120,7 +121,6 @@ from router.core.router_core import RouterConfig, RouterCore, RouteRequest
 from router.service.frontend import tokenize_prompt
 from router.service.metrics import RouterMetrics
 from router.service.token_cache import with_chunk_cache
-from router.service.validation import RequestLimits
 
 VOCAB = 32_000
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from edge.cli_help import HelpFormatter, add_http_front_args, port_number
 from edge.http_front import HttpFrontConfig
+from edge.limits import RequestLimits
 from edge.registry import (
     DEFAULT_PREFIX,
     DEFAULT_TTL_S,
@@ -34,7 +35,6 @@ from worker.cache.eviction import strategy_names
 from worker.engine.engine_config import EngineConfig
 from worker.engine.schedule_policy import POLICIES as SCHEDULE_POLICIES
 from worker.errors import ModelLoadError
-from worker.service.convert import RequestLimits
 from worker.service.engine_runner import RunnerConfig
 from worker.service.security_flags import add_worker_security_args, apply_worker_security
 from worker.service.server import DEFAULT_MODEL_NAME, WorkerServer, WorkerServerConfig

@@ -55,6 +55,7 @@ from edge.frontdoor import (
     Unavailable,
     error_for_grpc_code,
 )
+from edge.limits import RequestLimits
 from edge.tokenizer import chat_specials
 from kvroute_proto import codec
 from kvroute_proto import kvroute_pb2 as pb
@@ -69,7 +70,7 @@ from router.service.quota import Lease, QuotaConfig, TenantQuotas
 from router.service.resilience import EjectionConfig, OutlierEjector
 from router.service.tenancy import TenancyConfig, TenancyError, resolve_partition, tenant_of
 from router.service.token_cache import CachedTokenizer, with_chunk_cache
-from router.service.validation import RequestError, RequestLimits, check_request, routing_tokens
+from router.service.validation import RequestError, check_request, routing_tokens
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("kvroute.router")

@@ -17,26 +17,15 @@ prediction TTL. Clients that want exact cache-aware routing send token ids.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 
+from edge.limits import RequestLimits
 from kvroute_proto import kvroute_pb2 as pb
 
 
 class RequestError(ValueError):
     """A request field the router rejects (INVALID_ARGUMENT); the message names field + limit."""
-
-
-@dataclass(frozen=True, slots=True)
-class RequestLimits:
-    """What the router accepts, whatever the worker."""
-
-    max_request_id_chars: int = 256
-    max_prompt_tokens: int = 1 << 20
-    max_prompt_text_bytes: int = 4 << 20
-    max_new_tokens: int = 1 << 20
-    max_stop_token_ids: int = 256
 
 
 def check_request(req: pb.GenerateRequest, limits: RequestLimits) -> None:
