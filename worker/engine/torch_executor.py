@@ -38,6 +38,7 @@ from worker.engine.decode_graph import (
     CudaGraphCapturer,
     DecodeGraphRunner,
     PrefillGraphRunner,
+    RunnerOptions,
 )
 from worker.engine.kv_pool import KVPool, KVPoolConfig
 from worker.engine.model import DecodeGroup, LlamaForCausalLM, PagedBatch, PrefillSeq
@@ -119,29 +120,25 @@ class TorchExecutor:
                 )
             # one memory pool for every graph: only one of them ever replays at a time
             capturer = CudaGraphCapturer(self.device) if cuda_graphs else None
+            options = RunnerOptions(
+                capture=cuda_graphs,
+                sm_count=self._sm_count,
+                capturer=capturer,
+                fused=self.fused_impl,
+            )
             self.decode_graphs = DecodeGraphRunner(
                 model,
                 kv_pool,
                 self.device,
                 self.attention_impl,
-                capture=cuda_graphs,
-                sm_count=self._sm_count,
                 batch_buckets=graph_batch_buckets,
-                capturer=capturer,
-                fused=self.fused_impl,
+                **options,
             )
             # A lone short prefill (a cache hit on an idle worker) the same way; captured
             # only over the Triton kernels (the torch reference builds host-side indices).
             if static_prefill and (not cuda_graphs or self.attention_impl == "triton"):
                 self.prefill_graphs = PrefillGraphRunner(
-                    model,
-                    kv_pool,
-                    self.device,
-                    self.attention_impl,
-                    capture=cuda_graphs,
-                    sm_count=self._sm_count,
-                    capturer=capturer,
-                    fused=self.fused_impl,
+                    model, kv_pool, self.device, self.attention_impl, **options
                 )
 
     def capture_graphs(self, max_context: int | None = None) -> int:
