@@ -50,7 +50,7 @@ byte-level BPE of 32,000 ids trained on English-like text first (``bench.bpe``, 
 
 * ``route_text_p50_us`` / ``route_text_p99_us``: what the router's front end does for an
   8,192-token text prompt (a system text + a new part of the same distribution), with that
-  BPE behind the router's chunk cache (``router.service.frontend.tokenize_prompt``: chunks
+  BPE behind the router's chunk cache (``router.service.validation.tokenize_prompt``: chunks
   seen before come from the cache; new ones are tokenized only while a worker's cache may
   still match, ``RouterCore.may_match_past``; the rest goes to the worker as text), then
   ``RouterCore.route`` of the ids with the whole prompt's estimated length.
@@ -105,6 +105,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from bench.bpe import english_like_text, train_bpe
+from edge.limits import RequestLimits
 from edge.tokenizer import HFTokenizer
 from kvroute_proto.codec import (
     WireBatch,
@@ -119,10 +120,9 @@ from router.core.index_api import IndexConfig, PrefixIndexAPI
 from router.core.index_factory import make_index
 from router.core.replicas import ReplicaConfig
 from router.core.router_core import RouterConfig, RouterCore, RouteRequest
-from router.service.frontend import tokenize_prompt
 from router.service.metrics import RouterMetrics
 from router.service.token_cache import with_chunk_cache
-from router.service.validation import RequestLimits
+from router.service.validation import tokenize_prompt
 
 VOCAB = 32_000
 
@@ -499,7 +499,7 @@ def bench_route_text(
     heads: dict[int, list[int]] = {}
 
     def run(tokenizer: Any, split: bool, routes: list[str], tag: str) -> dict[str, np.ndarray]:
-        """Tokenize as the front end does (router.service.frontend.tokenize_prompt), route,
+        """Tokenize as the front end does (router.service.validation.tokenize_prompt), route,
         finish; per request: wall and CPU time in all, the tokenizing alone, the tail."""
         n = len(routes)
         out = {k: np.empty(n) for k in ("total", "cpu", "tokenize", "matched", "estimated")}

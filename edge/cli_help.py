@@ -60,3 +60,21 @@ def positive_float(value: str) -> float:
     if not (math.isfinite(x) and x > 0):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {value}")
     return x
+
+
+def add_http_front_args(group: argparse._ArgumentGroup, serves: str, model_default: str) -> None:
+    """``--http-port``, ``--http-host`` and ``--served-model-name``: the OpenAI-compatible HTTP
+    front that ``kvroute router`` and ``kvroute worker`` can both serve next to gRPC.
+    ``serves`` says what the port serves; ``model_default`` the served name's default."""
+    group.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help=f"also serve HTTP here: {serves} (0 = pick a free port; default: no HTTP)",
+    )
+    group.add_argument("--http-host", default="127.0.0.1", help="address the HTTP front binds")
+    group.add_argument(
+        "--served-model-name",
+        default=None,
+        help=f"the model name the HTTP API serves (default: {model_default})",
+    )

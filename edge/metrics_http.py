@@ -5,14 +5,17 @@ thread), which nothing else may touch. prometheus-client serves ``/metrics`` fro
 thread, so a collector that needs that state asks the owning thread for a snapshot of plain
 values and waits for it (bounded): scrapes cost the request path nothing between scrapes.
 
-Usage (a service shell)::
+Usage (a service shell): subclass :class:`MetricsEndpoint` with the service's scrape-time
+collectors and request-path observer::
 
-    registry = CollectorRegistry()
-    ... instruments and collectors registered on it ...
-    server = MetricsHttpServer(registry, "127.0.0.1", 9100)
-    port = server.start()     # port 0 picks a free one
+    class MyEndpoint(MetricsEndpoint):
+        def _collectors(self, loop): return [MyStateCollector(...)]
+        def _observe(self, on): service.observer = self.metrics if on else NO_OBSERVER
+
+    endpoint = MyEndpoint("127.0.0.1", 9100)
+    port = endpoint.start()   # on the service's event loop; port 0 picks a free one
     ...
-    server.stop()
+    endpoint.stop()
 """
 
 from __future__ import annotations
@@ -21,25 +24,35 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
 
 from edge.histogram import HistogramStats
 
 __all__ = [
+    "LATENCY_BUCKETS_S",
     "SNAPSHOT_TIMEOUT_S",
+    "MetricsEndpoint",
     "MetricsHttpServer",
     "await_on_loop",
     "call_on_loop",
+    "counter_family",
+    "gauge_family",
     "histogram_family",
 ]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+# request latencies (TTFT, e2e) of both services: vLLM's TTFT buckets, up to 10 minutes
+LATENCY_BUCKETS_S = (
+    *(0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75),
+    *(1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0),
+)
 SNAPSHOT_TIMEOUT_S = 2.0  # a scrape waits this long for the owning thread's snapshot
 
 
@@ -110,6 +123,16 @@ def histogram_family(
     return family
 
 
+def gauge_family(name: str, doc: str, labels: Sequence[str] = ()) -> GaugeMetricFamily:
+    """An empty gauge family with these label names (``add_metric`` fills it)."""
+    return GaugeMetricFamily(name, doc, labels=list(labels))
+
+
+def counter_family(name: str, doc: str, labels: Sequence[str] = ()) -> CounterMetricFamily:
+    """An empty counter family with these label names (``add_metric`` fills it)."""
+    return CounterMetricFamily(name, doc, labels=list(labels))
+
+
 class MetricsHttpServer:
     """prometheus-client's HTTP exposition server for one registry, stoppable."""
 
@@ -150,3 +173,46 @@ class MetricsHttpServer:
         if self._thread is not None:
             self._thread.join(timeout=5.0)
             self._thread = None
+
+
+class MetricsEndpoint:
+    """A service's metrics: one registry, served on ``/metrics`` (the router's and the
+    worker's endpoints are subclasses).
+
+    ``start()`` (on the service's event loop, after the service started) registers the
+    subclass's scrape-time collectors, hooks its observer into the request path and binds the
+    HTTP server; ``stop()`` unhooks the observer and stops serving. A service started without
+    a metrics port builds none of this.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.registry = CollectorRegistry()
+        self.http = MetricsHttpServer(self.registry, host, port)
+
+    @property
+    def port(self) -> int | None:
+        return self.http.port
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.http.address}/metrics"
+
+    def _collectors(self, loop: asyncio.AbstractEventLoop) -> list[Collector]:
+        """The scrape-time collectors, reading state owned by ``loop`` (or its threads)."""
+        raise NotImplementedError
+
+    def _observe(self, on: bool) -> None:
+        """Hook the request-path observer in (``on``) or put the no-op one back."""
+        raise NotImplementedError
+
+    def start(self) -> int:
+        """Register the collectors, observe the request path, serve; returns the port."""
+        loop = asyncio.get_running_loop()
+        for collector in self._collectors(loop):
+            self.registry.register(collector)
+        self._observe(True)
+        return self.http.start()
+
+    def stop(self) -> None:
+        self._observe(False)
+        self.http.stop()

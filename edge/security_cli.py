@@ -10,7 +10,9 @@ command line, where other local users could read them in the process list.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+from typing import Any, TypeVar
 
 from edge.tls import (
     ClientTls,
@@ -42,6 +44,21 @@ def add_server_tls_args(parser: argparse.ArgumentParser, what: str) -> None:
 
 def server_tls_from_args(args: argparse.Namespace) -> ServerTls | None:
     return server_tls_from_flags(args.tls_cert, args.tls_key, args.tls_client_ca)
+
+
+_Front = TypeVar("_Front", bound=Any)
+
+
+def server_tls_and_http(
+    args: argparse.Namespace, http: _Front | None
+) -> tuple[ServerTls | None, _Front | None]:
+    """The ``--tls-*`` server TLS, and the HTTP front's config (an
+    ``edge.http_front.HttpFrontConfig``, or None when there is no HTTP front) serving with it:
+    a service's gRPC port and its HTTP front share one certificate."""
+    tls = server_tls_from_args(args)
+    if http is not None:
+        http = dataclasses.replace(http, tls=tls)
+    return tls, http
 
 
 def add_client_tls_args(parser: argparse.ArgumentParser, prefix: str, whom: str) -> None:
@@ -96,7 +113,8 @@ def redis_auth_from_args(args: argparse.Namespace) -> RedisAuth:
 
 
 def add_hash_key_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
+    """``--hash-key`` in its own titled group (decision 0006: keyed hashing is opt-in)."""
+    parser.add_argument_group("block hashing").add_argument(
         "--hash-key",
         default=os.environ.get(HASH_KEY_ENV),
         help="deployment secret keying the block-hash chain (BLAKE2b), so nobody outside can "

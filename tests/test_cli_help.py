@@ -101,3 +101,41 @@ def test_router_help_first_screen_names_what_a_first_start_needs(monkeypatch, ca
     ):
         assert flag in first, flag
     assert "REQUIRED" in first
+
+
+# what a worker's first start needs (what `kvroute up` passes it, and README's worker line)
+_WORKER_FIRST_START = (
+    "--port",
+    "--http-port",
+    "--executor",
+    "--model",
+    "--device",
+    "--kv-slots",
+    "--kv-memory-fraction",
+    "--redis-url",
+    "--advertise-address",
+)
+
+
+def test_worker_help_first_screen_names_a_first_start(monkeypatch, capsys):
+    """``kvroute worker --help``'s first 40 lines (80 columns) name the options a first start
+    needs; every other option sits in a titled group, none in the untitled "options"."""
+    monkeypatch.setenv("COLUMNS", "80")
+    with pytest.raises(SystemExit):
+        kvroute_cli.main(["worker", "--help"])
+    lines = capsys.readouterr().out.splitlines()
+    first_screen = "\n".join(lines[:40])
+    missing = [f for f in _WORKER_FIRST_START if not re.search(rf"^  {f}\b", first_screen, re.M)]
+    assert missing == [], f"not on the first screen of kvroute worker --help: {missing}"
+
+    from worker.cli import build_parser
+
+    parser = build_parser()
+    untitled = [
+        a.option_strings
+        for a in parser._optionals._group_actions
+        if not isinstance(a, argparse._HelpAction)
+    ]
+    assert untitled == [], f"options outside a titled group: {untitled}"
+    titles = [g.title for g in parser._action_groups if g._group_actions]
+    assert titles[:2] == ["options", "first start"], titles

@@ -18,8 +18,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from edge.cli_help import HelpFormatter, port_number
+from edge.cli_help import HelpFormatter, add_http_front_args, port_number
 from edge.http_front import HttpFrontConfig
+from edge.limits import RequestLimits
 from edge.registry import (
     DEFAULT_PREFIX,
     DEFAULT_TTL_S,
@@ -34,7 +35,6 @@ from worker.cache.eviction import strategy_names
 from worker.engine.engine_config import EngineConfig
 from worker.engine.schedule_policy import POLICIES as SCHEDULE_POLICIES
 from worker.errors import ModelLoadError
-from worker.service.convert import RequestLimits
 from worker.service.engine_runner import RunnerConfig
 from worker.service.security_flags import add_worker_security_args, apply_worker_security
 from worker.service.server import DEFAULT_MODEL_NAME, WorkerServer, WorkerServerConfig
@@ -52,73 +52,113 @@ log = logging.getLogger("kvroute.worker")
 _ENGINE_DEFAULTS = EngineConfig()
 
 
+_USAGE = (
+    "%(prog)s [--host HOST] [--port PORT] [--executor {torch,sim}]\n"
+    "       [--model DIR] [--device DEVICE]\n"
+    "       [--kv-slots KV_SLOTS | --kv-memory-fraction KV_MEMORY_FRACTION]\n"
+    "       [--redis-url REDIS_URL --advertise-address HOST:PORT]\n"
+    "       [--http-port HTTP_PORT] [options]"
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The worker's parser: the options a first start needs come first, then one titled
+    group per concern, in the order ``--help`` prints them."""
     p = argparse.ArgumentParser(
         prog="kvroute worker",
+        usage=_USAGE,
         description="Run one kvroute serving worker: a radix KV cache, a continuous-batching "
         "engine and the Worker gRPC service (Generate, Abort, SubscribeKvEvents, GetLoad, "
         "health, reflection). Prints 'listening on HOST:PORT' on stdout once bound.",
         formatter_class=HelpFormatter,
     )
-    net = p.add_argument_group("server")
-    net.add_argument("--host", default="127.0.0.1", help="address to bind")
-    net.add_argument(
-        "--port", type=port_number, default=0, help="port to bind (0 = pick a free one)"
-    )
-    net.add_argument("--worker-id", default=_ENGINE_DEFAULTS.worker_id, help="this worker's id")
-    net.add_argument(
-        "--http-port",
-        type=int,
-        default=None,
-        help="also serve HTTP here: the OpenAI API and the SGLang/vLLM worker endpoints that "
-        "sglang-router and vllm-router call (0 = pick a free port; default: no HTTP)",
-    )
-    net.add_argument("--http-host", default="127.0.0.1", help="address the HTTP front binds")
-    net.add_argument(
-        "--served-model-name",
-        default=None,
-        help="the model name the HTTP API serves (default: the --model directory's name, "
-        "else kvroute-tiny)",
-    )
-    net.add_argument(
-        "--grace-s", type=float, default=10.0, help="shutdown grace for in-flight requests"
-    )
-    net.add_argument(
-        "--log-level",
-        type=str.upper,
-        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
-        default="INFO",
-        help="log level (any case)",
-    )
+    _add_first_start_args(p)
+    _add_model_args(p)
+    _add_kernel_args(p)
+    _add_engine_args(p)
+    _add_event_args(p)
+    _add_registry_args(p)
+    _add_observability_args(p)
+    add_worker_security_args(p)  # TLS, --router-token, Redis TLS, --hash-key
+    return p
 
-    model = p.add_argument_group("model")
-    model.add_argument(
+
+def _add_first_start_args(p: argparse.ArgumentParser) -> None:
+    """Where the worker listens, what it runs, how much KV it holds, how routers find it."""
+    g = p.add_argument_group("first start")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind")
+    g.add_argument("--port", type=port_number, default=0, help="port to bind (0 = pick a free one)")
+    g.add_argument(
         "--executor",
         choices=("torch", "sim"),
         default="sim",
         help="torch: the real model (CUDA if present); sim: cost model, no math",
     )
-    model.add_argument(
+    g.add_argument(
         "--model",
         metavar="DIR",
         default=None,
         help="HF model directory (torch; default: a tiny random Llama)",
     )
-    model.add_argument("--device", default=None, help="torch device (default: cuda if present)")
-    model.add_argument("--seed", type=int, default=0, help="model init and sampling seed")
-    model.add_argument(
-        "--sim-max-context-tokens",
-        type=int,
-        default=None,
-        help="sim only: the simulated model's context length (default 8192)",
+    g.add_argument("--device", default=None, help="torch device (default: cuda if present)")
+    g.add_argument(
+        "--kv-slots", type=int, default=_ENGINE_DEFAULTS.num_kv_slots, help="KV pool size in tokens"
     )
-    model.add_argument(
+    g.add_argument(
+        "--kv-memory-fraction",
+        type=float,
+        default=None,
+        help="torch on CUDA: size the KV pool to this fraction of free GPU memory "
+        "(overrides --kv-slots)",
+    )
+    g.add_argument("--worker-id", default=_ENGINE_DEFAULTS.worker_id, help="this worker's id")
+    g.add_argument(
+        "--redis-url",
+        default=None,
+        help="register in this Redis registry (redis://...) so routers find this worker",
+    )
+    g.add_argument(
+        "--advertise-address",
+        default=None,
+        metavar="HOST:PORT",
+        help="address routers dial (default: --host and the bound port)",
+    )
+    add_http_front_args(
+        g,
+        "the OpenAI API and the SGLang/vLLM worker endpoints that sglang-router and "
+        "vllm-router call",
+        model_default="the --model directory's name, else kvroute-tiny",
+    )
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and executor")
+    g.add_argument("--seed", type=int, default=0, help="model init and sampling seed")
+    g.add_argument(
         "--torch-threads",
         type=int,
         default=0,
         help="torch CPU threads (0 = torch's default; 1 is fastest on a small shared CPU)",
     )
-    model.add_argument(
+    g.add_argument(
+        "--sim-max-context-tokens",
+        type=int,
+        default=None,
+        help="sim only: the simulated model's context length (default 8192)",
+    )
+    g.add_argument(
+        "--sim-speedup",
+        type=float,
+        default=0.0,
+        help="sim only: sleep modelled step time / X after each step "
+        "(1 = real time, 0 = no pacing)",
+    )
+
+
+def _add_kernel_args(p: argparse.ArgumentParser) -> None:
+    """The torch executor's kernels; each defaults by device (decision 0027)."""
+    g = p.add_argument_group("GPU kernels (torch executor)")
+    g.add_argument(
         "--attention",
         choices=ATTENTION_CHOICES,  # paged_attention's (which imports torch; a test checks)
         default=None,
@@ -127,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
         "on CUDA, their torch reference elsewhere), paged-torch, paged-triton (default: "
         "paged on CUDA with triton, gather elsewhere)",
     )
-    model.add_argument(
+    g.add_argument(
         "--cuda-graphs",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -137,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--attention defaults to paged with it); an error on a non-CUDA device (default: "
         "on for CUDA with paged attention, off elsewhere)",
     )
-    model.add_argument(
+    g.add_argument(
         "--graph-warmup-context",
         type=int,
         default=0,
@@ -146,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
         "prefill sizes) whose context width is at most TOKENS before serving, instead of on "
         "each bucket's first step, which then pays the capture (default 0: on first use)",
     )
-    model.add_argument(
+    g.add_argument(
         "--fused-kernels",
         choices=FUSED_CHOICES,  # fused_ops' (a test checks)
         default=None,
@@ -155,137 +195,130 @@ def build_parser() -> argparse.ArgumentParser:
         "CUDA only), torch (the same structure with torch ops) (default: triton on CUDA "
         "with triton, off elsewhere)",
     )
-    model.add_argument(
-        "--kv-memory-fraction",
-        type=float,
-        default=None,
-        help="torch on CUDA: size the KV pool to this fraction of free GPU memory "
-        "(overrides --kv-slots)",
-    )
-    model.add_argument(
-        "--sim-speedup",
-        type=float,
-        default=0.0,
-        help="sim only: sleep modelled step time / X after each step "
-        "(1 = real time, 0 = no pacing)",
-    )
 
-    eng = p.add_argument_group("engine")
-    eng.add_argument(
-        "--kv-slots", type=int, default=_ENGINE_DEFAULTS.num_kv_slots, help="KV pool size in tokens"
-    )
-    eng.add_argument(
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine's tuning: pool layout, cache, queue and batch limits."""
+    g = p.add_argument_group("engine tuning")
+    g.add_argument(
         "--page-size",
         type=int,
         default=_ENGINE_DEFAULTS.page_size,
         help="KV pool allocation unit in tokens (the radix cache matches whole pages)",
     )
-    eng.add_argument(
+    g.add_argument(
         "--block-size",
         type=int,
         default=_ENGINE_DEFAULTS.block_size,
         help="tokens per KV event block (announced to routers)",
     )
-    eng.add_argument(
+    g.add_argument(
         "--eviction-policy",
         default=_ENGINE_DEFAULTS.eviction_policy,
         help=f"which cached prefixes the radix cache evicts first: {', '.join(strategy_names())}",
     )
-    eng.add_argument(
+    g.add_argument(
         "--schedule-policy",
         default=_ENGINE_DEFAULTS.schedule_policy,
         help="order of the waiting queue: "
         + ", ".join(sorted(SCHEDULE_POLICIES))
         + " (lpm: longest cached prefix first)",
     )
-    eng.add_argument(
+    g.add_argument(
         "--max-running",
         type=int,
         default=_ENGINE_DEFAULTS.max_running_requests,
         help="requests in the running batch at most (the rest wait)",
     )
-    eng.add_argument(
+    g.add_argument(
         "--max-waiting",
         type=int,
         default=_ENGINE_DEFAULTS.max_waiting_requests,
         help="waiting queue limit (beyond it: RESOURCE_EXHAUSTED)",
     )
-    eng.add_argument(
+    g.add_argument(
         "--chunk-size",
         type=int,
         default=_ENGINE_DEFAULTS.chunk_size,
         help="chunked prefill size in tokens",
     )
-    eng.add_argument("--no-cache", action="store_true", help="disable the radix cache")
-
-    ev = p.add_argument_group("KV events")
-    ev.add_argument(
-        "--replay-buffer",
-        type=int,
-        default=1024,
-        help="event batches kept for subscribers that reconnect",
-    )
-    ev.add_argument(
-        "--subscriber-queue",
-        type=int,
-        default=1024,
-        help="live batches a subscriber may lag before its stream is dropped",
-    )
-    ev.add_argument(
-        "--load-interval-s",
-        type=float,
-        default=1.0,
-        help="seconds between load report batches (0 = off)",
-    )
-    ev.add_argument(
-        "--step-reports",
-        action="store_true",
-        help="also send a load report as a step starts, when requests arrived or the step "
-        "prefills (counting that prefill as queued), and after a step that halved the queued "
-        "prefill: router replicas that cannot see each other's picks (kvroute router "
-        "--replicas R without --replica-sync) then learn this worker's queue a step, not a "
-        "load interval, later (default: off)",
-    )
-    eng.add_argument(
+    g.add_argument("--no-cache", action="store_true", help="disable the radix cache")
+    g.add_argument(
         "--default-max-new-tokens",
         type=int,
         default=RequestLimits().default_max_new_tokens,
         help="max_new_tokens of requests that leave it 0",
     )
 
-    reg = p.add_argument_group("membership and tracing")
-    reg.add_argument(
-        "--redis-url",
-        default=None,
-        help="register in this Redis registry (redis://...) so routers find this worker",
+
+def _add_event_args(p: argparse.ArgumentParser) -> None:
+    """What the worker tells subscribed routers, and how often."""
+    g = p.add_argument_group("KV events")
+    g.add_argument(
+        "--replay-buffer",
+        type=int,
+        default=1024,
+        help="event batches kept for subscribers that reconnect",
     )
-    reg.add_argument("--redis-prefix", default=DEFAULT_PREFIX, help="registry key prefix")
-    reg.add_argument(
+    g.add_argument(
+        "--subscriber-queue",
+        type=int,
+        default=1024,
+        help="live batches a subscriber may lag before its stream is dropped",
+    )
+    g.add_argument(
+        "--load-interval-s",
+        type=float,
+        default=1.0,
+        help="seconds between load report batches (0 = off)",
+    )
+    g.add_argument(
+        "--step-reports",
+        action="store_true",
+        help="also send a load report as a step starts, when requests arrived or the step "
+        "prefills (counting that prefill as queued), and after a step that halved the queued "
+        "prefill: router replicas that cannot see each other's picks (kvroute router "
+        "--replicas R without --replica-sync) then learn this worker's queue a step, not a "
+        "load interval, later (default: off; decision 0022)",
+    )
+
+
+def _add_registry_args(p: argparse.ArgumentParser) -> None:
+    """The Redis registry's details (--redis-url and --advertise-address: first start)."""
+    g = p.add_argument_group("registry")
+    g.add_argument("--redis-prefix", default=DEFAULT_PREFIX, help="registry key prefix")
+    g.add_argument(
         "--registry-ttl-s",
         type=float,
         default=DEFAULT_TTL_S,
         help="registry entry TTL; refreshed every third of it",
     )
-    reg.add_argument(
-        "--advertise-address",
-        default=None,
-        metavar="HOST:PORT",
-        help="address routers dial (default: --host and the bound port)",
+
+
+def _add_observability_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("observability and shutdown")
+    g.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        default="INFO",
+        help="log level (any case)",
     )
-    reg.add_argument(
-        "--trace-console",
-        action="store_true",
-        help="print OpenTelemetry spans to stderr (OTLP export: set OTEL_EXPORTER_OTLP_ENDPOINT)",
-    )
-    reg.add_argument(
+    g.add_argument(
         "--metrics-port",
         type=port_number,
         default=None,
         help="serve Prometheus metrics on http://HOST:PORT/metrics (HOST from --host; 0 picks "
         "a free port; default: no metrics endpoint). Names: docs/METRICS.md",
     )
-    add_worker_security_args(p)  # TLS, --router-token, Redis TLS, --hash-key
-    return p
+    g.add_argument(
+        "--trace-console",
+        action="store_true",
+        help="print OpenTelemetry spans to stderr (OTLP export: set OTEL_EXPORTER_OTLP_ENDPOINT)",
+    )
+    g.add_argument(
+        "--grace-s", type=float, default=10.0, help="shutdown grace for in-flight requests"
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> WorkerServerConfig:

@@ -25,7 +25,7 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Self, TextIO
@@ -102,6 +102,19 @@ class _Proc:
         except OSError:
             return ""
 
+    async def stdout_line(self, what: str, timeout_s: float) -> str:
+        """The process's next stdout line, stripped (LiveReplayError naming ``what``, the
+        line expected, when none comes within ``timeout_s``)."""
+        assert self.process.stdout is not None
+        try:
+            line = await asyncio.wait_for(self.process.stdout.readline(), timeout=timeout_s)
+        except TimeoutError:
+            raise LiveReplayError(
+                f"{self.name} printed no '{what}' line in {timeout_s}s; "
+                f"log tail:\n{self.log_tail()}"
+            ) from None
+        return line.decode(errors="replace").strip()
+
 
 class LiveFleet:
     """N sim workers and one router as child processes (an async context manager)."""
@@ -130,17 +143,7 @@ class LiveFleet:
         line; stderr goes to a log file."""
         proc = await self._start_process(name, self._kvroute_command(args), True)
         process = proc.process
-        assert process.stdout is not None
-        try:
-            line = await asyncio.wait_for(
-                process.stdout.readline(), timeout=self.config.startup_timeout_s
-            )
-        except TimeoutError:
-            raise LiveReplayError(
-                f"{name} printed no 'listening on' line in {self.config.startup_timeout_s}s; "
-                f"log tail:\n{proc.log_tail()}"
-            ) from None
-        text = line.decode(errors="replace").strip()
+        text = await proc.stdout_line("listening on", self.config.startup_timeout_s)
         if not text.startswith("listening on "):
             await process.wait()
             raise LiveReplayError(
@@ -298,6 +301,41 @@ async def await_bounded(
             r.error = f"timeout after {timeout_s}s"
 
 
+PlayOne = Callable[[int, Callable[[], float]], Awaitable[None]]
+
+
+async def play_trace(
+    records: Sequence[TraceRecord],
+    results: list[RequestResult],
+    play: PlayOne,
+    label: str,
+    config: LiveConfig,
+    progress_stream: TextIO | None,
+) -> None:
+    """The replay clients' core (gRPC here, HTTP in live_http): each request starts at its
+    trace arrival, ``config.speedup`` times faster, where ``play(i, trace_now)`` sends
+    request ``i`` and fills ``results[i]`` (``trace_now()``: the trace time now). A progress
+    line labelled ``label`` goes to ``progress_stream``; requests not done after
+    ``config.timeout_s`` are cancelled and marked timed out."""
+    progress = Progress(label, len(records), progress_stream) if progress_stream else None
+    num_done = 0
+    clock = TraceClock(records[0].arrival_s if records else 0.0, config.speedup)
+
+    async def one(i: int) -> None:
+        nonlocal num_done
+        await clock.until(records[i].arrival_s)
+        await play(i, clock.now)
+        num_done += 1
+        if progress is not None:
+            progress.update(num_done, clock.now())
+
+    tasks = [asyncio.create_task(one(i)) for i in range(len(records))]
+    await await_bounded(tasks, results, config.timeout_s)
+    if progress is not None:
+        progress.update(num_done, clock.now(), force=True)
+        progress.close()
+
+
 async def _wait_ready(stub: pb_grpc.RouterStub, num_workers: int, timeout_s: float) -> None:
     """Poll Explain (bounded) until the router sees every worker healthy."""
     deadline = time.monotonic() + timeout_s
@@ -351,15 +389,9 @@ async def replay_live_async(
         ) as channel:
             stub = pb_grpc.RouterStub(channel)
             await _wait_ready(stub, config.num_workers, config.startup_timeout_s)
-            progress = Progress(policy, len(records), progress_stream) if progress_stream else None
-            num_done = 0
-            clock = TraceClock(records[0].arrival_s if records else 0.0, config.speedup)
-            trace_now = clock.now
 
-            async def one(i: int) -> None:
-                nonlocal num_done
+            async def play(i: int, trace_now: Callable[[], float]) -> None:
                 result = results[i]
-                await clock.until(records[i].arrival_s)
                 try:
                     async for msg in stub.Generate(requests[i], timeout=config.timeout_s):
                         match msg.WhichOneof("kind"):
@@ -378,15 +410,8 @@ async def replay_live_async(
                         result.error = "stream ended without Finished"
                 except grpc.aio.AioRpcError as exc:
                     result.error = f"{exc.code().name}: {exc.details()}"
-                num_done += 1
-                if progress is not None:
-                    progress.update(num_done, trace_now())
 
-            tasks = [asyncio.create_task(one(i)) for i in range(len(records))]
-            await await_bounded(tasks, results, config.timeout_s)
-            if progress is not None:
-                progress.update(num_done, trace_now(), force=True)
-                progress.close()
+            await play_trace(records, results, play, policy, config, progress_stream)
         worker_ids = [f"worker-{i}" for i in range(config.num_workers)]
     extra: dict[str, float | int] = {"speedup": config.speedup, "vocab_size": info.vocab_size}
     return summarize(policy, results, worker_ids, extra=extra, wall_s=time.monotonic() - wall_start)

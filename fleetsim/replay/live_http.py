@@ -34,7 +34,7 @@ import asyncio
 import json
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -54,12 +54,10 @@ from fleetsim.replay.live import (
     LiveConfig,
     LiveFleet,
     LiveReplayError,
-    TraceClock,
     _Proc,
     _wait_ready,
-    await_bounded,
+    play_trace,
 )
-from fleetsim.replay.progress import Progress
 from fleetsim.replay.report import PolicyReport, RequestResult, summarize
 from fleetsim.replay.text_prompt import TextExpander
 from fleetsim.replay.trace import TraceRecord
@@ -144,16 +142,7 @@ class HttpFleet(LiveFleet):
     async def _http_address(self, proc: _Proc) -> str:
         """The URL of a worker's or router's ``http listening on HOST:PORT`` line (printed
         after the gRPC one)."""
-        assert proc.process.stdout is not None
-        timeout_s = self.config.startup_timeout_s
-        try:
-            line = await asyncio.wait_for(proc.process.stdout.readline(), timeout=timeout_s)
-        except TimeoutError:
-            raise LiveReplayError(
-                f"{proc.name} printed no 'http listening on' line in {timeout_s}s; "
-                f"log tail:\n{proc.log_tail()}"
-            ) from None
-        text = line.decode(errors="replace").strip()
+        text = await proc.stdout_line("http listening on", self.config.startup_timeout_s)
         if not text.startswith("http listening on "):
             raise LiveReplayError(
                 f"{proc.name}: expected 'http listening on HOST:PORT', got {text!r} "
@@ -162,56 +151,80 @@ class HttpFleet(LiveFleet):
         return "http://" + text.removeprefix("http listening on ").strip()
 
 
-async def wait_http_ok(url: str, timeout_s: float, proc: _Proc | None) -> None:
-    """Poll ``GET url`` (bounded) until it answers 200; fail early when ``proc`` exits."""
+async def _poll_until_200(
+    send: Callable[[aiohttp.ClientSession], Any],
+    timeout_s: float,
+    proc: _Proc | None,
+    *,
+    session_timeout_s: float,
+    interval_s: float,
+    text_chars: int,
+    waiting_for: str,
+) -> str | None:
+    """Send ``send(session)`` (an aiohttp request) every ``interval_s`` until it answers 200
+    (None) or ``timeout_s`` passes (the last failure, for the caller's error); when ``proc``
+    exits meanwhile, LiveReplayError with its log tail (``waiting_for`` goes after its rc)."""
     deadline = time.monotonic() + timeout_s
     last = "no answer"
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5.0)) as session:
+    timeout = aiohttp.ClientTimeout(total=session_timeout_s)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
         while time.monotonic() < deadline:
             if proc is not None and proc.process.returncode is not None:
                 raise LiveReplayError(
-                    f"{proc.name} exited (rc={proc.process.returncode}) while waiting for "
-                    f"{url}; log tail:\n{proc.log_tail()}"
+                    f"{proc.name} exited (rc={proc.process.returncode}){waiting_for}; "
+                    f"log tail:\n{proc.log_tail()}"
                 )
             try:
-                async with session.get(url) as resp:
+                async with send(session) as resp:
                     if resp.status == 200:
-                        return
-                    last = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                        await resp.read()
+                        return None
+                    last = f"HTTP {resp.status}: {(await resp.text())[:text_chars]}"
             except (aiohttp.ClientError, TimeoutError) as exc:
                 last = f"{type(exc).__name__}: {exc}"
-            await asyncio.sleep(0.1)
-    tail = f"; log tail:\n{proc.log_tail()}" if proc is not None else ""
-    raise LiveReplayError(f"{url} not ready after {timeout_s}s: {last}{tail}")
+            await asyncio.sleep(interval_s)
+    return last
+
+
+def _log_tail(proc: _Proc | None) -> str:
+    return f"; log tail:\n{proc.log_tail()}" if proc is not None else ""
+
+
+async def wait_http_ok(url: str, timeout_s: float, proc: _Proc | None) -> None:
+    """Poll ``GET url`` (bounded) until it answers 200; fail early when ``proc`` exits."""
+    last = await _poll_until_200(
+        lambda session: session.get(url),
+        timeout_s,
+        proc,
+        session_timeout_s=5.0,
+        interval_s=0.1,
+        text_chars=200,
+        waiting_for=f" while waiting for {url}",
+    )
+    if last is not None:
+        raise LiveReplayError(f"{url} not ready after {timeout_s}s: {last}{_log_tail(proc)}")
 
 
 async def wait_probe(
     front_url: str, model: str | None, timeout_s: float, proc: _Proc | None
 ) -> None:
     """Until a one-token completion goes through (a peer registers its workers lazily)."""
-    deadline = time.monotonic() + timeout_s
-    last = "no answer"
     body: dict[str, Any] = {"prompt": _PROBE_PROMPT, "max_tokens": 1, "ignore_eos": True}
     if model:
         body["model"] = model
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10.0)) as session:
-        while time.monotonic() < deadline:
-            if proc is not None and proc.process.returncode is not None:
-                raise LiveReplayError(
-                    f"{proc.name} exited (rc={proc.process.returncode}); "
-                    f"log tail:\n{proc.log_tail()}"
-                )
-            try:
-                async with session.post(front_url + "/v1/completions", json=body) as resp:
-                    if resp.status == 200:
-                        await resp.read()
-                        return
-                    last = f"HTTP {resp.status}: {(await resp.text())[:300]}"
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                last = f"{type(exc).__name__}: {exc}"
-            await asyncio.sleep(0.2)
-    tail = f"; log tail:\n{proc.log_tail()}" if proc is not None else ""
-    raise LiveReplayError(f"{front_url} served no probe completion in {timeout_s}s: {last}{tail}")
+    last = await _poll_until_200(
+        lambda session: session.post(front_url + "/v1/completions", json=body),
+        timeout_s,
+        proc,
+        session_timeout_s=10.0,
+        interval_s=0.2,
+        text_chars=300,
+        waiting_for="",
+    )
+    if last is not None:
+        raise LiveReplayError(
+            f"{front_url} served no probe completion in {timeout_s}s: {last}{_log_tail(proc)}"
+        )
 
 
 async def front_model(session: aiohttp.ClientSession, front_url: str) -> str | None:
@@ -324,15 +337,10 @@ async def replay_http_async(
             model = fleet.model
             url = fleet.front_url + "/v1/completions"
             label = spec.label
-            progress = Progress(label, len(records), progress_stream) if progress_stream else None
-            num_done = 0
-            clock = TraceClock(records[0].arrival_s if records else 0.0, config.speedup)
-            trace_now = clock.now
 
-            async def one(i: int) -> None:
-                nonlocal num_done, num_mismatch, num_without_worker
+            async def play(i: int, trace_now: Callable[[], float]) -> None:
+                nonlocal num_mismatch, num_without_worker
                 record, result = records[i], results[i]
-                await clock.until(record.arrival_s)
                 body: dict[str, Any] = {
                     "prompt": prompts[i],
                     "max_tokens": record.output_length,
@@ -354,15 +362,8 @@ async def replay_http_async(
                     result.error = f"{type(exc).__name__}: {exc}"
                 except TimeoutError:
                     result.error = f"timeout after {config.timeout_s}s"
-                num_done += 1
-                if progress is not None:
-                    progress.update(num_done, trace_now())
 
-            tasks = [asyncio.create_task(one(i)) for i in range(len(records))]
-            await await_bounded(tasks, results, config.timeout_s)
-            if progress is not None:
-                progress.update(num_done, trace_now(), force=True)
-                progress.close()
+            await play_trace(records, results, play, label, config, progress_stream)
     if options.requests_dir is not None:
         write_requests(Path(options.requests_dir) / f"{_file_name(label)}.jsonl", results)
     if spec.starts_fleet:

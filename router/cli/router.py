@@ -89,10 +89,6 @@ def build_parser() -> argparse.ArgumentParser:
     _replica_args(p)
     _observability_args(p)
     add_router_security_args(p)  # TLS, API keys, tenant limits, Redis TLS, --hash-key
-    # what the security flags add outside a group (--hash-key) is listed last, not first
-    p._optionals.title = "block hashing"
-    p._action_groups.remove(p._optionals)
-    p._action_groups.append(p._optionals)
     return p
 
 

@@ -23,6 +23,7 @@ from edge.security_cli import (
     add_server_tls_args,
     client_tls_from_args,
     redis_auth_from_args,
+    server_tls_and_http,
     server_tls_from_args,
 )
 from edge.tls import ServerTls
@@ -94,7 +95,7 @@ def apply_router_security(
     args: argparse.Namespace, config: RouterServerConfig
 ) -> RouterServerConfig:
     """``config`` with the security options of ``args``."""
-    tls = server_tls_from_args(args)
+    tls, http = server_tls_and_http(args, config.http)
     worker_tls = client_tls_from_args(args, "worker-tls", args.worker_tls_server_name)
     keys = ApiKeys.load(args.api_keys, os.environ.get(API_KEYS_ENV))
     default = TenantLimit(
@@ -121,9 +122,6 @@ def apply_router_security(
         hash_key_fingerprint=key_fingerprint(args.hash_key or None),
     )
     registry = dataclasses.replace(config.registry, auth=redis_auth_from_args(args))
-    http = config.http
-    if http is not None:
-        http = dataclasses.replace(http, tls=tls)
     return dataclasses.replace(
         config,
         tls=tls,

@@ -40,7 +40,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any
 
 import grpc
 import numpy as np
@@ -55,7 +55,7 @@ from edge.frontdoor import (
     Unavailable,
     error_for_grpc_code,
 )
-from edge.tokenizer import chat_specials
+from edge.limits import RequestLimits
 from kvroute_proto import codec
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto.events import Partition
@@ -68,8 +68,14 @@ from router.service.pool import WorkerPool
 from router.service.quota import Lease, QuotaConfig, TenantQuotas
 from router.service.resilience import EjectionConfig, OutlierEjector
 from router.service.tenancy import TenancyConfig, TenancyError, resolve_partition, tenant_of
-from router.service.token_cache import CachedTokenizer, with_chunk_cache
-from router.service.validation import RequestError, RequestLimits, check_request, routing_tokens
+from router.service.token_cache import with_chunk_cache
+from router.service.validation import (
+    RequestError,
+    TextTokenizer,
+    check_request,
+    routing_tokens,
+    tokenize_prompt,
+)
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("kvroute.router")
@@ -86,14 +92,6 @@ WORKER_FAILURE_CODES = frozenset(
 )
 
 DEFAULT_MODEL_NAME = "kvroute-tiny"
-
-
-class TextTokenizer(Protocol):
-    """What the front end needs of the fleet's tokenizer (kvroute_proto's tokenizers)."""
-
-    def encode(self, text: str, *, add_special_tokens: bool | None = None) -> list[int]: ...
-
-    def decode(self, ids: list[int]) -> str: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,45 +136,6 @@ class _InFlight:
     started: float = 0.0  # perf_counter at arrival (the observer's latencies)
     finished: bool = False  # the worker's Finished was relayed
     guard_deadline: bool = False  # the caller set a deadline: admission guards it
-
-
-def tokenize_prompt(
-    tok: TextTokenizer,
-    text: str,
-    core: RouterCore,
-    partition: Partition,
-    limit: int,
-    *,
-    split: bool = True,
-    chat: bool = False,
-) -> tuple[np.ndarray, str]:
-    """``(ids, tail)`` of a text prompt for routing (uint32 ids; BadRequest past ``limit``
-    tokens). ``chat``: the text is a rendered chat template (its special tokens as
-    ``encode_chat`` adds them: :func:`edge.tokenizer.chat_specials`).
-
-    With ``split`` and a chunk cache (:class:`CachedTokenizer`), only the head that some
-    worker's cache may still match (``core.may_match_past``) is tokenized, and ``tail`` is
-    the text the worker tokenizes (``prompt_text_suffix``); otherwise all of it."""
-    specials = chat_specials(tok) if chat else None
-    if split and isinstance(tok, CachedTokenizer):
-        ids, tail = tok.encode_head(
-            text, lambda head: core.may_match_past(head, partition), add_special_tokens=specials
-        )
-        # a byte-level BPE token holds at least one byte: a tail of b bytes holds at most
-        # b tokens; if that bound could pass the limit, count exactly
-        if not tail or len(ids) + len(tail.encode("utf-8")) <= limit:
-            return _checked(ids, limit), tail
-    whole = tok.encode(text) if specials is None else tok.encode(text, add_special_tokens=specials)
-    return _checked(np.asarray(whole, dtype=np.uint32), limit), ""
-
-
-def _checked(ids: np.ndarray, limit: int) -> np.ndarray:
-    if len(ids) > limit:
-        raise BadRequest(
-            f"prompt_text encodes to {len(ids)} tokens; the limit is {limit}",
-            param="prompt_text",
-        )
-    return ids
 
 
 class Frontend:
@@ -312,36 +271,10 @@ class Frontend:
                 raise DeadlineExceeded(
                     f"deadline exceeded before attempt {attempt}; failures: {'; '.join(failures)}"
                 )
-            costs = None  # the route span's top costs, before the decision (tracing only)
-            if span.is_recording():
-                ejected = self.ejector.ejected()
-                costs = spans.top_costs(self._core, prepared.route, frozenset(excluded) | ejected)
-            t0 = time.perf_counter()
-            time_left = remaining if entry.guard_deadline else None
-            decision = self._route(prepared, excluded, failures, time_left)
-            elapsed = time.perf_counter() - t0
-            self.observer.on_route(decision, elapsed)
-            if costs is not None:
-                spans.record_route(span, decision, elapsed, attempt, costs)
+            decision = self._decide(prepared, entry, excluded, failures, remaining, attempt, span)
             worker_id = decision.worker_id
-            span.set_attributes(
-                {
-                    "kvroute.worker_id": worker_id,
-                    "kvroute.attempts": attempt,
-                    "kvroute.prompt_tokens": decision.prompt_tokens,
-                    "kvroute.matched_tokens": decision.matched_tokens,
-                }
-            )
-            conn = self._pool.by_worker_id(worker_id)
-            if conn is None:  # released between route() and here; try another
-                self._core.on_finished(rid)
-                excluded.add(worker_id)
-                failures.append(f"{worker_id}: disconnected")
-                continue
-            entry.worker_id = worker_id
-            try:
-                call = conn.stub.Generate(prepared.forward, timeout=remaining, metadata=metadata)
-            except grpc.aio.UsageError:  # the channel closed: the pool is removing the worker
+            call = self._dispatch(prepared, entry, worker_id, remaining, metadata)
+            if call is None:  # released between route() and here; try another
                 self._core.on_finished(rid)
                 excluded.add(worker_id)
                 failures.append(f"{worker_id}: disconnected")
@@ -358,16 +291,8 @@ class Frontend:
                         elapsed = time.perf_counter() - entry.started
                         self.observer.on_first_message(worker_id, elapsed)
                     if msg.HasField("finished"):
-                        msg.finished.attempts = attempt
-                        if not msg.finished.worker_id:
-                            msg.finished.worker_id = worker_id
-                        self.ejector.record_success(worker_id)
-                        self._core.on_finished(rid, msg.finished.usage.completion_tokens)
-                        reported = entry.finished = True
-                        elapsed = time.perf_counter() - entry.started
-                        self.observer.on_finished(decision, msg.finished, elapsed)
-                        if span.is_recording():
-                            spans.record_finish(span, msg.finished)
+                        self._finish(rid, msg.finished, decision, entry, attempt, span)
+                        reported = True
                     else:
                         admission.on_tokens(rid, len(msg.chunk.token_ids), self._clock())
                     yield msg
@@ -394,29 +319,117 @@ class Frontend:
                 admission.on_done(rid)
                 if not reported:
                     self._core.on_finished(rid)
-            if self.ejector.record_failure(worker_id):
-                log.warning(
-                    "worker %s ejected for %.1f s after %d consecutive failures",
-                    worker_id,
-                    self.config.ejection.cooldown_s,
-                    self.config.ejection.max_consecutive_failures,
-                )
             failures.append(f"{worker_id}: {code_name}: {details}")
-            span.add_event("worker_failure", {"worker_id": worker_id, "code": code_name})
-            if relayed:
-                raise Unavailable(
-                    f"worker {worker_id} failed after the response had started "
-                    f"(not retried, to avoid duplicate output): {code_name}: {details}"
-                )
+            self._worker_failed(rid, worker_id, code_name, details, relayed, attempt, span)
             excluded.add(worker_id)
-            if attempt < self.config.max_attempts:
-                self.num_retries += 1
-                self.observer.on_retry(worker_id, code_name)
-                log.info("request %s: retrying after %s", rid, failures[-1])
         raise Unavailable(
             f"request failed on {len(failures)} worker(s) "
             f"(max_attempts={self.config.max_attempts}): {'; '.join(failures)}"
         )
+
+    def _decide(
+        self,
+        prepared: Prepared,
+        entry: _InFlight,
+        excluded: set[str],
+        failures: list[str],
+        remaining: float,
+        attempt: int,
+        span: trace.Span,
+    ) -> RouteDecision:
+        """Route one attempt, timed for the observer and recorded on the span."""
+        costs = None  # the route span's top costs, before the decision (tracing only)
+        if span.is_recording():
+            ejected = self.ejector.ejected()
+            costs = spans.top_costs(self._core, prepared.route, frozenset(excluded) | ejected)
+        t0 = time.perf_counter()
+        time_left = remaining if entry.guard_deadline else None
+        decision = self._route(prepared, excluded, failures, time_left)
+        elapsed = time.perf_counter() - t0
+        self.observer.on_route(decision, elapsed)
+        if costs is not None:
+            spans.record_route(span, decision, elapsed, attempt, costs)
+        span.set_attributes(
+            {
+                "kvroute.worker_id": decision.worker_id,
+                "kvroute.attempts": attempt,
+                "kvroute.prompt_tokens": decision.prompt_tokens,
+                "kvroute.matched_tokens": decision.matched_tokens,
+            }
+        )
+        return decision
+
+    def _dispatch(
+        self,
+        prepared: Prepared,
+        entry: _InFlight,
+        worker_id: str,
+        remaining: float,
+        metadata: tuple[tuple[str, str], ...],
+    ) -> Any:
+        """The worker's Generate call (a grpc.aio stream), or None when its connection is
+        gone (released after the route, or its channel closing)."""
+        conn = self._pool.by_worker_id(worker_id)
+        if conn is None:
+            return None
+        entry.worker_id = worker_id
+        try:
+            return conn.stub.Generate(prepared.forward, timeout=remaining, metadata=metadata)
+        except grpc.aio.UsageError:  # the channel closed: the pool is removing the worker
+            return None
+
+    def _finish(
+        self,
+        rid: str,
+        finished: pb.Finished,
+        decision: RouteDecision,
+        entry: _InFlight,
+        attempt: int,
+        span: trace.Span,
+    ) -> None:
+        """The worker's Finished: completed for the client, accounted, observed, traced."""
+        worker_id = decision.worker_id
+        finished.attempts = attempt
+        if not finished.worker_id:
+            finished.worker_id = worker_id
+        self.ejector.record_success(worker_id)
+        self._core.on_finished(rid, finished.usage.completion_tokens)
+        entry.finished = True
+        elapsed = time.perf_counter() - entry.started
+        self.observer.on_finished(decision, finished, elapsed)
+        if span.is_recording():
+            spans.record_finish(span, finished)
+
+    def _worker_failed(
+        self,
+        rid: str,
+        worker_id: str,
+        code_name: str,
+        details: str,
+        relayed: bool,
+        attempt: int,
+        span: trace.Span,
+    ) -> None:
+        """An attempt failed on the worker: count it toward ejection, trace it, and raise
+        Unavailable when part of the response was already relayed (never retried, to avoid
+        duplicate output); else count the retry when another attempt follows."""
+        if self.ejector.record_failure(worker_id):
+            log.warning(
+                "worker %s ejected for %.1f s after %d consecutive failures",
+                worker_id,
+                self.config.ejection.cooldown_s,
+                self.config.ejection.max_consecutive_failures,
+            )
+        span.add_event("worker_failure", {"worker_id": worker_id, "code": code_name})
+        if relayed:
+            raise Unavailable(
+                f"worker {worker_id} failed after the response had started "
+                f"(not retried, to avoid duplicate output): {code_name}: {details}"
+            )
+        if attempt < self.config.max_attempts:
+            self.num_retries += 1
+            self.observer.on_retry(worker_id, code_name)
+            log.info("request %s: retrying after %s: %s: %s", rid, worker_id, code_name, details)
 
     def _route(
         self,

@@ -41,10 +41,11 @@ from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
 from router.core.router_core import RouterConfig, RouterCore
 from router.service.auth import ApiKeys
-from router.service.frontend import Frontend, FrontendConfig, TextTokenizer
+from router.service.frontend import Frontend, FrontendConfig
 from router.service.pool import WorkerPool
 from router.service.replica_sync import ReplicaSync
 from router.service.servicer import RouterServicer
+from router.service.validation import TextTokenizer
 from router.service.worker_conn import ConnectionConfig
 
 log = logging.getLogger(__name__)

@@ -12,31 +12,32 @@ is approximate: two texts sharing a byte prefix share routing blocks, so they st
 the same worker through the router's predicted entries, but those entries are never
 confirmed by the worker's events (which carry real token ids), so they lapse after the
 prediction TTL. Clients that want exact cache-aware routing send token ids.
+
+With the fleet's tokenizer (``kvroute router --model DIR``) the front end encodes a text
+prompt itself (``tokenize_prompt``), only as far as some worker's cache may match it when the
+tokenizer has a chunk cache, and forwards the ids.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from edge.frontdoor import BadRequest
+from edge.limits import RequestLimits
+from edge.tokenizer import chat_specials
 from kvroute_proto import kvroute_pb2 as pb
+from kvroute_proto.events import Partition
+from router.service.token_cache import CachedTokenizer
+
+if TYPE_CHECKING:
+    from router.core.router_core import RouterCore
 
 
 class RequestError(ValueError):
     """A request field the router rejects (INVALID_ARGUMENT); the message names field + limit."""
-
-
-@dataclass(frozen=True, slots=True)
-class RequestLimits:
-    """What the router accepts, whatever the worker."""
-
-    max_request_id_chars: int = 256
-    max_prompt_tokens: int = 1 << 20
-    max_prompt_text_bytes: int = 4 << 20
-    max_new_tokens: int = 1 << 20
-    max_stop_token_ids: int = 256
 
 
 def check_request(req: pb.GenerateRequest, limits: RequestLimits) -> None:
@@ -100,3 +101,50 @@ def routing_tokens(req: pb.GenerateRequest) -> np.ndarray:
     return np.fromiter(
         req.prompt_token_ids.ids, dtype=np.uint32, count=len(req.prompt_token_ids.ids)
     )
+
+
+class TextTokenizer(Protocol):
+    """What the front end needs of the fleet's tokenizer (kvroute_proto's tokenizers)."""
+
+    def encode(self, text: str, *, add_special_tokens: bool | None = None) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+def tokenize_prompt(
+    tok: TextTokenizer,
+    text: str,
+    core: RouterCore,
+    partition: Partition,
+    limit: int,
+    *,
+    split: bool = True,
+    chat: bool = False,
+) -> tuple[np.ndarray, str]:
+    """``(ids, tail)`` of a text prompt for routing (uint32 ids; BadRequest past ``limit``
+    tokens). ``chat``: the text is a rendered chat template (its special tokens as
+    ``encode_chat`` adds them: :func:`edge.tokenizer.chat_specials`).
+
+    With ``split`` and a chunk cache (:class:`CachedTokenizer`), only the head that some
+    worker's cache may still match (``core.may_match_past``) is tokenized, and ``tail`` is
+    the text the worker tokenizes (``prompt_text_suffix``); otherwise all of it."""
+    specials = chat_specials(tok) if chat else None
+    if split and isinstance(tok, CachedTokenizer):
+        ids, tail = tok.encode_head(
+            text, lambda head: core.may_match_past(head, partition), add_special_tokens=specials
+        )
+        # a byte-level BPE token holds at least one byte: a tail of b bytes holds at most
+        # b tokens; if that bound could pass the limit, count exactly
+        if not tail or len(ids) + len(tail.encode("utf-8")) <= limit:
+            return _checked(ids, limit), tail
+    whole = tok.encode(text) if specials is None else tok.encode(text, add_special_tokens=specials)
+    return _checked(np.asarray(whole, dtype=np.uint32), limit), ""
+
+
+def _checked(ids: np.ndarray, limit: int) -> np.ndarray:
+    if len(ids) > limit:
+        raise BadRequest(
+            f"prompt_text encodes to {len(ids)} tokens; the limit is {limit}",
+            param="prompt_text",
+        )
+    return ids

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, Required, TypedDict, Unpack
 
 import numpy as np
 import torch
@@ -115,6 +115,19 @@ class Bucket:
     steps: int = 0
 
 
+class RunnerOptions(TypedDict, total=False):
+    """The keyword options both graph runners take. ``capture``: replay graphs made by
+    ``capturer`` (default: CUDA graphs, which need a CUDA device), else run every step
+    eagerly; ``sm_count``: the device's SMs (the kernels' split sizing); ``fused``: the
+    model's fused-ops implementation (``PagedBatch.fused``)."""
+
+    capture: Required[bool]
+    sm_count: int
+    min_context_bucket: int
+    capturer: Capturer | None
+    fused: str
+
+
 class _StaticRunner:
     """What the static decode and prefill runners share: the model, pool and device, the
     attention and fused-ops implementations, the context buckets, the scratch slot, the
@@ -131,10 +144,10 @@ class _StaticRunner:
         impl: str,
         *,
         capture: bool,
-        sm_count: int,
-        min_context_bucket: int,
-        capturer: Capturer | None,
-        fused: str,
+        sm_count: int = 132,
+        min_context_bucket: int = DEFAULT_MIN_CONTEXT_BUCKET,
+        capturer: Capturer | None = None,
+        fused: str = "off",
     ) -> None:
         if pool.scratch_slot is None:
             raise ValueError(
@@ -254,27 +267,12 @@ class DecodeGraphRunner(_StaticRunner):
         device: torch.device,
         impl: str,
         *,
-        capture: bool,
-        sm_count: int = 132,
         batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
-        min_context_bucket: int = DEFAULT_MIN_CONTEXT_BUCKET,
-        capturer: Capturer | None = None,
-        fused: str = "off",
+        **options: Unpack[RunnerOptions],
     ) -> None:
-        """``capture``: replay graphs made by ``capturer`` (default: CUDA graphs, which need
-        a CUDA device); else run every step eagerly. ``fused``: the model's fused-ops
-        implementation (``PagedBatch.fused``)."""
-        super().__init__(
-            model,
-            pool,
-            device,
-            impl,
-            capture=capture,
-            sm_count=sm_count,
-            min_context_bucket=min_context_bucket,
-            capturer=capturer,
-            fused=fused,
-        )
+        """``batch_buckets``: the batch sizes a step is padded up to; ``options``: see
+        RunnerOptions."""
+        super().__init__(model, pool, device, impl, **options)
         self.batch_buckets = self._sizes("batch_buckets", batch_buckets)
         self._buckets = {}
 
@@ -438,28 +436,14 @@ class PrefillGraphRunner(_StaticRunner):
         device: torch.device,
         impl: str,
         *,
-        capture: bool,
-        sm_count: int = 132,
         token_buckets: Sequence[int] = DEFAULT_PREFILL_BUCKETS,
-        min_context_bucket: int = DEFAULT_MIN_CONTEXT_BUCKET,
-        capturer: Capturer | None = None,
-        fused: str = "off",
+        **options: Unpack[RunnerOptions],
     ) -> None:
         """As DecodeGraphRunner; CUDA graphs need the Triton kernels (the torch reference
         builds host-side index tensors per call, which a capture cannot hold)."""
-        if capture and impl != "triton" and device.type == "cuda":
+        if options.get("capture") and impl != "triton" and device.type == "cuda":
             raise ValueError("static prefill: CUDA graph capture needs the Triton prefill kernel")
-        super().__init__(
-            model,
-            pool,
-            device,
-            impl,
-            capture=capture,
-            sm_count=sm_count,
-            min_context_bucket=min_context_bucket,
-            capturer=capturer,
-            fused=fused,
-        )
+        super().__init__(model, pool, device, impl, **options)
         self.token_buckets = self._sizes("token_buckets", token_buckets)
         self._buckets = {}
 

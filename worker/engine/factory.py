@@ -56,10 +56,9 @@ def build_executor(
 
     The torch executor's three speed options default by device (``None``): on CUDA with
     triton installed (torch's CUDA builds bring it) the fastest measured combination --
-    paged attention, CUDA graphs, the fused Triton kernels (bench_gpu on an H200: a decode
-    step at batch 1 5.5 ms against gather's 39 ms, greedy output cached vs cold identical);
-    anywhere else the gather path, eagerly, unfused (the CPU's fastest, and what the CPU
-    tests compare with).
+    paged attention, CUDA graphs, the fused Triton kernels (decision 0027); anywhere else
+    the gather path, eagerly, unfused (the CPU's fastest, and what the CPU tests compare
+    with).
 
     ``attention`` (torch only): how the model attends over the paged KV pool (one of
     ``paged_attention.ATTENTION_CHOICES``; None: "paged" on CUDA or with ``cuda_graphs``,
@@ -88,26 +87,21 @@ def build_executor(
     """
     if num_kv_slots < 1:
         raise ValueError(f"num_kv_slots must be >= 1, got {num_kv_slots}")
-    if sim_max_context_tokens is not None and kind != "sim":
-        raise ValueError("sim_max_context_tokens: only the 'sim' executor takes it")
-    if attention is not None and kind != "torch":
-        raise ValueError("attention: only the 'torch' executor takes it")
-    if cuda_graphs is not None and kind != "torch":
-        raise ValueError("cuda_graphs: only the 'torch' executor takes it")
-    if fused is not None and kind != "torch":
-        raise ValueError("fused: only the 'torch' executor takes it")
+    only = (
+        ("sim_max_context_tokens", sim_max_context_tokens, "sim"),
+        ("attention", attention, "torch"),
+        ("cuda_graphs", cuda_graphs, "torch"),
+        ("fused", fused, "torch"),
+    )
+    for name, value, owner in only:
+        if value is not None and kind != owner:
+            raise ValueError(f"{name}: only the '{owner}' executor takes it")
     if kv_memory_fraction is not None and not 0.0 < kv_memory_fraction <= 1.0:
         raise ValueError(f"kv_memory_fraction must be in (0, 1], got {kv_memory_fraction}")
     match kind:
         case "torch":
-            from worker.engine.paged_attention import triton_available
-
             dev = device or default_device()
-            gpu = dev.startswith("cuda") and triton_available()  # the measured defaults
-            if attention is None:
-                attention = "paged" if gpu or cuda_graphs else "gather"
-            if cuda_graphs is None:
-                cuda_graphs = gpu and attention != "gather"
+            attention, cuda_graphs, fused = _torch_defaults(dev, attention, cuda_graphs, fused)
             return _build_torch(
                 model_dir,
                 num_kv_slots,
@@ -116,7 +110,7 @@ def build_executor(
                 kv_memory_fraction,
                 attention,
                 cuda_graphs,
-                fused or ("triton" if gpu else "off"),
+                fused,
             )
         case "sim":
             if model_dir is not None:
@@ -124,6 +118,20 @@ def build_executor(
             return _build_sim(sim_max_context_tokens)
         case _:
             raise ValueError(f"executor kind must be one of {EXECUTOR_KINDS}, got {kind!r}")
+
+
+def _torch_defaults(
+    device: str, attention: str | None, cuda_graphs: bool | None, fused: str | None
+) -> tuple[str, bool, str]:
+    """The torch executor's speed options, each None resolved by device (decision 0027)."""
+    from worker.engine.paged_attention import triton_available
+
+    gpu = device.startswith("cuda") and triton_available()  # the measured defaults
+    if attention is None:
+        attention = "paged" if gpu or cuda_graphs else "gather"
+    if cuda_graphs is None:
+        cuda_graphs = gpu and attention != "gather"
+    return attention, cuda_graphs, fused or ("triton" if gpu else "off")
 
 
 def _build_torch(

@@ -88,6 +88,34 @@ def _add_rmsnorm_kernel(
 
 
 @triton.jit
+def _row_block(
+    block,
+    n_rows,
+    HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    """Rows block * BLOCK_R ... of a [tokens * HEADS, 2 * HALF] view (row r: token
+    r // HEADS, head r % HEADS): the rows, the half-row columns, the rows' token and head,
+    and the mask of real rows and columns."""
+    rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_HALF)
+    mask = (rows < n_rows)[:, None] & (cols < HALF)[None, :]
+    tok = (rows // HEADS).to(tl.int64)
+    head = (rows % HEADS).to(tl.int64)
+    return rows, cols, tok, head, mask
+
+
+@triton.jit
+def _store_halves(c_ptr, row_offsets, lo, hi, mask, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Rows' two halves stored at ``c_ptr + row_offsets`` (a KV cache's slots), cast to it."""
+    dst = c_ptr + row_offsets[:, None] + tl.arange(0, BLOCK_HALF)[None, :]
+    tl.store(dst, lo.to(c_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, hi.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _rope_rows(
     x_ptr,
     cos_ptr,
@@ -104,12 +132,8 @@ def _rope_rows(
     RNE: tl.constexpr,
 ):
     """Rotate rows block * BLOCK_R ... of x in place (row r: token r // HEADS, head
-    r % HEADS); returns the rotated halves, the rows' token and head, and the mask."""
-    rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.arange(0, BLOCK_HALF)
-    mask = (rows < n_rows)[:, None] & (cols < HALF)[None, :]
-    tok = (rows // HEADS).to(tl.int64)
-    head = (rows % HEADS).to(tl.int64)
+    r % HEADS); returns the rotated halves, the rows, their token and head, and the mask."""
+    rows, cols, tok, head, mask = _row_block(block, n_rows, HEADS, HALF, BLOCK_R, BLOCK_HALF)
     base = x_ptr + (tok * stride_t + head * stride_h)[:, None] + cols[None, :]
     x1 = tl.load(base, mask=mask, other=0.0)
     x2 = tl.load(base + HALF, mask=mask, other=0.0)
@@ -121,7 +145,7 @@ def _rope_rows(
     y2 = _to(b * c + a * s, x1.dtype, RNE)
     tl.store(base, y1, mask=mask)
     tl.store(base + HALF, y2, mask=mask)
-    return y1, y2, tok, head, mask
+    return y1, y2, rows, tok, head, mask
 
 
 @triton.jit
@@ -159,7 +183,6 @@ def _rope_write_kernel(
     pid = tl.program_id(0)
     q_blocks = tl.cdiv(n_q_rows, BLOCK_R)
     k_blocks = tl.cdiv(n_k_rows, BLOCK_R)
-    cols = tl.arange(0, BLOCK_HALF)
     if pid < q_blocks:
         _rope_rows(
             q_ptr,
@@ -177,7 +200,7 @@ def _rope_write_kernel(
             RNE,
         )
     elif pid < q_blocks + k_blocks:  # k rows: rotated in place and into the cache
-        y1, y2, tok, head, mask = _rope_rows(
+        y1, y2, rows, tok, head, mask = _rope_rows(
             k_ptr,
             cos_ptr,
             sin_ptr,
@@ -192,23 +215,18 @@ def _rope_write_kernel(
             BLOCK_HALF,
             RNE,
         )
-        rows = (pid - q_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)
         slot = tl.load(slots_ptr + tok, mask=rows < n_k_rows, other=0).to(tl.int64)
-        dst = kc_ptr + (slot * stride_kcs + head * stride_kch)[:, None] + cols[None, :]
-        tl.store(dst, y1.to(kc_ptr.dtype.element_ty), mask=mask)
-        tl.store(dst + HALF, y2.to(kc_ptr.dtype.element_ty), mask=mask)
+        _store_halves(kc_ptr, slot * stride_kcs + head * stride_kch, y1, y2, mask, HALF, BLOCK_HALF)
     else:  # v rows: copied into the cache
-        rows = (pid - q_blocks - k_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)
-        mask = (rows < n_k_rows)[:, None] & (cols < HALF)[None, :]
-        tok = (rows // K_HEADS).to(tl.int64)
-        head = (rows % K_HEADS).to(tl.int64)
+        block = pid - q_blocks - k_blocks
+        rows, cols, tok, head, mask = _row_block(
+            block, n_k_rows, K_HEADS, HALF, BLOCK_R, BLOCK_HALF
+        )
         src = v_ptr + (tok * stride_vt + head * stride_vh)[:, None] + cols[None, :]
         slot = tl.load(slots_ptr + tok, mask=rows < n_k_rows, other=0).to(tl.int64)
-        dst = vc_ptr + (slot * stride_vcs + head * stride_vch)[:, None] + cols[None, :]
         lo = tl.load(src, mask=mask, other=0.0)
         hi = tl.load(src + HALF, mask=mask, other=0.0)
-        tl.store(dst, lo.to(vc_ptr.dtype.element_ty), mask=mask)
-        tl.store(dst + HALF, hi.to(vc_ptr.dtype.element_ty), mask=mask)
+        _store_halves(vc_ptr, slot * stride_vcs + head * stride_vch, lo, hi, mask, HALF, BLOCK_HALF)
 
 
 @triton.jit

@@ -49,6 +49,108 @@ def _mma(a, b, F32: tl.constexpr):
 
 
 @triton.jit
+def _load_rows(ptr, row_offsets, mask_r, offs_d, mask_d):
+    """Rows [R, BLOCK_D] at ``ptr + row_offsets`` (head_dim contiguous; 0 where masked)."""
+    return tl.load(
+        ptr + row_offsets[:, None] + offs_d[None, :],
+        mask=mask_r[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+
+
+@triton.jit
+def _split_range(length, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys [lo, hi) of run ``split`` when keys [0, length) are cut into NUM_SPLITS runs of
+    whole BLOCK_N blocks."""
+    per_split = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * per_split
+    return lo, tl.minimum(lo + per_split, length)
+
+
+@triton.jit
+def _softmax_init(BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """An empty online softmax of BLOCK_R rows: max -inf, sum 0, output 0."""
+    m_i = tl.zeros([BLOCK_R], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _load_kv_block(k_g, v_g, table_row, start, hi, offs_n, offs_d, mask_d, stride_ks, stride_vs):
+    """Keys ``start .. start + BLOCK_N`` below ``hi`` of one slot-table row (``table_row``):
+    their positions and mask, K transposed [BLOCK_D, BLOCK_N] and V [BLOCK_N, BLOCK_D] read
+    through the table from one kv head's pool (``k_g``, ``v_g``; 0 where masked)."""
+    keys = start + offs_n
+    mask_n = keys < hi
+    slots = tl.load(table_row + keys, mask=mask_n, other=0).to(tl.int64)
+    kt = tl.load(
+        k_g + slots[None, :] * stride_ks + offs_d[:, None],
+        mask=mask_n[None, :] & mask_d[:, None],
+        other=0.0,
+    )
+    v = tl.load(
+        v_g + slots[:, None] * stride_vs + offs_d[None, :],
+        mask=mask_n[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    return keys, mask_n, kt, v
+
+
+@triton.jit
+def _softmax_step(
+    q, kt, v, visible, m_i, l_i, acc, scale, F32: tl.constexpr, SAFE_MAX: tl.constexpr
+):
+    """One key block of the online softmax: each query row's running max ``m_i``, sum
+    ``l_i`` and output ``acc``, updated with the keys ``visible`` to it. ``SAFE_MAX``: a row
+    may see no key of the block while its max is still -inf; 0 then stands in for the max
+    (exp(-inf - 0) = 0, never exp(-inf + inf))."""
+    s = _mma(q, kt, F32) * scale
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if SAFE_MAX:  # noqa: SIM108 (a constexpr branch, as in _mma)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_ref = m_new
+    alpha = tl.exp(m_i - m_ref)
+    p = tl.exp(s - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _mma(p.to(v.dtype), v, F32)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _store_out(
+    acc,
+    m_i,
+    l_i,
+    out_ptr,
+    out_rows,
+    mid_o,
+    mid_lse,
+    mask_r,
+    offs_d,
+    mask_d,
+    NUM_SPLITS: tl.constexpr,
+):
+    """The rows' normalised output: with one split to ``out_ptr + out_rows``, else to the
+    split buffers (rows ``mid_o``, of BLOCK_D floats, and their log-sum-exp at
+    ``mid_lse``) that _combine_kernel merges."""
+    nonempty = l_i > 0
+    o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(
+            out_ptr + out_rows[:, None] + offs_d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=mask_r[:, None] & mask_d[None, :],
+        )
+    else:
+        tl.store(mid_o[:, None] + offs_d[None, :], o, mask=mask_r[:, None] & mask_d[None, :])
+        lse = tl.where(nonempty, m_i + tl.log(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+        tl.store(mid_lse, lse, mask=mask_r)
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr,
     k_ptr,
@@ -86,61 +188,24 @@ def _decode_kernel(
     mask_d = offs_d < HEAD_DIM
     heads = g * REP + offs_h
 
-    q = tl.load(
-        q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=mask_h[:, None] & mask_d[None, :],
-        other=0.0,
-    )
+    q = _load_rows(q_ptr, b * stride_qb + heads * stride_qh, mask_h, offs_d, mask_d)
     length = tl.load(lens_ptr + b)
     # This split's keys [lo, hi): the context cut into NUM_SPLITS whole blocks of BLOCK_N.
-    per_split = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * per_split
-    hi = tl.minimum(lo + per_split, length)
+    lo, hi = _split_range(length, split, NUM_SPLITS, BLOCK_N)
 
-    m_i = tl.zeros([BLOCK_H], dtype=tl.float32) - float("inf")
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    k_g, v_g, table_b = k_ptr + g * stride_kh, v_ptr + g * stride_vh, table_ptr + b * stride_tb
+    m_i, l_i, acc = _softmax_init(BLOCK_H, BLOCK_D)
     for start in range(lo, hi, BLOCK_N):
-        keys = start + offs_n
-        mask_n = keys < hi
-        slots = tl.load(table_ptr + b * stride_tb + keys, mask=mask_n, other=0).to(tl.int64)
-        kt = tl.load(  # [BLOCK_D, BLOCK_N]: K transposed
-            k_ptr + slots[None, :] * stride_ks + g * stride_kh + offs_d[:, None],
-            mask=mask_n[None, :] & mask_d[:, None],
-            other=0.0,
+        _, mask_n, kt, v = _load_kv_block(
+            k_g, v_g, table_b, start, hi, offs_n, offs_d, mask_d, stride_ks, stride_vs
         )
-        s = _mma(q, kt, F32) * scale
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_ptr + slots[:, None] * stride_vs + g * stride_vh + offs_d[None, :],
-            mask=mask_n[:, None] & mask_d[None, :],
-            other=0.0,
-        )
-        acc = acc * alpha[:, None] + _mma(p.to(v.dtype), v, F32)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_step(q, kt, v, mask_n[None, :], m_i, l_i, acc, scale, F32, False)
 
-    nonempty = l_i > 0
-    o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
-    if NUM_SPLITS == 1:
-        tl.store(
-            out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-            o.to(out_ptr.dtype.element_ty),
-            mask=mask_h[:, None] & mask_d[None, :],
-        )
-    else:
-        # mid_o: float32 [B, H, NUM_SPLITS, BLOCK_D]; mid_lse: float32 [B, H, NUM_SPLITS].
-        row = (b * (REP * tl.num_programs(1)) + heads) * NUM_SPLITS + split
-        tl.store(
-            mid_o_ptr + row[:, None] * BLOCK_D + offs_d[None, :],
-            o,
-            mask=mask_h[:, None] & mask_d[None, :],
-        )
-        lse = tl.where(nonempty, m_i + tl.log(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-        tl.store(mid_lse_ptr + row, lse, mask=mask_h)
+    # mid_o: float32 [B, H, NUM_SPLITS, BLOCK_D]; mid_lse: float32 [B, H, NUM_SPLITS].
+    out_rows = b * stride_ob + heads * stride_oh
+    mid = (b * (REP * tl.num_programs(1)) + heads) * NUM_SPLITS + split
+    mid_o, mid_lse = mid_o_ptr + mid * BLOCK_D, mid_lse_ptr + mid
+    _store_out(acc, m_i, l_i, out_ptr, out_rows, mid_o, mid_lse, mask_h, offs_d, mask_d, NUM_SPLITS)
 
 
 @triton.jit
@@ -225,70 +290,32 @@ def _prefill_kernel(
     mask_m = offs_m < num_new
     mask_d = offs_d < HEAD_DIM
     rows = (q_first + offs_m).to(tl.int64)
-    q = tl.load(
-        q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-        mask=mask_m[:, None] & mask_d[None, :],
-        other=0.0,
-    )
+    q = _load_rows(q_ptr, rows * stride_qt + h * stride_qh, mask_m, offs_d, mask_d)
     qpos = start_pos + offs_m  # absolute positions of the block's queries
     # Keys up to the block's last real query (the item's context ends there or later),
     # cut into NUM_SPLITS runs of whole BLOCK_N blocks; this program walks run ``split``.
-    hi = start_pos + tl.minimum(row0 + BLOCK_M, num_new)
-    per_split = tl.cdiv(tl.cdiv(hi, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * per_split
-    hi = tl.minimum(lo + per_split, hi)
+    lo, hi = _split_range(
+        start_pos + tl.minimum(row0 + BLOCK_M, num_new), split, NUM_SPLITS, BLOCK_N
+    )
 
-    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    k_g, v_g, table_i = k_ptr + g * stride_kh, v_ptr + g * stride_vh, table_ptr + item * stride_tb
+    m_i, l_i, acc = _softmax_init(BLOCK_M, BLOCK_D)
     for start in range(lo, hi, BLOCK_N):
-        keys = start + offs_n
-        mask_n = keys < hi
-        slots = tl.load(table_ptr + item * stride_tb + keys, mask=mask_n, other=0).to(tl.int64)
-        kt = tl.load(
-            k_ptr + slots[None, :] * stride_ks + g * stride_kh + offs_d[:, None],
-            mask=mask_n[None, :] & mask_d[:, None],
-            other=0.0,
+        keys, mask_n, kt, v = _load_kv_block(
+            k_g, v_g, table_i, start, hi, offs_n, offs_d, mask_d, stride_ks, stride_vs
         )
-        s = _mma(q, kt, F32) * scale
         visible = mask_n[None, :] & (keys[None, :] <= qpos[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
         # Key 0 is visible to every row, so with one split no row's max is ever -inf; a
-        # later split can hold only keys past a row's position: there its max stays -inf,
-        # and 0 stands in for it (exp(-inf - 0) = 0, never exp(-inf + inf)).
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_ptr + slots[:, None] * stride_vs + g * stride_vh + offs_d[None, :],
-            mask=mask_n[:, None] & mask_d[None, :],
-            other=0.0,
-        )
-        acc = acc * alpha[:, None] + _mma(p.to(v.dtype), v, F32)
-        m_i = m_new
+        # later split can hold only keys past a row's position: there its max stays -inf
+        # (SAFE_MAX).
+        m_i, l_i, acc = _softmax_step(q, kt, v, visible, m_i, l_i, acc, scale, F32, True)
 
-    nonempty = l_i > 0
-    o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
-    if NUM_SPLITS == 1:
-        tl.store(
-            out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
-            o.to(out_ptr.dtype.element_ty),
-            mask=mask_m[:, None] & mask_d[None, :],
-        )
-    else:
-        # mid_o: float32 [T, H, NUM_SPLITS, BLOCK_D]; mid_lse: float32 [T, H, NUM_SPLITS]
-        # (the decode kernel's layout with a packed row for a request: _combine_kernel
-        # merges both).
-        mid = (rows * tl.num_programs(1) + h) * NUM_SPLITS + split
-        tl.store(
-            mid_o_ptr + mid[:, None] * BLOCK_D + offs_d[None, :],
-            o,
-            mask=mask_m[:, None] & mask_d[None, :],
-        )
-        lse = tl.where(nonempty, m_i + tl.log(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-        tl.store(mid_lse_ptr + mid, lse, mask=mask_m)
+    # mid_o: float32 [T, H, NUM_SPLITS, BLOCK_D]; mid_lse: float32 [T, H, NUM_SPLITS] (the
+    # decode kernel's layout with a packed row for a request: _combine_kernel merges both).
+    out_rows = rows * stride_ot + h * stride_oh
+    mid = (rows * tl.num_programs(1) + h) * NUM_SPLITS + split
+    mid_o, mid_lse = mid_o_ptr + mid * BLOCK_D, mid_lse_ptr + mid
+    _store_out(acc, m_i, l_i, out_ptr, out_rows, mid_o, mid_lse, mask_m, offs_d, mask_d, NUM_SPLITS)
 
 
 @functools.cache

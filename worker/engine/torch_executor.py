@@ -38,11 +38,30 @@ from worker.engine.decode_graph import (
     CudaGraphCapturer,
     DecodeGraphRunner,
     PrefillGraphRunner,
+    RunnerOptions,
 )
 from worker.engine.kv_pool import KVPool, KVPoolConfig
 from worker.engine.model import DecodeGroup, LlamaForCausalLM, PagedBatch, PrefillSeq
 from worker.engine.sampling import Sampler
 from worker.engine.types import ForwardItem
+
+
+def _check_pool_fits(model: LlamaForCausalLM, kv_pool: KVPool) -> None:
+    """ValueError unless the pool's (layers, kv_heads, head_dim, dtype) are the model's."""
+    cfg = model.config
+    pool_cfg = kv_pool.config
+    pool_shape = (pool_cfg.num_layers, pool_cfg.num_kv_heads, pool_cfg.head_dim, pool_cfg.dtype)
+    model_shape = (
+        cfg.num_hidden_layers,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        next(model.parameters()).dtype,
+    )
+    if pool_shape != model_shape:
+        raise ValueError(
+            f"kv_pool: (layers, kv_heads, head_dim, dtype) = {pool_shape} does not match the "
+            f"model's {model_shape}"
+        )
 
 
 class TorchExecutor:
@@ -62,25 +81,8 @@ class TorchExecutor:
         fused: str = "off",
         static_prefill: bool = True,
     ) -> None:
+        _check_pool_fits(model, kv_pool)
         cfg = model.config
-        pool_cfg = kv_pool.config
-        pool_shape = (
-            pool_cfg.num_layers,
-            pool_cfg.num_kv_heads,
-            pool_cfg.head_dim,
-            pool_cfg.dtype,
-        )
-        model_shape = (
-            cfg.num_hidden_layers,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-            next(model.parameters()).dtype,
-        )
-        if pool_shape != model_shape:
-            raise ValueError(
-                f"kv_pool: (layers, kv_heads, head_dim, dtype) = {pool_shape} does not match the "
-                f"model's {model_shape}"
-            )
         self.model = model
         self.kv_pool = kv_pool
         self.device = torch.device(device)
@@ -112,37 +114,41 @@ class TorchExecutor:
         self.decode_graphs: DecodeGraphRunner | None = None
         self.prefill_graphs: PrefillGraphRunner | None = None
         if cuda_graphs or static_decode:
-            if self.attention_impl == "gather":
-                raise ValueError(
-                    "cuda_graphs / static_decode run paged attention: give attention='paged', "
-                    "'paged-torch' or 'paged-triton', not 'gather'"
-                )
-            # one memory pool for every graph: only one of them ever replays at a time
-            capturer = CudaGraphCapturer(self.device) if cuda_graphs else None
-            self.decode_graphs = DecodeGraphRunner(
-                model,
-                kv_pool,
-                self.device,
-                self.attention_impl,
-                capture=cuda_graphs,
-                sm_count=self._sm_count,
-                batch_buckets=graph_batch_buckets,
-                capturer=capturer,
-                fused=self.fused_impl,
+            self._make_graph_runners(static_prefill, graph_batch_buckets)
+
+    def _make_graph_runners(
+        self, static_prefill: bool, graph_batch_buckets: tuple[int, ...]
+    ) -> None:
+        """The static decode runner, and with ``static_prefill`` the lone-prefill one."""
+        if self.attention_impl == "gather":
+            raise ValueError(
+                "cuda_graphs / static_decode run paged attention: give attention='paged', "
+                "'paged-torch' or 'paged-triton', not 'gather'"
             )
-            # A lone short prefill (a cache hit on an idle worker) the same way; captured
-            # only over the Triton kernels (the torch reference builds host-side indices).
-            if static_prefill and (not cuda_graphs or self.attention_impl == "triton"):
-                self.prefill_graphs = PrefillGraphRunner(
-                    model,
-                    kv_pool,
-                    self.device,
-                    self.attention_impl,
-                    capture=cuda_graphs,
-                    sm_count=self._sm_count,
-                    capturer=capturer,
-                    fused=self.fused_impl,
-                )
+        cuda_graphs = self.cuda_graphs
+        # one memory pool for every graph: only one of them ever replays at a time
+        capturer = CudaGraphCapturer(self.device) if cuda_graphs else None
+        options = RunnerOptions(
+            capture=cuda_graphs,
+            sm_count=self._sm_count,
+            capturer=capturer,
+            fused=self.fused_impl,
+        )
+        model, kv_pool = self.model, self.kv_pool
+        self.decode_graphs = DecodeGraphRunner(
+            model,
+            kv_pool,
+            self.device,
+            self.attention_impl,
+            batch_buckets=graph_batch_buckets,
+            **options,
+        )
+        # A lone short prefill (a cache hit on an idle worker) the same way; captured
+        # only over the Triton kernels (the torch reference builds host-side indices).
+        if static_prefill and (not cuda_graphs or self.attention_impl == "triton"):
+            self.prefill_graphs = PrefillGraphRunner(
+                model, kv_pool, self.device, self.attention_impl, **options
+            )
 
     def capture_graphs(self, max_context: int | None = None) -> int:
         """Capture every CUDA graph bucket now -- decode (batch x context width) and lone
@@ -356,38 +362,7 @@ class TorchExecutor:
 
         group = None
         if decode:
-            checked = [self._check_item(item, "decode") for item in decode]
-            lengths = np.array([len(s) for _, s in checked], dtype=np.int64)
-            max_len = int(lengths.max())
-            # Pad each row with its own first slot (a valid index); the mask hides it.
-            table = np.empty((len(decode), max_len), dtype=np.int64)
-            for row, (_, slots) in enumerate(checked):
-                table[row, : len(slots)] = slots
-                table[row, len(slots) :] = slots[0]
-            for item, (tokens, slots) in zip(decode, checked, strict=True):
-                ids.append(tokens)
-                positions.append(np.array([item.start_pos], dtype=np.int64))
-                writes.append(slots[item.start_pos :])
-            if paged:
-                group = DecodeGroup(
-                    token_offset=offset,
-                    ctx_slots=torch.tensor(table, device=dev),
-                    ctx_mask=None,
-                    ctx_lens=torch.tensor(lengths.astype(np.int32), device=dev),
-                    num_splits=paged_attention.decode_splits(
-                        len(decode),
-                        self.kv_pool.config.num_kv_heads,
-                        max_len,
-                        sm_count=self._sm_count,
-                    ),
-                )
-            else:
-                mask = np.arange(max_len)[None, :] < lengths[:, None]
-                group = DecodeGroup(
-                    token_offset=offset,
-                    ctx_slots=torch.tensor(table, device=dev),
-                    ctx_mask=torch.tensor(mask, device=dev)[:, None, None, :],
-                )
+            group = self._decode_group(decode, offset, ids, positions, writes)
             logit_rows.extend(range(offset, offset + len(decode)))
 
         write_slots = np.concatenate(writes)
@@ -402,6 +377,49 @@ class TorchExecutor:
             attention=self.attention_impl,
             prefill_plan=plan,
             fused=self.fused_impl,
+        )
+
+    def _decode_group(
+        self,
+        decode: list[ForwardItem],
+        offset: int,
+        ids: list[np.ndarray],
+        positions: list[np.ndarray],
+        writes: list[np.ndarray],
+    ) -> DecodeGroup:
+        """The decode rows' attention inputs (their rows start at ``offset``); appends each
+        row's token, position and KV write slot to ``ids``, ``positions``, ``writes``."""
+        dev = self.device
+        checked = [self._check_item(item, "decode") for item in decode]
+        lengths = np.array([len(s) for _, s in checked], dtype=np.int64)
+        max_len = int(lengths.max())
+        # Pad each row with its own first slot (a valid index); the mask hides it.
+        table = np.empty((len(decode), max_len), dtype=np.int64)
+        for row, (_, slots) in enumerate(checked):
+            table[row, : len(slots)] = slots
+            table[row, len(slots) :] = slots[0]
+        for item, (tokens, slots) in zip(decode, checked, strict=True):
+            ids.append(tokens)
+            positions.append(np.array([item.start_pos], dtype=np.int64))
+            writes.append(slots[item.start_pos :])
+        if self.attention_impl != "gather":  # paged
+            return DecodeGroup(
+                token_offset=offset,
+                ctx_slots=torch.tensor(table, device=dev),
+                ctx_mask=None,
+                ctx_lens=torch.tensor(lengths.astype(np.int32), device=dev),
+                num_splits=paged_attention.decode_splits(
+                    len(decode),
+                    self.kv_pool.config.num_kv_heads,
+                    max_len,
+                    sm_count=self._sm_count,
+                ),
+            )
+        mask = np.arange(max_len)[None, :] < lengths[:, None]
+        return DecodeGroup(
+            token_offset=offset,
+            ctx_slots=torch.tensor(table, device=dev),
+            ctx_mask=torch.tensor(mask, device=dev)[:, None, None, :],
         )
 
 

@@ -16,6 +16,7 @@ from typing import Protocol
 
 import numpy as np
 
+from edge.limits import RequestLimits
 from edge.tokenizer import chat_specials
 from kvroute_proto import codec
 from kvroute_proto import kvroute_pb2 as pb
@@ -23,21 +24,11 @@ from kvroute_proto.events import EventBatch, LoadReport, Snapshot
 from worker.engine.types import EngineRequest, FinishReason, SamplingParams, Usage
 from worker.errors import InvalidRequestError
 
-MAX_REQUEST_ID_CHARS = 256
-
 
 class TextEncoder(Protocol):
     """The part of a tokenizer that request decoding needs."""
 
     def encode(self, text: str, *, add_special_tokens: bool | None = None) -> list[int]: ...
-
-
-@dataclass(frozen=True, slots=True)
-class RequestLimits:
-    """Service-level limits applied while decoding a GenerateRequest."""
-
-    default_max_new_tokens: int = 16  # used when sampling.max_new_tokens is 0
-    max_prompt_text_chars: int = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,9 +89,10 @@ def request_from_pb(
 ) -> EngineRequest:
     """Decode a GenerateRequest into an EngineRequest (empty request_id -> a new one)."""
     request_id = msg.request_id or new_request_id()
-    if len(request_id) > MAX_REQUEST_ID_CHARS:
+    if len(request_id) > limits.max_request_id_chars:
         raise InvalidRequestError(
-            "request_id", f"at most {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}"
+            "request_id",
+            f"at most {limits.max_request_id_chars} characters, got {len(request_id)}",
         )
     match msg.WhichOneof("prompt"):
         case "prompt_token_ids":

@@ -23,12 +23,13 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import Span, Status, StatusCode
 
 from edge.frontdoor import BadRequest, CallInfo, Overloaded, Unavailable
+from edge.limits import RequestLimits
 from kvroute_proto import kvroute_pb2 as pb
 from worker.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from worker.engine.types import RequestOutput
 from worker.errors import InvalidRequestError, QueueFullError
 from worker.service import convert, spans
-from worker.service.convert import RequestLimits, WorkerInfo
+from worker.service.convert import WorkerInfo
 from worker.service.engine_runner import EngineRunner, EngineStoppedError, RequestStream
 from worker.service.observe import NO_OBSERVER, GenerationObserver
 

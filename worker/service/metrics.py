@@ -28,7 +28,14 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from edge.metrics_http import MetricsHttpServer, await_on_loop, histogram_family
+from edge.metrics_http import (
+    LATENCY_BUCKETS_S,
+    MetricsEndpoint,
+    await_on_loop,
+    counter_family,
+    gauge_family,
+    histogram_family,
+)
 from worker.engine.stats import EngineStats, HistogramStats
 from worker.service.observe import NO_OBSERVER
 
@@ -42,11 +49,6 @@ __all__ = [
     "WorkerStateCollector",
 ]
 
-# TTFT and e2e: vLLM's TTFT buckets, up to 10 minutes
-LATENCY_BUCKETS_S = (
-    *(0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75),
-    *(1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0),
-)
 # inter-token latency: vLLM's time-per-output-token buckets
 INTER_TOKEN_BUCKETS_S = (
     *(0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075),
@@ -199,12 +201,7 @@ class WorkerSnapshot:
     last_seq: int
 
 
-def _gauge(name: str, doc: str, labels: tuple[str, ...] = ("worker",)) -> GaugeMetricFamily:
-    return GaugeMetricFamily(name, doc, labels=list(labels))
-
-
-def _counter(name: str, doc: str, labels: tuple[str, ...] = ("worker",)) -> CounterMetricFamily:
-    return CounterMetricFamily(name, doc, labels=list(labels))
+_WORKER = ("worker",)
 
 
 class WorkerStateCollector(Collector):
@@ -241,19 +238,19 @@ class WorkerStateCollector(Collector):
         snap = self._snapshot()
         s = snap.engine
         w = [self._worker_id]
-        for name, attr, doc in ENGINE_GAUGES:
-            g = _gauge(name, doc)
-            g.add_metric(w, getattr(s, attr))
-            yield g
-        for name, attr, doc in ENGINE_COUNTERS:
-            c = _counter(name, doc)
-            c.add_metric(w, getattr(s, attr))
-            yield c
-        for name, attr, doc in PUBLISHER_COUNTERS:
-            c = _counter(name, doc)
-            c.add_metric(w, getattr(snap, attr))
-            yield c
-        last_seq = _gauge("kvroute_worker_event_last_seq", "Seq of the last published batch")
+        tables = (
+            (gauge_family, ENGINE_GAUGES, s),
+            (counter_family, ENGINE_COUNTERS, s),
+            (counter_family, PUBLISHER_COUNTERS, snap),
+        )
+        for family, table, source in tables:
+            for name, attr, doc in table:
+                f = family(name, doc, _WORKER)
+                f.add_metric(w, getattr(source, attr))
+                yield f
+        last_seq = gauge_family(
+            "kvroute_worker_event_last_seq", "Seq of the last published batch", _WORKER
+        )
         last_seq.add_metric(w, snap.last_seq)
         yield last_seq
         yield histogram_family(
@@ -265,33 +262,17 @@ class WorkerStateCollector(Collector):
         )
 
 
-class WorkerMetricsEndpoint:
-    """Metrics for one WorkerServer: instruments its request path and serves ``/metrics``.
-
-    ``start()`` (on the worker's event loop, after the server started) hooks WorkerMetrics
-    into its WorkerGeneration (every front door) and binds the endpoint; ``stop()`` undoes it.
-    """
+class WorkerMetricsEndpoint(MetricsEndpoint):
+    """Metrics for one WorkerServer: WorkerMetrics hooked into its WorkerGeneration (every
+    front door) and the engine state read at scrape time, served on ``/metrics``."""
 
     def __init__(self, server: WorkerServer, host: str = "127.0.0.1", port: int = 0) -> None:
+        super().__init__(host, port)
         self.server = server
-        self.registry = CollectorRegistry()
         self.metrics = WorkerMetrics(self.registry, server.config.engine.worker_id)
-        self.http = MetricsHttpServer(self.registry, host, port)
 
-    @property
-    def port(self) -> int | None:
-        return self.http.port
+    def _collectors(self, loop: asyncio.AbstractEventLoop) -> list[Collector]:
+        return [WorkerStateCollector.for_server(self.server, loop)]
 
-    @property
-    def url(self) -> str:
-        return f"http://{self.http.address}/metrics"
-
-    def start(self) -> int:
-        loop = asyncio.get_running_loop()
-        self.registry.register(WorkerStateCollector.for_server(self.server, loop))
-        self.server.servicer.generation.observer = self.metrics
-        return self.http.start()
-
-    def stop(self) -> None:
-        self.server.servicer.generation.observer = NO_OBSERVER
-        self.http.stop()
+    def _observe(self, on: bool) -> None:
+        self.server.servicer.generation.observer = self.metrics if on else NO_OBSERVER

@@ -14,7 +14,7 @@ from edge.security_cli import (
     add_hash_key_arg,
     add_redis_auth_args,
     add_server_tls_args,
-    server_tls_from_args,
+    server_tls_and_http,
 )
 from worker.service.server import WorkerServerConfig
 
@@ -44,10 +44,7 @@ def apply_worker_security(
     args: argparse.Namespace, config: WorkerServerConfig
 ) -> WorkerServerConfig:
     """``config`` with the security options of ``args`` (ValueError naming the flag)."""
-    tls = server_tls_from_args(args)
-    http = config.http
-    if http is not None:
-        http = dataclasses.replace(http, tls=tls)
+    tls, http = server_tls_and_http(args, config.http)
     return dataclasses.replace(
         config,
         tls=tls,

@@ -26,6 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from edge.auth import AuthInterceptor, auth_middleware, token_authenticator
 from edge.grpc_services import HEALTH_SERVICE_NAME, HealthServicer, enable_reflection
 from edge.http_front import HttpFront, HttpFrontConfig
+from edge.limits import RequestLimits
 from edge.malformed import MalformedRequestInterceptor
 from edge.tls import ServerTls, add_port
 from kvroute_proto import kvroute_pb2 as pb
@@ -34,7 +35,7 @@ from kvroute_proto.events import LoadReport
 from kvroute_proto.hashing import hash_key_fingerprint
 from worker.engine.engine_config import EngineConfig
 from worker.engine.tokenizer import Tokenizer
-from worker.service.convert import RequestLimits, WorkerInfo
+from worker.service.convert import WorkerInfo
 from worker.service.engine_runner import EngineRunner, RunnerConfig
 from worker.service.generation import WorkerGeneration
 from worker.service.publisher import EventPublisher, PublisherConfig

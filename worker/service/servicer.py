@@ -16,11 +16,12 @@ from collections.abc import AsyncIterator
 import grpc
 
 from edge.frontdoor import CallInfo, ServiceError
+from edge.limits import RequestLimits
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
 from worker.engine.tokenizer import Tokenizer
 from worker.service import convert
-from worker.service.convert import RequestLimits, WorkerInfo
+from worker.service.convert import WorkerInfo
 from worker.service.engine_runner import (
     EngineRunner,
     EngineStoppedError,

@@ -16,6 +16,7 @@ from router_harness import FAST_CONN, WAIT_S, router_config, running_router
 
 from bench.bpe import BOS, CHAT_TEMPLATE, EOS, english_like_text, train_bpe
 from edge.http_front import HttpFrontConfig
+from edge.limits import RequestLimits
 from edge.tokenizer import HFTokenizer, TokenizerSettings
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
@@ -27,7 +28,7 @@ from router.service.frontend import FrontendConfig
 from router.service.resilience import EjectionConfig
 from router.service.server import RegistryConfig, RouterServer
 from router.service.tenancy import TenancyConfig
-from router.service.validation import RequestLimits, routing_tokens
+from router.service.validation import routing_tokens
 
 PROMPT = list(range(1, 17))  # 4 blocks of 4
 

@@ -171,7 +171,7 @@ def test_tokenizer_chunk_and_text_prompt_counters() -> None:
     from bench.bpe import english_like_text, train_bpe
     from edge.tokenizer import HFTokenizer
     from router.core.router_core import RouterCore
-    from router.service.metrics import RouterSnapshot, RouterStateCollector, _tokenizer_counts
+    from router.service.metrics_state import RouterSnapshot, RouterStateCollector, _tokenizer_counts
     from router.service.token_cache import CachedTokenizer
 
     cached = CachedTokenizer(HFTokenizer(train_bpe(512, seed=0)), chunk_chars=64)

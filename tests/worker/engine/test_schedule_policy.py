@@ -192,9 +192,10 @@ def test_engine_admits_the_running_batchs_key_first() -> None:
 
 
 def test_routing_key_is_validated_and_decoded_from_the_wire() -> None:
+    from edge.limits import RequestLimits
     from kvroute_proto import kvroute_pb2 as pb
     from worker.errors import InvalidRequestError
-    from worker.service.convert import RequestLimits, request_from_pb
+    from worker.service.convert import request_from_pb
 
     msg = pb.GenerateRequest(
         request_id="r", prompt_token_ids=pb.TokenIds(ids=[1, 2]), routing_key="tenant-7"

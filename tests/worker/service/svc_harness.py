@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from edge.http_front import HttpFrontConfig
+from edge.limits import RequestLimits
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
 from kvroute_proto.codec import stream_message_from_pb
@@ -26,7 +27,6 @@ from worker.engine.factory import build_executor
 from worker.engine.sim_executor import SimCostModel, SimExecutor, SimExecutorConfig
 from worker.engine.stats import EngineStats
 from worker.engine.tokenizer import ByteTokenizer
-from worker.service.convert import RequestLimits
 from worker.service.engine_runner import RunnerConfig
 from worker.service.server import WorkerServer, WorkerServerConfig
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from edge.limits import RequestLimits
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto.events import LoadReport, Partition
 from worker.engine.tokenizer import ByteTokenizer
 from worker.engine.types import FinishReason, SamplingParams, Usage
 from worker.errors import InvalidRequestError
 from worker.service import convert
-from worker.service.convert import RequestLimits, WorkerInfo
+from worker.service.convert import WorkerInfo
 
 LIMITS = RequestLimits(default_max_new_tokens=32, max_prompt_text_chars=10)
 

@@ -9,10 +9,10 @@ import grpc
 import pytest
 from svc_harness import MAX_CONTEXT, WorkerSetup, running_worker, text_request, token_request
 
+from edge.limits import RequestLimits
 from kvroute_proto import kvroute_pb2 as pb
 from worker.engine.engine import EngineConfig
 from worker.engine.sim_executor import SimCostModel
-from worker.service.convert import RequestLimits
 from worker.service.engine_runner import RunnerConfig
 
 

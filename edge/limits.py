@@ -1,0 +1,27 @@
+"""What a kvroute service accepts in one GenerateRequest, whichever front door it came in by.
+
+One set of limits for both services: the router rejects what no worker could serve before
+spending a route on it (``router.service.validation.check_request``: request id, prompt
+tokens and text bytes, max_new_tokens, stop ids), the worker while decoding the request
+(``worker.service.convert``: request id, prompt text characters, and the default
+max_new_tokens it fills in). Each side reads the fields it checks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["RequestLimits"]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """Service-level limits of one GenerateRequest."""
+
+    max_request_id_chars: int = 256  # router and worker
+    max_prompt_tokens: int = 1 << 20  # router: prompt_token_ids
+    max_prompt_text_bytes: int = 4 << 20  # router: prompt_text, UTF-8
+    max_new_tokens: int = 1 << 20  # router: sampling.max_new_tokens
+    max_stop_token_ids: int = 256  # router: sampling.stop_token_ids
+    max_prompt_text_chars: int = 1 << 20  # worker: the text it tokenizes
+    default_max_new_tokens: int = 16  # worker: used when sampling.max_new_tokens is 0
