@@ -52,7 +52,6 @@ _PASSED_AS_GIVEN = (
     "saturated_tokens",
     "saturated_scale_tokens",
     "recent_decode_ratio",
-    "spread_weight",
 )
 
 
@@ -75,7 +74,6 @@ class LiveConfig:
     saturated_tokens: float | None = None  # --saturated-tokens (None: its default)
     saturated_scale_tokens: float | None = None  # --saturated-scale-tokens (None: its default)
     recent_decode_ratio: float | None = None  # --recent-decode-ratio (None: its default)
-    spread_weight: float | None = None  # --spread-weight (None: its default)
     startup_timeout_s: float = 60.0  # each process, and readiness
     python: str = sys.executable
 
