@@ -65,7 +65,7 @@ from router.core.router_core import Explanation, RouteDecision, RouterCore, Rout
 from router.service import spans
 from router.service.observe import NO_OBSERVER, RequestObserver
 from router.service.pool import WorkerPool
-from router.service.quota import Lease, QuotaConfig, TenantQuotas
+from router.service.quota import QuotaConfig, TenantQuotas
 from router.service.resilience import EjectionConfig, OutlierEjector
 from router.service.tenancy import TenancyConfig, TenancyError, resolve_partition, tenant_of
 from router.service.token_cache import with_chunk_cache
@@ -190,11 +190,13 @@ class Frontend:
                     f"the limit is max_inflight={self.config.max_inflight}",
                     retry_after_s=1.0,
                 )
+            tenant = tenant_of(self.config.tenancy, call.metadata, call.tenant_id)
+            self.quotas.precheck(tenant)  # a tenant over its limits costs no tokenizing
             prepared = self.prepare(request, call)
             rid = prepared.forward.request_id
             if rid in self._inflight:
                 raise BadRequest(f"request_id {rid!r} is already in flight", param="request_id")
-            lease = self._acquire_quota(prepared, call)
+            lease = self.quotas.acquire(tenant, self._quota_cost(prepared, with_output=True))
         except ServiceError as exc:
             self.observer.on_end("", self._core.policy_name, exc.grpc_code)
             raise
@@ -233,19 +235,20 @@ class Frontend:
             raise
         finally:
             self._release(rid, entry)
+            if not entry.worker_id and not entry.finished:  # refused before any worker saw it
+                lease.refund()
             lease.release()
             span.end()
             if entry.finished:
                 outcome = "OK"
             self.observer.on_end(entry.worker_id, self._core.policy_name, outcome)
 
-    def _acquire_quota(self, prepared: Prepared, call: CallInfo) -> Lease:
-        """The tenant's in-flight and token-rate limits (quota.py; Overloaded when over)."""
-        tenant = tenant_of(self.config.tenancy, call.metadata, call.tenant_id)
+    @staticmethod
+    def _quota_cost(prepared: Prepared, *, with_output: bool) -> int:
+        """What a request is charged in its tenant's token bucket (quota.py)."""
         route = prepared.route
         prompt = len(route.token_ids) if route.prompt_tokens is None else route.prompt_tokens
-        tokens = prompt + prepared.forward.sampling.max_new_tokens
-        return self.quotas.acquire(tenant, tokens)
+        return prompt + (prepared.forward.sampling.max_new_tokens if with_output else 0)
 
     def _release(self, rid: str, entry: _InFlight) -> None:
         if not entry.released:
@@ -499,7 +502,10 @@ class Frontend:
         """Each worker's match, load and cost, and the pick; routes nothing. A text prompt
         is tokenized whole here (exact ``prompt_tokens``; a route may estimate the length
         of a tail no cache matches, which moves costs, never matches)."""
+        tenant = tenant_of(self.config.tenancy, call.metadata, call.tenant_id)
+        self.quotas.precheck(tenant)  # Explain is rate-limited like Generate
         prepared = self.prepare(request, call, split=False)
+        self.quotas.charge(tenant, self._quota_cost(prepared, with_output=False))
         route = RouteRequest(
             prepared.route.request_id,
             prepared.route.token_ids,

@@ -5,15 +5,20 @@ Each tenant (the API key's, or the trusted header's; the anonymous tenant "" is 
 too) has its own
 
 * **in-flight cap**: at most ``max_inflight`` of its Generate calls admitted at once;
-* **token bucket**: ``tokens_per_s`` refill up to ``burst_tokens``; a request costs its prompt
-  tokens plus its ``max_new_tokens`` (what it may make the fleet compute), charged when
-  admitted. A request costing more than the burst is charged the burst, so it passes once the
-  bucket is full instead of never.
+* **token bucket**: ``tokens_per_s`` refill up to ``burst_tokens``; a Generate costs its prompt
+  tokens plus its ``max_new_tokens`` (what it may make the fleet compute), an Explain its
+  prompt tokens (what it makes the router tokenize and match), charged whole when admitted.
+  A request costing more than the burst can never be admitted: it is refused with the reason
+  and no retry hint (raise the tenant's ``burst_tokens`` to serve such prompts). So over any
+  window of T seconds a tenant is charged at most ``burst + tokens_per_s * T``.
 
 A request over either limit is refused at once with RESOURCE_EXHAUSTED (HTTP 429) and a
 retry hint (``retry_after_s``: when the bucket will hold its cost; 1 s for the in-flight
-cap), before it is routed, so it costs the fleet nothing. Tenants never share a counter:
-tenant A at its limit leaves tenant B's requests untouched.
+cap), before it is routed, so it costs the fleet nothing; ``precheck`` refuses a tenant with
+an empty bucket or a full in-flight cap before its prompt is even tokenized. A request
+refused later, before any worker saw it (no worker free, a deadline admission cannot meet),
+gets its tokens back (``Lease.refund``). Tenants never share a counter: tenant A at its limit
+leaves tenant B's requests untouched.
 
 Overrides per tenant come from a file (``--tenant-limits FILE``), one line per tenant::
 
@@ -127,10 +132,18 @@ class _Bucket:
 
 @dataclass(slots=True)
 class Lease:
-    """An admitted request's hold on its tenant's in-flight count; release it once."""
+    """An admitted request's hold on its tenant's in-flight count and the tokens it was
+    charged; release it once (``refund`` first when no worker ever saw the request)."""
 
     tenant: str
     _owner: TenantQuotas | None
+    charged: float = 0.0
+
+    def refund(self) -> None:
+        """Give the charged tokens back (the request was refused before any worker saw it)."""
+        charged, self.charged = self.charged, 0.0
+        if charged and self._owner is not None:
+            self._owner._refund(self.tenant, charged)
 
     def release(self) -> None:
         owner, self._owner = self._owner, None
@@ -151,40 +164,82 @@ class TenantQuotas:
     def inflight(self, tenant: str) -> int:
         return self._inflight.get(tenant, 0)
 
+    def precheck(self, tenant: str) -> None:
+        """Refuse (Overloaded) a tenant at its in-flight cap or with an empty bucket before
+        any work is spent on its request; admits nothing and charges nothing."""
+        if not self.config.enabled:
+            return
+        limit = self.config.limit_of(tenant)
+        self._check_inflight(tenant, limit)
+        if limit.tokens_per_s is not None:
+            self._take(tenant, limit, 0)
+
     def acquire(self, tenant: str, tokens: int) -> Lease:
-        """Admit one request of ``tokens`` for ``tenant``, or raise Overloaded."""
+        """Admit one Generate of ``tokens`` for ``tenant``, or raise Overloaded."""
         if not self.config.enabled:
             return Lease(tenant, None)
         limit = self.config.limit_of(tenant)
-        name = repr(tenant) if tenant else "(anonymous)"
+        self._check_inflight(tenant, limit)
+        charged = self._take(tenant, limit, tokens) if limit.tokens_per_s is not None else 0.0
+        self._inflight[tenant] = self.inflight(tenant) + 1
+        return Lease(tenant, self, charged)
+
+    def charge(self, tenant: str, tokens: int) -> None:
+        """Charge a request that holds no in-flight slot (Explain) to the token bucket."""
+        if self.config.enabled:
+            limit = self.config.limit_of(tenant)
+            if limit.tokens_per_s is not None:
+                self._take(tenant, limit, tokens)
+
+    def _check_inflight(self, tenant: str, limit: TenantLimit) -> None:
         if limit.max_inflight is not None and self.inflight(tenant) >= limit.max_inflight:
             self._refused(tenant)
             raise Overloaded(
-                f"tenant {name} has {self.inflight(tenant)} requests in flight; its limit is "
-                f"{limit.max_inflight} (--tenant-max-inflight)",
+                f"tenant {_name(tenant)} has {self.inflight(tenant)} requests in flight; its "
+                f"limit is {limit.max_inflight} (--tenant-max-inflight)",
                 retry_after_s=1.0,
             )
+
+    def _take(self, tenant: str, limit: TenantLimit, tokens: int) -> float:
+        """Debit ``tokens`` from the tenant's bucket (0: only check it is not empty)."""
         rate, burst = limit.tokens_per_s, limit.burst
-        if rate is not None and burst is not None:
-            now = self._clock()
-            bucket = self._buckets.get(tenant)
-            if bucket is None:
-                bucket = self._buckets[tenant] = _Bucket(burst, now)
-            bucket.level = min(burst, bucket.level + (now - bucket.updated) * rate)
-            bucket.updated = now
-            cost = min(float(tokens), burst)
-            if bucket.level < cost:
-                self._refused(tenant)
-                wait = (cost - bucket.level) / rate
-                raise Overloaded(
-                    f"tenant {name} is over its token rate: this request needs {tokens} tokens "
-                    f"(prompt + max_new_tokens), {bucket.level:.0f} are available; the limit is "
-                    f"{rate:g} tokens/s with a burst of {burst:g} (--tenant-tokens-per-s)",
-                    retry_after_s=wait,
-                )
-            bucket.level -= cost
-        self._inflight[tenant] = self.inflight(tenant) + 1
-        return Lease(tenant, self)
+        assert rate is not None and burst is not None
+        if tokens > burst:
+            self._refused(tenant)
+            raise Overloaded(
+                f"this request costs {tokens} tokens ({_COST}), more than tenant "
+                f"{_name(tenant)} may spend at once: its burst is {burst:g} tokens "
+                "(--tenant-burst-tokens, or burst_tokens in --tenant-limits); shorten the "
+                "prompt or max_new_tokens, or raise the burst"
+            )
+        bucket = self._refill(tenant, rate, burst)
+        need = float(max(tokens, 1))  # a precheck needs one token left
+        if bucket.level < need:
+            self._refused(tenant)
+            needs = f"this request needs {tokens} tokens ({_COST}), " if tokens else ""
+            raise Overloaded(
+                f"tenant {_name(tenant)} is over its token rate: {needs}"
+                f"{max(bucket.level, 0.0):.0f} are available; the limit is {rate:g} tokens/s "
+                f"with a burst of {burst:g} (--tenant-tokens-per-s)",
+                retry_after_s=(need - bucket.level) / rate,
+            )
+        bucket.level -= tokens
+        return float(tokens)
+
+    def _refill(self, tenant: str, rate: float, burst: float) -> _Bucket:
+        now = self._clock()
+        bucket = self._buckets.get(tenant)
+        if bucket is None:
+            bucket = self._buckets[tenant] = _Bucket(burst, now)
+        bucket.level = min(burst, bucket.level + (now - bucket.updated) * rate)
+        bucket.updated = now
+        return bucket
+
+    def _refund(self, tenant: str, tokens: float) -> None:
+        limit = self.config.limit_of(tenant)
+        bucket = self._buckets.get(tenant)
+        if bucket is not None and limit.burst is not None:
+            bucket.level = min(limit.burst, bucket.level + tokens)
 
     def _refused(self, tenant: str) -> None:
         self.num_refused[tenant] = self.num_refused.get(tenant, 0) + 1
@@ -195,3 +250,10 @@ class TenantQuotas:
             self._inflight[tenant] = left
         else:
             del self._inflight[tenant]
+
+
+_COST = "its prompt, plus max_new_tokens for a Generate"
+
+
+def _name(tenant: str) -> str:
+    return repr(tenant) if tenant else "(anonymous)"

@@ -69,11 +69,56 @@ def test_token_bucket_refuses_with_the_wait_until_it_refills():
     q.acquire("b", 200).release()  # b has its own bucket
     clock.now = 0.5
     q.acquire("a", 100).release()
-    # a request larger than the burst is charged the burst: it passes once the bucket is full
+    # a request larger than the burst can never pass: refused with the reason, no retry hint
     clock.now = 10.0
-    q.acquire("a", 10_000).release()
+    with pytest.raises(Overloaded, match="costs 10000 tokens .* its burst is 200") as info:
+        q.acquire("a", 10_000)
+    assert info.value.retry_after_s is None
+    q.acquire("a", 200).release()  # and it took nothing from the full bucket
     with pytest.raises(Overloaded):
         q.acquire("a", 1)
+
+
+def test_token_rate_holds_for_prompts_larger_than_the_default_burst():
+    """7,000-token prompts against 200 tokens/s: refused whole at the default burst (one
+    second's worth); with a burst that admits them, the tokens charged over 30 s stay within
+    10% of burst + rate x 30 s, however fast the tenant sends."""
+    clock = Clock()
+    q = TenantQuotas(QuotaConfig(TenantLimit(tokens_per_s=200)), clock)
+    with pytest.raises(Overloaded, match="its burst is 200 tokens"):
+        q.acquire("a", 7_000)
+    q = TenantQuotas(QuotaConfig(TenantLimit(tokens_per_s=200, burst_tokens=7_000)), clock)
+    admitted = 0
+    for step in range(3_000):  # a request every 10 ms for 30 s
+        clock.now = step * 0.01
+        with contextlib.suppress(Overloaded):
+            q.acquire("a", 7_000).release()
+            admitted += 7_000
+    assert admitted <= 1.1 * (7_000 + 200 * 30)
+    assert admitted == 7_000  # the refill after the first took 35 s: no second one in 30 s
+
+
+def test_precheck_refuses_an_empty_bucket_and_a_refund_restores_it():
+    clock = Clock()
+    q = TenantQuotas(
+        QuotaConfig(TenantLimit(max_inflight=1, tokens_per_s=100, burst_tokens=100)), clock
+    )
+    q.precheck("a")  # full bucket, nothing in flight: passes and charges nothing
+    lease = q.acquire("a", 100)
+    with pytest.raises(Overloaded, match="in flight"):
+        q.precheck("a")
+    lease.refund()  # refused before any worker saw it: the tokens come back
+    lease.refund()  # once
+    lease.release()
+    q.acquire("a", 100).release()
+    with pytest.raises(Overloaded, match="over its token rate: 0 are available") as info:
+        q.precheck("a")
+    assert info.value.retry_after_s == pytest.approx(0.01)  # one token at 100 tokens/s
+    clock.now = 0.5
+    with pytest.raises(Overloaded, match="needs 60 tokens"):
+        q.charge("a", 60)  # Explain's prompt, 50 available
+    q.charge("a", 50)
+    assert q.inflight("a") == 0 and q.num_refused == {"a": 3}
 
 
 def test_overrides_and_defaults():
@@ -217,10 +262,47 @@ async def test_token_rate_refuses_the_tenant_over_it_only():
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await a.generate("x" * 40, opts)
             assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "needs 50 tokens (prompt + max_new_tokens), 10 are available" in (
+            assert "needs 50 tokens (its prompt, plus max_new_tokens for a Generate), 10 are" in (
                 info.value.details() or ""
             )
             hint = float(dict(info.value.trailing_metadata() or ())["retry-after-s"])
             assert 39.0 < hint <= 40.0
         async with RouterClient(router.address, tenant="b", timeout_s=WAIT_S) as b:
             assert len((await b.generate("x" * 40, opts)).token_ids) == 10
+
+
+async def test_explain_is_charged_like_generate():
+    """Explain costs the router a tokenization and an index walk: its prompt is charged to
+    the tenant's bucket, so a tenant cannot flood the router with it."""
+    quotas = QuotaConfig(TenantLimit(tokens_per_s=1.0, burst_tokens=60))
+    async with secure_worker("w-explain") as worker, _router(worker.address, quotas) as router:
+        async with RouterClient(router.address, tenant="a", timeout_s=WAIT_S) as a:
+            await a.explain("x" * 40)  # 40 of 60 tokens
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await a.explain("x" * 40)
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "needs 40 tokens" in (info.value.details() or "")
+            with pytest.raises(grpc.aio.AioRpcError) as info:  # 20 left: the prompt alone is 20
+                await a.generate("x" * 20, GenerateOptions(max_new_tokens=1))
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        async with RouterClient(router.address, tenant="b", timeout_s=WAIT_S) as b:
+            assert (await b.explain("x" * 40)).prompt_tokens == 40  # b's own bucket
+
+
+async def test_a_request_refused_before_any_worker_saw_it_gets_its_tokens_back():
+    """No worker can take the request (the only one is unreachable): UNAVAILABLE, and the
+    tokens it was charged return to the bucket, so the next try is not refused for rate."""
+    quotas = QuotaConfig(TenantLimit(tokens_per_s=1.0, burst_tokens=60))
+    base = _router_config([])
+    service = dataclasses.replace(base.service, quotas=quotas)
+    router = RouterServer(_router_config(["127.0.0.1:1"], service=service))
+    await router.start()
+    try:
+        async with RouterClient(router.address, tenant="a", timeout_s=WAIT_S) as a:
+            for _ in range(3):  # 50 tokens each against a 60-token bucket
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await a.generate("x" * 40, GenerateOptions(max_new_tokens=10))
+                assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert router.frontend.quotas.num_refused == {}
+    finally:
+        await router.stop(grace_s=0.1)
