@@ -71,7 +71,7 @@ def test_token_bucket_refuses_with_the_wait_until_it_refills():
     q.acquire("a", 100).release()
     # a request larger than the burst can never pass: refused with the reason, no retry hint
     clock.now = 10.0
-    with pytest.raises(Overloaded, match="costs 10000 tokens .* its burst is 200") as info:
+    with pytest.raises(Overloaded, match=r"costs 10000 tokens .* its burst is 200") as info:
         q.acquire("a", 10_000)
     assert info.value.retry_after_s is None
     q.acquire("a", 200).release()  # and it took nothing from the full bucket
