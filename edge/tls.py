@@ -22,6 +22,8 @@ whose certificate that CA signed: that is how workers accept calls only from rou
 
 from __future__ import annotations
 
+import errno
+import socket
 import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -193,10 +195,35 @@ def client_tls_from_flags(
 
 
 def add_port(server: grpc.aio.Server, address: str, tls: ServerTls | None) -> int:
-    """Bind ``address`` with TLS when given, plaintext otherwise; the bound port."""
-    if tls is None:
-        return server.add_insecure_port(address)
-    return server.add_secure_port(address, tls.grpc_credentials())
+    """Bind ``address`` with TLS when given, plaintext otherwise; the bound port. OSError
+    saying why when it cannot be bound (grpc itself says only "Failed to bind")."""
+    try:
+        if tls is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, tls.grpc_credentials())
+    except RuntimeError:  # in use, no such address, no rights
+        port = 0
+    if port == 0:
+        raise OSError(f"could not bind {address}: {_bind_failure(address)}")
+    return port
+
+
+def _bind_failure(address: str) -> str:
+    """Why ``host:port`` cannot be bound, found by binding a plain socket to it."""
+    host, _, port_text = address.rpartition(":")
+    host = host.strip("[]")
+    try:
+        infos = socket.getaddrinfo(host, int(port_text), type=socket.SOCK_STREAM)
+        family, kind, proto, _, sockaddr = infos[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.bind(sockaddr)
+    except (OSError, ValueError) as exc:
+        reason = getattr(exc, "strerror", None) or str(exc)
+        if getattr(exc, "errno", None) == errno.EADDRINUSE:
+            return f"{reason} (is another kvroute or server listening there?)"
+        return reason
+    return "grpc refused the address"
 
 
 def channel(

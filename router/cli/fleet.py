@@ -409,7 +409,8 @@ async def _up(config: FleetConfig, demo: bool, exit_after_demo: bool) -> int:
         if fleet.metrics is not None:
             print(f"router metrics on {fleet.metrics.url}", flush=True)
         if fleet.router is not None and fleet.router.http is not None:
-            print(f"router http listening on http://{fleet.router.http.address}", flush=True)
+            scheme = "http" if fleet.router.http.config.tls is None else "https"
+            print(f"router http listening on {scheme}://{fleet.router.http.address}", flush=True)
         if demo:
             await fleet.wait_ready(config.startup_timeout_s)
             await run_demo(address)
@@ -418,7 +419,7 @@ async def _up(config: FleetConfig, demo: bool, exit_after_demo: bool) -> int:
         print("Ctrl-C to stop", flush=True)
         await stop.wait()
         return 0
-    except (RuntimeError, TimeoutError) as exc:
+    except (RuntimeError, TimeoutError, OSError) as exc:  # OSError: a port that cannot be bound
         print(f"kvroute up: {exc or 'timed out'}", file=sys.stderr)
         return 1
     except grpc.aio.AioRpcError as exc:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import time
 from collections.abc import Callable
@@ -112,8 +113,11 @@ def check_address(address: str) -> str:
 
 
 def server_options(config: ConnectionConfig) -> list[tuple[str, int]]:
-    """Accept client keepalive pings at the rate our own channels send them."""
+    """Accept client keepalive pings at the rate our own channels send them. No
+    SO_REUSEPORT (grpc's default is on): a second router on a taken port must fail, not
+    silently take half of the first one's clients."""
     return [
+        ("grpc.so_reuseport", 0),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_recv_ping_interval_without_data_ms", int(config.keepalive_time_s * 500)),
         ("grpc.http2.max_ping_strikes", 0),
@@ -173,8 +177,6 @@ class RouterServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         enable_reflection((ROUTER_SERVICE_NAME, HEALTH_SERVICE_NAME), server)  # v1 and v1alpha
         port = add_port(server, f"{self.config.host}:{self.config.port}", self.config.tls)
-        if port == 0:
-            raise OSError(f"could not bind {self.config.host}:{self.config.port}")
         grpc_started = False
         try:
             for address in self.config.workers:
@@ -212,7 +214,12 @@ class RouterServer:
                     ),
                     self.config.http,
                 )
-                await http.start()
+                try:
+                    await http.start()
+                except OSError as exc:
+                    where = f"{self.config.http.host}:{self.config.http.port}"
+                    why = os.strerror(exc.errno) if exc.errno else str(exc)
+                    raise OSError(f"could not bind HTTP {where}: {why}") from None
                 self.http = http
         except BaseException:  # a bad Redis URL, a failed bind: leave no task or channel behind
             if grpc_started:  # the HTTP bind failed

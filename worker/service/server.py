@@ -193,10 +193,7 @@ class WorkerServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         enable_reflection((WORKER_SERVICE_NAME, HEALTH_SERVICE_NAME), server)  # v1 and v1alpha
         address = f"{self.config.host}:{self.config.port}"
-        try:
-            port = add_port(server, address, self.config.tls)
-        except RuntimeError as exc:  # grpc's "Failed to bind" (in use, bad host, no rights)
-            raise OSError(f"could not bind {address}: {exc}") from None
+        port = add_port(server, address, self.config.tls)
         self.runner.start()
         await server.start()
         self._server, self.port = server, port
