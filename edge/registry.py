@@ -32,6 +32,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -79,6 +80,20 @@ class WorkerRecord:
             block_size=obj.get("block_size", 0),
             kv_capacity_tokens=obj.get("kv_capacity_tokens", 0),
         )
+
+
+def redacted_url(url: str) -> str:
+    """``url`` fit for a log line: a password in it (``redis://user:PASS@host``) becomes
+    ``***``; the rest (scheme, user, host, port, database) stays, to tell where it points."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if ":" in host:  # IPv6
+        host = f"[{host}]"
+    port = f":{parts.port}" if parts.port is not None else ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
 
 
 def worker_key(prefix: str, worker_id: str) -> str:
@@ -141,10 +156,13 @@ class RedisRegistration:
         self.num_beats += 1
         return True
 
-    async def start(self) -> None:
-        """Register now (best effort) and keep the registration alive in the background."""
-        await self.beat()
+    async def start(self) -> bool:
+        """Register now (best effort) and keep the registration alive in the background;
+        whether this first write reached Redis (a refused password, Redis down: False, logged,
+        retried every beat)."""
+        written = await self.beat()
         self._task = asyncio.create_task(self._run(), name=f"registry-heartbeat-{self.key}")
+        return written
 
     async def _run(self) -> None:
         while True:

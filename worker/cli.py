@@ -488,8 +488,7 @@ async def serve(server: WorkerServer, args: argparse.Namespace | None = None) ->
             metrics = WorkerMetricsEndpoint(server, server.config.host, metrics_port)
             metrics.start()
         registration = None if args is None else _registration(server, args)
-        if registration is not None:
-            await registration.start()
+        if registration is not None and await registration.start():
             log.info("registered in Redis as %s", registration.key)
         # printed once serving and (best effort) registered
         print(f"listening on {server.config.host}:{port}", flush=True)

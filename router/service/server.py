@@ -36,6 +36,7 @@ from edge.registry import (
     DEFAULT_TTL_S,
     RedisMembershipWatcher,
     WorkerRecord,
+    redacted_url,
 )
 from edge.tls import RedisAuth, ServerTls, add_port
 from kvroute_proto import kvroute_pb2 as pb
@@ -240,7 +241,7 @@ class RouterServer:
             self.address,
             self.core.policy_name,
             ",".join(self.config.workers) or "-",
-            self.config.registry.redis_url or "-",
+            redacted_url(self.config.registry.redis_url or "-"),
             self.replica_sync.router_id if self.replica_sync is not None else "off",
         )
         return port

@@ -10,6 +10,7 @@ from edge.registry import (
     RedisMembershipWatcher,
     RedisRegistration,
     WorkerRecord,
+    redacted_url,
     worker_key,
 )
 
@@ -173,3 +174,23 @@ async def test_a_registry_that_lost_its_data_does_not_empty_the_fleet(prefix, ca
     assert all("w0" in m for m in seen)
     await watcher.stop()
     r.close()
+
+
+async def test_a_refused_password_is_not_reported_as_registered(redis_url, prefix, caplog):
+    """The Redis here has no password: AUTH with one is refused. start() says so (the worker
+    logs "registered" only on True), and the password appears in no log line."""
+    url = redis_url.replace("redis://", "redis://kvroute-nobody:hunter2-secret@")
+    reg = RedisRegistration(url, WorkerRecord("w0", "h:1"), prefix=prefix, ttl_s=1.0)
+    with caplog.at_level(logging.DEBUG):
+        assert not await reg.start()
+        await reg.stop()
+    assert any("cannot write" in r.getMessage() for r in caplog.records)
+    assert not any("hunter2" in r.getMessage() for r in caplog.records)
+
+
+def test_redacted_url_hides_only_the_password():
+    assert redacted_url("redis://u:pw@10.0.0.1:6380/2") == "redis://u:***@10.0.0.1:6380/2"
+    assert redacted_url("rediss://:pw@[::1]:6379") == "rediss://:***@[::1]:6379"
+    assert redacted_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+    assert redacted_url("redis://u@h") == "redis://u@h"
+    assert redacted_url("-") == "-"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 
 import grpc
 import redis
@@ -17,7 +18,7 @@ from edge.registry import RedisRegistration, WorkerRecord
 from kvroute_proto.events import Partition
 from kvroute_proto.hashing import block_hash_list
 from router.cli.client import GenerateOptions
-from router.service.server import RegistryConfig
+from router.service.server import RegistryConfig, RouterServer
 
 BLOCK = 4
 PREFIX = list(range(10, 42))  # 32 tokens = 8 blocks
@@ -221,3 +222,18 @@ async def test_registry_flush_keeps_the_fleet_routing(redis_url, redis_prefix):
             rds.close()
             for reg in regs:
                 await reg.stop()
+
+
+async def test_the_redis_password_is_never_logged(redis_url, redis_prefix, caplog):
+    """A Redis URL with a password (refused by this Redis, which has none): the router still
+    starts (the registry is best effort) and no log line at any level carries the password."""
+    url = redis_url.replace("redis://", "redis://kvroute-nobody:hunter2-secret@")
+    registry = RegistryConfig(url, redis_prefix, poll_s=0.05, absent_grace_s=0)
+    router = RouterServer(router_config([], registry=registry))
+    with caplog.at_level(logging.DEBUG):
+        await router.start()
+        await asyncio.sleep(0.2)  # a few failed polls
+        await router.stop(grace_s=0.1)
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("router listening on" in x and "kvroute-nobody:***@" in x for x in lines)
+    assert not any("hunter2" in x for x in lines)
