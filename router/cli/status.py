@@ -75,6 +75,8 @@ class FleetStatus:
     forgone_tokens: float | None = None
     requests_ok: float | None = None
     requests_failed: float | None = None
+    unreachable: float | None = None  # worker addresses that never answered (metrics)
+    refused: float | None = None  # answered, refused by a check: model, hash key, id (metrics)
 
 
 Samples = dict[str, list[tuple[dict[str, str], float]]]
@@ -149,6 +151,8 @@ def collect(explain: pb.ExplainResponse, samples: Samples | None, router: str) -
     status.predicted_tokens = _total(samples, "kvroute_router_predicted_cached_tokens_total")
     status.best_tokens = _total(samples, "kvroute_router_decision_best_matched_tokens_total")
     status.forgone_tokens = _total(samples, "kvroute_router_forgone_cached_tokens_total")
+    states = {labels.get("state"): v for labels, v in samples.get("kvroute_router_workers", [])}
+    status.unreachable, status.refused = states.get("unreachable"), states.get("refused")
     requests = samples.get("kvroute_router_requests_total", [])
     status.requests_ok = sum(v for labels, v in requests if labels.get("outcome") == "OK")
     status.requests_failed = sum(v for labels, v in requests if labels.get("outcome") != "OK")
@@ -197,6 +201,16 @@ def render(status: FleetStatus) -> Group:
             lag,
         )
     lines = []
+    if status.unreachable or status.refused:
+        lines.append(
+            Text(
+                f"not in the table: {_num(status.unreachable)} worker address(es) unreachable, "
+                f"{_num(status.refused)} refused (the router's log says why)",
+                "bold red",
+            )
+        )
+    elif not status.workers:
+        lines.append(Text("no worker has connected yet (the router's log says why)", "yellow"))
     if status.metrics_error:
         lines.append(Text(f"metrics: {status.metrics_error}", "yellow"))
     elif status.prompt_tokens is not None:

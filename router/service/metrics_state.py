@@ -58,6 +58,7 @@ class ConnectionStats:
     num_messages: int
     num_resubscribes: int
     num_purges: int
+    state: str = "healthy"  # WorkerConnection.state
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +99,7 @@ def take_snapshot(server: RouterServer) -> RouterSnapshot:
             c.num_messages,
             c.num_resubscribes,
             c.num_purges,
+            c.state,
         )
         for c in server.pool.conns.values()
     )
@@ -259,6 +261,9 @@ class RouterStateCollector(Collector):
         num_healthy = sum(1 for w in snap.workers if w.healthy and w.worker_id not in snap.ejected)
         workers.add_metric(["healthy"], num_healthy)
         workers.add_metric(["unhealthy"], len(snap.workers) - num_healthy)
+        # addresses given (or registered) that never answered, or answered and were refused
+        for state in ("unreachable", "refused"):
+            workers.add_metric([state], sum(1 for c in snap.connections if c.state == state))
         ejections = _counter(
             "kvroute_router_worker_ejections", "Times a worker was ejected after failures"
         )

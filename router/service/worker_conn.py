@@ -168,6 +168,7 @@ class WorkerConnection:
         self.num_resubscribes = 0
         self.num_purges = 0
         self.last_error = ""
+        self.refused = False  # the worker answered and a check refused it (see the log)
         self._tokenizer_refusal: tuple[str, str] | None = None  # logged (worker, fingerprint)
         self._hash_key_refusal: tuple[str, str] | None = None  # logged (worker, fingerprint)
 
@@ -219,8 +220,18 @@ class WorkerConnection:
         """Identify the worker, then follow its event stream until it breaks."""
         info = await self.stub.GetLoad(pb.GetLoadRequest(), timeout=self.config.rpc_timeout_s)
         if not self._claim(info):
+            self.refused = True
             raise RouterError(f"worker at {self.address} refused (see the log)")
         assert self.worker_id is not None
+        self.refused = False
+        log.info(
+            "worker %s at %s connected (model %r, block size %d, %d KV tokens)",
+            self.worker_id,
+            self.address,
+            info.model_name,
+            info.block_size,
+            info.kv_capacity_tokens,
+        )
         self._core.set_max_running(self.worker_id, info.max_running_requests)
         self.num_connects += 1
         self._backoff.reset()
@@ -262,6 +273,16 @@ class WorkerConnection:
         finally:
             call.cancel()
             self._call = None
+
+    @property
+    def state(self) -> str:
+        """healthy; unhealthy (known, now down); refused (answered, failed a check: the log
+        says which); unreachable (never answered)."""
+        if self.healthy:
+            return "healthy"
+        if self.refused:
+            return "refused"
+        return "unhealthy" if self.num_connects else "unreachable"
 
     # ---- identity, health, purge ---------------------------------------------------------
 
@@ -344,6 +365,13 @@ class WorkerConnection:
         self.last_error = reason
         if self.healthy:
             log.warning("worker %s at %s unhealthy: %s", self.worker_id, self.address, reason)
+        elif self.num_failures == 1 and self.num_connects == 0 and not self.refused:
+            log.warning(
+                "worker at %s unreachable: %s; retrying with backoff (logged again when it "
+                "connects)",
+                self.address,
+                reason,
+            )
         else:
             log.debug("worker at %s still unreachable: %s", self.address, reason)
         if self._down_since is None:

@@ -104,3 +104,32 @@ def test_collect_joins_explain_and_metrics() -> None:
 def test_bad_intervals_are_refused(bad, capsys) -> None:
     assert status.main(["--once", *bad]) == 2
     assert "must be > 0" in capsys.readouterr().err
+
+
+async def test_an_unreachable_worker_address_is_shown_logged_and_counted(capsys, caplog) -> None:
+    """`--worker 127.0.0.1:1`: nothing answers there. The router logs it at WARNING once,
+    /metrics counts it as unreachable, and status says so below an empty table."""
+    async with running_router(["127.0.0.1:1"]) as router:
+        endpoint = RouterMetricsEndpoint(router.server, "127.0.0.1", 0)
+        endpoint.start()
+        try:
+            conn = router.server.pool.conns["127.0.0.1:1"]
+            await router.wait_for(lambda: conn.num_failures >= 1)
+            assert conn.state == "unreachable"
+            argv = ["--router", router.address, "--metrics", f"127.0.0.1:{endpoint.port}"]
+            code = await asyncio.to_thread(status.main, [*argv, "--once"])
+            url = f"http://127.0.0.1:{endpoint.port}/metrics"
+            samples = await asyncio.to_thread(status.scrape_metrics, url)
+        finally:
+            endpoint.stop()
+    out = " ".join(capsys.readouterr().out.split())
+    assert code == 0
+    assert "not in the table: 1 worker address(es) unreachable, 0 refused" in out
+    states = {labels["state"]: v for labels, v in samples["kvroute_router_workers"]}
+    assert states == {"healthy": 0, "unhealthy": 0, "unreachable": 1, "refused": 0}
+    warned = [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelname == "WARNING" and "127.0.0.1:1 unreachable" in r.getMessage()
+    ]
+    assert len(warned) == 1

@@ -30,7 +30,7 @@ async def test_a_worker_with_another_tokenizer_is_left_out(caplog: pytest.LogCap
             bad = r.server.pool.conns[other.address]
             # it keeps retrying GetLoad (backoff 0.02-0.2 s) and is refused each time
             await r.wait_for(lambda: bad.num_failures >= 3)
-            assert not bad.healthy and bad.worker_id is None
+            assert not bad.healthy and bad.worker_id is None and bad.state == "refused"
             assert r.server.pool.conns[same.address].healthy
             expl = await r.client.explain("hello there")
             assert [w.worker_id for w in expl.workers] == ["w-same"]
