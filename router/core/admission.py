@@ -173,6 +173,18 @@ class Admission:
     def on_refused(self) -> None:
         self.stats.num_refused += 1
 
+    def idle_estimate_s(self, worker_ids: list[str], new_tokens: int) -> float | None:
+        """When every one of ``worker_ids`` is idle (nothing in flight) and has a model: the
+        fastest one's estimate for ``new_tokens``, so a refusal can say waiting will not
+        help. None otherwise."""
+        if any(self._inflight.get(w, 0) for w in worker_ids):
+            return None
+        n = new_tokens or self.config.default_new_tokens
+        estimates = [self.estimate_s(w, n) for w in worker_ids]
+        if not estimates or any(e is None for e in estimates):
+            return None
+        return min(e for e in estimates if e is not None)
+
     # ---- what the front end relays -------------------------------------------------------
 
     def on_dispatch(self, request_id: str, worker_id: str, now: float) -> None:

@@ -458,6 +458,16 @@ class Frontend:
         except NoWorkerAvailable as exc:
             if late:  # healthy workers exist, but none can finish this in time
                 self.admission.on_refused()
+                new_tokens = prepared.forward.sampling.max_new_tokens
+                idle_s = self.admission.idle_estimate_s(sorted(late), new_tokens)
+                if idle_s is not None:  # the fleet is idle: waiting would not help
+                    raise Overloaded(
+                        f"no worker can finish request {route.request_id!r} within its "
+                        f"deadline ({time_left_s:.1f} s left): even idle, the fastest needs "
+                        f"~{idle_s:.1f} s for its {new_tokens or 'default'} new tokens "
+                        "(estimated from the workers' recent steps); give it a longer "
+                        "deadline or a smaller max_new_tokens"
+                    ) from None
                 raise Overloaded(
                     f"no worker can finish request {route.request_id!r} within its deadline "
                     f"({time_left_s:.1f} s left): {len(late)} worker(s) are too busy; {exc}",

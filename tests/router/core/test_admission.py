@@ -69,6 +69,20 @@ def test_workers_that_cannot_finish_in_time_are_excluded_and_counted():
     assert adm.excluded(["fast"], 0, 0.5 + 256 * 0.01 - 0.01) == {"fast"}
 
 
+def test_an_idle_fleet_that_is_too_slow_is_told_apart_from_a_busy_one():
+    """A refusal on an idle fleet says waiting will not help: the fastest idle estimate;
+    with anything in flight, or a worker without a model, there is no such figure."""
+    adm = Admission(AdmissionConfig(min_samples=4, margin=1.0, initial_window=64))
+    feed(adm, "slow", 4, 0.1, chunks=10)
+    feed(adm, "fast", 4, 0.01, chunks=10)
+    assert adm.idle_estimate_s(["slow", "fast"], 100) == pytest.approx(0.5 + 100 * 0.01)
+    assert adm.idle_estimate_s(["fast"], 0) == pytest.approx(0.5 + 256 * 0.01)
+    assert adm.idle_estimate_s(["fast", "new"], 100) is None  # "new" has no model yet
+    adm.on_dispatch("r", "slow", 0.0)
+    assert adm.idle_estimate_s(["slow", "fast"], 100) is None  # not idle
+    assert adm.idle_estimate_s([], 100) is None
+
+
 def test_slow_start_window_doubles_what_was_sampled():
     adm = Admission(AdmissionConfig(initial_window=4, min_samples=2))
     assert adm.window("w0") == 4
