@@ -283,7 +283,8 @@ class Frontend:
                 failures.append(f"{worker_id}: disconnected")
                 continue
             admission = self.admission  # learns each worker's pace from what is relayed
-            admission.on_dispatch(rid, worker_id, self._clock())
+            dispatched_at = self._clock()
+            admission.on_dispatch(rid, worker_id, dispatched_at)
             relayed = False
             reported = False
             try:
@@ -323,7 +324,9 @@ class Frontend:
                 if not reported:
                     self._core.on_finished(rid)
             failures.append(f"{worker_id}: {code_name}: {details}")
-            self._worker_failed(rid, worker_id, code_name, details, relayed, attempt, span)
+            self._worker_failed(
+                rid, worker_id, (code_name, details), dispatched_at, relayed, attempt, span
+            )
             excluded.add(worker_id)
         raise Unavailable(
             f"request failed on {len(failures)} worker(s) "
@@ -407,16 +410,18 @@ class Frontend:
         self,
         rid: str,
         worker_id: str,
-        code_name: str,
-        details: str,
+        error: tuple[str, str],
+        dispatched_at: float,
         relayed: bool,
         attempt: int,
         span: trace.Span,
     ) -> None:
-        """An attempt failed on the worker: count it toward ejection, trace it, and raise
-        Unavailable when part of the response was already relayed (never retried, to avoid
-        duplicate output); else count the retry when another attempt follows."""
-        if self.ejector.record_failure(worker_id):
+        """An attempt (sent at ``dispatched_at``) failed on the worker with ``error`` (code
+        name, details): count it toward ejection, trace it, and raise Unavailable when part
+        of the response was already relayed (never retried, to avoid duplicate output); else
+        count the retry when another attempt follows."""
+        code_name, details = error
+        if self.ejector.record_failure(worker_id, dispatched_at):
             log.warning(
                 "worker %s ejected for %.1f s after %d consecutive failures",
                 worker_id,

@@ -8,8 +8,10 @@ errors (UNAVAILABLE, a broken stream) and internal errors (INTERNAL, UNKNOWN, DA
 Request-level answers -- INVALID_ARGUMENT, RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED, CANCELLED --
 are the worker working as designed and are passed through to the client, uncounted. After
 ``max_consecutive_failures`` counted failures in a row the worker is ejected (not routed to)
-for ``cooldown_s``; any success resets its count. When the cooldown ends it is routable
-again, on probation: one more failure ejects it again at once.
+for ``cooldown_s``; any success resets its count. Calls that fail together (they were all
+in flight when the first of them failed, as every stream on one connection is when it
+resets) count once. When the cooldown ends it is routable again, on probation: one more
+failure ejects it again at once.
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ class EjectionConfig:
 class _WorkerRecord:
     consecutive_failures: int = 0
     ejected_until: float | None = None
+    last_failure_at: float | None = None  # when the last counted failure happened
 
 
 @dataclass(slots=True)
@@ -95,9 +98,20 @@ class OutlierEjector:
             rec.consecutive_failures = 0
             rec.ejected_until = None
 
-    def record_failure(self, worker_id: str) -> bool:
-        """Count a failure; True when this failure ejects the worker."""
+    def record_failure(self, worker_id: str, started_at: float | None = None) -> bool:
+        """Count a failure of a call sent at ``started_at``; True when it ejects the worker.
+
+        A call that was already in flight when the last counted failure happened fails with
+        it (one connection reset ends every stream on it at once): it is the same incident
+        and is not counted again, so one reset cannot eject a healthy worker by itself."""
         rec = self._workers.setdefault(worker_id, _WorkerRecord())
+        if (
+            started_at is not None
+            and rec.last_failure_at is not None
+            and started_at <= rec.last_failure_at
+        ):
+            return False
+        rec.last_failure_at = self.clock()
         rec.consecutive_failures += 1
         if rec.consecutive_failures < self.config.max_consecutive_failures:
             return False

@@ -89,3 +89,20 @@ def test_ejection_config_validation():
         EjectionConfig(max_consecutive_failures=0)
     with pytest.raises(ValueError, match="cooldown_s"):
         EjectionConfig(cooldown_s=-1)
+
+
+def test_calls_that_fail_together_count_once():
+    """One connection reset fails every stream on it at once: calls already in flight when
+    the last counted failure happened are the same incident. Calls sent after it count."""
+    clock = FakeClock()
+    ej = OutlierEjector(EjectionConfig(max_consecutive_failures=3, cooldown_s=10.0), clock)
+    clock.now = 5.0
+    assert not ej.record_failure("w0", started_at=1.0)  # the reset: counted
+    for sent in (1.0, 2.0, 4.9, 5.0):  # the other streams on that connection
+        assert not ej.record_failure("w0", started_at=sent)
+    assert not ej.is_ejected("w0")
+    clock.now = 6.0
+    assert not ej.record_failure("w0", started_at=5.5)  # sent after it: a second failure
+    clock.now = 7.0
+    assert ej.record_failure("w0", started_at=6.5)  # the third: ejected
+    assert ej.num_ejections == 1
