@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -131,7 +132,9 @@ class Prepared:
 @dataclass(slots=True)
 class _InFlight:
     worker_id: str
-    cache_salt: str  # Abort only from the same tenant
+    cache_salt: str
+    tenant: str = ""  # request ids are the tenant's own: Abort only from the same tenant
+    client_id: str = ""  # the id the caller gave (the router's own id may differ)
     released: bool = False
     started: float = 0.0  # perf_counter at arrival (the observer's latencies)
     finished: bool = False  # the worker's Finished was relayed
@@ -164,7 +167,8 @@ class Frontend:
         self.ejector = OutlierEjector(config.ejection, clock)
         self.admission = Admission(config.admission)
         self.quotas = TenantQuotas(config.quotas, clock)
-        self._inflight: dict[str, _InFlight] = {}
+        self._inflight: dict[str, _InFlight] = {}  # by the router's own request id
+        self._by_client: dict[tuple[str, str], str] = {}  # (tenant, caller's id) -> own id
         self.num_retries = 0
 
     @property
@@ -193,15 +197,21 @@ class Frontend:
             tenant = tenant_of(self.config.tenancy, call.metadata, call.tenant_id)
             self.quotas.precheck(tenant)  # a tenant over its limits costs no tokenizing
             prepared = self.prepare(request, call)
-            rid = prepared.forward.request_id
-            if rid in self._inflight:
-                raise BadRequest(f"request_id {rid!r} is already in flight", param="request_id")
+            client_id = prepared.forward.request_id
+            if (tenant, client_id) in self._by_client:
+                raise BadRequest(
+                    f"request_id {client_id!r} is already in flight", param="request_id"
+                )
             lease = self.quotas.acquire(tenant, self._quota_cost(prepared, with_output=True))
         except ServiceError as exc:
             self.observer.on_end("", self._core.policy_name, exc.grpc_code)
             raise
+        prepared = self._own_id(prepared)  # unique across tenants: the core and workers see it
+        rid = prepared.forward.request_id
         deadline = self._clock() + self._timeout_s(call)
-        entry = _InFlight("", prepared.forward.partition.cache_salt, started=started)
+        salt = prepared.forward.partition.cache_salt
+        entry = _InFlight("", salt, tenant=tenant, client_id=client_id, started=started)
+        self._by_client[(tenant, client_id)] = rid
         # only a caller's own deadline is guarded by admission: one without is willing to wait
         entry.guard_deadline = call.timeout_s is not None and math.isfinite(call.timeout_s)
         self._inflight[rid] = entry
@@ -210,7 +220,7 @@ class Frontend:
         # be detached cleanly when the call ends early.
         parent = propagate.extract(dict(call.metadata))
         span = tracer.start_span("kvroute.router.Generate", context=parent)
-        span.set_attribute("kvroute.request_id", rid)
+        span.set_attribute("kvroute.request_id", client_id)
         if span.is_recording():
             spans.record_request(span, prepared.forward, self.model_name)
         outcome = "OK"
@@ -219,6 +229,8 @@ class Frontend:
             # when the garbage collector finds the inner generator
             async with contextlib.aclosing(self._relay(prepared, entry, deadline, span)) as relay:
                 async for msg in relay:
+                    if rid != client_id:
+                        msg.request_id = client_id
                     if msg.HasField("finished"):
                         # release before the client can see the end, so the accounting is
                         # exact the moment the client's call completes
@@ -250,10 +262,23 @@ class Frontend:
         prompt = len(route.token_ids) if route.prompt_tokens is None else route.prompt_tokens
         return prompt + (prepared.forward.sampling.max_new_tokens if with_output else 0)
 
+    def _own_id(self, prepared: Prepared) -> Prepared:
+        """``prepared`` under an id no other tenant's request in flight has: the caller's
+        own when it is free (the common case), else the caller's with a unique suffix."""
+        rid = prepared.forward.request_id
+        if rid not in self._inflight:
+            return prepared
+        own = f"{rid}~{uuid.uuid4().hex[:12]}"
+        prepared.forward.request_id = own
+        return dataclasses.replace(
+            prepared, route=dataclasses.replace(prepared.route, request_id=own)
+        )
+
     def _release(self, rid: str, entry: _InFlight) -> None:
         if not entry.released:
             entry.released = True
             del self._inflight[rid]
+            del self._by_client[(entry.tenant, entry.client_id)]
 
     async def _relay(
         self,
@@ -486,24 +511,22 @@ class Frontend:
     # ---- abort and explain ---------------------------------------------------------------
 
     async def abort(self, request_id: str, call: CallInfo) -> bool:
-        """Abort an in-flight request of the caller's tenant; whether it was found."""
-        entry = self._inflight.get(request_id)
-        if entry is None or not entry.worker_id:
-            return False
+        """Abort an in-flight request of the caller's tenant (request ids are each tenant's
+        own: another tenant's request of the same id is not visible); whether it was found."""
         try:
-            salt = resolve_partition(
-                self.config.tenancy, call.metadata, Partition(), call.tenant_id
-            ).cache_salt
+            tenant = tenant_of(self.config.tenancy, call.metadata, call.tenant_id)
         except TenancyError as exc:
             raise BadRequest(str(exc)) from None
-        if salt != entry.cache_salt and not self.config.tenancy.trust_client_salt:
-            return False  # another tenant's request: not visible
+        rid = self._by_client.get((tenant, request_id))
+        entry = None if rid is None else self._inflight.get(rid)
+        if entry is None or not entry.worker_id:
+            return False
         conn = self._pool.by_worker_id(entry.worker_id)
         if conn is None:
             return False
         try:
             resp = await conn.stub.Abort(
-                pb.AbortRequest(request_id=request_id), timeout=conn.config.rpc_timeout_s
+                pb.AbortRequest(request_id=rid), timeout=conn.config.rpc_timeout_s
             )
         except grpc.aio.UsageError:  # the channel closed: the pool is removing the worker
             return False

@@ -361,6 +361,34 @@ async def test_abort_from_another_tenant_does_not_find_the_request():
         call.cancel()
 
 
+async def test_request_ids_are_each_tenants_own():
+    a = FakeWorker("w0", behaviour="hang")
+    async with running_fake(a) as ra, running_router([ra.address], tenant="acme") as router:
+        await router.wait_synced(1)
+        stub = pb_grpc.RouterStub(router.client._channel)
+        acme, b = (("x-tenant-id", "acme"),), (("x-tenant-id", "b"),)
+        req = build_request(PROMPT, GenerateOptions(request_id="t1"))
+        held = stub.Generate(req, metadata=acme)
+        await asyncio.wait_for(a.hanging.wait(), WAIT_S)
+        a.behaviour = "ok"
+        # another tenant's request of the same id is served, and its answers carry its id
+        answers = [m async for m in stub.Generate(req, metadata=b)]
+        assert answers and {m.request_id for m in answers} == {"t1"}
+        sent = [r.request.request_id for r in a.received]
+        assert sent[0] == "t1" and sent[1].startswith("t1~")  # the workers see distinct ids
+        # the same tenant may not reuse an id in flight
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            [m async for m in stub.Generate(req, metadata=acme)]
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "already in flight" in err.value.details()
+        # b's request is over: b's Abort finds nothing and touches acme's request not at all
+        assert (await stub.Abort(pb.AbortRequest(request_id="t1"), metadata=b)).found is False
+        assert a.aborted == []
+        assert (await stub.Abort(pb.AbortRequest(request_id="t1"), metadata=acme)).found
+        assert a.aborted == ["t1"]
+        held.cancel()
+
+
 async def test_explain_of_a_policy_without_cost_reports_no_cost():
     a = FakeWorker("w0")
     async with running_fake(a) as ra:
