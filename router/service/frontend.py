@@ -44,7 +44,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-import numpy as np
 from opentelemetry import propagate, trace
 
 from edge.frontdoor import (
@@ -57,25 +56,20 @@ from edge.frontdoor import (
     error_for_grpc_code,
 )
 from edge.limits import RequestLimits
-from kvroute_proto import codec
 from kvroute_proto import kvroute_pb2 as pb
-from kvroute_proto.events import Partition
 from router.core.admission import Admission, AdmissionConfig
 from router.core.errors import InvalidRouteRequestError, NoWorkerAvailable
 from router.core.router_core import Explanation, RouteDecision, RouterCore, RouteRequest
 from router.service import spans
 from router.service.observe import NO_OBSERVER, RequestObserver
 from router.service.pool import WorkerPool
+from router.service.prepare import Prepared, prepare_request
 from router.service.quota import QuotaConfig, TenantQuotas
 from router.service.resilience import EjectionConfig, OutlierEjector
-from router.service.tenancy import TenancyConfig, TenancyError, resolve_partition, tenant_of
+from router.service.tenancy import TenancyConfig, TenancyError, tenant_of
 from router.service.token_cache import with_chunk_cache
 from router.service.validation import (
-    RequestError,
     TextTokenizer,
-    check_request,
-    routing_tokens,
-    tokenize_prompt,
 )
 
 log = logging.getLogger(__name__)
@@ -119,14 +113,6 @@ class FrontendConfig:
             raise ValueError(f"max_deadline_s must be > 0, got {self.max_deadline_s}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
-
-
-@dataclass(frozen=True, slots=True)
-class Prepared:
-    """A checked request: what is forwarded, and what the router routes on."""
-
-    forward: pb.GenerateRequest
-    route: RouteRequest
 
 
 @dataclass(slots=True)
@@ -560,54 +546,11 @@ class Frontend:
     def prepare(
         self, request: pb.GenerateRequest, call: CallInfo, *, split: bool = True
     ) -> Prepared:
-        """Check fields, derive the partition, tokenize, assign a request id (BadRequest).
-        ``split``: a text prompt's tail that no cache matches may be left to the worker
-        (``FrontendConfig.split_prompts``); False tokenizes it whole."""
-        try:
-            check_request(request, self.config.limits)
-            partition = resolve_partition(
-                self.config.tenancy,
-                call.metadata,
-                codec.partition_from_pb(request.partition),
-                call.tenant_id,
-            )
-        except (RequestError, TenancyError) as exc:
-            raise BadRequest(str(exc)) from None
-        forward = pb.GenerateRequest()
-        forward.CopyFrom(request)
-        if not forward.request_id:
-            forward.request_id = f"r-{uuid.uuid4().hex}"
-        forward.partition.CopyFrom(codec.partition_to_pb(partition))
-        prompt_tokens = None  # the whole prompt's length when only its head is tokenized
-        if self.tokenizer is not None and forward.WhichOneof("prompt") == "prompt_text":
-            tokens, tail = self._tokenize(
-                forward.prompt_text, partition, split, forward.prompt_text_is_chat
-            )
-            forward.prompt_text_is_chat = False  # ids now: the template's specials are in
-            if not len(tokens):
-                raise BadRequest("prompt_text encodes to no tokens", param="prompt_text")
-            # clears prompt_text (one oneof)
-            forward.prompt_token_ids.ids.extend(tokens.tolist())
-            if tail:
-                forward.prompt_text_suffix = tail
-                prompt_tokens = len(tokens) + self.tokenizer.estimate_tokens(tail)
-        else:
-            tokens = routing_tokens(forward)
-        route = RouteRequest(forward.request_id, tokens, partition, prompt_tokens=prompt_tokens)
-        return Prepared(forward, route)
-
-    def _tokenize(
-        self, text: str, partition: Partition, split: bool, chat: bool
-    ) -> tuple[np.ndarray, str]:
-        """``(ids, tail)`` of a text prompt: with the chunk cache, only the head that some
-        worker's cache may still match is tokenized (the worker tokenizes ``tail``, the
-        request's ``prompt_text_suffix``); else, or near the token limit, all of it."""
-        assert self.tokenizer is not None
+        """Check fields, derive the partition, tokenize, assign a request id (BadRequest);
+        ``split``: see :func:`router.service.prepare.prepare_request`."""
+        config, tok = self.config, self.tokenizer
         split = split and self.split_prompts
-        limit = self.config.limits.max_prompt_tokens
-        return tokenize_prompt(
-            self.tokenizer, text, self._core, partition, limit, split=split, chat=chat
-        )
+        return prepare_request(request, call, config.limits, config.tenancy, tok, self._core, split)
 
     def _timeout_s(self, call: CallInfo) -> float:
         remaining = call.timeout_s

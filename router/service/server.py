@@ -203,25 +203,7 @@ class RouterServer:
                 await self.replica_sync.start()
             await server.start()
             grpc_started = True
-            if self.config.http is not None:
-                http = HttpFront(
-                    build_app(
-                        self.frontend,
-                        self.http_health,
-                        max_body_bytes=self.config.http.max_body_bytes,
-                        middlewares=[]
-                        if keys is None
-                        else [auth_middleware(keys.authenticate, HTTP_OPEN_PATHS)],
-                    ),
-                    self.config.http,
-                )
-                try:
-                    await http.start()
-                except OSError as exc:
-                    where = f"{self.config.http.host}:{self.config.http.port}"
-                    why = os.strerror(exc.errno) if exc.errno else str(exc)
-                    raise OSError(f"could not bind HTTP {where}: {why}") from None
-                self.http = http
+            await self._start_http()
         except BaseException:  # a bad Redis URL, a failed bind: leave no task or channel behind
             if grpc_started:  # the HTTP bind failed
                 await server.stop(None)
@@ -245,6 +227,27 @@ class RouterServer:
             self.replica_sync.router_id if self.replica_sync is not None else "off",
         )
         return port
+
+    async def _start_http(self) -> None:
+        """The OpenAI HTTP front, if configured (OSError naming the address on a failed bind)."""
+        if self.config.http is None:
+            return
+        keys = self.config.api_keys
+        middlewares = [] if keys is None else [auth_middleware(keys.authenticate, HTTP_OPEN_PATHS)]
+        app = build_app(
+            self.frontend,
+            self.http_health,
+            max_body_bytes=self.config.http.max_body_bytes,
+            middlewares=middlewares,
+        )
+        http = HttpFront(app, self.config.http)
+        try:
+            await http.start()
+        except OSError as exc:
+            where = f"{self.config.http.host}:{self.config.http.port}"
+            why = os.strerror(exc.errno) if exc.errno else str(exc)
+            raise OSError(f"could not bind HTTP {where}: {why}") from None
+        self.http = http
 
     async def stop(self, grace_s: float | None = None) -> None:
         """NOT_SERVING, let in-flight requests finish for ``grace_s``, close everything."""
