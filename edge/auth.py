@@ -136,15 +136,22 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
 
-def auth_middleware(authenticate: Authenticator, open_paths: Iterable[str]) -> Any:
-    """aiohttp middleware: authenticate every path but ``open_paths`` (from headers); the
-    ``openai_errors`` middleware outside it turns a refusal into OpenAI's error JSON."""
+def auth_middleware(
+    authenticate: Authenticator,
+    open_paths: Iterable[str],
+    only: Iterable[str] | None = None,
+) -> Any:
+    """aiohttp middleware: authenticate every path but ``open_paths`` (from headers), or
+    with ``only`` just those paths; the ``openai_errors`` middleware outside it turns a
+    refusal into OpenAI's error JSON."""
     open_set = frozenset(open_paths)
+    only_set = None if only is None else frozenset(only)
 
     @web.middleware
     async def middleware(request: web.Request, handler: Any) -> web.StreamResponse:
         tenant = None  # set for every request: a keep-alive connection's task is reused
-        if request.path not in open_set:
+        path = request.path
+        if path not in open_set and (only_set is None or path in only_set):
             pairs = tuple((k.lower(), v) for k, v in request.headers.items())
             tenant = authenticate(pairs)
         AUTHENTICATED_TENANT.set(tenant)

@@ -52,3 +52,10 @@ def redis_prefix(redis_url: str) -> Iterator[str]:
     for key in client.scan_iter(match=f"{prefix}*"):
         client.delete(key)
     client.close()
+
+
+@pytest.fixture(autouse=True)
+def _state_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever a router keeps between starts (its tenant salt secret) goes to a temporary
+    directory, never the developer's home; processes the test starts inherit it."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path_factory.mktemp("state")))

@@ -26,8 +26,9 @@ from edge.security_cli import (
     server_tls_and_http,
     server_tls_from_args,
 )
-from edge.tls import ServerTls
+from edge.tls import ClientTls, ServerTls
 from kvroute_proto.hashing import key_fingerprint
+from router.cli.salt_secret import file_secret, redis_secret, state_file
 from router.service.auth import API_KEYS_ENV, ApiKeys
 from router.service.quota import QuotaConfig, TenantLimit, parse_overrides
 from router.service.server import RouterServerConfig
@@ -54,7 +55,15 @@ def add_router_security_args(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="require an API key (Bearer token) on every call; FILE has tenant_id:sha256hex "
         f"lines (`kvroute keys hash`); also read from ${API_KEYS_ENV}. The key's tenant is "
-        "the request's tenant. Health, reflection, /health and /v1/models stay open",
+        "the request's tenant. Health, reflection, /health and /v1/models stay open. Needs "
+        "--worker-token or mutual TLS to the workers (or --insecure-workers); without "
+        "--tenant-salt-secret a secret is generated and kept (Redis, or ~/.local/state)",
+    )
+    g.add_argument(
+        "--insecure-workers",
+        action="store_true",
+        help="with API keys: start although the workers are open to anyone who reaches "
+        "them (no --worker-token, no mutual TLS): they hand out tenants' prompts and caches",
     )
     g.add_argument(
         "--trust-tenant-header",
@@ -109,8 +118,13 @@ def apply_router_security(
         except OSError as exc:
             raise ValueError(f"--tenant-limits {args.tenant_limits}: {exc.strerror}") from None
         overrides = parse_overrides(lines, f"--tenant-limits {args.tenant_limits}")
+    if keys is not None:
+        _check_workers_closed(args, worker_tls)
     tenancy = dataclasses.replace(
-        config.service.tenancy, trust_tenant_header=args.trust_tenant_header
+        config.service.tenancy,
+        trust_tenant_header=args.trust_tenant_header,
+        salt_secret=config.service.tenancy.salt_secret
+        or (None if keys is None else _kept_salt_secret(args)),
     )
     service = dataclasses.replace(
         config.service, tenancy=tenancy, quotas=QuotaConfig(default, overrides)
@@ -133,6 +147,26 @@ def apply_router_security(
     )
 
 
+def _check_workers_closed(args: argparse.Namespace, worker_tls: ClientTls | None) -> None:
+    """A keyed router refuses to start in front of workers anyone can call, unless told."""
+    closed = bool(args.worker_token) or (worker_tls is not None and worker_tls.cert_file)
+    if not closed and not args.insecure_workers:
+        raise ValueError(
+            "--api-keys: the workers are open (no --worker-token and no mutual TLS "
+            "--worker-tls-cert): whoever reaches a worker reads tenants' prompts and flushes "
+            "their caches. Start the workers with --router-token T and the router with "
+            "--worker-token T, or pass --insecure-workers"
+        )
+
+
+def _kept_salt_secret(args: argparse.Namespace) -> bytes:
+    """The secret a keyed router without --tenant-salt-secret keys salts with (salt_secret)."""
+    if args.redis_url:
+        options = redis_auth_from_args(args).client_kwargs()
+        return redis_secret(args.redis_url, args.redis_prefix, options)
+    return file_secret(state_file())
+
+
 # ---- kvroute up ------------------------------------------------------------------------
 
 
@@ -148,6 +182,7 @@ class FleetSecurity:
     quotas: QuotaConfig = dataclasses.field(default_factory=QuotaConfig)
     hash_key: str | None = None
     worker_token: str | None = None
+    salt_secret: bytes | None = None  # keys tenants' cache salts (this run's, with API keys)
 
     def worker_env(self) -> dict[str, str]:
         """Environment for each worker subprocess (secrets stay out of the argv)."""
@@ -161,7 +196,9 @@ class FleetSecurity:
     def apply(self, config: RouterServerConfig) -> RouterServerConfig:
         """The in-process router's config with these settings."""
         tenancy = dataclasses.replace(
-            config.service.tenancy, trust_tenant_header=self.trust_tenant_header
+            config.service.tenancy,
+            trust_tenant_header=self.trust_tenant_header,
+            salt_secret=self.salt_secret,
         )
         service = dataclasses.replace(config.service, tenancy=tenancy, quotas=self.quotas)
         connection = dataclasses.replace(
@@ -220,4 +257,6 @@ def fleet_security_from_args(args: argparse.Namespace) -> FleetSecurity:
         quotas=QuotaConfig(TenantLimit(args.tenant_max_inflight, args.tenant_tokens_per_s)),
         hash_key=args.hash_key or None,
         worker_token=secrets.token_urlsafe(32) if keys is not None else None,
+        # the fleet's caches live as long as this run: a secret of the run keys the salts
+        salt_secret=secrets.token_bytes(32) if keys is not None else None,
     )

@@ -284,6 +284,12 @@ async def test_worker_http_token_is_optional():
         url = f"http://127.0.0.1:{worker.http_port}/generate"
         async with s.post(url, json=body) as resp:
             assert resp.status == 200
+        # ... but not the routes that change state: wiping every tenant's cache needs it
+        flush = f"http://127.0.0.1:{worker.http_port}/flush_cache"
+        async with s.post(flush) as resp:
+            assert resp.status == 401
+        async with s.post(flush, headers={"Authorization": f"Bearer {token}"}) as resp:
+            assert resp.status == 200
 
 
 def test_worker_http_require_token_needs_a_token():
@@ -312,16 +318,16 @@ def test_router_flags_turn_the_header_off_with_api_keys(tmp_path, monkeypatch):
     assert tenant_of(plain.service.tenancy, (("x-tenant-id", "acme"),), None) == "acme"
     f = tmp_path / "keys"
     f.write_text(f"acme:{hash_key(ACME_KEY)}\n")
-    keyed = router_cli.config_from_args(_router_args("--api-keys", str(f)))
+    keyed = router_cli.config_from_args(_router_args("--api-keys", str(f), "--worker-token", "t"))
     assert keyed.api_keys is not None and keyed.api_keys.tenants == {"acme"}
     assert not keyed.service.tenancy.trust_tenant_header
     assert tenant_of(keyed.service.tenancy, (("x-tenant-id", "evil"),), "acme") == "acme"
     trusted = router_cli.config_from_args(
-        _router_args("--api-keys", str(f), "--trust-tenant-header")
+        _router_args("--api-keys", str(f), "--worker-token", "t", "--trust-tenant-header")
     )
     assert trusted.service.tenancy.trust_tenant_header
     monkeypatch.setenv("KVROUTE_API_KEYS", f"globex:{hash_key(GLOBEX_KEY)}")
-    env = router_cli.config_from_args(_router_args())
+    env = router_cli.config_from_args(_router_args("--insecure-workers"))
     assert env.api_keys is not None and env.api_keys.tenants == {"globex"}
     tok = router_cli.config_from_args(_router_args("--worker-token", "t0k"))
     assert tok.connection.token == "t0k"

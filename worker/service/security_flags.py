@@ -26,8 +26,8 @@ def add_worker_security_args(p: argparse.ArgumentParser) -> None:
         "--router-token",
         default=os.environ.get(ROUTER_TOKEN_ENV),
         help="Generate, Abort, SubscribeKvEvents and GetLoad require 'authorization: Bearer "
-        f"TOKEN' (the router's --worker-token; default: ${ROUTER_TOKEN_ENV}); health and "
-        "reflection stay open",
+        f"TOKEN' (the router's --worker-token; default: ${ROUTER_TOKEN_ENV}), and so does "
+        "HTTP POST /flush_cache; health and reflection stay open",
     )
     g.add_argument(
         "--http-require-token",

@@ -18,7 +18,7 @@ import asyncio
 import logging
 import secrets
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -51,6 +51,7 @@ DEFAULT_MODEL_NAME = "kvroute-tiny"  # the served name of the tiny default model
 WORKER_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Worker"].full_name  # kvroute.v1.Worker
 # open on the HTTP front even with --http-require-token (probes, discovery)
 HTTP_OPEN_PATHS = ("/health", "/v1/models", "/model_info", "/server_info")
+HTTP_STATE_PATHS = ("/flush_cache",)  # they change state: the router token always guards them
 
 
 def new_epoch() -> int:
@@ -162,11 +163,18 @@ class WorkerServer:
             model_path=self.config.model_path,
             executor=self.config.executor_kind,
             max_body_bytes=config.max_body_bytes,
-            middlewares=[auth_middleware(self._authenticate(), HTTP_OPEN_PATHS)]
-            if self.config.http_require_token
-            else [],
+            middlewares=self._http_auth(),
         )
         return HttpFront(app, config)
+
+    def _http_auth(self) -> list[Any]:
+        """Every HTTP route but the open ones needs the router token with
+        --http-require-token; with only --router-token, the routes that change state do."""
+        if self.config.http_require_token:
+            return [auth_middleware(self._authenticate(), HTTP_OPEN_PATHS)]
+        if self.config.router_token:
+            return [auth_middleware(self._authenticate(), (), only=HTTP_STATE_PATHS)]
+        return []
 
     def _authenticate(self):  # type: ignore[no-untyped-def]
         assert self.config.router_token
