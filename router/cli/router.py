@@ -202,7 +202,13 @@ def _network_args(p: argparse.ArgumentParser) -> None:
         default=10.0,
         help="drop an unreachable worker's index entries after this long",
     )
-    g.add_argument("--keepalive-s", type=float, default=30.0, help="HTTP/2 keepalive ping interval")
+    g.add_argument(
+        "--keepalive-s",
+        type=float,
+        default=2.0,
+        help="HTTP/2 keepalive ping interval to each worker; a worker that misses a ping's "
+        "answer for 1 s more is left out (a stalled worker is out within ~3 s)",
+    )
 
 
 def _tenancy_args(p: argparse.ArgumentParser) -> None:

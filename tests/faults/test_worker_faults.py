@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import signal
 import time
 
@@ -24,6 +25,9 @@ from faults_harness import (
     wait_synced,
     wait_until,
 )
+
+from router.service.frontend import FrontendConfig
+from router.service.worker_conn import ConnectionConfig
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -166,5 +170,69 @@ async def test_stalled_worker_is_left_out_then_readmitted() -> None:
             "1 s); readmitted after SIGCONT in",
             recover_s=round(back_s, 2),
             details={"left_out_s": round(out_s, 2), "converge_s": round(converge_s, 2)},
+        )
+    )
+
+
+async def test_stalled_worker_under_load_costs_seconds_on_default_settings() -> None:
+    """The router's default keepalive, not the harness's fast one: a worker SIGSTOPped with
+    requests in flight holds no request more than 5 s."""
+    with procs() as p:
+        workers = [start_worker(p, f"w{i}", speedup=1.0) for i in range(2)]
+        slow = workers[0]
+        config = dataclasses.replace(
+            router_config([w.address for w in workers]),
+            connection=ConnectionConfig(),
+            service=FrontendConfig(),
+        )
+        async with no_stray_tasks():
+            router = await start_router(config)
+            try:
+                await wait_synced(router, 2)
+                load_task = asyncio.create_task(
+                    drive(
+                        router.address,
+                        num_requests=60,
+                        concurrency=12,
+                        deadline_s=20.0,
+                        max_new_tokens=60,
+                    )
+                )
+                await wait_until(
+                    lambda: router.core.worker_view(slow.worker_id).num_active >= 2,
+                    "requests in flight on the worker about to stall",
+                )
+                slow.proc.popen.send_signal(signal.SIGSTOP)
+                stalled_at = time.perf_counter()
+                try:
+                    out_s = await wait_until(
+                        lambda: router.pool.num_healthy == 1, "stalled worker left out", 15
+                    )
+                    load = await load_task
+                finally:
+                    slow.proc.popen.send_signal(signal.SIGCONT)
+                await wait_until(lambda: router.pool.num_healthy == 2, "worker readmitted", 15)
+                await assert_no_leak(workers, router)
+            finally:
+                await router.stop(0)
+    codes = load.codes()
+    assert set(codes) <= {"OK", "UNAVAILABLE"}, codes
+    # only a call that had already streamed tokens from the stalled worker may fail
+    assert all(o.first_token for o in load.outcomes if o.code != "OK")
+    # the calls that were waiting on the stalled worker when it stopped
+    caught = [o for o in load.outcomes if o.started < stalled_at < o.started + o.elapsed_s]
+    worst = max(o.elapsed_s - max(0.0, stalled_at - o.started) for o in caught)
+    assert out_s < 5.0 and worst < 5.0, (out_s, worst)
+    record(
+        Row(
+            test="worker_stall_defaults",
+            fault="a worker SIGSTOPped under load (12 concurrent paced streams), the router "
+            "on its default keepalive (2 s ping, 1 s timeout)",
+            client_sees=f"{codes_text(load)}; each failure had streamed tokens from the "
+            f"stalled worker; the longest a call waited on it after the stall: {worst:.1f} s",
+            index_after="kept its entries while out; readmitted after SIGCONT",
+            recovery="stall -> worker left out of routing",
+            recover_s=round(out_s, 2),
+            details={"left_out_s": round(out_s, 2), "worst_wait_s": round(worst, 2)},
         )
     )
