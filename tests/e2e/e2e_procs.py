@@ -70,18 +70,28 @@ class Procs:
         self.procs: list[Proc] = []
 
     def start(
-        self, name: str, args: list[str], *, marker: str = "listening on", wait: bool = True
+        self,
+        name: str,
+        args: list[str],
+        *,
+        marker: str = "listening on",
+        wait: bool = True,
+        log: Path | None = None,
     ) -> Proc:
+        """``log``: a file the process's stderr (its log lines) goes to; else discarded."""
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        stderr = subprocess.DEVNULL if log is None else open(log, "w")  # noqa: SIM115
         popen = subprocess.Popen(
             [sys.executable, "-m", "kvroute_cli", *args],
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stderr=stderr,
             stdin=subprocess.DEVNULL,
             text=True,
         )
+        if log is not None:
+            stderr.close()  # the child holds its own descriptor
         proc = Proc(name, popen)
         self.procs.append(proc)
         if wait:
