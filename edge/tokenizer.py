@@ -219,6 +219,7 @@ class ByteTokenizer:
     EOS = 258
     UNK = 259
     NUM_SPECIALS = 4
+    max_token_chars = 1  # one token per UTF-8 byte: at least one per character
 
     def __init__(self, *, add_bos: bool = False) -> None:
         self.add_bos = add_bos
@@ -340,6 +341,14 @@ class HFTokenizer:
         s = self.settings
         extra = json.dumps([s.bos_token, s.eos_token, s.add_bos_token, self.add_special_tokens])
         return _digest(b"kvroute.HFTokenizer/1", canonical.encode(), extra.encode())
+
+    @cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token stands for (the vocabulary's longest token,
+        special ones included): a text holds at least ``len(text) / max_token_chars`` tokens
+        -- known before tokenizing it."""
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        return max(1, *(len(token) for token in vocab))
 
     @property
     def chat_template(self) -> str:

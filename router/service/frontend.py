@@ -181,14 +181,16 @@ class Frontend:
                     retry_after_s=1.0,
                 )
             tenant = tenant_of(self.config.tenancy, call.metadata, call.tenant_id)
-            self.quotas.precheck(tenant)  # a tenant over its limits costs no tokenizing
+            sure = self._sure_cost(request, with_output=True)
+            self.quotas.precheck(tenant, sure)  # a tenant over its limits costs no tokenizing
             prepared = self.prepare(request, call)
             client_id = prepared.forward.request_id
             if (tenant, client_id) in self._by_client:
                 raise BadRequest(
                     f"request_id {client_id!r} is already in flight", param="request_id"
                 )
-            lease = self.quotas.acquire(tenant, self._quota_cost(prepared, with_output=True))
+            cost = self._quota_cost(prepared, with_output=True)
+            lease = self.quotas.acquire(tenant, cost, sure)
         except ServiceError as exc:
             self.observer.on_end("", self._core.policy_name, exc.grpc_code)
             raise
@@ -247,6 +249,17 @@ class Frontend:
         route = prepared.route
         prompt = len(route.token_ids) if route.prompt_tokens is None else route.prompt_tokens
         return prompt + (prepared.forward.sampling.max_new_tokens if with_output else 0)
+
+    def _sure_cost(self, request: pb.GenerateRequest, *, with_output: bool) -> int:
+        """What ``request`` costs at least, before it is tokenized: a text prompt holds at
+        least one token per ``max_token_chars`` characters (0 for a tokenizer that does not
+        say its longest token)."""
+        output = request.sampling.max_new_tokens if with_output else 0
+        if request.WhichOneof("prompt") == "prompt_token_ids":
+            return len(request.prompt_token_ids.ids) + output
+        chars = len(request.prompt_text)  # the bytes a text is routed on when untokenized
+        per_token = 1 if self.tokenizer is None else getattr(self.tokenizer, "max_token_chars", 0)
+        return (-(-chars // per_token) if per_token else 0) + output
 
     def _own_id(self, prepared: Prepared) -> Prepared:
         """``prepared`` under an id no other tenant's request in flight has: the caller's
@@ -527,9 +540,10 @@ class Frontend:
         is tokenized whole here (exact ``prompt_tokens``; a route may estimate the length
         of a tail no cache matches, which moves costs, never matches)."""
         tenant = tenant_of(self.config.tenancy, call.metadata, call.tenant_id)
-        self.quotas.precheck(tenant)  # Explain is rate-limited like Generate
+        sure = self._sure_cost(request, with_output=False)
+        self.quotas.precheck(tenant, sure)  # Explain is rate-limited like Generate
         prepared = self.prepare(request, call, split=False)
-        self.quotas.charge(tenant, self._quota_cost(prepared, with_output=False))
+        self.quotas.charge(tenant, self._quota_cost(prepared, with_output=False), sure)
         route = RouteRequest(
             prepared.route.request_id,
             prepared.route.token_ids,

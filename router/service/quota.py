@@ -14,11 +14,16 @@ too) has its own
 
 A request over either limit is refused at once with RESOURCE_EXHAUSTED (HTTP 429) and a
 retry hint (``retry_after_s``: when the bucket will hold its cost; 1 s for the in-flight
-cap), before it is routed, so it costs the fleet nothing; ``precheck`` refuses a tenant with
-an empty bucket or a full in-flight cap before its prompt is even tokenized. A request
-refused later, before any worker saw it (no worker free, a deadline admission cannot meet),
-gets its tokens back (``Lease.refund``). Tenants never share a counter: tenant A at its limit
-leaves tenant B's requests untouched.
+cap), before it is routed, so it costs the fleet nothing; ``precheck`` refuses a tenant at
+its in-flight cap, or whose bucket cannot pay what the request is sure to cost (a text
+holds at least one token per ``max_token_chars`` characters), before its prompt is even
+tokenized. The router's own work is charged too: a request refused for its cost after that
+point (sure to pass the burst, or tokenized and then over the rate) is charged the tokens it
+was sure to cost, the bucket going at most one burst into debt, so a tenant repeating
+requests it can never afford is refused at once instead of parsed and tokenized again. A
+request refused later, before any worker saw it (no worker free, a deadline admission
+cannot meet), gets its tokens back (``Lease.refund``). Tenants never share a counter: tenant
+A at its limit leaves tenant B's requests untouched.
 
 Overrides per tenant come from a file (``--tenant-limits FILE``), one line per tenant::
 
@@ -164,32 +169,40 @@ class TenantQuotas:
     def inflight(self, tenant: str) -> int:
         return self._inflight.get(tenant, 0)
 
-    def precheck(self, tenant: str) -> None:
-        """Refuse (Overloaded) a tenant at its in-flight cap or with an empty bucket before
-        any work is spent on its request; admits nothing and charges nothing."""
+    def precheck(self, tenant: str, sure: int = 0) -> None:
+        """Refuse (Overloaded) a tenant at its in-flight cap, or whose bucket cannot pay the
+        ``sure`` tokens its request costs at least (known before tokenizing: the text's
+        bytes over the tokenizer's longest token), before any work is spent on it; admits
+        nothing. A request sure to cost more than the burst is charged that much (the
+        tenant's bucket goes into debt, at most one burst deep): sent again and again, such
+        requests would make the router parse and refuse them for free."""
         if not self.config.enabled:
             return
         limit = self.config.limit_of(tenant)
         self._check_inflight(tenant, limit)
         if limit.tokens_per_s is not None:
-            self._take(tenant, limit, 0)
+            self._take(tenant, limit, sure, debit=False)
 
-    def acquire(self, tenant: str, tokens: int) -> Lease:
-        """Admit one Generate of ``tokens`` for ``tenant``, or raise Overloaded."""
+    def acquire(self, tenant: str, tokens: int, sure: int = 0) -> Lease:
+        """Admit one Generate of ``tokens`` for ``tenant``, or raise Overloaded; refused
+        for its cost, it is charged the ``sure`` tokens it passed :meth:`precheck` with
+        (its prompt was tokenized: work done for the tenant)."""
         if not self.config.enabled:
             return Lease(tenant, None)
         limit = self.config.limit_of(tenant)
         self._check_inflight(tenant, limit)
-        charged = self._take(tenant, limit, tokens) if limit.tokens_per_s is not None else 0.0
+        charged = 0.0
+        if limit.tokens_per_s is not None:
+            charged = self._take(tenant, limit, tokens, refused_debit=sure)
         self._inflight[tenant] = self.inflight(tenant) + 1
         return Lease(tenant, self, charged)
 
-    def charge(self, tenant: str, tokens: int) -> None:
+    def charge(self, tenant: str, tokens: int, sure: int = 0) -> None:
         """Charge a request that holds no in-flight slot (Explain) to the token bucket."""
         if self.config.enabled:
             limit = self.config.limit_of(tenant)
             if limit.tokens_per_s is not None:
-                self._take(tenant, limit, tokens)
+                self._take(tenant, limit, tokens, refused_debit=sure)
 
     def _check_inflight(self, tenant: str, limit: TenantLimit) -> None:
         if limit.max_inflight is not None and self.inflight(tenant) >= limit.max_inflight:
@@ -200,22 +213,35 @@ class TenantQuotas:
                 retry_after_s=1.0,
             )
 
-    def _take(self, tenant: str, limit: TenantLimit, tokens: int) -> float:
-        """Debit ``tokens`` from the tenant's bucket (0: only check it is not empty)."""
+    def _take(
+        self,
+        tenant: str,
+        limit: TenantLimit,
+        tokens: int,
+        *,
+        debit: bool = True,
+        refused_debit: int = 0,
+    ) -> float:
+        """Debit ``tokens`` from the tenant's bucket (``debit`` False: only check that it
+        holds them, and one token at least). Refused, the bucket is still debited
+        ``refused_debit`` tokens -- ``tokens`` themselves when they pass the burst and
+        ``debit`` is False -- down to a debt of one burst."""
         rate, burst = limit.tokens_per_s, limit.burst
         assert rate is not None and burst is not None
+        bucket = self._refill(tenant, rate, burst)
         if tokens > burst:
             self._refused(tenant)
+            self._debt(bucket, burst, refused_debit or (0 if debit else tokens))
             raise Overloaded(
-                f"this request costs {tokens} tokens ({_COST}), more than tenant "
-                f"{_name(tenant)} may spend at once: its burst is {burst:g} tokens "
-                "(--tenant-burst-tokens, or burst_tokens in --tenant-limits); shorten the "
-                "prompt or max_new_tokens, or raise the burst"
+                f"this request costs {'at least ' if not debit else ''}{tokens} tokens "
+                f"({_COST}), more than tenant {_name(tenant)} may spend at once: its burst is "
+                f"{burst:g} tokens (--tenant-burst-tokens, or burst_tokens in --tenant-limits); "
+                "shorten the prompt or max_new_tokens, or raise the burst"
             )
-        bucket = self._refill(tenant, rate, burst)
         need = float(max(tokens, 1))  # a precheck needs one token left
         if bucket.level < need:
             self._refused(tenant)
+            self._debt(bucket, burst, refused_debit)
             needs = f"this request needs {tokens} tokens ({_COST}), " if tokens else ""
             raise Overloaded(
                 f"tenant {_name(tenant)} is over its token rate: {needs}"
@@ -223,8 +249,15 @@ class TenantQuotas:
                 f"with a burst of {burst:g} (--tenant-tokens-per-s)",
                 retry_after_s=(need - bucket.level) / rate,
             )
+        if not debit:
+            return 0.0
         bucket.level -= tokens
         return float(tokens)
+
+    @staticmethod
+    def _debt(bucket: _Bucket, burst: float, tokens: int) -> None:
+        if tokens > 0:
+            bucket.level = max(bucket.level - tokens, -burst)
 
     def _refill(self, tenant: str, rate: float, burst: float) -> _Bucket:
         now = self._clock()

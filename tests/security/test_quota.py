@@ -16,6 +16,7 @@ from secure_harness import WAIT_S, secure_worker
 
 from edge.frontdoor import Overloaded
 from edge.http_front import HttpFrontConfig
+from edge.tokenizer import ByteTokenizer
 from router.cli import router as router_cli
 from router.cli.client import GenerateOptions, RouterClient
 from router.service.quota import QuotaConfig, TenantLimit, TenantQuotas, parse_overrides
@@ -119,6 +120,29 @@ def test_precheck_refuses_an_empty_bucket_and_a_refund_restores_it():
         q.charge("a", 60)  # Explain's prompt, 50 available
     q.charge("a", 50)
     assert q.inflight("a") == 0 and q.num_refused == {"a": 3}
+
+
+def test_a_request_sure_to_pass_the_burst_is_charged_into_debt_one_burst_deep():
+    """Refused before tokenizing when even its least possible cost passes the burst, and
+    charged that: sent again and again, such requests would cost the router work for free."""
+    clock = Clock()
+    q = TenantQuotas(QuotaConfig(TenantLimit(tokens_per_s=100, burst_tokens=100)), clock)
+    with pytest.raises(Overloaded, match="costs at least 250000 tokens"):
+        q.precheck("a", 250_000)
+    with pytest.raises(Overloaded, match="over its token rate") as info:
+        q.precheck("a")  # in debt, one burst deep: refused at once
+    assert info.value.retry_after_s == pytest.approx(1.01)  # from -100 to 1 at 100 tokens/s
+    clock.now = 1.01
+    q.precheck("a")  # repaid
+    clock.now = 10.0
+    q.acquire("a", 50).release()  # 50 left
+    # sure of 30 before tokenizing, 80 after: refused, and charged the 30 it was sure of
+    with pytest.raises(Overloaded, match="needs 80 tokens"):
+        q.acquire("a", 80, sure=30)
+    with pytest.raises(Overloaded):
+        q.precheck("a", 21)
+    q.precheck("a", 20)
+    assert q.inflight("a") == 0 and q.num_refused == {"a": 4}
 
 
 def test_overrides_and_defaults():
@@ -306,3 +330,41 @@ async def test_a_request_refused_before_any_worker_saw_it_gets_its_tokens_back()
         assert router.frontend.quotas.num_refused == {}
     finally:
         await router.stop(grace_s=0.1)
+
+
+class CountingTokenizer(ByteTokenizer):
+    """The byte tokenizer, counting the texts it was asked to encode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoded = 0
+
+    def encode(self, text: str, *, add_special_tokens: bool | None = None) -> list[int]:
+        self.encoded += 1
+        return super().encode(text, add_special_tokens=add_special_tokens)
+
+
+async def test_a_prompt_sure_to_pass_the_burst_is_refused_before_tokenizing():
+    quotas = QuotaConfig(TenantLimit(tokens_per_s=100, burst_tokens=1_000))
+    tok = CountingTokenizer()
+    base = _router_config([])
+    service = dataclasses.replace(base.service, quotas=quotas)
+    async with secure_worker("w-sure") as worker:
+        router = RouterServer(_router_config([worker.address], service=service), tokenizer=tok)
+        await router.start()
+        try:
+            async with RouterClient(router.address, tenant="a", timeout_s=WAIT_S) as a:
+                opts = GenerateOptions(max_new_tokens=10)
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await a.generate("x" * 1_000_000, opts)
+                assert "costs at least 1000010 tokens" in (info.value.details() or "")
+                for _ in range(3):  # in debt: refused at once, whatever the size
+                    with pytest.raises(grpc.aio.AioRpcError) as info:
+                        await a.generate("x" * 10, opts)
+                    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert tok.encoded == 0  # none of a's prompts was tokenized
+            async with RouterClient(router.address, tenant="b", timeout_s=WAIT_S) as b:
+                assert len((await b.generate("x" * 10, opts)).token_ids) == 10
+            assert tok.encoded > 0
+        finally:
+            await router.stop(grace_s=0.1)
