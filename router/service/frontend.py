@@ -64,7 +64,7 @@ from router.service import spans
 from router.service.observe import NO_OBSERVER, RequestObserver
 from router.service.pool import WorkerPool
 from router.service.prepare import Prepared, prepare_request
-from router.service.quota import QuotaConfig, TenantQuotas
+from router.service.quota import OverLimit, QuotaConfig, TenantQuotas
 from router.service.resilience import EjectionConfig, OutlierEjector
 from router.service.tenancy import TenancyConfig, TenancyError, tenant_of
 from router.service.token_cache import with_chunk_cache
@@ -87,6 +87,8 @@ WORKER_FAILURE_CODES = frozenset(
 )
 
 DEFAULT_MODEL_NAME = "kvroute-tiny"
+REFUSAL_HOLD_S = 1.0  # the longest a tenant's over-limit refusal is held (hold_refusal)
+MAX_HELD_REFUSALS = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +157,7 @@ class Frontend:
         self.quotas = TenantQuotas(config.quotas, clock)
         self._inflight: dict[str, _InFlight] = {}  # by the router's own request id
         self._by_client: dict[tuple[str, str], str] = {}  # (tenant, caller's id) -> own id
+        self._held = 0  # over-limit refusals being held (hold_refusal)
         self.num_retries = 0
 
     @property
@@ -193,6 +196,7 @@ class Frontend:
             lease = self.quotas.acquire(tenant, cost, sure)
         except ServiceError as exc:
             self.observer.on_end("", self._core.policy_name, exc.grpc_code)
+            await self.hold_refusal(exc)
             raise
         prepared = self._own_id(prepared)  # unique across tenants: the core and workers see it
         rid = prepared.forward.request_id
@@ -242,6 +246,25 @@ class Frontend:
             if entry.finished:
                 outcome = "OK"
             self.observer.on_end(entry.worker_id, self._core.policy_name, outcome)
+
+    async def hold_refusal(self, exc: ServiceError) -> None:
+        """Hold a tenant's over-limit refusal until it could be admitted, at most
+        ``REFUSAL_HOLD_S``: a tenant sending what it cannot afford on a few connections then
+        sends no faster than it is answered, and the router's CPU (each request is received
+        and parsed before any limit can refuse it) stays with the other tenants. At most
+        ``MAX_HELD_REFUSALS`` are held at once (each holds its request); the rest are
+        answered at once."""
+        if not isinstance(exc, OverLimit) or self._held >= MAX_HELD_REFUSALS:
+            return
+        hint = exc.retry_after_s
+        held = REFUSAL_HOLD_S if hint is None else min(hint, REFUSAL_HOLD_S)
+        self._held += 1
+        try:
+            await asyncio.sleep(held)
+        finally:
+            self._held -= 1
+        if hint is not None and exc.timed:
+            exc.retry_after_s = hint - held  # counted from the answer
 
     @staticmethod
     def _quota_cost(prepared: Prepared, *, with_output: bool) -> int:

@@ -43,6 +43,19 @@ from dataclasses import dataclass, field
 from edge.frontdoor import Overloaded
 
 
+class OverLimit(Overloaded):
+    """A tenant over its own limits (RESOURCE_EXHAUSTED / 429): its refusal, unlike the
+    router's own overload, may be held back a moment (``Frontend``: a tenant flooding the
+    router with requests it cannot afford then sends them no faster than it is answered).
+    ``timed``: the retry hint is when the bucket will hold the cost (else a guess)."""
+
+    def __init__(
+        self, message: str, *, retry_after_s: float | None = None, timed: bool = False
+    ) -> None:
+        super().__init__(message, retry_after_s=retry_after_s)
+        self.timed = timed
+
+
 @dataclass(frozen=True, slots=True)
 class TenantLimit:
     """One tenant's limits; None = unlimited. ``burst_tokens`` defaults to one second's
@@ -207,7 +220,7 @@ class TenantQuotas:
     def _check_inflight(self, tenant: str, limit: TenantLimit) -> None:
         if limit.max_inflight is not None and self.inflight(tenant) >= limit.max_inflight:
             self._refused(tenant)
-            raise Overloaded(
+            raise OverLimit(
                 f"tenant {_name(tenant)} has {self.inflight(tenant)} requests in flight; its "
                 f"limit is {limit.max_inflight} (--tenant-max-inflight)",
                 retry_after_s=1.0,
@@ -232,7 +245,7 @@ class TenantQuotas:
         if tokens > burst:
             self._refused(tenant)
             self._debt(bucket, burst, refused_debit or (0 if debit else tokens))
-            raise Overloaded(
+            raise OverLimit(
                 f"this request costs {'at least ' if not debit else ''}{tokens} tokens "
                 f"({_COST}), more than tenant {_name(tenant)} may spend at once: its burst is "
                 f"{burst:g} tokens (--tenant-burst-tokens, or burst_tokens in --tenant-limits); "
@@ -243,11 +256,12 @@ class TenantQuotas:
             self._refused(tenant)
             self._debt(bucket, burst, refused_debit)
             needs = f"this request needs {tokens} tokens ({_COST}), " if tokens else ""
-            raise Overloaded(
+            raise OverLimit(
                 f"tenant {_name(tenant)} is over its token rate: {needs}"
                 f"{max(bucket.level, 0.0):.0f} are available; the limit is {rate:g} tokens/s "
                 f"with a burst of {burst:g} (--tenant-tokens-per-s)",
                 retry_after_s=(need - bucket.level) / rate,
+                timed=True,
             )
         if not debit:
             return 0.0

@@ -79,6 +79,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         try:
             expl = self.frontend.explain(request.request, call_info(context))
         except ServiceError as exc:
+            await self.frontend.hold_refusal(exc)
             await abort_with(context, exc)
         return convert.explanation_to_pb(
             expl,

@@ -289,8 +289,10 @@ async def test_token_rate_refuses_the_tenant_over_it_only():
             assert "needs 50 tokens (its prompt, plus max_new_tokens for a Generate), 10 are" in (
                 info.value.details() or ""
             )
+            # the refusal was held 1 s (the bucket refilling meanwhile): the hint counts
+            # from the answer
             hint = float(dict(info.value.trailing_metadata() or ())["retry-after-s"])
-            assert 39.0 < hint <= 40.0
+            assert 38.0 < hint <= 39.0
         async with RouterClient(router.address, tenant="b", timeout_s=WAIT_S) as b:
             assert len((await b.generate("x" * 40, opts)).token_ids) == 10
 
@@ -298,7 +300,7 @@ async def test_token_rate_refuses_the_tenant_over_it_only():
 async def test_explain_is_charged_like_generate():
     """Explain costs the router a tokenization and an index walk: its prompt is charged to
     the tenant's bucket, so a tenant cannot flood the router with it."""
-    quotas = QuotaConfig(TenantLimit(tokens_per_s=1.0, burst_tokens=60))
+    quotas = QuotaConfig(TenantLimit(tokens_per_s=0.1, burst_tokens=60))  # ~no refill
     async with secure_worker("w-explain") as worker, _router(worker.address, quotas) as router:
         async with RouterClient(router.address, tenant="a", timeout_s=WAIT_S) as a:
             await a.explain("x" * 40)  # 40 of 60 tokens
@@ -368,3 +370,36 @@ async def test_a_prompt_sure_to_pass_the_burst_is_refused_before_tokenizing():
             assert tok.encoded > 0
         finally:
             await router.stop(grace_s=0.1)
+
+
+async def test_an_over_limit_refusal_is_held_while_other_tenants_are_served(monkeypatch):
+    """A tenant refused for its own limits hears so only after up to a second (when it could
+    be admitted, at most 1 s): a flood on a few connections then costs the router little.
+    Other tenants are served meanwhile; beyond the cap, refusals are answered at once."""
+    from router.service import frontend as frontend_module
+
+    monkeypatch.setattr(frontend_module, "MAX_HELD_REFUSALS", 1)
+    quotas = QuotaConfig(TenantLimit(tokens_per_s=10.0, burst_tokens=20))
+    loop = asyncio.get_running_loop()
+    async with (
+        secure_worker("w-hold") as worker,
+        _router(worker.address, quotas) as router,
+        RouterClient(router.address, tenant="a", timeout_s=WAIT_S) as a,
+        RouterClient(router.address, tenant="b", timeout_s=WAIT_S) as b,
+    ):
+        opts = GenerateOptions(max_new_tokens=1)
+
+        async def refused(prompt: str) -> float:
+            start = loop.time()
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await a.generate(prompt, opts)
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            return loop.time() - start
+
+        held = asyncio.create_task(refused("x" * 100))  # past the burst: held 1 s
+        await asyncio.sleep(0.2)
+        assert not held.done()
+        assert await refused("x" * 100) < 0.5  # the cap (1) is taken: answered at once
+        served = await b.generate("x" * 5, opts)  # b is served during a's hold
+        assert len(served.token_ids) == 1 and not held.done()
+        assert await held >= 0.95
