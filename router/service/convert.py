@@ -17,12 +17,16 @@ from router.core.router_core import UNHEALTHY
 
 
 def worker_score_to_pb(
-    score: WorkerScore, *, address: str = "", ejected: bool = False, last_error: str = ""
+    score: WorkerScore,
+    *,
+    address: str | None = "",
+    ejected: bool = False,
+    last_error: str = "",
 ) -> pb.WorkerScore:
-    """One worker's Explain line: ``address`` when the core has none, unhealthy while
-    ``ejected``. The cost is left unset (not NaN) where the policy has none for that worker;
-    ``not_candidate_reason`` says why a worker is not a candidate, with the connection's
-    ``last_error`` for an unhealthy one."""
+    """One worker's Explain line: ``address`` when the core has none (None: no address at
+    all, not even the core's), unhealthy while ``ejected``. The cost is left unset (not NaN)
+    where the policy has none for that worker; ``not_candidate_reason`` says why a worker
+    is not a candidate, with the connection's ``last_error`` for an unhealthy one."""
     reason = score.not_candidate_reason
     if reason == UNHEALTHY and last_error:
         reason = f"{UNHEALTHY}: {last_error}"
@@ -30,7 +34,7 @@ def worker_score_to_pb(
         reason = "ejected after consecutive failures (cooling down)"
     msg = pb.WorkerScore(
         worker_id=score.worker_id,
-        address=score.address or address,
+        address="" if address is None else score.address or address,
         healthy=score.healthy and not ejected,
         matched_tokens=score.matched_tokens,
         event_matched_tokens=score.event_matched_tokens,
@@ -50,13 +54,13 @@ def worker_score_to_pb(
 def explanation_to_pb(
     expl: Explanation,
     *,
-    address_of: Callable[[str], str] = lambda _worker_id: "",
+    address_of: Callable[[str], str | None] = lambda _worker_id: "",
     ejected: Container[str] = (),
     last_error_of: Callable[[str], str] = lambda _worker_id: "",
 ) -> pb.ExplainResponse:
-    """The ExplainResponse for ``expl`` (``address_of``: worker id -> address, the pool's;
-    ``ejected``: worker ids ejected for failures; ``last_error_of``: worker id -> its
-    connection's last error)."""
+    """The ExplainResponse for ``expl`` (``address_of``: worker id -> address, the pool's,
+    None to show none; ``ejected``: worker ids ejected for failures; ``last_error_of``:
+    worker id -> its connection's last error)."""
     return pb.ExplainResponse(
         policy=expl.policy,
         prompt_tokens=expl.prompt_tokens,

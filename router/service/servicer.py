@@ -81,6 +81,12 @@ class RouterServicer(pb_grpc.RouterServicer):
         except ServiceError as exc:
             await self.frontend.hold_refusal(exc)
             await abort_with(context, exc)
+        if AUTHENTICATED_TENANT.get() is not None:
+            # a key holder is a tenant, not the operator: worker ids, never the workers'
+            # addresses (nor connection errors, which name them)
+            return convert.explanation_to_pb(
+                expl, address_of=lambda _worker_id: None, ejected=self.frontend.ejector.ejected()
+            )
         return convert.explanation_to_pb(
             expl,
             address_of=self._pool.address_of,

@@ -85,6 +85,9 @@ async def test_tenant_b_gets_no_hit_and_no_routing_advantage_from_tenant_a():
                 a_view = await a.explain(PROMPT)
                 a_match = {w.worker_id: w.event_matched_tokens for w in a_view.workers}
                 assert a_match[served_by] > 0  # control: A's prefix is indexed
+                # a key holder sees worker ids, never where the workers are
+                assert {w.worker_id for w in a_view.workers} == {"w-0", "w-1"}
+                assert {w.address for w in a_view.workers} == {""}
                 assert (await a.generate(PROMPT, OPTS)).cached_prompt_tokens > 0  # control
 
                 # through the router: B sees no match anywhere, by events or by prediction
