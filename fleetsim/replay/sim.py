@@ -77,14 +77,8 @@ from fleetsim.replay.report import PolicyReport, RequestResult, summarize
 from fleetsim.replay.sim_config import SimConfig
 from fleetsim.replay.trace import TokenExpander, TraceRecord
 from kvroute_proto.events import EventBatch, LoadReport, Snapshot
-from router.core.router_core import (
-    NoWorkerAvailable,
-    ReplicaEvent,
-    ReplicaRouted,
-    Resubscribe,
-    RouterCore,
-    RouteRequest,
-)
+from router.core.core_types import ReplicaEvent, ReplicaRouted
+from router.core.router_core import NoWorkerAvailable, Resubscribe, RouterCore, RouteRequest
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.load_reports import StepReports
 from worker.engine.sim_executor import SimExecutor, SimExecutorConfig

@@ -7,14 +7,23 @@ from __future__ import annotations
 
 import copy
 import random
+from collections import Counter
 from collections.abc import Callable, Iterable
 
-from router.core.core_types import Explanation, RouteRequest, WorkerScore, WorkerStats
-from router.core.fleet import FleetWorker
+from router.core.core_types import (
+    Explanation,
+    RouteRequest,
+    RouterStats,
+    WorkerScore,
+    WorkerStats,
+)
+from router.core.fleet import Fleet, FleetWorker
+from router.core.flights import Flights
+from router.core.index_api import PrefixIndexAPI
 from router.core.policy import Policy
 from router.core.views import Matched, RouteQuery, WorkerView
 
-__all__ = ["EXCLUDED", "UNHEALTHY", "explanation", "worker_stats"]
+__all__ = ["EXCLUDED", "UNHEALTHY", "explanation", "router_stats", "worker_stats"]
 
 # Explain's reasons for a worker that is not a candidate (WorkerScore.not_candidate_reason)
 UNHEALTHY = "unhealthy"
@@ -104,3 +113,24 @@ def worker_stats(
             )
         )
     return result
+
+
+def router_stats(fleet: Fleet, index: PrefixIndexAPI, flights: Flights) -> RouterStats:
+    """The core's totals: workers, index, requests in flight, stream counters summed."""
+    counters: Counter[str] = Counter()
+    for worker in fleet.workers.values():
+        counters.update(worker.stream.counters)
+    return RouterStats(
+        num_workers=len(fleet.workers),
+        num_healthy=len(fleet.healthy),
+        num_indexed_blocks=index.size(),
+        num_index_entries=index.num_entries,
+        num_predicted_entries=index.num_predicted,
+        num_inflight_requests=len(flights.own),
+        num_routed=flights.num_routed,
+        apply_errors=dict(index.errors),
+        sync_counters=dict(counters),
+        num_evicted_blocks=index.num_evicted,
+        index_bytes=index.approx_bytes(),
+        num_replica_inflight=len(flights.replicas.peers),
+    )

@@ -6,17 +6,20 @@ object runs under a virtual clock in the simulator and reproducibly in tests.
 
 What it owns::
 
-    on_stream_message(worker, EventBatch|Snapshot) --> StreamSequencer (per worker, sync.py)
-          |  in-order batches / snapshots                   | actions (Resubscribe)
-          v                                                 v
-    the index (index_api) <-- predicted entries --- route() ---> returned to the shell
-          |  matched blocks per worker
-          v
-    Policy (registry.py: cost.py, policy.py, peer_policies.py): cost per worker, pick
+    on_stream_message(worker, msg) --> StreamIngest (streams.py; a StreamSequencer per worker,
+          |  in-order batches / snapshots                sync.py) | actions (Resubscribe)
+          v                                                         v
+    the index (index_api) <------ matches ------- route() ---> returned to the shell
+          ^                                          |  pick: Policy (registry.py: cost.py,
+          |  predicted blocks, held until            v        policy.py, peer_policies.py)
+          +---- the first token ---------------- Flights (flights.py): requests in flight,
+                                                 the router's and its replicas' (replicas.py)
 
-It delegates: the workers and their streams to :class:`~router.core.fleet.Fleet`, requests
-in flight among router replicas to :class:`~router.core.replicas.ReplicaAccounting`,
-explanations and per-worker stats to :mod:`router.core.introspect`.
+It delegates: the workers to :class:`~router.core.fleet.Fleet`; stream ingest (sequencing,
+Resubscribe, snapshots, the WireBatch fast path) to :class:`~router.core.streams.StreamIngest`;
+requests in flight, recent work and replica accounting to :class:`~router.core.flights.Flights`
+(with :class:`~router.core.replicas.ReplicaAccounting`); explanations and stats to
+:mod:`router.core.introspect`. It keeps the route: hashes, matches, the policy's pick.
 
 The shell (service or simulator) does the I/O: it subscribes to each worker's KV event
 stream with :meth:`RouterCore.expected_subscription`, feeds every message to
@@ -31,24 +34,19 @@ Threading: not thread-safe; call it from one thread (or one event loop) only.
 
 from __future__ import annotations
 
-import math
 import random
-from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import cast
 
 import numpy as np
 
-from kvroute_proto.codec import WireBatch, enable_compiled_decode
+from kvroute_proto.codec import enable_compiled_decode
 from kvroute_proto.events import EventBatch, Partition, Snapshot
 from kvroute_proto.hashing import as_token_array, block_hashes, enable_compiled
 from router.core.core_types import (  # the API's value types live there; re-exported here
     Action,
     Explanation,
     ReplicaEvent,
-    ReplicaFinished,
-    ReplicaFirstToken,
-    ReplicaRouted,
     Resubscribe,
     RouteDecision,
     RouterConfig,
@@ -66,12 +64,13 @@ from router.core.errors import (  # re-exported for the shells
     UnknownWorkerError,
 )
 from router.core.fleet import Fleet
+from router.core.flights import Flights
 from router.core.index_api import PrefixIndexAPI
 from router.core.index_factory import make_index
-from router.core.introspect import EXCLUDED, UNHEALTHY, explanation, worker_stats
+from router.core.introspect import EXCLUDED, UNHEALTHY, explanation, router_stats, worker_stats
 from router.core.policy_config import CostWeights
 from router.core.registry import make_policy
-from router.core.replicas import Inflight, ReplicaAccounting, open_flight
+from router.core.streams import StreamIngest
 from router.core.sync import SyncConfig
 from router.core.views import RouteQuery, WorkerView
 
@@ -117,29 +116,21 @@ class RouterCore:
         self._policy = make_policy(config.policy, policy_config)
         if affinity:  # compile (or load) its kernel now, not on a route
             affinity_terms([1], np.zeros(2, dtype=np.intp), np.arange(2, dtype=np.uint64), 1.0)
-        self._use_events = self._policy.uses_events
-        self._ttl = config.predicted_ttl_s if self._use_events else config.approx_ttl_s
-        self._index = make_index(config.index)
-        # batches decoded lazily (kvroute_proto.codec.WireBatch) applied from their scanned
-        # layout, without event objects: the numba index, when it need not verify hashes
-        self._wire_apply = self._index.prefers_wire and not config.index.verify_hashes
+        self._index = index = make_index(config.index)
         # a query's hashes as the index takes them fastest: a uint64 array, or a list of ints
-        self._hash_arrays = self._index.takes_arrays
+        self._hash_arrays = index.takes_arrays
         if self._hash_arrays:  # numba is at hand: hash prompts with its compiled chain too,
             enable_compiled()  # and decode event batches with its compiled scan
             enable_compiled_decode()
-        weights = config.policy_config.weights
         sync = SyncConfig(max_pending_batches=config.max_pending_batches)
-        self._fleet = Fleet(weights, sync, config.block_size)
-        self._workers = self._fleet.workers
-        self._inflight: dict[str, Inflight] = {}
-        self._replicas = ReplicaAccounting(config.replica, clock())
-        self._num_routed = 0
-        # recent work per worker decays as exp(-t / window); views hold it scaled by
-        # exp((t - t0) / window) so that a route touches one view, not all (_recent_scale)
-        self._recent_window_s = config.recent_window_s
-        self._recent_decode_ratio = config.recent_decode_ratio
-        self._recent_t0 = clock()
+        self._fleet = fleet = Fleet(config.policy_config.weights, sync, config.block_size)
+        self._workers = fleet.workers
+        # batches decoded lazily (kvroute_proto.codec.WireBatch) applied from their scanned
+        # layout, without event objects: the numba index, when it need not verify hashes
+        wire = index.prefers_wire and not config.index.verify_hashes
+        use_events = self._policy.uses_events
+        self._streams = StreamIngest(fleet, index, clock, use_events=use_events, wire_apply=wire)
+        self._flights = Flights(config, self._policy, fleet, index, clock)
 
     # ---- fleet membership ----------------------------------------------------------------
 
@@ -167,12 +158,7 @@ class RouterCore:
         """Forget a worker: its index entries, stream state and in-flight accounting."""
         view = self._fleet.remove(worker_id)
         self._index.remove_worker(view.slot)
-        now = self._clock()
-        for request_id in [r for r, f in self._inflight.items() if f.view is view]:
-            self._release(self._inflight.pop(request_id), now)
-        peers = self._replicas.peers
-        for key in [k for k, f in peers.items() if f.view is view]:
-            self._release(peers.pop(key), now)
+        self._flights.drop_worker(view)
         self._fleet.refresh_healthy()
 
     def set_max_running(self, worker_id: str, max_running: int) -> None:
@@ -204,72 +190,20 @@ class RouterCore:
 
     def expected_subscription(self, worker_id: str) -> tuple[int, int]:
         """(epoch, after_seq) to (re)subscribe with; (0, 0) when nothing was synced yet.
-
-        Call it whenever a stream (re)starts, whatever the reason.
-        """
-        return self._fleet.get(worker_id).stream.expected_subscription()
+        Call it whenever a stream (re)starts, whatever the reason."""
+        return self._streams.expected_subscription(worker_id)
 
     def stream_position(self, worker_id: str) -> tuple[int, int]:
         """(epoch, seq) of the last applied batch or snapshot; read-only, unlike
         :meth:`expected_subscription`, which also records the subscription as asked."""
-        stream = self._fleet.get(worker_id).stream
-        return stream.epoch, stream.last_seq
+        return self._streams.position(worker_id)
 
     def on_stream_message(self, worker_id: str, msg: EventBatch | Snapshot) -> list[Action]:
-        """Feed one message of a worker's event stream; returns actions for the shell.
-
-        Duplicates are dropped, gaps buffered until filled (a Resubscribe is returned), a new
-        epoch purges the worker, a Snapshot replaces its state. A batch decoded lazily
-        (``codec.decode_stream_lazy``, what the service decodes) is applied by the numba
-        index from its scanned layout, without event objects, with the same outcome. Bad
-        events are counted (``stats().apply_errors``), never raised. Raises
-        BlockSizeMismatchError when the message's block_size is not the fleet's and
-        UnknownWorkerError for an unknown worker.
-        """
-        worker = self._fleet.get(worker_id)
-        self._fleet.check_block_size(worker_id, msg.block_size)
-        step = worker.stream.receive(msg)
-        worker.last_message_at = self._clock()
-        view = worker.view
-        index = self._index
-        slot = view.slot
-        if step.new_epoch:  # a restart: nothing we knew or predicted about it holds
-            index.remove_worker(slot)
-        for item in step.apply:
-            if isinstance(item, EventBatch):
-                if self._use_events:
-                    if type(item) is WireBatch and self._wire_apply:
-                        index.apply_wire(slot, item.layout)
-                    else:
-                        for event in item.events:
-                            index.apply(slot, event)
-                if item.load is not None:
-                    view.load = item.load
-                    view.refresh()
-            elif self._use_events:  # Snapshot: replaces the confirmed entries; a resync
-                # keeps the predictions for requests in flight
-                index.remove_worker(slot, predictions=False)
-                for stored in item.blocks:
-                    index.store(slot, stored)
-        if step.resubscribe is None:
-            return []
-        epoch, after_seq = step.resubscribe
-        return [Resubscribe(worker_id, epoch, after_seq, step.reason)]
+        """Feed one message of a worker's event stream; returns actions for the shell
+        (StreamIngest.receive: what is dropped, buffered, applied, raised)."""
+        return self._streams.receive(worker_id, msg)
 
     # ---- routing -------------------------------------------------------------------------
-
-    def _recent_scale(self, now: float) -> float:
-        """exp((now - t0) / window): a view's ``recent_prefill`` divided by it is the decayed
-        sum of prefill tokens routed there. Rebased (t0 = now) before it passes e**230, so
-        neither it nor the stored sums overflow, however long the router runs or idles."""
-        x = (now - self._recent_t0) / self._recent_window_s
-        if x <= 230.0:
-            return math.exp(x)
-        decay = math.exp(-x)  # underflows to 0.0 after a long idle: everything has decayed
-        for worker in self._workers.values():
-            worker.view.recent_prefill *= decay
-        self._recent_t0 = now
-        return 1.0
 
     def _hashes(self, tokens: np.ndarray, seed: int) -> Sequence[int]:
         """The prompt's full blocks' hashes, as the index takes them fastest."""
@@ -298,7 +232,7 @@ class RouterCore:
         return RouteQuery(req.request_id, prompt_tokens, block_size or 1, hashes, recent_scale)
 
     def route(self, req: RouteRequest) -> RouteDecision:
-        """Pick a worker for ``req`` and account it as in flight there (on_routed).
+        """Pick a worker for ``req`` and account it as in flight there (Flights.open).
 
         The request's full blocks are entered as predicted for the chosen worker, so the
         next request with the same prefix sees them before any event arrives; they are
@@ -312,10 +246,9 @@ class RouterCore:
         if not candidates:
             raise self._no_worker(req)
         now = self._clock()
-        replicas = self._replicas
-        if replicas.unsettled:
-            replicas.settle(now, self._inflight, self._recent_t0)
-        scale = self._recent_scale(now)
+        flights = self._flights
+        flights.settle(now)
+        scale = flights.recent_scale(now)
         query = self._query(req, 1.0 / scale)
         index = self._index
         index.expire(now)
@@ -334,33 +267,7 @@ class RouterCore:
         if best > depth and len(candidates) != len(self._workers):
             best = max(matched.get(v.slot, 0) for v in candidates)
         best_tokens = max(min(best * query.block_size, query.prompt_tokens), matched_tokens)
-        if req.request_id in self._inflight:
-            self.on_finished(req.request_id)
-        uncached = query.prompt_tokens - matched_tokens
-        flight = self._account(req.request_id, view, uncached, not matched_tokens, now)
-        view.recent_prefill += uncached * scale
-        if flight.extra_active:  # the replicas' same-moment picks, until the window ends
-            flight.extra_recent = uncached * flight.extra_active * scale
-            flight.extra_recent_t0 = self._recent_t0
-            view.recent_prefill += flight.extra_recent
-        uses_matches = self._policy.uses_matches
-        if len(hashes) and uses_matches:
-            deadline = now + self._ttl
-            if not self._use_events and depth:  # approx mode: what was used stays longer
-                index.refresh_predicted(hashes[:depth], deadline)
-            # held until the first token: however long it queues there, the worker will
-            # write these blocks, and its events confirm them soon after
-            flight.held = index.predict(view.slot, hashes, deadline, start=depth, hold=True)
-        if replicas.listener is not None:
-            replicas.listener(
-                ReplicaRouted(
-                    req.request_id,
-                    view.worker_id,
-                    query.prompt_tokens,
-                    matched_tokens,
-                    hashes if uses_matches else (),
-                )
-            )
+        flights.open(query, view, depth, matched_tokens, now, scale)
         return RouteDecision(
             req.request_id,
             view.worker_id,
@@ -384,9 +291,8 @@ class RouterCore:
         Ties are broken with a generator seeded by the request id (not the router's), and
         stateful policies (round_robin) are consulted on a copy."""
         now = self._clock()
-        if self._replicas.unsettled:  # as route() would see the fleet
-            self._replicas.settle(now, self._inflight, self._recent_t0)
-        unscale = 1.0 / self._recent_scale(now)
+        self._flights.settle(now)  # as route() would see the fleet
+        unscale = 1.0 / self._flights.recent_scale(now)
         query = self._query(req, unscale)
         hashes = query.block_hashes
         index = self._index
@@ -422,181 +328,60 @@ class RouterCore:
         stride = self.config.index.predict_stride
         return best >= n // stride * stride
 
-    # ---- requests in flight --------------------------------------------------------------
-
-    def _account(
-        self, request_id: str, view: WorkerView, prefill_tokens: int, cold: bool, now: float
-    ) -> Inflight:
-        flight = self._replicas.count(request_id, view, prefill_tokens, cold, now)
-        self._inflight[request_id] = flight
-        self._num_routed += 1
-        return flight
-
-    def _release(self, flight: Inflight, now: float) -> None:
-        """End the hold on the request's predicted blocks: their TTL starts ``now``."""
-        if flight.held:
-            self._index.release_predicted(flight.held, now + self._ttl)
-            flight.held = ()
+    # ---- requests in flight (flights.py) -----------------------------------------------
 
     def on_routed(
         self, request_id: str, worker_id: str, prompt_tokens: int, matched_tokens: int
     ) -> None:
-        """Account a request as in flight (route() calls it; the shell needs it only when it
+        """Account a request as in flight (route() does; the shell needs it only when it
         placed a request itself)."""
-        view = self._fleet.get(worker_id).view
-        if request_id in self._inflight:
-            self.on_finished(request_id)
-        uncached = max(0, prompt_tokens - matched_tokens)
-        self._account(request_id, view, uncached, not matched_tokens, self._clock())
-        listener = self._replicas.listener
-        if listener is not None:
-            listener(ReplicaRouted(request_id, worker_id, prompt_tokens, matched_tokens))
+        self._flights.routed(request_id, worker_id, prompt_tokens, matched_tokens)
 
     def on_first_token(self, request_id: str) -> None:
         """Prefill of ``request_id`` is done: its tokens leave the queued-prefill estimate."""
-        flight = self._inflight.get(request_id)
-        if flight is not None and flight.prefilling:
-            self._first_token(flight)
-            listener = self._replicas.listener
-            if listener is not None:
-                listener(ReplicaFirstToken(request_id))
-
-    def _first_token(self, flight: Inflight) -> None:
-        self._release(flight, self._clock())
-        flight.prefilling = False
-        flight.view.inflight_prefill_tokens -= flight.prefill_tokens
-        flight.view.refresh()
+        self._flights.first_token(request_id)
 
     def on_finished(self, request_id: str, generated_tokens: int = 0) -> None:
-        """The request ended (finished, aborted or failed). Unknown ids are ignored.
+        """The request ended (finished, aborted or failed); ``generated_tokens`` add to the
+        worker's recent work (Flights.finished). Unknown ids are ignored."""
+        self._flights.finished(request_id, generated_tokens)
 
-        ``generated_tokens``: what the worker decoded for it (the Finished usage); each adds
-        ``recent_decode_ratio`` tokens to the worker's recent sum, so a worker busy decoding
-        long conversations is not taken for an idle one by the balance term."""
-        flight = self._inflight.pop(request_id, None)
-        if flight is None:
-            return
-        self._finish(flight, generated_tokens)
-        listener = self._replicas.listener
-        if listener is not None:
-            listener(ReplicaFinished(request_id, generated_tokens))
-
-    def _finish(self, flight: Inflight, generated_tokens: int) -> None:
-        now = self._clock()
-        self._release(flight, now)
-        if generated_tokens > 0 and self._recent_decode_ratio:
-            scale = self._recent_scale(now)
-            flight.view.recent_prefill += self._recent_decode_ratio * generated_tokens * scale
-        if flight.prefilling:
-            flight.view.inflight_prefill_tokens -= flight.prefill_tokens
-        flight.view.num_active -= 1 + flight.extra_active
-        flight.extra_active = 0
-        flight.view.refresh()
-
-    # ---- replica sync ----------------------------------------------------------------------
+    # ---- replica sync (flights.py, replicas.py) ----------------------------------------
 
     def set_replica_listener(self, listener: Callable[[ReplicaEvent], None] | None) -> None:
-        """Call ``listener`` with every pick, first token and finish of this router's own
-        requests, so the other router replicas can count them (:meth:`apply_replica`); None
-        stops. The listener must not block: it runs inside every route."""
-        self._replicas.listener = listener
+        """Tell ``listener`` this router's own picks, first tokens and finishes (None: stop);
+        it must not block (Flights.set_listener)."""
+        self._flights.set_listener(listener)
 
     @property
     def replica_sync_window_s(self) -> float:
         """How long an own pick counts R times (inf: until its first token)."""
-        return self._replicas.window_s
+        return self._flights.replicas.window_s
 
     def observe_replica_sync_delay(self, delay_s: float) -> None:
         """The sync delivered a message ``delay_s`` after it was queued (an auto window
         follows it: ReplicaAccounting.observe_delay)."""
-        self._replicas.observe_delay(delay_s)
+        self._flights.replicas.observe_delay(delay_s)
 
     def apply_replica(self, router_id: str, event: ReplicaEvent) -> bool:
-        """Another router replica (``router_id``) placed, started or ended a request.
-
-        Counted once (it is what happened, not an anticipation): a placed request's uncached
-        tokens queue on the worker until its first token, it counts as active until its
-        finish, adds to the worker's recent work, and its full blocks are predicted there
-        (held until the first token), so a burst one router started on a worker is seen as
-        cached there by the others before any KV event arrives. Returns False, changing
-        nothing, for an unknown worker, a request already counted, or an end never begun."""
-        key = (router_id, event.request_id)
-        peers = self._replicas.peers
-        if isinstance(event, ReplicaRouted):
-            worker = self._workers.get(event.worker_id)
-            if worker is None or key in peers:
-                return False
-            view = worker.view
-            now = self._clock()
-            array = np.asarray(event.block_hashes, dtype=np.uint64)
-            hashes: Sequence[int] = ()
-            start = 0  # the first block to enter as predicted there
-            seen = 0  # tokens of the prompt this router sees cached or predicted there
-            block_size = self._fleet.block_size
-            if len(array) and self._policy.uses_matches and block_size is not None:
-                # the numba index takes the array; the dict index keys on ints
-                hashes = cast(Sequence[int], array) if self._hash_arrays else array.tolist()
-                self._index.expire(now)
-                start = event.matched_tokens // block_size
-                if self.config.replica.peer_view:  # the better of the two views (0020)
-                    depth = self._index.match_depth(view.slot, hashes)
-                    start = max(depth, start)
-                    seen = min(depth * block_size, event.prompt_tokens)
-            uncached = max(0, event.prompt_tokens - max(event.matched_tokens, seen))
-            view.recent_prefill += uncached * self._recent_scale(now)
-            flight = peers[key] = open_flight(view, uncached)
-            if len(hashes):
-                flight.held = self._index.predict(
-                    view.slot, hashes, now + self._ttl, start=min(start, len(hashes)), hold=True
-                )
-            return True
-        if isinstance(event, ReplicaFirstToken):
-            started = peers.get(key)
-            if started is None or not started.prefilling:
-                return False
-            self._first_token(started)
-            return True
-        ended = peers.pop(key, None)
-        if ended is None:
-            return False
-        self._finish(ended, event.generated_tokens)
-        return True
+        """Another router replica placed, started or ended a request: count it once; False
+        if that changed nothing (Flights.apply_replica)."""
+        return self._flights.apply_replica(router_id, event)
 
     @property
     def num_replica_inflight(self) -> int:
         """Requests of other router replicas this router counts in flight."""
-        return len(self._replicas.peers)
+        return len(self._flights.replicas.peers)
 
     def drop_replica(self, router_id: str) -> int:
         """End every request router ``router_id`` placed (it left, restarted or went
         silent: their ends will never be heard); how many there were."""
-        peers = self._replicas.peers
-        keys = [k for k in peers if k[0] == router_id]
-        for key in keys:
-            self._finish(peers.pop(key), 0)
-        return len(keys)
+        return self._flights.drop_replica(router_id)
 
     # ---- introspection -------------------------------------------------------------------
 
     def stats(self) -> RouterStats:
-        counters: Counter[str] = Counter()
-        for worker in self._workers.values():
-            counters.update(worker.stream.counters)
-        index = self._index
-        return RouterStats(
-            num_workers=len(self._workers),
-            num_healthy=len(self._fleet.healthy),
-            num_indexed_blocks=index.size(),
-            num_index_entries=index.num_entries,
-            num_predicted_entries=index.num_predicted,
-            num_inflight_requests=len(self._inflight),
-            num_routed=self._num_routed,
-            apply_errors=dict(index.errors),
-            sync_counters=dict(counters),
-            num_evicted_blocks=index.num_evicted,
-            index_bytes=index.approx_bytes(),
-            num_replica_inflight=len(self._replicas.peers),
-        )
+        return router_stats(self._fleet, self._index, self._flights)
 
     def worker_stats(self) -> list[WorkerStats]:
         """Each registered worker's routing state, in registration order (metrics)."""

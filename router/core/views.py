@@ -51,7 +51,7 @@ class WorkerView:
     0). ``recent_prefill``: prefill
     tokens routed here (and decode work of finished requests), decayed, times the core's
     current scale factor (policies multiply by
-    ``RouteQuery.recent_scale`` to get tokens; see ``RouterCore._recent_scale``).
+    ``RouteQuery.recent_scale`` to get tokens; see ``Flights.recent_scale``).
 
     A view the core registered is attached to its :class:`WorkerTable`: every change of the
     four cost fields (by :meth:`refresh` or by assignment) is also written there, where the

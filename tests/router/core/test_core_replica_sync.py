@@ -280,7 +280,7 @@ def test_in_its_window_a_warm_own_pick_stands_for_the_replicas_as_running_and_re
     warm = core.route(RouteRequest("warm", prompt(400)))
     assert warm.worker_id == first.worker_id and warm.matched_tokens == 320
     assert view.num_running == 1 + 4
-    scale = core._recent_scale(0.001)
+    scale = core._flights.recent_scale(0.001)
     assert view.recent_prefill == pytest.approx(320 + 4 * 80 * scale)
     # past the warm pick's window it counts once
     clock.t = 0.0061
