@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -17,6 +18,8 @@ from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
 from tests.worker.bridge.fake_engine import FakeEngine
 from worker.bridge.service import cli
+
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_help_leads_with_what_a_first_start_needs(capsys, monkeypatch):
@@ -110,3 +113,27 @@ async def test_the_process_serves_the_worker_service_and_metrics():
             proc.kill()
             proc.wait()
         await engine.stop()
+
+
+def test_the_peer_test_fails_clearly_without_its_virtualenv(tmp_path):
+    """Never a silent skip: with no peer virtualenv the peer test fails and says how to
+    make one."""
+    env = {**os.environ, "KVROUTE_VLLM_VENV": str(tmp_path / "none"), "KVROUTE_FAIL_ON_SKIP": "0"}
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "peer",
+         "tests/peers/test_vllm_bridge.py"],
+        capture_output=True, text=True, env=env, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert out.returncode == 1, out.stdout[-2000:]
+    assert "1 error" in out.stdout or "1 failed" in out.stdout, out.stdout[-2000:]
+    assert "bench/peers/make_vllm_venv.sh" in out.stdout
+    assert "skipped" not in out.stdout
+
+
+def test_the_default_run_deselects_the_peer_tests():
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only",
+         "tests/peers/test_vllm_bridge.py"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert "1 deselected" in out.stdout, out.stdout[-2000:]
