@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         eos_token_id=2,
     )
     torch.manual_seed(args.seed)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    torch.set_default_dtype(torch.bfloat16)  # the weights as served (--dtype bfloat16)
+    model = LlamaForCausalLM(config)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(args.out_dir)
     print(f"tiny Llama ({sum(p.numel() for p in model.parameters())} parameters) -> {args.out_dir}")
