@@ -4,6 +4,7 @@ real process serves the Worker service and its metrics in front of a fake engine
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -106,6 +107,10 @@ async def test_the_process_serves_the_worker_service_and_metrics():
         assert 'kvroute_bridge_requests_total{outcome="forwarded",worker="cli-bridge"} 1.0' in text
         assert "kvroute_bridge_events_replay_requests_total" in text
         assert 'kvroute_bridge_blocks_dropped_total{reason="lora",worker="cli-bridge"} 0.0' in text
+        names = set(re.findall(r"^(kvroute_bridge_\w+?)(?:\{| )", text, re.MULTILINE))
+        documented = (ROOT / "docs" / "METRICS.md").read_text()
+        assert len(names) > 15
+        assert sorted(n for n in names if f"`{n}" not in documented) == []
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=15) == 0
     finally:
