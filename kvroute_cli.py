@@ -13,6 +13,11 @@ import sys
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "up": ("router.cli.fleet", "main", "start N local workers and a router (the quick start)"),
     "worker": ("worker.cli", "main", "run one serving worker (gRPC)"),
+    "bridge": (
+        "worker.bridge.service.cli",
+        "main",
+        "serve a vLLM engine as a kvroute worker (its KV events, its completions API)",
+    ),
     "router": ("router.cli.router", "main", "run the cache-aware router (gRPC)"),
     "generate": ("router.cli.client", "main", "send one prompt to a router and print the output"),
     "explain": ("router.cli.client", "explain_main", "show each worker's match, load and cost"),

@@ -32,6 +32,8 @@ CORE_PREFIXES = ("router.core", "worker.cache", "worker.engine", "worker.bridge"
 # Executors that run the real model on the device: not cores. TorchExecutor times its own
 # compute with a real clock on purpose (that time is the engine's cost report).
 NOT_CORE = {"worker.engine.torch_executor"}
+# The bridge's I/O shell lives under the bridge's core package (worker/bridge/service).
+SHELL_PREFIXES = ("worker.bridge.service",)
 FORBIDDEN_IN_CORE = ("asyncio", "grpc", "aiohttp", "redis", "time", "datetime", "uvloop", "zmq")
 
 GENERATED = ("kvroute_proto.kvroute_pb2", "kvroute_proto.kvroute_pb2_grpc")
@@ -43,6 +45,7 @@ PB_ALLOWED_PREFIXES = (
     "router.service",
     "router.cli",
     "worker.service",
+    "worker.bridge.service",
     "fleetsim.replay.live",
     "fleetsim.replay.live_http",
 )
@@ -104,7 +107,9 @@ def _in(module: str, prefixes: tuple[str, ...]) -> bool:
     return any(module == p or module.startswith(p + ".") for p in prefixes)
 
 
-CORES = sorted(m for m in MODULES if _in(m, CORE_PREFIXES) and m not in NOT_CORE)
+CORES = sorted(
+    m for m in MODULES if _in(m, CORE_PREFIXES) and m not in NOT_CORE and not _in(m, SHELL_PREFIXES)
+)
 
 
 def test_the_cores_are_found():
@@ -112,6 +117,8 @@ def test_the_cores_are_found():
     assert "router.core.policy" in CORES
     assert "worker.cache.radix_cache" in CORES
     assert "worker.engine.scheduler" in CORES
+    assert "worker.bridge.translate" in CORES and "worker.bridge.engine_wire" in CORES
+    assert not any(_in(m, SHELL_PREFIXES) for m in CORES)
 
 
 @pytest.mark.parametrize("module", CORES)

@@ -63,7 +63,7 @@ class Recorder:
         import zmq
 
         self.zmq = zmq
-        self.ctx = zmq.Context.instance()
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
         self.sub.connect(endpoint)

@@ -416,6 +416,8 @@ def config_from_args(
             keepalive_time_s=args.keepalive_s,
             purge_after_s=args.purge_after_s,
             tokenizer_fingerprint=tokenizer_fingerprint,
+            # no --model: an engine bridge (no fingerprint) is routed to, with a warning
+            accept_no_fingerprint=args.model is None,
         ),
         seed=args.seed,
         http=None

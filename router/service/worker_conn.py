@@ -69,6 +69,10 @@ class ConnectionConfig:
     # the router's tokenizer fingerprint (edge.tokenizer); a worker reporting
     # another one in GetLoad is left out of routing. None: no check (in-process tests).
     tokenizer_fingerprint: str | None = None
+    # a worker reporting no fingerprint at all (an engine bridge: kvroute bridge) is routed
+    # to, with one WARNING, when True (a router without --model: token-id prompts), else
+    # refused with a hint
+    accept_no_fingerprint: bool = False
     # security (edge.tls / auth): TLS to the workers (a client certificate for
     # mTLS), the token workers require (--router-token there), and the fingerprint of the
     # block-hashing key; a worker reporting another fingerprint is left out of routing
@@ -173,6 +177,7 @@ class WorkerConnection:
         self.refused = False  # the worker answered and a check refused it (see the log)
         self._tokenizer_refusal: tuple[str, str] | None = None  # logged (worker, fingerprint)
         self._hash_key_refusal: tuple[str, str] | None = None  # logged (worker, fingerprint)
+        self._no_fingerprint_warned: str | None = None  # the worker id warned about
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -335,22 +340,44 @@ class WorkerConnection:
     def _same_tokenizer(self, info: pb.WorkerInfo) -> bool:
         """Whether the worker tokenizes as the router does: token ids the router computes
         from text, and the block hashes of its index, mean nothing to a worker whose
-        tokenizer differs. A mismatch is logged once per worker and fingerprint."""
+        tokenizer differs. A mismatch is logged once per worker and fingerprint. A worker
+        with no fingerprint (an engine bridge) is accepted only by a router configured to
+        (no --model: ``accept_no_fingerprint``), with one WARNING."""
         expected = self.config.tokenizer_fingerprint
         if expected is None or info.tokenizer_fingerprint == expected:
             self._tokenizer_refusal = None
             return True
+        if not info.tokenizer_fingerprint and self.config.accept_no_fingerprint:
+            self._tokenizer_refusal = None
+            if self._no_fingerprint_warned != info.worker_id:
+                self._no_fingerprint_warned = info.worker_id
+                log.warning(
+                    "worker %s at %s (model %r) reports no tokenizer fingerprint (an engine "
+                    "bridge): routing to it unchecked; send prompts as token ids of its "
+                    "model's vocabulary",
+                    info.worker_id,
+                    self.address,
+                    info.model_name,
+                )
+            return True
         seen = (info.worker_id, info.tokenizer_fingerprint)
         if self._tokenizer_refusal != seen:
             self._tokenizer_refusal = seen
+            hint = "serve the same --model on router and workers"
+            if not info.tokenizer_fingerprint:
+                hint = (
+                    "an engine bridge reports none: start the router without --model to "
+                    "route to it (token-id prompts)"
+                )
             log.warning(
                 "not routing to worker %s at %s (model %r): its tokenizer fingerprint %s "
-                "differs from the router's %s; serve the same --model on router and workers",
+                "differs from the router's %s; %s",
                 info.worker_id,
                 self.address,
                 info.model_name,
                 info.tokenizer_fingerprint or "(none reported)",
                 expected,
+                hint,
             )
         return False
 

@@ -81,6 +81,7 @@ from kvroute_proto.events import (
     BlockStored,
     EventBatch,
     KvEvent,
+    LoadReport,
     Partition,
     Snapshot,
 )
@@ -265,6 +266,16 @@ class EventTranslator:
         """The engine restarted (the caller knows it): a new epoch, everything forgotten."""
         self._restart()
         self._last_live = None
+
+    def publish_load(self, load: LoadReport) -> None:
+        """A batch of ours carrying only ``load`` (the shell's periodic load report), with
+        the next seq of the current epoch."""
+        self._seq += 1
+        self._outbox.append(
+            EventBatch(
+                self.config.worker_id, self._epoch, self._seq, self.config.block_size, (), load
+            )
+        )
 
     def take_batches(self) -> list[EventBatch]:
         """Our batches since the last call, in order (the outbox is emptied)."""

@@ -95,3 +95,55 @@ def test_fleet_passes_its_model_to_every_worker(tmp_path):
     assert "--model" not in worker_command(FleetConfig(), "worker-0")
     with pytest.raises(ValueError, match="--model needs --executor torch"):
         FleetConfig(model=str(tmp_path), executor="sim")
+
+
+class _NoFingerprint(ByteTokenizer):
+    """A worker that reports no tokenizer fingerprint, as an engine bridge does."""
+
+    @property
+    def fingerprint(self) -> str:
+        return ""
+
+
+async def test_a_worker_without_fingerprint_is_routed_to_by_a_router_without_model(
+    caplog: pytest.LogCaptureFixture,
+):
+    caplog.set_level(logging.WARNING, logger="router.service.worker_conn")
+    conn = dataclasses.replace(
+        FAST_CONN, tokenizer_fingerprint=ROUTER_TOK.fingerprint, accept_no_fingerprint=True
+    )
+    async with sim_worker("bridge-0", tokenizer=_NoFingerprint()) as bridge:
+        config = router_config([bridge.address], connection=conn)
+        async with running_router([], config, tokenizer=ROUTER_TOK) as r:
+            await r.wait_synced(1)
+            for i in range(3):
+                res = await r.client.generate(f"prompt {i}")
+                assert res.worker_id == "bridge-0"
+            conn_ = r.server.pool.conns[bridge.address]
+            assert conn_.healthy and conn_.state == "healthy"
+    lines = [rec.getMessage() for rec in caplog.records if "no tokenizer" in rec.getMessage()]
+    assert len(lines) == 1 and "bridge-0" in lines[0], lines
+
+
+async def test_a_worker_without_fingerprint_is_refused_with_a_hint_by_a_router_with_model(
+    caplog: pytest.LogCaptureFixture,
+):
+    caplog.set_level(logging.WARNING, logger="router.service.worker_conn")
+    conn = dataclasses.replace(FAST_CONN, tokenizer_fingerprint=ROUTER_TOK.fingerprint)
+    assert conn.accept_no_fingerprint is False  # the default: refused
+    async with sim_worker("bridge-0", tokenizer=_NoFingerprint()) as bridge:
+        config = router_config([bridge.address], connection=conn)
+        async with running_router([], config, tokenizer=ROUTER_TOK) as r:
+            bad = r.server.pool.conns[bridge.address]
+            await r.wait_for(lambda: bad.num_failures >= 3)
+            assert not bad.healthy and bad.state == "refused"
+    lines = [rec.getMessage() for rec in caplog.records if "tokenizer" in rec.getMessage()]
+    assert len(lines) == 1, lines
+    assert "(none reported)" in lines[0] and "without --model" in lines[0]
+
+
+def test_cli_router_accepts_bridges_only_without_model(tmp_path):
+    args = cli.build_parser().parse_args(["--worker", "127.0.0.1:1"])
+    assert cli.config_from_args(args).connection.accept_no_fingerprint is True
+    args = cli.build_parser().parse_args(["--worker", "127.0.0.1:1", "--model", str(tmp_path)])
+    assert cli.config_from_args(args).connection.accept_no_fingerprint is False

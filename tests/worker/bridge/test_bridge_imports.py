@@ -34,3 +34,12 @@ def test_importing_the_bridge_loads_no_transport() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_bridge_service_never_imports_torch() -> None:
+    code = (
+        "import sys, worker.bridge.service.cli, worker.bridge.service.metrics;"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

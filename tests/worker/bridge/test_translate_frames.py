@@ -249,3 +249,18 @@ def test_vllm_bytes_hashes() -> None:
     assert all(isinstance(h, bytes) and len(h) == 32 for h in first.block_hashes)
     tr, _ = run_live("vllm-0.32.0_b16-bytes", expected_vllm)
     assert tr.stats().num_engine_duplicate_stores == 2
+
+
+def test_a_load_report_takes_the_next_seq_of_the_current_epoch():
+    import random as _random
+
+    from kvroute_proto.events import LoadReport
+    from worker.bridge.translate import EventTranslator, TranslatorConfig
+
+    t = EventTranslator(TranslatorConfig("w", 16), _random.Random(0))
+    t.publish_load(LoadReport(num_running=2))
+    t.publish_load(LoadReport(num_waiting=1))
+    first, second = t.take_batches()
+    assert (first.seq, second.seq) == (1, 2) and first.epoch == second.epoch == t.epoch
+    assert first.events == () and first.load == LoadReport(num_running=2)
+    assert t.snapshot().seq == 2  # a subscriber's snapshot follows them
