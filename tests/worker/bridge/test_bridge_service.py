@@ -40,7 +40,12 @@ async def wait_until(predicate, timeout: float = WAIT_S) -> None:  # type: ignor
 
 @contextlib.asynccontextmanager
 async def engine_and_bridge(
-    worker_id: str, *, token_delay_s: float = 0.0, replay: bool = True, bind: bool = False
+    worker_id: str,
+    *,
+    token_delay_s: float = 0.0,
+    replay: bool = True,
+    bind: bool = False,
+    router_token: str | None = None,
 ) -> AsyncIterator[tuple[FakeEngine, BridgeServer]]:
     if bind:  # the bridge binds, the engine connects (vLLM's endpoint with a host)
         events = EventSourceConfig(bind="tcp://127.0.0.1:*", replay=None)
@@ -69,10 +74,10 @@ async def engine_and_bridge(
             replay=engine.replay_endpoint if replay else None,
             replay_timeout_s=1.0,
         )
-        bridge = BridgeServer(
-            BridgeConfig(engine.url, events, worker_id, BLOCK, load_interval_s=0.1),
-            rng=random.Random(0),
+        config = BridgeConfig(
+            engine.url, events, worker_id, BLOCK, load_interval_s=0.1, router_token=router_token
         )
+        bridge = BridgeServer(config, rng=random.Random(0))
     await bridge.start()
     try:
         yield engine, bridge
@@ -251,3 +256,25 @@ async def test_get_load_is_unavailable_while_the_engine_does_not_answer():
     finally:
         await bridge.stop(grace_s=0.1)
         await engine.stop()
+
+
+async def test_a_bridge_with_a_token_serves_only_routers_that_send_it():
+    async with (
+        engine_and_bridge("b0", router_token="tok") as (_engine, bridge),
+        grpc.aio.insecure_channel(bridge.address) as ch,
+    ):
+        stub = pb_grpc.WorkerStub(ch)
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await stub.GetLoad(pb.GetLoadRequest())
+        assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        info = await stub.GetLoad(pb.GetLoadRequest(), metadata=(("authorization", "Bearer tok"),))
+        assert info.worker_id == "b0"
+        config = router_config(
+            [bridge.address],
+            connection=dataclasses.replace(CONN, token="tok"),
+            core=RouterConfig(policy="cache_aware", block_size=BLOCK),
+        )
+        async with running_router([], config) as r:
+            await r.wait_synced(1)
+            result = await r.client.generate(prompt(3), GenerateOptions(max_new_tokens=2))
+            assert result.worker_id == "b0" and len(result.token_ids) == 2

@@ -10,11 +10,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 
 from edge.cli_help import RawDescriptionHelpFormatter, port_number
 from edge.runtime import run_event_loop
+from edge.security_cli import HASH_KEY_ENV, ROUTER_TOKEN_ENV
 from kvroute_proto.hashing import set_hash_key
 from worker.bridge.service.events import EventSourceConfig
 from worker.bridge.service.server import BridgeConfig, BridgeServer
@@ -117,7 +119,18 @@ def _add_tuning_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--load-interval-s", type=float, default=1.0, help="engine /metrics poll and load report"
     )
-    g.add_argument("--hash-key", default=None, help="the block-hash key (the router's --hash-key)")
+    g.add_argument(
+        "--hash-key",
+        default=os.environ.get(HASH_KEY_ENV),
+        help=f"the block-hash key (the router's --hash-key; default: ${HASH_KEY_ENV})",
+    )
+    g.add_argument(
+        "--router-token",
+        default=os.environ.get(ROUTER_TOKEN_ENV),
+        help="Generate, Abort, SubscribeKvEvents and GetLoad require 'authorization: Bearer "
+        f"TOKEN' (the router's --worker-token; default: ${ROUTER_TOKEN_ENV}); a router with "
+        "API keys needs it",
+    )
     o = p.add_argument_group("observability and shutdown")
     o.add_argument(
         "--metrics-port",
@@ -163,6 +176,7 @@ def config_from_args(args: argparse.Namespace) -> BridgeConfig:
         default_max_new_tokens=args.default_max_new_tokens,
         max_running_requests=args.max_running,
         shutdown_grace_s=args.grace_s,
+        router_token=args.router_token or None,
     )
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from edge.auth import AuthInterceptor, token_authenticator
 from edge.grpc_services import HEALTH_SERVICE_NAME, HealthServicer, enable_reflection
 from edge.malformed import MalformedRequestInterceptor
 from kvroute_proto import kvroute_pb2 as pb
@@ -56,6 +57,7 @@ class BridgeConfig:
     default_max_new_tokens: int = 128
     max_running_requests: int = 0  # the engine's --max-num-seqs, if the user says (0: unknown)
     shutdown_grace_s: float = 5.0
+    router_token: str | None = None  # Worker-service calls must bear it (None: open)
 
     def __post_init__(self) -> None:
         if not self.engine_url.startswith(("http://", "https://")):
@@ -125,7 +127,13 @@ class BridgeServer:
                 ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000),
                 ("grpc.http2.max_ping_strikes", 0),
             ],
-            interceptors=[MalformedRequestInterceptor()],
+            # only routers: with a token the Worker service needs it (health stays open)
+            interceptors=[MalformedRequestInterceptor()]
+            + (
+                [AuthInterceptor(token_authenticator(self.config.router_token, who="router"))]
+                if self.config.router_token
+                else []
+            ),
         )
         pb_grpc.add_WorkerServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
