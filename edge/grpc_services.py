@@ -99,3 +99,16 @@ def enable_reflection(service_names: Iterable[str], server: grpc.aio.Server) -> 
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(service, {"ServerReflectionInfo": handler}),)
         )
+
+
+def worker_server_options() -> list[tuple[str, int]]:
+    """gRPC server options of a service routers connect to (a kvroute worker, an engine
+    bridge). No SO_REUSEPORT: a second server on a taken port must fail, not share it.
+    Routers hold one long-lived event stream each and ping it every few seconds, also while
+    no call is active: accept those pings instead of answering "too_many_pings"."""
+    return [
+        ("grpc.so_reuseport", 0),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
+        ("grpc.http2.max_ping_strikes", 0),
+    ]

@@ -24,7 +24,12 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from edge.auth import AuthInterceptor, auth_middleware, token_authenticator
-from edge.grpc_services import HEALTH_SERVICE_NAME, HealthServicer, enable_reflection
+from edge.grpc_services import (
+    HEALTH_SERVICE_NAME,
+    HealthServicer,
+    enable_reflection,
+    worker_server_options,
+)
 from edge.http_front import HttpFront, HttpFrontConfig
 from edge.limits import RequestLimits
 from edge.malformed import MalformedRequestInterceptor
@@ -182,16 +187,8 @@ class WorkerServer:
 
     async def start(self) -> int:
         """Bind, start serving and return the bound port."""
-        # No SO_REUSEPORT: a second worker on a taken port must fail, not share it.
-        # Routers hold one long-lived event stream each and send keepalive pings, also
-        # while no call is active; accept them instead of answering "too_many_pings".
         server = grpc.aio.server(
-            options=[
-                ("grpc.so_reuseport", 0),
-                ("grpc.keepalive_permit_without_calls", 1),
-                ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000),
-                ("grpc.http2.max_ping_strikes", 0),
-            ],
+            options=worker_server_options(),
             # only routers: the Worker service needs the router token (health stays open)
             # unparsable requests are INVALID_ARGUMENT (edge.malformed), not UNKNOWN
             interceptors=[MalformedRequestInterceptor()]

@@ -24,7 +24,12 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from edge.auth import AuthInterceptor, token_authenticator
-from edge.grpc_services import HEALTH_SERVICE_NAME, HealthServicer, enable_reflection
+from edge.grpc_services import (
+    HEALTH_SERVICE_NAME,
+    HealthServicer,
+    enable_reflection,
+    worker_server_options,
+)
 from edge.malformed import MalformedRequestInterceptor
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
@@ -121,12 +126,7 @@ class BridgeServer:
         (ValueError for a bad events endpoint, OSError for a port that cannot be bound)."""
         self.follower.open()
         server = grpc.aio.server(
-            options=[
-                ("grpc.so_reuseport", 0),
-                ("grpc.keepalive_permit_without_calls", 1),
-                ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000),
-                ("grpc.http2.max_ping_strikes", 0),
-            ],
+            options=worker_server_options(),
             # only routers: with a token the Worker service needs it (health stays open)
             interceptors=[MalformedRequestInterceptor()]
             + (
