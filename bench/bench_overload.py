@@ -1,6 +1,7 @@
 """Goodput under overload: open-loop arrivals with deadlines, admission on vs off.
 
     python -m bench.bench_overload [--workers 2] [--load 3] [--duration-s 20] [--json OUT]
+    python -m bench.bench_overload --prompt-tokens 8000 --new-tokens 4   # prefill-bound
 
 Starts N sim workers (paced: ``--sim-speedup``) and a router as real processes on
 127.0.0.1 (fleetsim.replay.live's fleet), then sends requests of ``--new-tokens`` tokens
@@ -96,7 +97,8 @@ def capacity_rps(config: OverloadConfig, cost: SimCostModel | None = None) -> tu
         step = cost.decode_cost_s(k, int(context)) * slow
         if ttft + n * step > config.deadline_s:
             break
-        rate = k / (ttft + n * step)
+        # prefills do not overlap: a worker starts at most one prompt per prefill time
+        rate = min(k / (ttft + n * step), 1.0 / ttft)
         if rate > best_rate:
             best_rate, best_k = rate, k
     return best_rate * config.num_workers, best_k
@@ -165,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration-s", type=float, default=d.duration_s, help="arrival window")
     p.add_argument("--deadline-s", type=float, default=d.deadline_s, help="per request")
     p.add_argument("--new-tokens", type=int, default=d.new_tokens, help="per request")
+    p.add_argument(
+        "--prompt-tokens", type=int, default=d.prompt_tokens, help="per request, uncached"
+    )
     p.add_argument("--sim-speedup", type=float, default=d.sim_speedup, help="worker pacing")
     p.add_argument(
         "--admission", choices=("on", "off", "both"), default="both", help="router admission"
@@ -177,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         duration_s=args.duration_s,
         deadline_s=args.deadline_s,
         new_tokens=args.new_tokens,
+        prompt_tokens=args.prompt_tokens,
         sim_speedup=args.sim_speedup,
     )
     capacity, k = capacity_rps(config)

@@ -11,7 +11,19 @@ The model, per worker, learnt from the streams the router relays (no worker supp
 
     step(k)   = a + b * k         decode step time at k requests in flight (least squares
                                   over exponentially weighted samples of (k, inter-token time))
-    finish(n) = ttft + n * step(k + 1)     for a request of n new tokens joining k others
+    ttft(x)   = c + d * x         time to the first token with x prefill tokens ahead on the
+                                  worker, the request's own included (least squares over
+                                  samples of (prompt tokens that began to stream on the
+                                  worker between a request's dispatch and its own first
+                                  token, its own included; that time to first token))
+    finish(n) = ttft(queued + own) + n * step(k + 1)
+                                  for a request of n new tokens joining k others, with
+                                  ``queued`` prefill tokens dispatched there and not yet begun
+                                  to stream, and ``own`` its uncached prompt tokens
+
+Before the prefill fit has samples the time to first token is a running mean; a prompt's
+own tokens are counted whole when it is checked (before routing, its match is not known),
+and its uncached ones once it is dispatched.
 
 A sample is one relayed chunk: the time since that request's previous chunk divided by the
 chunk's tokens, paired with the worker's in-flight count. With too few samples the estimate
@@ -102,12 +114,24 @@ class _StepModel:
         # is extrapolated, which is what slow start keeps within a factor of two.
         return max(0.0, mean_y + slope * (k - mean_k))
 
+    def ttft_s_at(self, x: int) -> float:
+        """As a time to first token with ``x`` prefill tokens ahead: the fitted line once
+        the samples spread over x, before that proportional to x (one sample is enough to
+        stop a cold worker from taking prompts it will start only after their deadlines)."""
+        mean_x = self.sk / self.w
+        if self.n >= 2 and self.skk / self.w - mean_x * mean_x > 1e-9:
+            return self.step_s(x)
+        mean_y = self.sy / self.w
+        return mean_y * x / mean_x if mean_x > 0 else mean_y
+
 
 @dataclass(slots=True)
 class _Flight:
     worker_id: str
     dispatched_at: float
     last_at: float | None = None  # time of the previous chunk (None before the first)
+    prefill_tokens: int = 0  # its uncached prompt tokens, queued on the worker until it streams
+    prefilled_before: int = 0  # the worker's prefill done (streamed prompts) at dispatch
 
 
 @dataclass(slots=True)
@@ -125,24 +149,40 @@ class Admission:
     config: AdmissionConfig = field(default_factory=AdmissionConfig)
     stats: AdmissionStats = field(default_factory=AdmissionStats)
     _models: dict[str, _StepModel] = field(default_factory=dict)
+    _prefill: dict[str, _StepModel] = field(default_factory=dict)  # ttft on prefill ahead
     _inflight: dict[str, int] = field(default_factory=dict)
+    _queued_prefill: dict[str, int] = field(default_factory=dict)
+    _prefilled: dict[str, int] = field(default_factory=dict)  # prompt tokens that streamed
     _flights: dict[str, _Flight] = field(default_factory=dict)
 
-    def _model(self, worker_id: str) -> _StepModel:
-        model = self._models.get(worker_id)
+    def _model(self, worker_id: str, models: dict[str, _StepModel] | None = None) -> _StepModel:
+        models = self._models if models is None else models
+        model = models.get(worker_id)
         if model is None:
             decay = 0.5 ** (1.0 / self.config.halflife_samples)
-            model = self._models[worker_id] = _StepModel(decay)
+            model = models[worker_id] = _StepModel(decay)
         return model
 
-    def estimate_s(self, worker_id: str, new_tokens: int) -> float | None:
-        """Estimated seconds for a request of ``new_tokens`` joining the worker now, or
-        None while its model has too few samples."""
+    def estimate_s(self, worker_id: str, new_tokens: int, prompt_tokens: int = 0) -> float | None:
+        """Estimated seconds for a request of ``new_tokens`` (and ``prompt_tokens`` to
+        prefill) joining the worker now, or None while neither model has enough samples.
+        With only the prefill fit (long prompts, few tokens out) the decode is left out:
+        an estimate too low, never a refusal too many."""
         model = self._models.get(worker_id)
-        if model is None or model.n < self.config.min_samples:
-            return None
+        decode_known = model is not None and model.n >= self.config.min_samples
+        prefill = self._prefill.get(worker_id)
+        ttft = None
+        if prefill is not None and prefill.n >= 1:
+            ttft = prefill.ttft_s_at(self._queued_prefill.get(worker_id, 0) + prompt_tokens)
+        if not decode_known:
+            return ttft
+        assert model is not None
         k = self._inflight.get(worker_id, 0) + 1
-        return model.ttft_s + new_tokens * model.step_s(k)
+        return (model.ttft_s if ttft is None else ttft) + new_tokens * model.step_s(k)
+
+    def queued_prefill(self, worker_id: str) -> int:
+        """Uncached prompt tokens dispatched to the worker that have not begun to stream."""
+        return self._queued_prefill.get(worker_id, 0)
 
     def window(self, worker_id: str) -> int:
         """In-flight requests the worker may hold (slow start: twice what was sampled)."""
@@ -151,7 +191,7 @@ class Admission:
         return max(self.config.initial_window, 2 * sampled)
 
     def excluded(
-        self, worker_ids: list[str], new_tokens: int, time_left_s: float
+        self, worker_ids: list[str], new_tokens: int, time_left_s: float, prompt_tokens: int = 0
     ) -> frozenset[str]:
         """The workers that cannot take this request: full window, or an estimated finish
         past ``time_left_s``. Empty when admission is off."""
@@ -164,7 +204,7 @@ class Admission:
             if self._inflight.get(worker_id, 0) >= self.window(worker_id):
                 out.append(worker_id)
                 continue
-            estimate = self.estimate_s(worker_id, n)
+            estimate = self.estimate_s(worker_id, n, prompt_tokens)
             if estimate is not None and estimate * cfg.margin > time_left_s:
                 out.append(worker_id)
         self.stats.num_excluded += len(out)
@@ -173,25 +213,31 @@ class Admission:
     def on_refused(self) -> None:
         self.stats.num_refused += 1
 
-    def idle_estimate_s(self, worker_ids: list[str], new_tokens: int) -> float | None:
+    def idle_estimate_s(
+        self, worker_ids: list[str], new_tokens: int, prompt_tokens: int = 0
+    ) -> float | None:
         """When every one of ``worker_ids`` is idle (nothing in flight) and has a model: the
         fastest one's estimate for ``new_tokens``, so a refusal can say waiting will not
         help. None otherwise."""
         if any(self._inflight.get(w, 0) for w in worker_ids):
             return None
         n = new_tokens or self.config.default_new_tokens
-        estimates = [self.estimate_s(w, n) for w in worker_ids]
+        estimates = [self.estimate_s(w, n, prompt_tokens) for w in worker_ids]
         if not estimates or any(e is None for e in estimates):
             return None
         return min(e for e in estimates if e is not None)
 
     # ---- what the front end relays -------------------------------------------------------
 
-    def on_dispatch(self, request_id: str, worker_id: str, now: float) -> None:
-        """The request was sent to ``worker_id``."""
+    def on_dispatch(
+        self, request_id: str, worker_id: str, now: float, prefill_tokens: int = 0
+    ) -> None:
+        """The request was sent to ``worker_id`` with ``prefill_tokens`` uncached."""
         self.on_done(request_id)  # a retry replaces the earlier attempt
-        self._flights[request_id] = _Flight(worker_id, now)
+        done = self._prefilled.get(worker_id, 0)
+        self._flights[request_id] = _Flight(worker_id, now, None, prefill_tokens, done)
         self._inflight[worker_id] = self._inflight.get(worker_id, 0) + 1
+        self._queued_prefill[worker_id] = self._queued_prefill.get(worker_id, 0) + prefill_tokens
 
     def on_tokens(self, request_id: str, num_tokens: int, now: float) -> None:
         """A chunk of ``num_tokens`` of the request was relayed at ``now``."""
@@ -200,7 +246,14 @@ class Admission:
             return
         model = self._model(flight.worker_id)
         if flight.last_at is None:
-            model.add_ttft(now - flight.dispatched_at)
+            # what it waited for: the prompts that began to stream since it was sent (cut
+            # short, not what was queued then: requests ahead of it may have been cancelled)
+            done = self._prefilled.get(flight.worker_id, 0) + flight.prefill_tokens
+            self._prefilled[flight.worker_id] = done
+            ttft = now - flight.dispatched_at
+            model.add_ttft(ttft)
+            self._model(flight.worker_id, self._prefill).add(done - flight.prefilled_before, ttft)
+            self._unqueue(flight)
         else:
             k = self._inflight.get(flight.worker_id, 1)
             model.add(k, (now - flight.last_at) / num_tokens)
@@ -211,15 +264,28 @@ class Admission:
         flight = self._flights.pop(request_id, None)
         if flight is None:
             return
+        if flight.last_at is None:
+            self._unqueue(flight)
         left = self._inflight[flight.worker_id] - 1
         if left:
             self._inflight[flight.worker_id] = left
         else:
             del self._inflight[flight.worker_id]
 
+    def _unqueue(self, flight: _Flight) -> None:
+        """The flight's prefill is no longer queued on its worker (it streams, or ended)."""
+        left = self._queued_prefill.get(flight.worker_id, 0) - flight.prefill_tokens
+        if left > 0:
+            self._queued_prefill[flight.worker_id] = left
+        else:
+            self._queued_prefill.pop(flight.worker_id, None)
+        flight.prefill_tokens = 0
+
     def remove_worker(self, worker_id: str) -> None:
-        """Forget a worker's model (a restarted worker is a new machine to learn)."""
+        """Forget a worker's models (a restarted worker is a new machine to learn)."""
         self._models.pop(worker_id, None)
+        self._prefill.pop(worker_id, None)
+        self._prefilled.pop(worker_id, None)
 
     def num_inflight(self, worker_id: str) -> int:
         return self._inflight.get(worker_id, 0)

@@ -331,7 +331,8 @@ class Frontend:
                 continue
             admission = self.admission  # learns each worker's pace from what is relayed
             dispatched_at = self._clock()
-            admission.on_dispatch(rid, worker_id, dispatched_at)
+            uncached = max(0, decision.prompt_tokens - decision.matched_tokens)
+            admission.on_dispatch(rid, worker_id, dispatched_at, uncached)
             relayed = False
             reported = False
             try:
@@ -503,6 +504,7 @@ class Frontend:
                 [w for w in self._core.workers() if w not in exclude],
                 prepared.forward.sampling.max_new_tokens,
                 time_left_s,
+                self._quota_cost(prepared, with_output=False),  # its prompt, as if uncached
             )
         req = RouteRequest(route.request_id, route.token_ids, route.partition, exclude | late)
         try:
@@ -511,14 +513,16 @@ class Frontend:
             if late:  # healthy workers exist, but none can finish this in time
                 self.admission.on_refused()
                 new_tokens = prepared.forward.sampling.max_new_tokens
-                idle_s = self.admission.idle_estimate_s(sorted(late), new_tokens)
+                prompt = self._quota_cost(prepared, with_output=False)
+                idle_s = self.admission.idle_estimate_s(sorted(late), new_tokens, prompt)
                 if idle_s is not None:  # the fleet is idle: waiting would not help
                     raise Overloaded(
                         f"no worker can finish request {route.request_id!r} within its "
                         f"deadline ({time_left_s:.1f} s left): even idle, the fastest needs "
-                        f"~{idle_s:.1f} s for its {new_tokens or 'default'} new tokens "
-                        "(estimated from the workers' recent steps); give it a longer "
-                        "deadline or a smaller max_new_tokens"
+                        f"~{idle_s:.1f} s for its {prompt} prompt and "
+                        f"{new_tokens or 'default'} new tokens (estimated from the workers' "
+                        "recent work); give it a longer deadline, a shorter prompt or a "
+                        "smaller max_new_tokens"
                     ) from None
                 raise Overloaded(
                     f"no worker can finish request {route.request_id!r} within its deadline "

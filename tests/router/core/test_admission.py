@@ -92,6 +92,35 @@ def test_slow_start_window_doubles_what_was_sampled():
     assert adm.window("w0") == 12
 
 
+def test_prefill_ahead_and_the_prompt_count_against_the_deadline():
+    """Time to first token grows with the prefill queued on the worker: a long prompt behind
+    other long prompts is excluded where a short one is not, and the queue empties as the
+    requests begin to stream."""
+    adm = Admission(AdmissionConfig(min_samples=4, margin=1.0, halflife_samples=1e9))
+    feed(adm, "w0", 4, 0.01, chunks=10)  # the decode step: 0.01 s
+    t = 10.0
+    for i, ahead in enumerate((1_000, 4_000, 8_000, 16_000, 2_000, 12_000)):
+        adm.on_dispatch(f"p{i}", "w0", t, prefill_tokens=ahead)
+        adm.on_tokens(f"p{i}", 1, t + 0.5 + ahead * 1e-4)  # ttft = 0.5 s + 0.1 ms a token
+        adm.on_done(f"p{i}")
+        t += 10.0
+    assert adm.queued_prefill("w0") == 0
+    # idle: an 8,000-token prompt needs 0.5 + 0.8 s to its first token, 4 new tokens 0.04
+    # (feed's samples had no prefill and 0.5 s: on the same line)
+    assert adm.estimate_s("w0", 4, 8_000) == pytest.approx(0.5 + 0.8 + 0.04, rel=1e-6)
+    # two 16,000-token prompts queued there: 3.2 s more before it starts
+    adm.on_dispatch("q0", "w0", t, prefill_tokens=16_000)
+    adm.on_dispatch("q1", "w0", t, prefill_tokens=16_000)
+    assert adm.queued_prefill("w0") == 32_000
+    assert adm.excluded(["w0"], 4, 4.0, 8_000) == {"w0"}  # 4.54 s
+    assert adm.excluded(["w0"], 4, 4.0, 100) == frozenset()  # 3.75 s
+    adm.on_tokens("q0", 1, t + 1.0)  # q0 streams: its prefill is done
+    assert adm.queued_prefill("w0") == 16_000
+    adm.on_done("q1")  # q1 ended before streaming (an error, a cancel)
+    assert adm.queued_prefill("w0") == 0
+    assert adm.excluded(["w0"], 4, 2.0, 8_000) == frozenset()
+
+
 def test_disabled_admission_excludes_nothing():
     adm = Admission(AdmissionConfig(enabled=False, initial_window=1))
     adm.on_dispatch("a", "w0", 0.0)
@@ -139,20 +168,27 @@ ops = st.lists(
 def test_inflight_counts_match_a_reference_model(seq):
     adm = Admission()
     where: dict[str, str] = {}  # reference: request -> worker
+    queued: dict[str, int] = {}  # reference: request -> prefill tokens not yet streaming
     now = 0.0
     for op, r, w, n in seq:
         rid, wid = f"r{r}", f"w{w}"
         now += 0.01
         if op == "dispatch":
-            adm.on_dispatch(rid, wid, now)
+            adm.on_dispatch(rid, wid, now, prefill_tokens=100 * n)
             where[rid] = wid
+            queued[rid] = 100 * n
         elif op == "tokens":
             adm.on_tokens(rid, n, now)
+            if n > 0 and rid in where:
+                queued[rid] = 0
         else:
             adm.on_done(rid)
             where.pop(rid, None)
+            queued.pop(rid, None)
         for worker in ("w0", "w1", "w2"):
             expected = sum(1 for v in where.values() if v == worker)
             assert adm.num_inflight(worker) == expected
+            ahead = sum(queued[x] for x, v in where.items() if v == worker)
+            assert adm.queued_prefill(worker) == ahead
     for model in adm._models.values():
         assert model.n >= 0 and model.ttft_s >= 0
