@@ -98,7 +98,7 @@ def capacity_rps(config: OverloadConfig, cost: SimCostModel | None = None) -> tu
         if ttft + n * step > config.deadline_s:
             break
         # prefills do not overlap: a worker starts at most one prompt per prefill time
-        rate = min(k / (ttft + n * step), 1.0 / ttft)
+        rate = min(k / (ttft + n * step), 1.0 / ttft if ttft > 0 else math.inf)
         if rate > best_rate:
             best_rate, best_k = rate, k
     return best_rate * config.num_workers, best_k

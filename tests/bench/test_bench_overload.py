@@ -20,6 +20,16 @@ def test_capacity_is_the_best_rate_among_concurrencies_that_meet_the_deadline():
     assert rate == pytest.approx(2 * 90 / (10 * (0.01 + 0.09)))
 
 
+def test_long_prompts_are_bound_by_prefill():
+    """Prefills do not overlap: a worker starts at most one prompt per prefill time, however
+    many requests the decode could carry."""
+    config = OverloadConfig(
+        num_workers=2, deadline_s=4.0, new_tokens=4, prompt_tokens=8000, sim_speedup=1.0
+    )
+    rate, _ = capacity_rps(config)
+    assert rate == pytest.approx(2 / SimCostModel().prefill_cost_s(8000, 0))
+
+
 def test_pacing_slows_the_fleet():
     config = OverloadConfig(sim_speedup=1.0)
     fast, _ = capacity_rps(config)
