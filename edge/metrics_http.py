@@ -25,13 +25,14 @@ import concurrent.futures
 import logging
 import threading
 from collections.abc import Callable, Coroutine, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from edge.histogram import HistogramStats
+from edge.tls import ServerTls
 
 __all__ = [
     "LATENCY_BUCKETS_S",
@@ -136,10 +137,13 @@ def counter_family(name: str, doc: str, labels: Sequence[str] = ()) -> CounterMe
 class MetricsHttpServer:
     """prometheus-client's HTTP exposition server for one registry, stoppable."""
 
-    def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
+    def __init__(
+        self, registry: CollectorRegistry, host: str, port: int, tls: ServerTls | None = None
+    ) -> None:
         if not 0 <= port < 65536:
             raise ValueError(f"metrics port must be in 0..65535, got {port}")
         self.registry = registry
+        self.tls = tls  # HTTPS with the service's certificate (and client CA: mutual TLS)
         self.host = host
         self.requested_port = port
         self.port: int | None = None
@@ -150,17 +154,29 @@ class MetricsHttpServer:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
+    @property
+    def url(self) -> str:
+        return f"{'http' if self.tls is None else 'https'}://{self.address}/metrics"
+
     def start(self) -> int:
         """Bind and serve ``/metrics`` on a daemon thread; returns the bound port (OSError
         naming the address when it cannot bind)."""
+        tls: dict[str, Any] = {}
+        if self.tls is not None:
+            tls = {
+                "certfile": self.tls.cert_file,
+                "keyfile": self.tls.key_file,
+                "client_cafile": self.tls.client_ca_file,
+                "client_auth_required": self.tls.mutual,
+            }
         try:
-            server, thread = start_http_server(self.requested_port, self.host, self.registry)
+            server, thread = start_http_server(self.requested_port, self.host, self.registry, **tls)
         except OSError as exc:
             address = f"{self.host}:{self.requested_port}"
             raise OSError(f"could not serve metrics on {address}: {exc.strerror or exc}") from None
         self._server, self._thread = server, thread
         self.port = int(server.server_port)
-        log.info("metrics on http://%s/metrics", self.address)
+        log.info("metrics on %s", self.url)
         return self.port
 
     def stop(self) -> None:
@@ -185,9 +201,11 @@ class MetricsEndpoint:
     a metrics port builds none of this.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self, host: str = "127.0.0.1", port: int = 0, tls: ServerTls | None = None
+    ) -> None:
         self.registry = CollectorRegistry()
-        self.http = MetricsHttpServer(self.registry, host, port)
+        self.http = MetricsHttpServer(self.registry, host, port, tls)
 
     @property
     def port(self) -> int | None:
@@ -195,7 +213,7 @@ class MetricsEndpoint:
 
     @property
     def url(self) -> str:
-        return f"http://{self.http.address}/metrics"
+        return self.http.url
 
     def _collectors(self, loop: asyncio.AbstractEventLoop) -> list[Collector]:
         """The scrape-time collectors, reading state owned by ``loop`` (or its threads)."""

@@ -309,7 +309,8 @@ def _add_observability_args(p: argparse.ArgumentParser) -> None:
         type=port_number,
         default=None,
         help="serve Prometheus metrics on http://HOST:PORT/metrics (HOST from --host; 0 picks "
-        "a free port; default: no metrics endpoint). Names: docs/METRICS.md",
+        "a free port; default: no metrics endpoint; https with --tls-cert, and only for "
+        "clients with a certificate with --tls-client-ca). Names: docs/METRICS.md",
     )
     g.add_argument(
         "--trace-console",

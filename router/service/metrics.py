@@ -311,7 +311,7 @@ class RouterMetricsEndpoint(MetricsEndpoint):
     """
 
     def __init__(self, server: RouterServer, host: str = "127.0.0.1", port: int = 0) -> None:
-        super().__init__(host, port)
+        super().__init__(host, port, server.config.tls)  # behind the router's own TLS
         self.server = server
         self.metrics = RouterMetrics(self.registry)
 

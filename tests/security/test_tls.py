@@ -263,3 +263,32 @@ async def test_worker_http_front_tls(pki: Pki):
                 async with session.get(f"http://127.0.0.1:{worker.http_port}/health"):
                     pass
         await asyncio.sleep(0)
+
+
+async def test_metrics_are_served_behind_the_routers_tls(pki: Pki):
+    """With --tls-cert the router's /metrics is HTTPS with the same certificate (and with a
+    client CA, only clients holding a certificate it signed are answered)."""
+    from router.service.metrics import RouterMetricsEndpoint
+
+    router = RouterServer(_router_config([], tls=_mtls_server(pki)))
+    await router.start()
+    endpoint = RouterMetricsEndpoint(router, "127.0.0.1", 0)
+    endpoint.start()
+    try:
+        assert endpoint.url.startswith("https://")
+        trusted = ssl.create_default_context(cafile=pki.ca)
+        trusted.load_cert_chain(pki.client.cert, pki.client.key)
+        anonymous = ssl.create_default_context(cafile=pki.ca)
+        async with aiohttp.ClientSession() as s:
+            async with s.get(endpoint.url, ssl=trusted) as resp:
+                assert resp.status == 200
+                assert "kvroute_router_" in await resp.text()
+            with pytest.raises(aiohttp.ClientError):  # no client certificate: refused
+                async with s.get(endpoint.url, ssl=anonymous) as resp:
+                    await resp.read()
+            with pytest.raises(aiohttp.ClientError):  # plaintext: no answer
+                async with s.get(endpoint.url.replace("https://", "http://")) as resp:
+                    await resp.read()
+    finally:
+        endpoint.stop()
+        await router.stop(grace_s=0.1)

@@ -267,7 +267,7 @@ class WorkerMetricsEndpoint(MetricsEndpoint):
     front door) and the engine state read at scrape time, served on ``/metrics``."""
 
     def __init__(self, server: WorkerServer, host: str = "127.0.0.1", port: int = 0) -> None:
-        super().__init__(host, port)
+        super().__init__(host, port, server.config.tls)  # behind the worker's own TLS
         self.server = server
         self.metrics = WorkerMetrics(self.registry, server.config.engine.worker_id)
 
