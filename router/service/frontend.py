@@ -68,9 +68,7 @@ from router.service.quota import OverLimit, QuotaConfig, TenantQuotas
 from router.service.resilience import EjectionConfig, OutlierEjector
 from router.service.tenancy import TenancyConfig, TenancyError, tenant_of
 from router.service.token_cache import with_chunk_cache
-from router.service.validation import (
-    TextTokenizer,
-)
+from router.service.validation import TextTokenizer
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("kvroute.router")
@@ -120,7 +118,6 @@ class FrontendConfig:
 @dataclass(slots=True)
 class _InFlight:
     worker_id: str
-    cache_salt: str
     tenant: str = ""  # request ids are the tenant's own: Abort only from the same tenant
     client_id: str = ""  # the id the caller gave (the router's own id may differ)
     released: bool = False
@@ -201,8 +198,7 @@ class Frontend:
         prepared = self._own_id(prepared)  # unique across tenants: the core and workers see it
         rid = prepared.forward.request_id
         deadline = self._clock() + self._timeout_s(call)
-        salt = prepared.forward.partition.cache_salt
-        entry = _InFlight("", salt, tenant=tenant, client_id=client_id, started=started)
+        entry = _InFlight("", tenant=tenant, client_id=client_id, started=started)
         self._by_client[(tenant, client_id)] = rid
         # only a caller's own deadline is guarded by admission: one without is willing to wait
         entry.guard_deadline = call.timeout_s is not None and math.isfinite(call.timeout_s)

@@ -185,7 +185,7 @@ class TenantQuotas:
     def precheck(self, tenant: str, sure: int = 0) -> None:
         """Refuse (Overloaded) a tenant at its in-flight cap, or whose bucket cannot pay the
         ``sure`` tokens its request costs at least (known before tokenizing: the text's
-        bytes over the tokenizer's longest token), before any work is spent on it; admits
+        characters over the most one token stands for), before any work is spent on it; admits
         nothing. A request sure to cost more than the burst is charged that much (the
         tenant's bucket goes into debt, at most one burst deep): sent again and again, such
         requests would make the router parse and refuse them for free."""
