@@ -21,9 +21,11 @@ The model, per worker, learnt from the streams the router relays (no worker supp
                                   ``queued`` prefill tokens dispatched there and not yet begun
                                   to stream, and ``own`` its uncached prompt tokens
 
-Before the prefill fit has samples the time to first token is a running mean; a prompt's
-own tokens are counted whole when it is checked (before routing, its match is not known),
-and its uncached ones once it is dispatched.
+The prefill fit is proportional to x (through the origin) until its samples spread over
+x, so one first token is enough to stop a cold worker taking prompts it would start only
+after their deadlines; without any, the decode model's mean time to first token stands in.
+A prompt's own tokens are counted whole when it is checked (before routing, its match is
+not known), and its uncached ones once it is dispatched.
 
 A sample is one relayed chunk: the time since that request's previous chunk divided by the
 chunk's tokens, paired with the worker's in-flight count. With too few samples the estimate
