@@ -1,11 +1,37 @@
-"""Process runtime shared by the worker and router commands: the event loop they run on,
-and stopping its background tasks."""
+"""Process runtime shared by the worker, bridge and router commands: their log format, the
+event loop they run on, the signals that stop them, and stopping background tasks."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Coroutine, Iterator
 from typing import Any
+
+
+def configure_logging(level: str) -> None:
+    """Log lines to stderr at ``level``, one format for every kvroute process."""
+    logging.basicConfig(
+        level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+
+@contextlib.contextmanager
+def stop_signals() -> Iterator[asyncio.Event]:
+    """An event set by SIGINT or SIGTERM while the block runs (on the running loop); the
+    handlers are removed when it ends."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        yield stop
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
 
 
 def run_event_loop(coro: Coroutine[Any, Any, Any]) -> Any:

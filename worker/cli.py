@@ -12,7 +12,6 @@ import argparse
 import asyncio
 import dataclasses
 import logging
-import signal
 import sys
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ from edge.registry import (
     RedisRegistration,
     WorkerRecord,
 )
-from edge.runtime import run_event_loop
+from edge.runtime import configure_logging, run_event_loop, stop_signals
 from edge.security_cli import redis_auth_from_args
 from edge.telemetry import configure_tracing
 from kvroute_proto.hashing import set_hash_key
@@ -474,10 +473,13 @@ def _registration(server: WorkerServer, args: argparse.Namespace) -> RedisRegist
 
 async def serve(server: WorkerServer, args: argparse.Namespace | None = None) -> None:
     """Run until SIGINT/SIGTERM, then stop gracefully (deregistering first)."""
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    with stop_signals() as stop:
+        await _serve(server, args, stop)
+
+
+async def _serve(
+    server: WorkerServer, args: argparse.Namespace | None, stop: asyncio.Event
+) -> None:
     registration: RedisRegistration | None = None
     metrics = None
     try:
@@ -505,17 +507,11 @@ async def serve(server: WorkerServer, args: argparse.Namespace | None = None) ->
         if metrics is not None:
             metrics.stop()
         await server.stop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(args.log_level)
     try:
         server = build_server(args)
     except (ValueError, ModelLoadError) as exc:

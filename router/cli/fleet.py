@@ -32,7 +32,7 @@ import grpc
 
 from edge.cli_help import HelpFormatter, port_number
 from edge.http_front import HttpFrontConfig
-from edge.runtime import run_event_loop
+from edge.runtime import configure_logging, run_event_loop, stop_signals
 from edge.tokenizer import load_tokenizer_or_bytes
 from kvroute_proto.hashing import set_hash_key
 from router.cli.client import GenerateOptions, RouterClient
@@ -386,10 +386,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def _up(config: FleetConfig, demo: bool, exit_after_demo: bool) -> int:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    with stop_signals() as stop:
+        return await _run_fleet(config, demo, exit_after_demo, stop)
+
+
+async def _run_fleet(
+    config: FleetConfig, demo: bool, exit_after_demo: bool, stop: asyncio.Event
+) -> int:
     fleet = Fleet(config)
     try:
         starting = asyncio.create_task(fleet.start())
@@ -434,11 +437,7 @@ async def _up(config: FleetConfig, demo: bool, exit_after_demo: bool) -> int:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(args.log_level)
     if args.exit and not args.demo:
         print("kvroute up: --exit needs --demo", file=sys.stderr)
         return 2

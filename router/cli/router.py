@@ -12,7 +12,6 @@ import asyncio
 import gc
 import logging
 import os
-import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ from typing import Any
 from edge.cli_help import HelpFormatter, port_number
 from edge.http_front import HttpFrontConfig
 from edge.registry import DEFAULT_PREFIX, DEFAULT_TTL_S
-from edge.runtime import run_event_loop
+from edge.runtime import configure_logging, run_event_loop, stop_signals
 from edge.telemetry import configure_tracing
 from edge.tokenizer import ChatTokenizer, TokenizerLoadError, load_tokenizer_or_bytes
 from kvroute_proto.hashing import set_hash_key
@@ -463,11 +462,13 @@ async def serve(
 ) -> None:
     """Run one router until SIGINT/SIGTERM (with a /metrics endpoint when ``metrics_port``
     is not None); ``tokenizer`` encodes text prompts (None: forwarded as text)."""
-    server = RouterServer(config, tokenizer=tokenizer)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    with stop_signals() as stop:
+        await _serve(RouterServer(config, tokenizer=tokenizer), config, metrics_port, stop)
+
+
+async def _serve(
+    server: RouterServer, config: RouterServerConfig, metrics_port: int | None, stop: asyncio.Event
+) -> None:
     await server.start()
     endpoint = None
     if metrics_port is not None:
@@ -512,11 +513,7 @@ def _window(value: str) -> float | None:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(args.log_level)
     if not args.worker and not args.redis_url:
         print(
             "kvroute router: a worker source is required: give --worker HOST:PORT (repeatable) "

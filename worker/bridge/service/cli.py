@@ -11,11 +11,10 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import sys
 
 from edge.cli_help import RawDescriptionHelpFormatter, port_number
-from edge.runtime import run_event_loop
+from edge.runtime import configure_logging, run_event_loop, stop_signals
 from edge.security_cli import HASH_KEY_ENV, ROUTER_TOKEN_ENV
 from kvroute_proto.hashing import set_hash_key
 from worker.bridge.service.events import EventSourceConfig
@@ -182,10 +181,11 @@ def config_from_args(args: argparse.Namespace) -> BridgeConfig:
 
 async def serve(config: BridgeConfig, metrics_port: int | None = None) -> None:
     """Run one bridge until SIGINT/SIGTERM."""
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    with stop_signals() as stop:
+        await _serve(config, metrics_port, stop)
+
+
+async def _serve(config: BridgeConfig, metrics_port: int | None, stop: asyncio.Event) -> None:
     server = BridgeServer(config)
     metrics = None
     try:
@@ -204,17 +204,11 @@ async def serve(config: BridgeConfig, metrics_port: int | None = None) -> None:
         if metrics is not None:
             metrics.stop()
         await server.stop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(args.log_level)
     try:
         config = config_from_args(args)
     except ValueError as exc:
