@@ -23,6 +23,12 @@ def add_router_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group(
         "routers and routing tuning", "Defaults: the router's (kvroute router --help)."
     )
+    _add_replica_options(g)
+    _add_tuning_options(g)
+
+
+def _add_replica_options(g: argparse._ArgumentGroup) -> None:
+    """Several routers in the sim: how many, and how their picks reach each other."""
     g.add_argument(
         "--routers",
         type=int,
@@ -83,6 +89,10 @@ def add_router_options(p: argparse.ArgumentParser) -> None:
         "then; RouterConfig.replica_sync_window_s; default: the sync delay, as a live "
         "router measures it; inf: until its first token)",
     )
+
+
+def _add_tuning_options(g: argparse._ArgumentGroup) -> None:
+    """The workers' reports and the cost's numbers (the router's defaults when left out)."""
     g.add_argument(
         "--step-reports",
         action="store_true",
