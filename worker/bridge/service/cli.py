@@ -91,28 +91,11 @@ def _add_tuning_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine and events")
     g.add_argument("--topic", default="", help="only this event topic (default: all)")
     g.add_argument(
-        "--served-model-name",
-        default=None,
-        help="the model name sent to the engine (default: the first of its /v1/models)",
-    )
-    g.add_argument(
         "--max-running",
         type=int,
         default=0,
         help="the engine's running-batch cap (vLLM --max-num-seqs), reported to routers "
         "(0: not stated)",
-    )
-    g.add_argument(
-        "--default-max-new-tokens",
-        type=int,
-        default=128,
-        help="max_tokens of requests that leave max_new_tokens 0",
-    )
-    g.add_argument(
-        "--replay-timeout-s",
-        type=float,
-        default=2.0,
-        help="seconds to wait for the engine's replay answer",
     )
     g.add_argument("--replay-buffer", type=int, default=1024, help="our batches kept for routers")
     g.add_argument(
@@ -160,7 +143,6 @@ def config_from_args(args: argparse.Namespace) -> BridgeConfig:
         bind=args.events_bind,
         replay=args.replay,
         topic=args.topic.encode(),
-        replay_timeout_s=args.replay_timeout_s,
     )
     return BridgeConfig(
         engine_url=args.engine_url,
@@ -169,10 +151,8 @@ def config_from_args(args: argparse.Namespace) -> BridgeConfig:
         block_size=args.block_size,
         host=args.host,
         port=args.port,
-        served_model_name=args.served_model_name,
         replay_buffer_size=args.replay_buffer,
         load_interval_s=args.load_interval_s,
-        default_max_new_tokens=args.default_max_new_tokens,
         max_running_requests=args.max_running,
         shutdown_grace_s=args.grace_s,
         router_token=args.router_token or None,

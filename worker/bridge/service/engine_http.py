@@ -57,11 +57,10 @@ class EngineModel:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def completion_body(
-    request: pb.GenerateRequest, model: str, default_max_new_tokens: int
-) -> dict[str, Any]:
+def completion_body(request: pb.GenerateRequest, model: str) -> dict[str, Any]:
     """The /v1/completions body for ``request`` (BadRequest for what the engine cannot take
-    through this API: a text prompt, an extra_key partition)."""
+    through this API: a text prompt, an extra_key partition). A request that leaves
+    max_new_tokens 0 leaves max_tokens to the engine (vLLM: what is left of the context)."""
     if request.WhichOneof("prompt") != "prompt_token_ids":
         raise BadRequest(
             "prompt: this bridge has no tokenizer; send prompt_token_ids (a router in front "
@@ -86,12 +85,13 @@ def completion_body(
     body: dict[str, Any] = {
         "model": model,
         "prompt": ids,
-        "max_tokens": s.max_new_tokens or default_max_new_tokens,
         "temperature": float(s.temperature),
         "stream": True,
         "stream_options": {"include_usage": True},
         "return_token_ids": True,
     }
+    if s.max_new_tokens:
+        body["max_tokens"] = int(s.max_new_tokens)
     if 0 < s.top_p < 1:
         body["top_p"] = float(s.top_p)
     if s.top_k:

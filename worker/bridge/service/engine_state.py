@@ -73,7 +73,6 @@ class EngineState:
         worker_id: str,
         block_size: int,
         *,
-        served_model_name: str | None = None,
         max_running_requests: int = 0,
     ) -> None:
         self.engine = engine
@@ -81,7 +80,6 @@ class EngineState:
         self.block_size = block_size
         self.model_name = ""
         self.max_model_len = 0
-        self._served_model_name = served_model_name
         self.max_running_requests = max_running_requests
         self.load: EngineLoad | None = None
         self.last_error = "not asked yet"
@@ -96,7 +94,7 @@ class EngineState:
         except Exception as exc:  # any failure means "not up yet"
             self.last_error = f"{type(exc).__name__}: {exc}"
             return False
-        self.model_name = self._served_model_name or model.name
+        self.model_name = model.name
         self.max_model_len = model.max_model_len
         self.engine_up = True
         log.info(

@@ -55,11 +55,9 @@ class BridgeConfig:
     block_size: int = 16
     host: str = "127.0.0.1"
     port: int = 0
-    served_model_name: str | None = None  # default: what the engine's /v1/models lists
     replay_buffer_size: int = 1024  # our batches kept for routers that resubscribe
     subscriber_queue_size: int = 1024
     load_interval_s: float = 1.0  # engine /metrics read and a load batch this often
-    default_max_new_tokens: int = 128
     max_running_requests: int = 0  # the engine's --max-num-seqs, if the user says (0: unknown)
     shutdown_grace_s: float = 5.0
     router_token: str | None = None  # Worker-service calls must bear it (None: open)
@@ -74,10 +72,6 @@ class BridgeConfig:
             raise ValueError(f"--block-size must be >= 1, got {self.block_size}")
         if self.load_interval_s <= 0:
             raise ValueError(f"--load-interval-s must be > 0, got {self.load_interval_s}")
-        if self.default_max_new_tokens < 1:
-            raise ValueError(
-                f"--default-max-new-tokens must be >= 1, got {self.default_max_new_tokens}"
-            )
         if not self.worker_id:
             raise ValueError("--worker-id must not be empty")
 
@@ -98,14 +92,12 @@ class BridgeServer:
             self.engine,
             config.worker_id,
             config.block_size,
-            served_model_name=config.served_model_name,
             max_running_requests=config.max_running_requests,
         )
         self.servicer = BridgeServicer(
             self.engine,
             self.state,
             self.hub,
-            default_max_new_tokens=config.default_max_new_tokens,
         )
         self.health = HealthServicer()
         self._server: grpc.aio.Server | None = None

@@ -52,13 +52,10 @@ class BridgeServicer(pb_grpc.WorkerServicer):
         engine: EngineHttp,
         state: EngineState,
         hub: EventHub,
-        *,
-        default_max_new_tokens: int = 128,
     ) -> None:
         self.engine = engine
         self.state = state
         self.hub = hub
-        self.default_max_new_tokens = default_max_new_tokens
         self.inflight: dict[str, InFlight] = {}
         self.draining = False
         self.num_requests = 0
@@ -109,7 +106,7 @@ class BridgeServicer(pb_grpc.WorkerServicer):
             raise BadRequest(f"request_id: {rid!r} is already in flight", param="request_id")
         if not self.state.model_name:
             raise Unavailable(f"the engine at {self.engine.base_url} has not answered yet")
-        return completion_body(request, self.state.model_name, self.default_max_new_tokens)
+        return completion_body(request, self.state.model_name)
 
     async def _stream(
         self, rid: str, body: dict[str, object], entry: InFlight
