@@ -32,7 +32,7 @@ import concurrent.futures
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -151,6 +151,14 @@ class Subscription:
         """End the stream after what is queued (server shutdown)."""
         self._closed = True
         self._wake.set()
+
+    async def messages(self) -> AsyncIterator[pb.KvStreamMessage]:
+        """The first messages, then the live ones until closed (SubscriberOverflowError
+        when the subscriber fell too far behind)."""
+        for msg in self.initial:
+            yield msg
+        while (msg := await self.get()) is not None:
+            yield msg
 
     async def get(self) -> pb.KvStreamMessage | None:
         """The next live message; None once closed; raises SubscriberOverflowError."""

@@ -114,9 +114,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             first,
         )
         try:
-            for msg in sub.initial:
-                yield msg
-            while (msg := await sub.get()) is not None:
+            async for msg in sub.messages():
                 yield msg
         except SubscriberOverflowError as exc:
             log.warning("dropping slow subscriber %s: %s", who, exc)

@@ -165,9 +165,7 @@ class BridgeServicer(pb_grpc.WorkerServicer):
             "subscriber %s joined at epoch=%d after_seq=%d", who, request.epoch, request.after_seq
         )
         try:
-            for msg in sub.initial:
-                yield msg
-            while (msg := await sub.get()) is not None:
+            async for msg in sub.messages():
                 yield msg
         except SubscriberOverflowError as exc:
             log.warning("dropping slow subscriber %s: %s", who, exc)
