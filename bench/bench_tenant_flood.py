@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -31,32 +29,12 @@ from pathlib import Path
 import grpc
 
 from bench.bpe import english_like_text, write_bpe_model_dir
+from bench.procs import report, start_kvroute
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
 
 DEADLINE_S = 10.0
 B_PROMPT = "Summarise the weather report for tomorrow in one line, please."
-
-
-def _start(args: list[str], log: Path) -> tuple[subprocess.Popen, str]:
-    with open(log, "w") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvroute_cli", *args],
-            stdout=subprocess.PIPE,
-            stderr=err,
-            stdin=subprocess.DEVNULL,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 60
-    for line in proc.stdout:  # bounded: the process prints a few lines, then listens
-        if "listening on" in line:
-            return proc, line.split()[line.split().index("on") + 1]
-        if time.monotonic() > deadline:
-            break
-    proc.kill()
-    raise RuntimeError(f"{args[0]} did not start; log: {log.read_text()[-2000:]}")
 
 
 def _cpu_s(pid: int) -> float:
@@ -151,12 +129,12 @@ def main(argv: list[str] | None = None) -> int:
         (tmp / "limits").write_text("b 64 1000000\n")
         procs: list[subprocess.Popen] = []
         try:
-            worker, worker_address = _start(
+            worker, worker_address = start_kvroute(
                 ["worker", "--executor", "torch", "--model", str(model), "--port", "0"],
                 tmp / "worker.log",
             )
             procs.append(worker)
-            router, address = _start(
+            router, address = start_kvroute(
                 [
                     "router", "--port", "0", "--worker", worker_address, "--model", str(model),
                     "--tenant-max-inflight", "1", "--tenant-tokens-per-s", "100",
@@ -174,10 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                 proc.kill()
                 proc.wait(timeout=10)
     result |= {"prompt_chars": args.prompt_chars, "seconds_per_phase": args.seconds}
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
+    report(result, args.json)
     return 0
 
 

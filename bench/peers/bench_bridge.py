@@ -22,7 +22,6 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ from pathlib import Path
 import aiohttp
 import grpc
 
+from bench.procs import report, start_kvroute
 from router.cli.client import GenerateOptions, RouterClient
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,23 +44,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _kvroute(args: list[str], log: Path) -> tuple[subprocess.Popen, str]:
-    with open(log, "w") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvroute_cli", *args],
-            stdout=subprocess.PIPE,
-            stderr=err,
-            text=True,
-            cwd=ROOT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-    assert proc.stdout is not None
-    for line in proc.stdout:  # a few lines, then "listening on"
-        if line.startswith("listening on "):
-            return proc, line.split()[-1]
-    raise RuntimeError(f"{args[0]} did not start: {log.read_text()[-2000:]}")
 
 
 def _engine(tmp: Path) -> tuple[subprocess.Popen, dict[str, str]]:
@@ -211,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         engine, urls = _engine(tmp)
         procs: list[subprocess.Popen] = [engine]
         try:
-            bridge, bridge_address = _kvroute(
+            bridge, bridge_address = start_kvroute(
                 [
                     "bridge", "--engine-url", urls["url"], "--events-bind", urls["events"],
                     "--replay", urls["replay"], "--block-size", str(BLOCK), "--port", "0",
@@ -220,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                 tmp / "bridge.log",
             )  # fmt: skip
             procs.append(bridge)
-            router, router_address = _kvroute(
+            router, router_address = start_kvroute(
                 ["router", "--worker", bridge_address, "--block-size", str(BLOCK), "--port", "0"],
                 tmp / "router.log",
             )
@@ -233,10 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                     proc.wait(timeout=30)
                 except subprocess.TimeoutExpired:
                     proc.kill()
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
+    report(result, args.json)
     return 0
 
 
