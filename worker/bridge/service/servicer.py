@@ -22,6 +22,7 @@ import aiohttp
 import grpc
 
 from edge.frontdoor import BadRequest, ServiceError, Unavailable
+from edge.limits import RequestLimits
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
 from worker.bridge.service.engine_http import EngineHttp, completion_body, events
@@ -30,8 +31,6 @@ from worker.bridge.service.events import EventHub
 from worker.service.engine_runner import SubscriberOverflowError
 
 log = logging.getLogger("kvroute.bridge.service")
-
-MAX_REQUEST_ID_CHARS = 256
 
 
 @dataclass(slots=True)
@@ -100,8 +99,11 @@ class BridgeServicer(pb_grpc.WorkerServicer):
     def _admit(self, request: pb.GenerateRequest, rid: str) -> dict[str, object]:
         if self.draining:
             raise Unavailable("the bridge is shutting down")
-        if len(rid) > MAX_REQUEST_ID_CHARS:
-            raise BadRequest(f"request_id: at most {MAX_REQUEST_ID_CHARS} characters")
+        limit = RequestLimits().max_request_id_chars  # the limit kvroute's worker applies
+        if len(rid) > limit:
+            raise BadRequest(
+                f"request_id: at most {limit} characters, got {len(rid)}", param="request_id"
+            )
         if rid in self.inflight:
             raise BadRequest(f"request_id: {rid!r} is already in flight", param="request_id")
         if not self.state.model_name:
