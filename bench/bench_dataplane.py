@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import signal
@@ -66,13 +67,24 @@ class Tally:
 
     t0: float = 0.0
     t1: float = 0.0
-    tokens: int = 0
-    messages: int = 0
+    tokens: float = 0.0
+    messages: float = 0.0
     ttfts: list[float] = field(default_factory=list)
     errors: int = 0
 
     def in_window(self, t: float) -> bool:
         return self.t0 <= t < self.t1
+
+    def add_request(self, started: float, first: float, end: float, tokens: int, messages: int):
+        """One finished request: its TTFT when it started in the window, and its tokens
+        spread evenly over [first, end] (the part inside the window counts)."""
+        if self.in_window(started):
+            self.ttfts.append(first - started)
+        span = max(end - first, 1e-9)
+        inside = max(0.0, min(end, self.t1) - max(first, self.t0))
+        share = min(1.0, inside / span) if end > first else float(self.in_window(end))
+        self.tokens += tokens * share
+        self.messages += messages * share
 
 
 def free_port() -> int:
@@ -113,7 +125,8 @@ def percentile(values: list[float], q: float) -> float:
 
 async def _http_stream(session: aiohttp.ClientSession, url: str, body: dict, tally: Tally) -> None:
     started = time.perf_counter()
-    first = True
+    first = 0.0
+    messages = tokens = 0
     async with session.post(url, json=body) as resp:
         if resp.status != 200:
             tally.errors += 1
@@ -122,18 +135,16 @@ async def _http_stream(session: aiohttp.ClientSession, url: str, body: dict, tal
         async for line in resp.content:  # one SSE line at a time
             if not line.startswith(b"data: {"):
                 continue
-            now = time.perf_counter()
-            if b'"text":""' in line or b'"choices":[]' in line:
-                continue  # the finish or usage chunk
-            if first:
-                first = False
-                if tally.in_window(started):
-                    tally.ttfts.append(now - started)
-            if tally.in_window(now):
-                tally.messages += 1
-                # the byte tokenizer: one token per character of the ASCII prompt's output
-                text = line.split(b'"text":"', 1)[1].split(b'","', 1)[0]
-                tally.tokens += len(text.decode("unicode_escape"))
+            if b'"choices":[]' in line:  # the usage chunk (stream_options.include_usage)
+                usage = json.loads(line[6:])["usage"]
+                tokens = usage["completion_tokens"]
+            elif b'"finish_reason":null' in line:
+                messages += 1
+                first = first or time.perf_counter()
+    if not tokens or not first:
+        tally.errors += 1
+        return
+    tally.add_request(started, first, time.perf_counter(), tokens, messages)
 
 
 async def run_http(url: str, load: Load, tally: Tally, seed: int) -> None:
@@ -152,6 +163,7 @@ async def run_http(url: str, load: Load, tally: Tally, seed: int) -> None:
                     "max_tokens": load.max_tokens,
                     "ignore_eos": True,
                     "stream": True,
+                    "stream_options": {"include_usage": True},
                 }
                 try:
                     await _http_stream(session, url + "/v1/completions", body, tally)
@@ -175,21 +187,18 @@ async def run_grpc(address: str, load: Load, tally: Tally, seed: int) -> None:
                     sampling=pb.SamplingParams(max_new_tokens=load.max_tokens, ignore_eos=True),
                 )
                 started = time.perf_counter()
-                first = True
+                first = 0.0
+                messages = tokens = 0
                 try:
                     async for msg in stub.Generate(request, timeout=120):
-                        if not msg.HasField("chunk"):
-                            continue
-                        now = time.perf_counter()
-                        if first:
-                            first = False
-                            if tally.in_window(started):
-                                tally.ttfts.append(now - started)
-                        if tally.in_window(now):
-                            tally.messages += 1
-                            tally.tokens += len(msg.chunk.token_ids)
+                        if msg.HasField("chunk"):
+                            messages += 1
+                            tokens += len(msg.chunk.token_ids)
+                            first = first or time.perf_counter()
                 except grpc.aio.AioRpcError:
                     tally.errors += 1
+                    continue
+                tally.add_request(started, first, time.perf_counter(), tokens, messages)
 
         await asyncio.gather(*(loop() for _ in range(load.concurrency)))
 
