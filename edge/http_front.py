@@ -175,11 +175,12 @@ async def _generate(request: web.Request, kind: oa.Kind) -> web.StreamResponse:
         try:
             if kind == "chat":
                 await resp.write(oa.sse_event(oa.delta_chunk(out, model, created, "", first=True)))
+            deltas = oa.DeltaEvents(out, model, created)
             msg = first
             while msg is not None:
                 text = out.push(msg)
                 if text:
-                    await resp.write(oa.sse_event(oa.delta_chunk(out, model, created, text)))
+                    await resp.write(deltas.event(text))
                 elif text is None:
                     await resp.write(oa.sse_event(oa.finish_chunk(out, model, created)))
                     if api.include_usage:
