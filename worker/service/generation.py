@@ -123,7 +123,7 @@ class WorkerGeneration:
             detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None
             finished = False
             observer = self.observer
-            last_sent: float | None = None  # when the last tokens left (TTFT, inter-token)
+            last_sent: float | None = None  # when the last tokens came (TTFT, inter-token)
             held: tuple[int, ...] = ()  # generated ids waiting for their text
             outcome = "error"
             try:
@@ -138,8 +138,15 @@ class WorkerGeneration:
                             phases.queue_wait_s = out.queue_wait_s
                         if out.new_token_ids and phases.first_token_ns is None:
                             phases.first_token_ns = time.time_ns()
-                    text = ""
                     ids = out.new_token_ids
+                    if ids:  # the metrics see tokens as generated, however they are sent
+                        now = time.perf_counter()
+                        if last_sent is None:
+                            observer.on_first_token(now - started)
+                        else:
+                            observer.on_tokens(len(ids), now - last_sent)
+                        last_sent = now
+                    text = ""
                     if detok is not None:
                         text = detok.push(ids)
                         text += detok.flush() if finished else ""
@@ -150,13 +157,6 @@ class WorkerGeneration:
                             # the ids go with the next text or the end (decision 0030)
                             held = ids
                             continue
-                    if ids:
-                        now = time.perf_counter()
-                        if last_sent is None:
-                            observer.on_first_token(now - started)
-                        else:
-                            observer.on_tokens(len(ids), now - last_sent)
-                        last_sent = now
                     if ids or text:
                         yield convert.chunk_to_pb(rid, ids, text)
                     if out.finish_reason is not None:
