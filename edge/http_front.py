@@ -65,6 +65,9 @@ class HttpFrontConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     shutdown_timeout_s: float = 1.0  # handlers still running at stop get this long
     tls: ServerTls | None = None  # HTTPS (and client certificates with a client CA)
+    # SO_REUSEPORT: only for sibling processes of one `kvroute router --processes N`, whose
+    # supervisor holds the port against everyone else (router/cli/processes.py)
+    reuse_port: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -317,7 +320,7 @@ class HttpFront:
             runner,
             self.config.host,
             self.config.port,
-            reuse_port=False,
+            reuse_port=self.config.reuse_port,
             ssl_context=None if tls is None else tls.ssl_context(),
         )
         try:

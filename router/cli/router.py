@@ -141,6 +141,17 @@ def _first_start_args(p: argparse.ArgumentParser) -> None:
 def _network_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("networking")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    g.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        metavar="N",
+        help="serve from N router processes on the same ports (a supervisor holds the ports; "
+        "each process is a replica of the others: --replicas N, and --replica-sync with "
+        "--redis-url); needs --port and --http-port given (0 picks free ones) (default: 1)",
+    )
+    # a --processes sibling: bind the ports the supervisor holds (SO_REUSEPORT)
+    g.add_argument("--shared-port", action="store_true", help=argparse.SUPPRESS)
     g.add_argument("--http-host", default="127.0.0.1", help="address the HTTP API binds")
     g.add_argument(
         "--served-model-name",
@@ -422,7 +433,8 @@ def config_from_args(
         seed=args.seed,
         http=None
         if args.http_port is None
-        else HttpFrontConfig(host=args.http_host, port=args.http_port),
+        else HttpFrontConfig(host=args.http_host, port=args.http_port, reuse_port=args.shared_port),
+        reuse_port=args.shared_port,
     )
     return apply_router_security(args, config)
 
@@ -514,6 +526,10 @@ def _window(value: str) -> float | None:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
+    if args.processes != 1:
+        from router.cli.processes import supervise
+
+        return supervise(argv, args)
     if not args.worker and not args.redis_url:
         print(
             "kvroute router: a worker source is required: give --worker HOST:PORT (repeatable) "

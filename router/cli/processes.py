@@ -1,0 +1,205 @@
+"""``kvroute router --processes N``: N router processes serving one address.
+
+::
+
+    kvroute router --processes N        holds the gRPC and HTTP ports: a socket bound with
+      |                                 SO_REUSEPORT, never listening, so that nobody else
+      |                                 can bind them (a second router gets "address in use")
+      +-- kvroute router ... --shared-port      (N of them) each binds the same ports with
+                                                SO_REUSEPORT and listens; the kernel spreads
+                                                new connections over them
+
+One Python process relays about one core's worth of tokens (decision 0030); this puts a
+host's cores to work behind one address. Each process is a replica of the others, as
+router replicas behind a load balancer are: ``--replicas N`` (its own picks count N times,
+decisions 0016-0021), and ``--replica-sync`` when there is a ``--redis-url`` (they publish
+their picks to each other). The supervisor prints ``listening on HOST:PORT`` (and ``http
+listening on ...``) once every process listens, forwards SIGINT / SIGTERM to them as one
+SIGTERM, and stops them all when one exits.
+
+Port ownership: before holding a port the supervisor binds it once without SO_REUSEPORT
+(and with SO_REUSEADDR, which a listening or held socket refuses): a port anyone holds is an
+error here. The holder itself has no SO_REUSEADDR, so another supervisor's check fails on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import socket
+import sys
+from collections.abc import Iterator
+
+from edge.runtime import stop_signals
+from router.cli.fleet import _die_with_parent
+
+STARTUP_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 10.0
+
+
+class PortInUse(OSError):
+    """A port the supervisor was asked to hold is bound by someone else."""
+
+
+def hold_port(host: str, port: int, what: str = "") -> socket.socket:
+    """A socket bound to ``host:port`` with SO_REUSEPORT, not listening: the router's sibling
+    processes can bind the port, nobody else can. Port 0 picks a free one (read it back with
+    ``getsockname``). Raises :class:`PortInUse` when the port is taken (``what``: which
+    port, for its message: "" or "HTTP ")."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    if port:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is free
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                raise _in_use(exc, what, host, port) from None
+    holder = socket.socket(family, kind, proto)
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        holder.bind(address)
+    except OSError as exc:
+        holder.close()
+        raise _in_use(exc, what, host, port) from None
+    return holder
+
+
+def _in_use(exc: OSError, what: str, host: str, port: int) -> PortInUse:
+    hint = "" if what else " (is another kvroute or server listening there?)"
+    return PortInUse(exc.errno, f"could not bind {what}{host}:{port}: {exc.strerror}{hint}")
+
+
+def child_argv(argv: list[str], args: argparse.Namespace, port: int, http: int | None) -> list[str]:
+    """One sibling's ``kvroute router`` arguments: ours without ``--processes``, on the held
+    ports, as a replica of the others."""
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--processes":
+            skip = True
+        elif not arg.startswith("--processes="):
+            out.append(arg)
+    out += ["--port", str(port), "--shared-port"]
+    if http is not None:
+        out += ["--http-port", str(http)]
+    if args.replicas == 1:
+        out += ["--replicas", str(args.processes)]
+    if args.redis_url and not args.replica_sync:
+        out.append("--replica-sync")
+    return [sys.executable, "-m", "kvroute_cli", "router", *out]
+
+
+def check(args: argparse.Namespace) -> str | None:
+    """Why ``--processes`` cannot run with these options, or None."""
+    if args.processes < 1:
+        return f"--processes must be >= 1, got {args.processes}"
+    if args.metrics_port is not None:
+        return "--metrics-port with --processes: each process has its own metrics; not supported"
+    return None
+
+
+def supervise(argv: list[str], args: argparse.Namespace) -> int:
+    """Run ``args.processes`` routers on one address until SIGINT / SIGTERM."""
+    problem = check(args)
+    if problem is not None:
+        print(f"kvroute router: {problem}", file=sys.stderr)
+        return 2
+    try:
+        with _held(args) as (port, http):
+            print(f"kvroute router: starting {args.processes} processes", file=sys.stderr)
+            return asyncio.run(_run(child_argv(argv, args, port, http), args, port, http))
+    except PortInUse as exc:
+        print(f"kvroute router: {exc.strerror}", file=sys.stderr)
+        return 1
+
+
+@contextlib.contextmanager
+def _held(args: argparse.Namespace) -> Iterator[tuple[int, int | None]]:
+    with contextlib.ExitStack() as stack:
+        grpc_sock = stack.enter_context(hold_port(args.host, args.port))
+        http: int | None = None
+        if args.http_port is not None:
+            http = stack.enter_context(
+                hold_port(args.http_host, args.http_port, "HTTP ")
+            ).getsockname()[1]
+        yield grpc_sock.getsockname()[1], http
+
+
+async def _run(argv: list[str], args: argparse.Namespace, port: int, http: int | None) -> int:
+    procs: list[asyncio.subprocess.Process] = []
+    pumps: list[asyncio.Task[None]] = []
+    try:
+        with stop_signals() as stop:
+            for i in range(args.processes):
+                proc = await asyncio.create_subprocess_exec(
+                    *argv,
+                    stdout=asyncio.subprocess.PIPE,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    start_new_session=True,  # Ctrl-C reaches us only; we stop them
+                    preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+                )
+                procs.append(proc)
+                await _wait_listening(proc, http is not None, i)
+                pumps.append(asyncio.create_task(_pump(proc, i)))
+            print(f"listening on {args.host}:{port}", flush=True)
+            if http is not None:
+                print(f"http listening on {args.http_host}:{http}", flush=True)
+            ended = asyncio.ensure_future(
+                asyncio.wait(
+                    [asyncio.ensure_future(p.wait()) for p in procs],
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+            )
+            stopped = asyncio.ensure_future(stop.wait())
+            await asyncio.wait([ended, stopped], return_when=asyncio.FIRST_COMPLETED)
+            failed = not stopped.done()
+            ended.cancel()
+            stopped.cancel()
+    finally:
+        codes = await asyncio.gather(*(_stop(p) for p in procs))
+        for pump in pumps:
+            pump.cancel()
+    if failed:
+        print(
+            f"kvroute router: a process exited (codes {codes}); stopped the others", file=sys.stderr
+        )
+        return 1
+    return max((abs(c) for c in codes), default=0)
+
+
+async def _wait_listening(proc: asyncio.subprocess.Process, http: bool, index: int) -> None:
+    """Until the process printed its ``listening on`` lines (RuntimeError when it exits)."""
+    assert proc.stdout is not None
+    wanted = 2 if http else 1
+    async with asyncio.timeout(STARTUP_TIMEOUT_S):
+        while wanted:
+            line = (await proc.stdout.readline()).decode(errors="replace")
+            if not line:
+                raise RuntimeError(f"router process {index} exited with {await proc.wait()}")
+            if "listening on " in line:
+                wanted -= 1
+
+
+async def _pump(proc: asyncio.subprocess.Process, index: int) -> None:
+    """Keep reading a process's stdout (the pipe must never fill), echoing it prefixed."""
+    assert proc.stdout is not None
+    async for line in proc.stdout:
+        print(f"[router {index}] {line.decode(errors='replace').rstrip()}", flush=True)
+
+
+async def _stop(proc: asyncio.subprocess.Process) -> int:
+    """SIGTERM, then SIGKILL after ``STOP_TIMEOUT_S``; the exit code."""
+    if proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.terminate()
+        try:
+            return await asyncio.wait_for(proc.wait(), STOP_TIMEOUT_S)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+    return await proc.wait()
