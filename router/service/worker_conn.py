@@ -49,6 +49,13 @@ log = logging.getLogger(__name__)
 
 # Largest event-stream message accepted from a worker (a Snapshot of ~40M blocks)
 MAX_SNAPSHOT_BYTES = 1 << 30
+# Each stream from a worker may run this far ahead of what the router has read (HTTP/2 flow
+# control; grpc's default is 64 KiB, grown further by its BDP probe, which is off). A router
+# that falls behind then holds the worker's writes, and the worker sends everything its
+# engine made meanwhile in one message: tokens coalesce exactly when the router is the
+# limit, and cost it per message, not per token (decision 0030). A message larger than this
+# (a snapshot) still goes through: grpc widens the window to the message being read.
+STREAM_WINDOW_BYTES = 1024
 
 # The Worker service's event stream (kvroute.proto), called with raw response bytes
 SUBSCRIBE_METHOD = "/kvroute.v1.Worker/SubscribeKvEvents"
@@ -99,6 +106,8 @@ class ConnectionConfig:
             # is 170k blocks, and past it the router could never sync with the worker
             ("grpc.max_receive_message_length", MAX_SNAPSHOT_BYTES),
             ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES),
+            ("grpc.http2.bdp_probe", 0),
             ("grpc.http2.max_pings_without_data", 0),
             ("grpc.initial_reconnect_backoff_ms", int(self.backoff.initial_s * 1000)),
             ("grpc.min_reconnect_backoff_ms", int(self.backoff.initial_s * 1000)),
