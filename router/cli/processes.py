@@ -27,15 +27,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ctypes
+import signal
 import socket
 import sys
 from collections.abc import Iterator
 
 from edge.runtime import stop_signals
-from router.cli.fleet import _die_with_parent
 
+_PR_SET_PDEATHSIG = 1
 STARTUP_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 10.0
+
+
+def die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    """Linux: SIGTERM this child when its parent dies (no orphaned workers or routers)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class PortInUse(OSError):
@@ -141,7 +149,7 @@ async def _run(argv: list[str], args: argparse.Namespace, port: int, http: int |
                     stdout=asyncio.subprocess.PIPE,
                     stdin=asyncio.subprocess.DEVNULL,
                     start_new_session=True,  # Ctrl-C reaches us only; we stop them
-                    preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+                    preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
                 )
                 procs.append(proc)
                 await _wait_listening(proc, http is not None, i)
@@ -203,3 +211,71 @@ async def _stop(proc: asyncio.subprocess.Process) -> int:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
     return await proc.wait()
+
+
+# ---- `kvroute up --router-processes N` ---------------------------------------------------
+
+
+class RouterProcesses:
+    """``kvroute router --processes N`` as a child of ``kvroute up`` (the in-process router
+    is one process; this is N): start, wait until it sees every worker, stop."""
+
+    def __init__(self, argv: list[str], num_workers: int) -> None:
+        self._argv = argv  # the router's arguments, without --processes
+        self._num_workers = num_workers
+        self.proc: asyncio.subprocess.Process | None = None
+        self.address = ""
+        self.http_address: str | None = None
+        self._pump: asyncio.Task[None] | None = None
+
+    async def start(self, processes: int, timeout_s: float) -> str:
+        """Start the supervisor; its gRPC address once every process listens."""
+        http = "--http-port" in self._argv
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "kvroute_cli",
+            "router",
+            *self._argv,
+            "--processes",
+            str(processes),
+            stdout=asyncio.subprocess.PIPE,
+            stdin=asyncio.subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
+        )
+        assert self.proc.stdout is not None
+        async with asyncio.timeout(timeout_s):
+            while not self.address or (http and self.http_address is None):
+                line = (await self.proc.stdout.readline()).decode(errors="replace")
+                if not line:
+                    raise RuntimeError(f"the router exited with {await self.proc.wait()}")
+                if line.startswith("listening on "):
+                    self.address = line.split()[-1]
+                elif line.startswith("http listening on "):
+                    self.http_address = line.split()[-1]
+        self._pump = asyncio.create_task(_pump(self.proc, 0))
+        return self.address
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        """Until the router (whichever process answers) sees every worker healthy."""
+        import grpc
+
+        from kvroute_proto import kvroute_pb2 as pb
+        from kvroute_proto import kvroute_pb2_grpc as pb_grpc
+
+        probe = pb.ExplainRequest(request=pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[1])))
+        async with asyncio.timeout(timeout_s), grpc.aio.insecure_channel(self.address) as ch:
+            stub = pb_grpc.RouterStub(ch)
+            while True:
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    resp = await stub.Explain(probe, timeout=5.0)
+                    if sum(w.healthy for w in resp.workers) >= self._num_workers:
+                        return
+                await asyncio.sleep(0.1)
+
+    async def stop(self) -> None:
+        if self.proc is not None:
+            await _stop(self.proc)
+        if self._pump is not None:
+            self._pump.cancel()

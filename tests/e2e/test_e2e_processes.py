@@ -54,9 +54,10 @@ def _server_side_inode(server_port: int, client_port: int) -> int:
 
 def _owner(pids: list[int], server_port: int, client_port: int) -> int:
     """Which of ``pids`` accepted the connection (polls: accepting is asynchronous)."""
-    inode = _server_side_inode(server_port, client_port)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
+        # 0 until a process accepted it (a socket in the accept queue has no file yet)
+        inode = _server_side_inode(server_port, client_port)
         for pid in pids:
             if inode in _socket_inodes(pid):
                 return pid
@@ -126,3 +127,25 @@ def test_two_processes_serve_one_address_and_both_take_requests() -> None:
             assert second.returncode == 1
             assert "Address already in use" in second.stderr
         assert router.popen.poll() is None
+
+
+def _up(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvroute_cli", "up", "--workers", "2", "--executor", "sim", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=90,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def test_up_runs_its_router_as_several_processes() -> None:
+    done = _up("--port", "0", "--http-port", "0", "--router-processes", "2", "--demo", "--exit")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "kvroute router: starting 2 processes" in done.stderr
+    assert done.stdout.count("served by worker-") == 2
+    assert "router http listening on http://127.0.0.1:" in done.stdout
+    refused = _up("--port", "0", "--router-processes", "2", "--metrics-port", "0")
+    assert refused.returncode == 2
+    assert "--router-processes above 1 runs without --metrics-port" in refused.stderr
