@@ -124,6 +124,9 @@ def supervise(argv: list[str], args: argparse.Namespace) -> int:
     except PortInUse as exc:
         print(f"kvroute router: {exc.strerror}", file=sys.stderr)
         return 1
+    except (RuntimeError, TimeoutError) as exc:  # a process that did not start (all stopped)
+        print(f"kvroute router: {exc or 'a process did not listen in time'}", file=sys.stderr)
+        return 1
 
 
 @contextlib.contextmanager

@@ -526,10 +526,6 @@ def _window(value: str) -> float | None:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
-    if args.processes != 1:
-        from router.cli.processes import supervise
-
-        return supervise(argv, args)
     if not args.worker and not args.redis_url:
         print(
             "kvroute router: a worker source is required: give --worker HOST:PORT (repeatable) "
@@ -544,6 +540,10 @@ def main(argv: list[str]) -> int:
     except (TokenizerLoadError, ValueError) as exc:
         print(f"kvroute router: {exc}", file=sys.stderr)
         return 2
+    if args.processes != 1:  # the options are checked here, once, before any process starts
+        from router.cli.processes import supervise
+
+        return supervise(argv, args)
     logging.getLogger(__name__).info(
         "tokenizer: %s (fingerprint %s)",
         args.model or "byte tokenizer (no --model)",
