@@ -138,9 +138,7 @@ def _first_start_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _network_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("networking")
-    g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+def _process_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--processes",
         type=int,
@@ -148,10 +146,16 @@ def _network_args(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="serve from N router processes on the same ports (a supervisor holds the ports; "
         "each process is a replica of the others: --replicas N, and --replica-sync with "
-        "--redis-url); needs --port and --http-port given (0 picks free ones) (default: 1)",
+        "--redis-url) (default: 1)",
     )
     # a --processes sibling: bind the ports the supervisor holds (SO_REUSEPORT)
     g.add_argument("--shared-port", action="store_true", help=argparse.SUPPRESS)
+
+
+def _network_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("networking")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    _process_args(g)
     g.add_argument("--http-host", default="127.0.0.1", help="address the HTTP API binds")
     g.add_argument(
         "--served-model-name",
