@@ -123,7 +123,8 @@ class WorkerGeneration:
             detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None
             finished = False
             observer = self.observer
-            last_sent: float | None = None  # when the last tokens left (TTFT, inter-token)
+            last_sent: float | None = None  # when the last tokens came (TTFT, inter-token)
+            held: tuple[int, ...] = ()  # generated ids waiting for their text
             outcome = "error"
             try:
                 while not finished:  # every stream ends with a finish_reason or an error
@@ -137,19 +138,27 @@ class WorkerGeneration:
                             phases.queue_wait_s = out.queue_wait_s
                         if out.new_token_ids and phases.first_token_ns is None:
                             phases.first_token_ns = time.time_ns()
-                    text = ""
-                    if detok is not None:
-                        text = detok.push(out.new_token_ids)
-                        text += detok.flush() if finished else ""
-                    if out.new_token_ids:
+                    ids = out.new_token_ids
+                    if ids:  # the metrics see tokens as generated, however they are sent
                         now = time.perf_counter()
                         if last_sent is None:
                             observer.on_first_token(now - started)
                         else:
-                            observer.on_tokens(len(out.new_token_ids), now - last_sent)
+                            observer.on_tokens(len(ids), now - last_sent)
                         last_sent = now
-                    if out.new_token_ids or text:
-                        yield convert.chunk_to_pb(rid, out.new_token_ids, text)
+                    text = ""
+                    if detok is not None:
+                        text = detok.push(ids)
+                        text += detok.flush() if finished else ""
+                        if held:  # ids whose text was not complete yet go with this text
+                            ids, held = (*held, *ids), ()
+                        if ids and not text and not finished:
+                            # no text yet (a character's first bytes): no message either;
+                            # the ids go with the next text or the end (decision 0030)
+                            held = ids
+                            continue
+                    if ids or text:
+                        yield convert.chunk_to_pb(rid, ids, text)
                     if out.finish_reason is not None:
                         outcome = out.finish_reason.value
                         _record_finish(span, out)
