@@ -545,6 +545,7 @@ class FleetSim:
             "resubscribes": self.num_resubscribes,
             "cache_flushes": self.num_flushes,
             "routers": len(self.routers),
+            "load_interval_s": self.config.load_interval_s,
             "route_decision_s_total": round(self.route_decision_s_total, 6),
             "replica_apply_s_total": round(self.replica_apply_s_total, 6),
             "event_batches_lost": self.num_lost_batches,
@@ -581,6 +582,7 @@ def simulate(
 ) -> PolicyReport:
     """Replay ``records`` on ``config.num_workers`` simulated workers under ``policy``."""
     expander = expander or TokenExpander(vocab_size=config.vocab_size, seed=config.seed)
+    config = config.for_policy(policy)
     start = time.monotonic()
     sim = FleetSim(records, policy, config, expander)
     progress = Progress(policy, len(records), progress_stream) if progress_stream else None
