@@ -79,6 +79,7 @@ from fleetsim.replay.trace import TokenExpander, TraceRecord
 from kvroute_proto.events import EventBatch, LoadReport, Snapshot
 from router.core.core_types import ReplicaEvent, ReplicaRouted
 from router.core.router_core import NoWorkerAvailable, Resubscribe, RouterCore, RouteRequest
+from router.core.step_profile import StepProfile
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.load_reports import StepReports
 from worker.engine.sim_executor import SimExecutor, SimExecutorConfig
@@ -204,6 +205,7 @@ class FleetSim:
         )
         make_config = engine_config or self._worker_engine_config
         self.workers: dict[str, _Worker] = {}
+        profile = config.cost_model.step_profile_s()  # as GetLoad states it
         for i in range(config.num_workers):
             wid = f"worker-{i}"
             base = SimExecutor(config.cost_model, exec_config)
@@ -218,6 +220,7 @@ class FleetSim:
                 router.add_worker(wid, address=f"sim://{wid}", block_size=config.block_size)
                 # as GetLoad states it to a real router
                 router.set_max_running(wid, engine.config.max_running_requests)
+                router.set_step_profile(wid, StepProfile.stated(*profile))
         self.results = [
             RequestResult(index=i, arrival_s=r.arrival_s, prompt_tokens=r.input_length)
             for i, r in enumerate(records)
