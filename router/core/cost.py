@@ -10,15 +10,15 @@ equivalents, and takes the cheapest (equal costs broken at random, never "always
          + w.decode         * requests running on the worker      # decode slows each step
          + w.recent_prefill * recent work on the worker           # its share of the past
          + w.slot_wait      * requests it would queue behind for a running slot
-         + w.decode_time    * (decode + stall)   # the time it adds, in prefill tokens
+         + w.decode_time    * decode             # the time it adds, in prefill tokens
          + affinity         (several routers without sync only)
 
     decode = L * (r * seq + K * ctx)               # its decode, slowed by the batch there
            + L * r * (seq + (P + L / 2) * ctx)     # the running ones' steps, slowed by it
-    stall  = r * (P - cached prefix)               # their steps wait for its prefill
 
-    r: requests running (and waiting) there; K: their KV, r x the worker's last reported
-    KV per running request (P + L / 2 before a report); L: the tokens it is expected to
+    r: requests there past their prefill (running and waiting, less those the router sent
+    that have no first token yet); K: their KV, r x the worker's last reported KV per
+    running request (P + L / 2 before a report); L: the tokens it is expected to
     generate (the router's running mean of finished requests' outputs); seq, ctx: one
     more sequence's and one more KV token's share of a decode step in prefill tokens, from
     the step profile the worker states (``router.core.step_profile``).
@@ -100,24 +100,16 @@ def affinity_terms(
     return out
 
 
-def decode_time(
-    query: RouteQuery, fields: np.ndarray, position: dict[int, int], matched: Matched
-) -> np.ndarray:
+def decode_time(query: RouteQuery, fields: np.ndarray) -> np.ndarray:
     """The decode-time term (module docstring) per candidate, in prefill tokens, before its
-    weight: ``fields`` the candidates' ``WorkerTable`` rows, ``position`` slot -> column."""
-    running, kv_per, seq, ctx = fields[1], fields[5], fields[6], fields[7]
+    weight: ``fields`` the candidates' ``WorkerTable`` rows."""
+    # requests past their prefill: a burst queued for prefill is the queued term's
+    running = np.maximum(fields[1] - fields[8], 0.0)
+    kv_per, seq, ctx = fields[5], fields[6], fields[7]
     out = query.expected_output_tokens
-    prompt = query.prompt_tokens
-    own_kv = prompt + 0.5 * out  # its KV while it decodes, on average
+    own_kv = query.prompt_tokens + 0.5 * out  # its KV while it decodes, on average
     kv = running * np.where(kv_per > 0, kv_per, own_kv)
-    decode = out * (running * (2.0 * seq + own_kv * ctx) + kv * ctx)
-    uncached = np.full(len(running), float(prompt))
-    bs = query.block_size
-    for s, d in matched.items():
-        i = position.get(s)
-        if i is not None:
-            uncached[i] = max(prompt - d * bs, 0)
-    return decode + running * uncached
+    return out * (running * (2.0 * seq + own_kv * ctx) + kv * ctx)
 
 
 class CacheAware(Policy):
@@ -178,6 +170,7 @@ class CacheAware(Policy):
                 [c.kv_per_running for c in candidates],
                 [c.step_profile.seq_tokens() for c in candidates],
                 [c.step_profile.context_tokens() for c in candidates],
+                [c.num_prefilling for c in candidates],
             ],
             dtype=np.float64,
         ).reshape(ROWS, len(candidates))
@@ -239,7 +232,7 @@ class CacheAware(Policy):
         if wqk:  # the knee's part of the queued term, q * (q * wq / knee)
             total += fields[0] * (fields[0] * wqk)
         if w.decode_time and query.expected_output_tokens > 0:
-            total += w.decode_time * decode_time(query, fields, position, matched)
+            total += w.decode_time * decode_time(query, fields)
         if depths is not None and ids is not None:
             extra = affinity_terms(query.block_hashes, depths, ids, self.config.affinity_tokens)
             if extra is not None:

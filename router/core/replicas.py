@@ -124,6 +124,7 @@ class Inflight:
 def open_flight(view: WorkerView, prefill_tokens: int) -> Inflight:
     """A request in flight on ``view``'s worker: its prefill queued there, one more active."""
     view.inflight_prefill_tokens += prefill_tokens
+    view.num_prefilling += 1
     view.num_active += 1
     view.refresh()
     return Inflight(view, prefill_tokens)

@@ -54,6 +54,7 @@ class WorkerView:
     current scale factor (policies multiply by
     ``RouteQuery.recent_scale`` to get tokens; see ``Flights.recent_scale``).
     ``kv_per_running``: KV tokens per running request in the last report (0: none yet).
+    ``num_prefilling``: requests routed here not yet past their first token (router-tracked).
     ``step_profile``: the worker's stated step times (decision 0031).
 
     A view the core registered is attached to its :class:`WorkerTable`: every change of the
@@ -75,6 +76,7 @@ class WorkerView:
         "inflight_prefill_tokens",
         "load",
         "num_active",
+        "num_prefilling",
         "slot",
         "worker_id",
     )
@@ -106,6 +108,7 @@ class WorkerView:
         self._recent = recent_prefill
         self._cap = max_running
         self._kvper = 0.0
+        self.num_prefilling = 0
         self._profile = DEFAULT_STEP_PROFILE
         self._table: WorkerTable | None = None
 
@@ -198,9 +201,10 @@ class WorkerView:
         if self._table is not None:
             self._table.set_load(self.slot, queued, running, self.slot_queue)
             self._table.fields[5, self.slot] = self._kvper
+            self._table.fields[8, self.slot] = self.num_prefilling
 
 
-ROWS = 8  # WorkerTable.fields' rows
+ROWS = 9  # WorkerTable.fields' rows
 
 
 class WorkerTable:
@@ -210,8 +214,9 @@ class WorkerTable:
     converts them to), row 3 the cost's load part under ``weights``, ``queued_prefill *
     queued + decode * running + slot_wait * slot_queue`` (the knee, which depends on the
     request, is added per route), computed in Python as :meth:`CacheAware.costs` computes
-    it; rows 5-7 the decode-time term's: ``kv_per_running`` and the step profile's
-    ``seq_tokens()`` and ``context_tokens()``; kept current by the views themselves.
+    it; rows 5-8 the decode-time term's: ``kv_per_running``, the step profile's
+    ``seq_tokens()`` and ``context_tokens()``, and ``num_prefilling``; kept current by the
+    views themselves.
     ``ids``: each slot's ``WorkerView.id_hash``."""
 
     __slots__ = ("_wc", "_wd", "_wq", "fields", "ids", "weights")
@@ -248,6 +253,7 @@ class WorkerTable:
         view._table = self
         self.fields[2, slot] = view._recent
         self.fields[5, slot] = view._kvper
+        self.fields[8, slot] = view.num_prefilling
         self.set_profile(slot, view._profile)
         self.set_load(slot, view._queued, view._running, view.slot_queue)
 

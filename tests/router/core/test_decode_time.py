@@ -36,7 +36,7 @@ def _view(slot: int, running: int, kv_per_running: int = 0) -> WorkerView:
     return v
 
 
-def test_the_term_is_the_decode_and_stall_time_in_prefill_tokens():
+def test_the_term_is_the_decode_time_in_prefill_tokens():
     policy = make_policy("cache_aware", PolicyConfig(weights=CostWeights(decode_time=1.0)))
     base = make_policy("cache_aware", PolicyConfig(weights=CostWeights(decode_time=0.0)))
     busy, idle = _view(0, running=4, kv_per_running=1000), _view(1, running=0)
@@ -48,9 +48,14 @@ def test_the_term_is_the_decode_and_stall_time_in_prefill_tokens():
     own_kv = 320 + 50
     # its decode at a batch of 4 holding 4,000 KV tokens, and 4 requests' steps slowed by it
     decode = 100 * (4 * (2 * seq + own_kv * ctx) + 4000 * ctx)
-    stall = 4 * 160  # 4 running requests wait for its 160 uncached tokens
-    assert with_term[0] - without[0] == pytest.approx(decode + stall)
+    assert with_term[0] - without[0] == pytest.approx(decode)
     assert with_term[1] == without[1]  # nothing running there: it adds nobody's time
+    # requests still waiting for their first token are the queued term's, not this one's
+    busy.num_prefilling = 3
+    busy.refresh()
+    decode_one = 100 * (1 * (2 * seq + own_kv * ctx) + 1000 * ctx)
+    after = policy.costs(query, [busy, idle], matched)[0]
+    assert after - base.costs(query, [busy, idle], matched)[0] == pytest.approx(decode_one)
 
 
 def test_a_hit_on_a_crowded_worker_loses_to_an_idle_one_only_with_the_term():
@@ -91,6 +96,20 @@ def test_the_core_keeps_a_running_mean_of_outputs_and_each_workers_profile():
     core.route(RouteRequest("s", [1] * 40))
     core.on_finished("s")  # no usage (aborted): the mean stays
     assert core._query(RouteRequest("t", [1] * 40)).expected_output_tokens == pytest.approx(mean)
+
+
+def test_the_core_counts_requests_not_yet_past_their_prefill():
+    core = RouterCore(RouterConfig(), clock=lambda: 0.0, rng=random.Random(0))
+    core.add_worker("a", block_size=16)
+    view = core.worker_view("a")
+    core.route(RouteRequest("r", [1] * 40))
+    core.route(RouteRequest("s", [2] * 40))
+    assert (view.num_active, view.num_prefilling) == (2, 2)
+    core.on_first_token("r")
+    assert (view.num_active, view.num_prefilling) == (2, 1)
+    core.on_finished("s")  # ended before its first token
+    core.on_finished("r")
+    assert (view.num_active, view.num_prefilling) == (0, 0)
 
 
 def test_step_profile_checks_and_the_default_for_a_worker_that_states_none():

@@ -49,6 +49,7 @@ def fleets(draw, weights: CostWeights):
         table.attach(v)
         v.inflight_prefill_tokens = draw(count)
         v.num_active = draw(st.integers(0, 4))
+        v.num_prefilling = draw(st.integers(0, v.num_active))
         if draw(st.booleans()):
             v.load = LoadReport(
                 num_running=draw(st.integers(0, 3)),
@@ -127,17 +128,14 @@ def test_select_set_equals_select(
         )
 
 
-def decode_time_of(c: WorkerView, query: RouteQuery, matched: dict[int, int]) -> float:
+def decode_time_of(c: WorkerView, query: RouteQuery) -> float:
     """The decode-time term (router.core.cost's module docstring) for one candidate."""
-    r, out, prompt = float(c.num_running), query.expected_output_tokens, query.prompt_tokens
+    r = max(float(c.num_running) - c.num_prefilling, 0.0)
+    out, prompt = query.expected_output_tokens, query.prompt_tokens
     seq, ctx = c.step_profile.seq_tokens(), c.step_profile.context_tokens()
     own_kv = prompt + 0.5 * out
     kv = r * (c.kv_per_running if c.kv_per_running > 0 else own_kv)
-    decode = out * (r * (2.0 * seq + own_kv * ctx) + kv * ctx)
-    uncached = prompt
-    if c.slot in matched:
-        uncached = max(prompt - matched[c.slot] * query.block_size, 0)
-    return decode + r * uncached
+    return out * (r * (2.0 * seq + own_kv * ctx) + kv * ctx)
 
 
 def reference_costs(policy, query, candidates, matched) -> list[float]:
@@ -158,7 +156,7 @@ def reference_costs(policy, query, candidates, matched) -> list[float]:
         if wqk:
             x += q * (q * wqk)
         if w.decode_time and query.expected_output_tokens > 0:
-            x += w.decode_time * decode_time_of(c, query, matched)
+            x += w.decode_time * decode_time_of(c, query)
         out.append(x)
     if policy.config.affinity_tokens:
         depths = np.array([matched.get(c.slot, 0) for c in candidates], dtype=np.intp)
