@@ -23,7 +23,7 @@ __all__ = [
 
 SLOT_WAIT_TOKENS = 1024.0  # CostWeights.slot_wait's default (decision 0012)
 QUEUED_KNEE_PROMPTS = 14.0  # CostWeights.queued_knee's default (decision 0013)
-DECODE_TIME_WEIGHT = 0.0  # CostWeights.decode_time's default (decision 0031)
+DECODE_TIME_WEIGHT = 0.1  # CostWeights.decode_time's default (decision 0031)
 DEFAULT_BACKLOG_TOKENS = 50_000.0  # PolicyConfig.backlog_tokens (decision 0010)
 DEFAULT_SATURATED_TOKENS = 10_000.0  # PolicyConfig.saturated_tokens (decision 0011)
 DEFAULT_SATURATED_SCALE_TOKENS = 2_000.0  # PolicyConfig.saturated_scale_tokens (0011)
