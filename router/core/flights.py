@@ -177,7 +177,7 @@ class Flights:
         self._release(flight, self._clock())
         flight.prefilling = False
         flight.view.inflight_prefill_tokens -= flight.prefill_tokens
-        flight.view.num_prefilling -= 1
+        flight.view.num_prefilling -= 1 + flight.extra_active
         flight.view.refresh()
 
     def finished(self, request_id: str, generated_tokens: int = 0) -> None:
@@ -205,7 +205,7 @@ class Flights:
             flight.view.recent_prefill += self._recent_decode_ratio * generated_tokens * scale
         if flight.prefilling:
             flight.view.inflight_prefill_tokens -= flight.prefill_tokens
-            flight.view.num_prefilling -= 1
+            flight.view.num_prefilling -= 1 + flight.extra_active
         flight.view.num_active -= 1 + flight.extra_active
         flight.extra_active = 0
         flight.view.refresh()

@@ -192,6 +192,7 @@ class ReplicaAccounting:
             if extra > 0 and not cold:
                 flight.extra_active = extra
                 view.num_active += extra
+                view.num_prefilling += extra  # the stand-ins are prefilling too
                 view.refresh()
         return flight
 
@@ -238,6 +239,8 @@ class ReplicaAccounting:
                 view.inflight_prefill_tokens -= extra
             if flight.extra_active:  # (a finish took it off already)
                 view.num_active -= flight.extra_active
+                if flight.prefilling:  # (a first token took them off already)
+                    view.num_prefilling -= flight.extra_active
                 flight.extra_active = 0
             if flight.extra_recent:
                 if flight.extra_recent_t0 == recent_t0:  # no rebase since
