@@ -103,13 +103,11 @@ def affinity_terms(
 def decode_time(query: RouteQuery, fields: np.ndarray) -> np.ndarray:
     """The decode-time term (module docstring) per candidate, in prefill tokens, before its
     weight: ``fields`` the candidates' ``WorkerTable`` rows."""
-    # requests past their prefill: a burst queued for prefill is the queued term's
-    running = np.maximum(fields[1] - fields[8], 0.0)
-    kv_per, seq, ctx = fields[5], fields[6], fields[7]
+    # rows 5 and 6: WorkerView.decode_parts, kept per worker so that a route pays three
+    # vector operations for the term
     out = query.expected_output_tokens
     own_kv = query.prompt_tokens + 0.5 * out  # its KV while it decodes, on average
-    kv = running * np.where(kv_per > 0, kv_per, own_kv)
-    return out * (running * (2.0 * seq + own_kv * ctx) + kv * ctx)
+    return out * (fields[5] + own_kv * fields[6])
 
 
 class CacheAware(Policy):
@@ -167,10 +165,7 @@ class CacheAware(Policy):
                 [c.recent_prefill for c in candidates],
                 [0.0] * len(candidates),  # the load part: computed by _total
                 [c.slot_queue for c in candidates],
-                [c.kv_per_running for c in candidates],
-                [c.step_profile.seq_tokens() for c in candidates],
-                [c.step_profile.context_tokens() for c in candidates],
-                [c.num_prefilling for c in candidates],
+                *zip(*(c.decode_parts() for c in candidates), strict=True),
             ],
             dtype=np.float64,
         ).reshape(ROWS, len(candidates))
@@ -194,7 +189,8 @@ class CacheAware(Policy):
         ``load`` the load part under this policy's weights when the table keeps it (None:
         computed here), ``ids`` their worker id hashes (the affinity term's; None when it is
         off), ``position``: slot -> column. Per candidate, in this order:
-        ((wq*q + wd*r + wc*s) + wr*recent) + prefill, then the knee, then the affinity."""
+        ((wq*q + wd*r + wc*s) + wr*recent) + prefill, then the knee, then the decode time,
+        then the affinity."""
         w = self.config.weights
         wp = w.prefill
         if self._per_backlog or self._per_saturated:

@@ -130,7 +130,7 @@ class WorkerView:
     def queued_prefill_tokens(self, value: int) -> None:
         self._queued = value
         if self._table is not None:
-            self._table.set_load(self.slot, value, self._running, self.slot_queue)
+            self._table.set_view(self)
 
     @property
     def num_running(self) -> int:
@@ -140,7 +140,7 @@ class WorkerView:
     def num_running(self, value: int) -> None:
         self._running = value
         if self._table is not None:
-            self._table.set_load(self.slot, self._queued, value, self.slot_queue)
+            self._table.set_view(self)
 
     @property
     def max_running(self) -> int:
@@ -152,7 +152,7 @@ class WorkerView:
             raise ValueError(f"max_running must be >= 0, got {value}")
         self._cap = value
         if self._table is not None:
-            self._table.set_load(self.slot, self._queued, self._running, self.slot_queue)
+            self._table.set_view(self)
 
     @property
     def slot_queue(self) -> int:
@@ -181,7 +181,7 @@ class WorkerView:
     def step_profile(self, profile: StepProfile) -> None:
         self._profile = profile
         if self._table is not None:
-            self._table.set_profile(self.slot, profile)
+            self._table.set_view(self)
 
     def refresh(self) -> None:
         """Recompute the derived fields from the router's counts and the last report."""
@@ -199,12 +199,25 @@ class WorkerView:
         self._queued = queued
         self._running = running
         if self._table is not None:
-            self._table.set_load(self.slot, queued, running, self.slot_queue)
-            self._table.fields[5, self.slot] = self._kvper
-            self._table.fields[8, self.slot] = self.num_prefilling
+            self._table.set_view(self)
+
+    def decode_parts(self) -> tuple[float, float]:
+        """The decode-time term's two per-worker parts, (A, B), so that the term for a
+        request of P prompt tokens expected to generate L is ``L * (A + (P + L / 2) * B)``
+        (router.core.cost): with r the requests past their prefill and K their KV,
+        A = r * 2 * seq + K * ctx and B = r * ctx; before a report says the KV per running
+        request, each stands in with the request's own (K = r * (P + L / 2): B doubles)."""
+        r = self._running - self.num_prefilling
+        if r <= 0:
+            return 0.0, 0.0
+        profile = self._profile
+        seq, ctx = profile.seq_tokens(), profile.context_tokens()
+        if self._kvper > 0:
+            return r * (2.0 * seq) + r * self._kvper * ctx, r * ctx
+        return r * (2.0 * seq), 2.0 * (r * ctx)
 
 
-ROWS = 9  # WorkerTable.fields' rows
+ROWS = 7  # WorkerTable.fields' rows
 
 
 class WorkerTable:
@@ -214,9 +227,8 @@ class WorkerTable:
     converts them to), row 3 the cost's load part under ``weights``, ``queued_prefill *
     queued + decode * running + slot_wait * slot_queue`` (the knee, which depends on the
     request, is added per route), computed in Python as :meth:`CacheAware.costs` computes
-    it; rows 5-8 the decode-time term's: ``kv_per_running``, the step profile's
-    ``seq_tokens()`` and ``context_tokens()``, and ``num_prefilling``; kept current by the
-    views themselves.
+    it; rows 5 and 6 the decode-time term's parts (``WorkerView.decode_parts``); kept current
+    by the views themselves.
     ``ids``: each slot's ``WorkerView.id_hash``."""
 
     __slots__ = ("_wc", "_wd", "_wq", "fields", "ids", "weights")
@@ -234,9 +246,11 @@ class WorkerTable:
         fields[4, slot] = slot_queue
         fields[3, slot] = self._wq * queued + self._wd * running + self._wc * slot_queue
 
-    def set_profile(self, slot: int, profile: StepProfile) -> None:
-        self.fields[6, slot] = profile.seq_tokens()
-        self.fields[7, slot] = profile.context_tokens()
+    def set_view(self, view: WorkerView) -> None:
+        """Write ``view``'s load and decode-time fields (it changed)."""
+        slot = view.slot
+        self.set_load(slot, view._queued, view._running, view.slot_queue)
+        self.fields[5, slot], self.fields[6, slot] = view.decode_parts()
 
     def attach(self, view: WorkerView) -> None:
         """Keep ``view``'s cost fields here from now on (its slot's column is overwritten)."""
@@ -252,10 +266,7 @@ class WorkerTable:
         self.ids[slot] = view.id_hash
         view._table = self
         self.fields[2, slot] = view._recent
-        self.fields[5, slot] = view._kvper
-        self.fields[8, slot] = view.num_prefilling
-        self.set_profile(slot, view._profile)
-        self.set_load(slot, view._queued, view._running, view.slot_queue)
+        self.set_view(view)
 
     @staticmethod
     def detach(view: WorkerView) -> None:

@@ -66,7 +66,9 @@ def test_a_hit_on_a_crowded_worker_loses_to_an_idle_one_only_with_the_term():
     query = RouteQuery("r", 3000, 16, list(range(187)), 1.0, 200.0)
     matched = {0: 150}  # 2,400 of 3,000 tokens cached on the crowded worker
     rng = random.Random(0)
-    plain = make_policy("cache_aware", PolicyConfig(weights=CostWeights(decode=0.0)))
+    plain = make_policy(
+        "cache_aware", PolicyConfig(weights=CostWeights(decode=0.0, decode_time=0.0))
+    )
     aware = make_policy(
         "cache_aware", PolicyConfig(weights=CostWeights(decode=0.0, decode_time=0.1))
     )

@@ -129,13 +129,19 @@ def test_select_set_equals_select(
 
 
 def decode_time_of(c: WorkerView, query: RouteQuery) -> float:
-    """The decode-time term (router.core.cost's module docstring) for one candidate."""
-    r = max(float(c.num_running) - c.num_prefilling, 0.0)
+    """The decode-time term (router.core.cost's module docstring) for one candidate, from
+    its definition, in the float operations' order of WorkerView.decode_parts."""
+    r = c.num_running - c.num_prefilling
+    if r <= 0:
+        return 0.0 * query.expected_output_tokens
     out, prompt = query.expected_output_tokens, query.prompt_tokens
     seq, ctx = c.step_profile.seq_tokens(), c.step_profile.context_tokens()
-    own_kv = prompt + 0.5 * out
-    kv = r * (c.kv_per_running if c.kv_per_running > 0 else own_kv)
-    return out * (r * (2.0 * seq + own_kv * ctx) + kv * ctx)
+    own_kv = prompt + 0.5 * out  # its KV while it decodes, on average
+    if c.kv_per_running > 0:  # K = r x the reported KV per running request
+        a, b = r * (2.0 * seq) + r * c.kv_per_running * ctx, r * ctx
+    else:  # K = r x its own KV
+        a, b = r * (2.0 * seq), 2.0 * (r * ctx)
+    return out * (a + own_kv * b)
 
 
 def reference_costs(policy, query, candidates, matched) -> list[float]:
