@@ -100,16 +100,6 @@ def affinity_terms(
     return out
 
 
-def decode_time(query: RouteQuery, fields: np.ndarray) -> np.ndarray:
-    """The decode-time term (module docstring) per candidate, in prefill tokens, before its
-    weight: ``fields`` the candidates' ``WorkerTable`` rows."""
-    # rows 5 and 6: WorkerView.decode_parts, kept per worker so that a route pays three
-    # vector operations for the term
-    out = query.expected_output_tokens
-    own_kv = query.prompt_tokens + 0.5 * out  # its KV while it decodes, on average
-    return out * (fields[5] + own_kv * fields[6])
-
-
 class CacheAware(Policy):
     """Lowest estimated prefill wait (see the module docstring)."""
 
@@ -227,8 +217,12 @@ class CacheAware(Policy):
         wqk = w.queued_prefill * w.per_knee(prompt)
         if wqk:  # the knee's part of the queued term, q * (q * wq / knee)
             total += fields[0] * (fields[0] * wqk)
-        if w.decode_time and query.expected_output_tokens > 0:
-            total += w.decode_time * decode_time(query, fields)
+        out = query.expected_output_tokens
+        if w.decode_time and out > 0:  # the decode-time term: WorkerView.decode_parts' A, B
+            # as L x (A + (P + L / 2) x B), weighted, in four vector operations
+            per_part = w.decode_time * out
+            total += fields[5] * per_part
+            total += fields[6] * (per_part * (query.prompt_tokens + 0.5 * out))
         if depths is not None and ids is not None:
             extra = affinity_terms(query.block_hashes, depths, ids, self.config.affinity_tokens)
             if extra is not None:

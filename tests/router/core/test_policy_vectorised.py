@@ -128,26 +128,23 @@ def test_select_set_equals_select(
         )
 
 
-def decode_time_of(c: WorkerView, query: RouteQuery) -> float:
-    """The decode-time term (router.core.cost's module docstring) for one candidate, from
-    its definition, in the float operations' order of WorkerView.decode_parts."""
+def decode_parts_of(c: WorkerView) -> tuple[float, float]:
+    """The decode-time term's per-worker parts (router.core.cost's module docstring), from
+    their definition: with r requests past their prefill and K their KV, the term is
+    L * (A + (P + L / 2) * B), A = r * 2 * seq + K * ctx, B = r * ctx."""
     r = c.num_running - c.num_prefilling
     if r <= 0:
-        return 0.0 * query.expected_output_tokens
-    out, prompt = query.expected_output_tokens, query.prompt_tokens
+        return 0.0, 0.0
     seq, ctx = c.step_profile.seq_tokens(), c.step_profile.context_tokens()
-    own_kv = prompt + 0.5 * out  # its KV while it decodes, on average
     if c.kv_per_running > 0:  # K = r x the reported KV per running request
-        a, b = r * (2.0 * seq) + r * c.kv_per_running * ctx, r * ctx
-    else:  # K = r x its own KV
-        a, b = r * (2.0 * seq), 2.0 * (r * ctx)
-    return out * (a + own_kv * b)
+        return r * (2.0 * seq) + r * c.kv_per_running * ctx, r * ctx
+    return r * (2.0 * seq), 2.0 * (r * ctx)  # K = r x its own KV, P + L / 2
 
 
 def reference_costs(policy, query, candidates, matched) -> list[float]:
     """The cache-aware cost written out per candidate in plain Python (router.core.cost's
     module docstring), in the float operations' order: ((wq*q + wd*r + wc*s) + wr*recent)
-    + prefill, then the knee, then the decode-time term, then the affinity term."""
+    + prefill, then the knee, then the decode-time term's two parts, then the affinity term."""
     w = policy.config.weights
     wp = w.prefill * policy.miss_factor(candidates)
     wr = w.recent_prefill * query.recent_scale
@@ -161,8 +158,12 @@ def reference_costs(policy, query, candidates, matched) -> list[float]:
         x += wp * max(prompt - matched.get(c.slot, 0) * bs, 0) if c.slot in matched else wp * prompt
         if wqk:
             x += q * (q * wqk)
-        if w.decode_time and query.expected_output_tokens > 0:
-            x += w.decode_time * decode_time_of(c, query)
+        gen = query.expected_output_tokens
+        if w.decode_time and gen > 0:
+            a, b = decode_parts_of(c)
+            per_part = w.decode_time * gen
+            x += a * per_part
+            x += b * (per_part * (query.prompt_tokens + 0.5 * gen))
         out.append(x)
     if policy.config.affinity_tokens:
         depths = np.array([matched.get(c.slot, 0) for c in candidates], dtype=np.intp)
