@@ -42,6 +42,7 @@ from kvroute_proto import kvroute_pb2_grpc as pb_grpc
 from kvroute_proto.errors import ContractError
 from router.core.errors import RouterError
 from router.core.router_core import Resubscribe, RouterCore
+from router.core.step_profile import DEFAULT_STEP_PROFILE, StepProfile
 from router.service.resilience import Backoff, BackoffConfig
 
 log = logging.getLogger(__name__)
@@ -135,6 +136,21 @@ class ConnectionHooks:
     release: ReleaseFn
     on_health: HealthFn
     changed: asyncio.Condition
+
+
+def _step_profile(info: pb.WorkerInfo) -> StepProfile:
+    """The step profile the worker states (the default where it states none, or a bad one,
+    which is logged: a profile steers the cost, it never refuses a worker; decision 0031)."""
+    try:
+        return StepProfile.stated(
+            info.step_decode_base_s,
+            info.step_decode_s_per_seq,
+            info.step_decode_s_per_context_token,
+            info.step_prefill_s_per_token,
+        )
+    except ValueError as exc:
+        log.warning("worker %s: %s; using the default step profile", info.worker_id, exc)
+        return DEFAULT_STEP_PROFILE
 
 
 class WorkerConnection:
@@ -262,6 +278,7 @@ class WorkerConnection:
             info.kv_capacity_tokens,
         )
         self._core.set_max_running(self.worker_id, info.max_running_requests)
+        self._core.set_step_profile(self.worker_id, _step_profile(info))
         self.num_connects += 1
         self._backoff.reset()
         self._down_since = None

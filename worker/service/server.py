@@ -93,6 +93,13 @@ class WorkerServerConfig:
             raise ValueError("--http-require-token needs --router-token")
 
 
+def _step_profile_s(engine: Engine) -> tuple[float, float, float, float]:
+    """The step profile GetLoad states: the simulated executor's cost model; zeros (not
+    stated, the router's default) for an executor without one."""
+    cost_model = getattr(engine.executor, "cost_model", None)
+    return cost_model.step_profile_s() if cost_model is not None else (0.0, 0.0, 0.0, 0.0)
+
+
 class WorkerServer:
     """One worker process's gRPC server (Worker, health, reflection) over one Engine."""
 
@@ -126,6 +133,7 @@ class WorkerServer:
             tokenizer_fingerprint=getattr(tokenizer, "fingerprint", ""),
             hash_key_fingerprint=hash_key_fingerprint(),
             max_running_requests=ec.max_running_requests,
+            step_profile_s=_step_profile_s(engine),
         )
         self.generation = WorkerGeneration(
             self.runner, tokenizer, config.limits, self.info, model_name=config.model_name

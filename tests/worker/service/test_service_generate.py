@@ -192,6 +192,7 @@ async def test_get_load_reports_identity_geometry_and_load() -> None:
             max_running_requests=40,
         ),
         epoch=1234,
+        cost=SimCostModel(),
     )
     async with running_worker(setup) as w:
         info = await w.stub.GetLoad(pb.GetLoadRequest())
@@ -210,6 +211,15 @@ async def test_get_load_reports_identity_geometry_and_load() -> None:
         assert info.load.num_total_kv_tokens == 2048
         assert info.load.num_running == 0
         assert info.max_running_requests == 40  # the router's cost charges waits past it
+        # the sim executor's cost model, as the router's decode-time term reads it
+        profile = SimCostModel().step_profile_s()
+        assert (
+            info.step_decode_base_s,
+            info.step_decode_s_per_seq,
+            info.step_decode_s_per_context_token,
+            info.step_prefill_s_per_token,
+        ) == profile
+        assert profile[3] > 0  # stated (0 would be "none")
         # the default model's name, and the byte tokenizer's fingerprint (the router checks it)
         assert info.model_name == "kvroute-tiny"
         assert info.tokenizer_fingerprint == ByteTokenizer().fingerprint
