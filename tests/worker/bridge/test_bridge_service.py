@@ -80,6 +80,10 @@ async def engine_and_bridge(
         bridge = BridgeServer(config, rng=random.Random(0))
     await bridge.start()
     try:
+        # until the engine's first answer (its model name) Generate is UNAVAILABLE: the
+        # tests that call it start once the bridge has it (a loaded box is slow)
+        if not bind:
+            await wait_until(lambda: bool(bridge.state.model_name))
         yield engine, bridge
     finally:
         await bridge.stop(grace_s=0.2)
