@@ -294,7 +294,9 @@ async def test_overload_is_refused_fast_and_bounded() -> None:
                 sampling = False
                 await router.stop(0)
     codes = load.codes()
-    assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"}, codes
+    codes_allowed = {"OK", "RESOURCE_EXHAUSTED"}
+    others = [f"{o.code}: {o.message}" for o in load.outcomes if o.code not in codes_allowed]
+    assert not others, (codes, others[:3])
     assert codes["OK"] >= max_inflight and codes["RESOURCE_EXHAUSTED"] > 0
     refused = sorted(o.elapsed_s for o in load.outcomes if o.code == "RESOURCE_EXHAUSTED")
     served = [o.elapsed_s for o in load.outcomes if o.code == "OK"]
