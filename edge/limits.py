@@ -24,4 +24,6 @@ class RequestLimits:
     max_new_tokens: int = 1 << 20  # router: sampling.max_new_tokens
     max_stop_token_ids: int = 256  # router: sampling.stop_token_ids
     max_prompt_text_chars: int = 1 << 20  # worker: the text it tokenizes
-    default_max_new_tokens: int = 16  # worker: used when sampling.max_new_tokens is 0
+    # worker: used when sampling.max_new_tokens is 0; 0 here: what is left of the context
+    # (OpenAI's and vLLM's default for chat; docs/decisions/0032)
+    default_max_new_tokens: int = 0

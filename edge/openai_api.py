@@ -11,6 +11,8 @@ What is supported, and what is refused with a 400 that names the field:
 * ``POST /v1/chat/completions``: ``messages`` with string content or a list of ``text``
   parts, rendered with the backend tokenizer's ``apply_chat_template`` (a plain default
   template when the tokenizer has none).
+* ``max_tokens`` left out: chat generates up to what is left of the model's context (the
+  worker's default), completions 16 tokens (OpenAI's and vLLM's defaults for each).
 * Sampling: ``max_tokens`` / ``max_completion_tokens``, ``temperature`` (default 1.0 as
   OpenAI's), ``top_p``, ``seed``, ``stop`` (strings that are exactly one token of the
   backend tokenizer; the stop text is cut from the output as OpenAI does), and the vLLM/SGLang
@@ -37,6 +39,7 @@ from kvroute_proto import kvroute_pb2 as pb
 Kind = Literal["completion", "chat"]
 
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens (OpenAI, vLLM)
 MAX_UINT32 = (1 << 32) - 1
 MAX_REQUEST_ID_CHARS = 128
 _REQUEST_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:")
@@ -285,6 +288,10 @@ def _finish_parse(
         if value is not None:
             s.max_new_tokens = _int_field(body, name, 1, MAX_UINT32)
             break
+    else:
+        # absent: chat leaves it to the worker (what is left of the context); completions
+        # take OpenAI's and vLLM's documented default (docs/decisions/0032)
+        s.max_new_tokens = COMPLETION_DEFAULT_MAX_TOKENS if kind == "completion" else 0
     s.temperature = _float_field(body, "temperature", 0.0, 2.0, default=1.0)
     s.top_p = _float_field(body, "top_p", 0.0, 1.0, default=1.0, low_open=True)
     top_k = body.get("top_k")

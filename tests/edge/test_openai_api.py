@@ -65,7 +65,9 @@ def test_a_completion_maps_every_sampling_field() -> None:
 
 def test_defaults_follow_openai() -> None:
     s = completion({"prompt": "x"}).request.sampling
-    assert s.max_new_tokens == 0  # the server's default
+    assert s.max_new_tokens == 16  # OpenAI's and vLLM's completions default
+    chat_sampling = chat({"messages": [{"role": "user", "content": "hi"}]}).request.sampling
+    assert chat_sampling.max_new_tokens == 0  # the worker's: what is left of the context
     assert s.temperature == 1.0 and s.top_p == 1.0 and not s.HasField("seed")
     assert not completion({"prompt": "x", "stream_options": {"include_usage": True}}).include_usage
 

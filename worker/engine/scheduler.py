@@ -497,10 +497,13 @@ class Scheduler:
         sp = r.sampling
         if tok in r.stop_ids:  # stop_token_ids and, unless ignore_eos, every EOS id
             return FinishReason.STOP
-        if len(r.output_ids) >= sp.max_new_tokens:
+        num_out = len(r.output_ids)
+        if sp.max_new_tokens is not None and num_out >= sp.max_new_tokens:
             return FinishReason.LENGTH
         if r.num_tokens >= self.limits.max_context_tokens:
             return FinishReason.MAX_CONTEXT
+        if num_out >= r.max_new_tokens:  # no max_new_tokens given: the KV pool's bound
+            return FinishReason.LENGTH
         return None
 
     def _finish(self, r: Req, reason: FinishReason, tok: int) -> RequestOutput:

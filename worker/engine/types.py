@@ -16,9 +16,10 @@ from kvroute_proto.events import DEFAULT_PARTITION, Partition
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """Decoding settings of one request. temperature 0 means greedy."""
+    """Decoding settings of one request. temperature 0 means greedy; ``max_new_tokens``
+    None means what is left of the context (OpenAI's and vLLM's chat default)."""
 
-    max_new_tokens: int = 16
+    max_new_tokens: int | None = 16
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0

@@ -70,7 +70,8 @@ def sampling_from_pb(msg: pb.SamplingParams, limits: RequestLimits) -> SamplingP
     if not math.isfinite(msg.top_p) or not 0 <= msg.top_p <= 1:
         raise InvalidRequestError("sampling.top_p", f"must be in [0, 1], got {msg.top_p}")
     return SamplingParams(
-        max_new_tokens=msg.max_new_tokens or limits.default_max_new_tokens,
+        # 0: the worker's default; its default 0: what is left of the context
+        max_new_tokens=msg.max_new_tokens or limits.default_max_new_tokens or None,
         temperature=float(msg.temperature),
         top_p=float(msg.top_p) if msg.top_p > 0 else 1.0,
         top_k=msg.top_k,

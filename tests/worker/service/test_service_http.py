@@ -8,7 +8,7 @@ import json
 
 import aiohttp
 import pytest
-from svc_harness import ByteTokenizer, Worker, WorkerSetup, running_worker
+from svc_harness import MAX_CONTEXT, ByteTokenizer, Worker, WorkerSetup, running_worker
 
 from worker.engine.sim_executor import SimCostModel
 from worker.service.engine_runner import RunnerConfig
@@ -151,6 +151,21 @@ async def test_chat_renders_the_messages_and_streams_the_same_content() -> None:
         assert content == message["content"]
         assert events[-2]["choices"][0]["finish_reason"] == "length"
         assert events[-2]["object"] == "chat.completion.chunk"
+
+
+async def test_chat_without_max_tokens_generates_to_the_end_of_the_context() -> None:
+    # the sim never emits EOS: the answer runs to the context's end, not to 16 tokens
+    async with running_worker(HTTP) as w:
+        body = {"messages": [{"role": "user", "content": "Hi"}], "temperature": 0}
+        status, _, full = await post(w, "/v1/chat/completions", body)
+        assert status == 200, full
+        usage = full["usage"]
+        assert usage["prompt_tokens"] + usage["completion_tokens"] == MAX_CONTEXT
+        assert full["choices"][0]["finish_reason"] == "length"
+        # completions keep OpenAI's documented default of 16
+        _, _, short = await post(w, "/v1/completions", {"prompt": "Hi"})
+        assert short["usage"]["completion_tokens"] == 16
+        await w.assert_no_leak()
 
 
 # ---- errors ------------------------------------------------------------------------------
