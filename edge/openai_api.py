@@ -14,8 +14,8 @@ What is supported, and what is refused with a 400 that names the field:
 * ``max_tokens`` left out: chat generates up to what is left of the model's context (the
   worker's default), completions 16 tokens (OpenAI's and vLLM's defaults for each).
 * Sampling: ``max_tokens`` / ``max_completion_tokens``, ``temperature`` (default 1.0 as
-  OpenAI's), ``top_p``, ``seed``, ``stop`` (strings that are exactly one token of the
-  backend tokenizer; the stop text is cut from the output as OpenAI does), and the vLLM/SGLang
+  OpenAI's), ``top_p``, ``seed``, ``stop`` (up to 4 strings, matched by the worker on the
+  decoded text across tokens; the output ends before the stop, as OpenAI's), and the vLLM/SGLang
   extensions ``top_k``, ``ignore_eos``, ``stop_token_ids``. ``n`` must be 1; ``logprobs``,
   ``echo``, ``best_of`` > 1, penalties, tools and response formats are refused.
 * Unknown fields are ignored (peer routers add their own defaults to forwarded bodies).
@@ -30,7 +30,7 @@ import json
 import math
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from edge.frontdoor import BadRequest, NotFound, ServiceError
@@ -55,7 +55,8 @@ FINISH_REASONS: dict[int, str] = {
 
 
 class ChatTokenizer(Protocol):
-    """What the API mapping needs of a backend's tokenizer (``encode`` for stop strings)."""
+    """What the API mapping may use of a backend's tokenizer (its chat template, when it
+    has ``apply_chat_template``)."""
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -74,7 +75,6 @@ class ApiRequest:
     request: pb.GenerateRequest
     stream: bool = False
     include_usage: bool = False
-    stop_texts: Mapping[int, str] = field(default_factory=dict)  # stop token id -> its text
 
 
 # ---- request parsing ---------------------------------------------------------------------
@@ -126,7 +126,7 @@ def parse_completion(
         request.prompt_text = prompt
     else:
         request.prompt_token_ids.ids.extend(prompt)
-    return _finish_parse("completion", body, request, tokenizer)
+    return _finish_parse("completion", body, request)
 
 
 def parse_chat(
@@ -147,7 +147,7 @@ def parse_chat(
     # the template's rule for special tokens
     request.prompt_text = render_chat(messages, tokenizer)
     request.prompt_text_is_chat = True
-    return _finish_parse("chat", body, request, tokenizer)
+    return _finish_parse("chat", body, request)
 
 
 def chat_prompt(messages: Sequence[Mapping[str, str]], tokenizer: object | None) -> str | list[int]:
@@ -279,7 +279,6 @@ def _finish_parse(
     kind: Kind,
     body: Mapping[str, Any],
     request: pb.GenerateRequest,
-    tokenizer: ChatTokenizer | None,
 ) -> ApiRequest:
     s = request.sampling
     names = ("max_completion_tokens", "max_tokens") if kind == "chat" else ("max_tokens",)
@@ -307,8 +306,7 @@ def _finish_parse(
         ):
             raise BadRequest("stop_token_ids: must be a list of token ids", param="stop_token_ids")
         s.stop_token_ids.extend(stop_ids)
-    stop_texts = _stop_strings(body.get("stop"), tokenizer)
-    s.stop_token_ids.extend(t for t in stop_texts if t not in s.stop_token_ids)
+    s.stop.extend(_stop_strings(body.get("stop")))
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise BadRequest("user: must be a string", param="user")
     stream = _bool_field(body, "stream")
@@ -318,42 +316,22 @@ def _finish_parse(
         if not isinstance(options, dict):
             raise BadRequest("stream_options: must be an object", param="stream_options")
         include_usage = _bool_field(options, "include_usage", where="stream_options.")
-    return ApiRequest(kind, request, stream, include_usage and stream, stop_texts)
+    return ApiRequest(kind, request, stream, include_usage and stream)
 
 
-def _stop_strings(value: object, tokenizer: ChatTokenizer | None) -> dict[int, str]:
-    """Stop strings as token ids: each must be exactly one token of the backend tokenizer
-    (the engine stops on token ids; multi-token stop strings are refused, not ignored)."""
+def _stop_strings(value: object) -> list[str]:
+    """Stop strings: matched by the worker on the decoded text, across tokens and chunks
+    (edge.stop_strings; docs/decisions/0032)."""
     if value is None:
-        return {}
+        return []
     stops = [value] if isinstance(value, str) else value
-    if not isinstance(stops, list) or not all(isinstance(x, str) for x in stops):
-        raise BadRequest("stop: must be a string or a list of strings", param="stop")
+    if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops):
+        raise BadRequest("stop: must be a non-empty string or a list of them", param="stop")
     if len(stops) > MAX_STOP_SEQUENCES:
         raise BadRequest(
             f"stop: at most {MAX_STOP_SEQUENCES} sequences, got {len(stops)}", param="stop"
         )
-    if stops and tokenizer is None:
-        raise BadRequest(
-            "stop: this server has no tokenizer to map stop strings to tokens; use stop_token_ids",
-            param="stop",
-        )
-    assert tokenizer is not None
-    # what encode adds to any text (a BOS): not part of the stop string
-    added = tokenizer.encode("") if stops else []
-    out: dict[int, str] = {}
-    for text in stops:
-        ids = tokenizer.encode(text) if text else []
-        if added and ids[: len(added)] == added:
-            ids = ids[len(added) :]
-        if len(ids) != 1:
-            raise BadRequest(
-                f"stop: only stop strings that are exactly one token are supported; "
-                f"{text!r} is {len(ids)} tokens (use stop_token_ids)",
-                param="stop",
-            )
-        out[ids[0]] = text
-    return out
+    return stops
 
 
 def _int_field(body: Mapping[str, Any], name: str, low: int, high: int) -> int:
@@ -422,12 +400,7 @@ class ApiOutput:
         if msg.HasField("finished"):
             self.finished = msg.finished
             return None
-        chunk = msg.chunk
-        text = chunk.text
-        if chunk.token_ids and self.api.stop_texts:
-            stop = self.api.stop_texts.get(chunk.token_ids[-1])
-            if stop is not None and text.endswith(stop):  # the request ends here
-                text = text[: len(text) - len(stop)]
+        text = msg.chunk.text  # the worker cut stop strings from it already
         self.parts.append(text)
         return text
 

@@ -89,6 +89,15 @@ def check_request(req: pb.GenerateRequest, limits: RequestLimits) -> None:
             f"sampling.stop_token_ids must hold at most {limits.max_stop_token_ids} ids, "
             f"got {len(s.stop_token_ids)}"
         )
+    if len(s.stop) > limits.max_stop_strings:
+        raise RequestError(
+            f"stop must hold at most {limits.max_stop_strings} strings, got {len(s.stop)}"
+        )
+    for text in s.stop:
+        if not 0 < len(text) <= limits.max_stop_chars:
+            raise RequestError(
+                f"stop strings must be 1..{limits.max_stop_chars} characters, got {len(text)}"
+            )
 
 
 def routing_tokens(req: pb.GenerateRequest) -> np.ndarray:

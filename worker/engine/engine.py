@@ -131,6 +131,14 @@ class Engine:
         self._waited.pop(request_id, None)
         return self.scheduler.abort(request_id)
 
+    def stop(self, request_id: str) -> RequestOutput | None:
+        """Finish a request now with ``FinishReason.STOP`` and its usage (a stop string was
+        found in its decoded text), freeing its slots as ``abort`` does; None for an unknown
+        (or already finished) id."""
+        self._arrived.pop(request_id, None)
+        self._waited.pop(request_id, None)
+        return self.scheduler.stop(request_id)
+
     def step(self, before_forward: Callable[[], object] | None = None) -> list[RequestOutput]:
         """One scheduling iteration + forward. Each output carries the new token(s) of one
         request; the last one of a request has ``finish_reason`` and ``usage``.

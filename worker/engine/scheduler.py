@@ -137,19 +137,33 @@ class Scheduler:
         req = self._reqs.pop(request_id, None)
         if req is None:
             return False
+        self._drop(req)
+        self.counters.num_aborted += 1
+        return True
+
+    def stop(self, request_id: str) -> RequestOutput | None:
+        """Finish a request now with ``FinishReason.STOP`` (the service found a stop string in
+        its text), releasing it as ``abort`` does; None if unknown or finished."""
+        req = self._reqs.pop(request_id, None)
+        if req is None:
+            return None
+        self._drop(req)
+        self.counters.num_finished += 1
+        usage = Usage(req.prompt_len, req.cached_prompt_tokens or 0, len(req.output_ids))
+        return RequestOutput(request_id, (), FinishReason.STOP, usage)
+
+    def _drop(self, req: Req) -> None:
         match req.status:
             case ReqStatus.WAITING:
                 self._remove_waiting(req)
             case ReqStatus.DECODING:
-                del self._decoding[request_id]
+                del self._decoding[req.request_id]
                 self._release(req)
             case ReqStatus.PREFILLING:
                 if self._chunked is req:
                     self._chunked = None
                 self._release(req)
         req.status = ReqStatus.FINISHED
-        self.counters.num_aborted += 1
-        return True
 
     def has_work(self) -> bool:
         return bool(self._reqs)

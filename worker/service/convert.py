@@ -113,6 +113,7 @@ def request_from_pb(
         raise InvalidRequestError("prompt_text_is_chat", "set, but the prompt is not prompt_text")
     if token_ids.size == 0:
         raise InvalidRequestError("prompt", "must contain at least 1 token, got 0")
+    _check_stop(msg.sampling.stop, tokenizer, limits)
     return EngineRequest(
         request_id=request_id,
         prompt_token_ids=token_ids,
@@ -121,6 +122,20 @@ def request_from_pb(
         priority=msg.priority,
         routing_key=msg.routing_key,
     )
+
+
+def _check_stop(stops: Sequence[str], tokenizer: TextEncoder | None, limits: RequestLimits) -> None:
+    """Stop strings are matched on the decoded text: they need a tokenizer."""
+    if not stops:
+        return
+    if tokenizer is None:
+        raise InvalidRequestError("stop", "this worker has no tokenizer; use stop_token_ids")
+    if len(stops) > limits.max_stop_strings:
+        raise InvalidRequestError(
+            "stop", f"at most {limits.max_stop_strings} strings, got {len(stops)}"
+        )
+    if not all(0 < len(text) <= limits.max_stop_chars for text in stops):
+        raise InvalidRequestError("stop", f"each must be 1..{limits.max_stop_chars} characters")
 
 
 def _append_suffix(

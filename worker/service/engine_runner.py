@@ -288,6 +288,12 @@ class EngineRunner:
         self._check_running()
         return await self._call(self._job_abort, request_id)
 
+    async def stop_request(self, request_id: str) -> None:
+        """Finish a request now (its stop string was found): its stream ends with
+        FinishReason.STOP and its usage, unless it had finished already."""
+        self._check_running()
+        await self._call(self._job_stop, request_id)
+
     async def flush_cache(self) -> bool:
         """Drop every cached block (AllCleared goes out to subscribers) when no request is in
         flight, as SGLang's /flush_cache does; False (nothing done) otherwise."""
@@ -461,6 +467,12 @@ class EngineRunner:
             self._post(self._dispatch, [RequestOutput(request_id, (), FinishReason.ABORT)])
         self._publish()
         return found
+
+    def _job_stop(self, request_id: str) -> None:
+        out = self.engine.stop(request_id)
+        if out is not None:
+            self._post(self._dispatch, [out])
+        self._publish()
 
     def _job_flush_cache(self) -> bool:
         if self.engine.has_work():

@@ -17,16 +17,17 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 
 from opentelemetry import propagate, trace
 from opentelemetry.trace import Span, Status, StatusCode
 
 from edge.frontdoor import BadRequest, CallInfo, Overloaded, Unavailable
 from edge.limits import RequestLimits
+from edge.stop_strings import StopMatcher
 from kvroute_proto import kvroute_pb2 as pb
 from worker.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from worker.engine.types import RequestOutput
+from worker.engine.types import FinishReason, RequestOutput
 from worker.errors import InvalidRequestError, QueueFullError
 from worker.service import convert, spans
 from worker.service.convert import WorkerInfo
@@ -120,7 +121,7 @@ class WorkerGeneration:
             phases = spans.Phases(time.time_ns()) if tracing else None
             stream = await self._admit(request, span)
             rid = stream.request_id
-            detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None
+            texts = OutputText(self.tokenizer, request.sampling.stop) if self.tokenizer else None
             finished = False
             observer = self.observer
             last_sent: float | None = None  # when the last tokens left (TTFT, inter-token)
@@ -137,10 +138,11 @@ class WorkerGeneration:
                             phases.queue_wait_s = out.queue_wait_s
                         if out.new_token_ids and phases.first_token_ns is None:
                             phases.first_token_ns = time.time_ns()
-                    text = ""
-                    if detok is not None:
-                        text = detok.push(out.new_token_ids)
-                        text += detok.flush() if finished else ""
+                    text = "" if texts is None else texts.push(out.new_token_ids, finished)
+                    if texts is not None and texts.stopped:  # the text ends before a stop
+                        end = out if finished else await self._finish_on_stop(stream)
+                        out = RequestOutput(rid, out.new_token_ids, FinishReason.STOP, end.usage)
+                        finished = True
                     if out.new_token_ids:
                         now = time.perf_counter()
                         if last_sent is None:
@@ -175,6 +177,17 @@ class WorkerGeneration:
         finally:
             span.end()
 
+    async def _finish_on_stop(self, stream: RequestStream) -> RequestOutput:
+        """A stop string was found: finish the request on the engine now (its slots freed)
+        and skip what it generated meanwhile; its last output, with the usage."""
+        try:
+            await self.runner.stop_request(stream.request_id)
+            while (out := await stream.get()).finish_reason is None:
+                pass
+        except EngineStoppedError as exc:
+            raise Unavailable(str(exc)) from None
+        return out
+
     async def _admit(self, request: pb.GenerateRequest, span: Span) -> RequestStream:
         """Decode and submit a request, or raise the matching ServiceError."""
         try:
@@ -204,6 +217,29 @@ class WorkerGeneration:
             raise Unavailable(str(exc)) from None
         log.debug("request %s admitted (%d prompt tokens)", req.request_id, stream.num_prompt)
         return stream
+
+
+class OutputText:
+    """A request's output text as it streams: detokenized, cut before its first stop
+    string, holding back only what could still start one (edge.stop_strings)."""
+
+    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str]) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer)
+        self._stops = StopMatcher(stops) if stops else None
+
+    @property
+    def stopped(self) -> bool:
+        return self._stops is not None and self._stops.stopped
+
+    def push(self, token_ids: tuple[int, ...], last: bool) -> str:
+        """The text to send for ``token_ids`` (``last``: the output's final ids)."""
+        text = self._detok.push(token_ids)
+        if last:
+            text += self._detok.flush()
+        if self._stops is None:
+            return text
+        out = self._stops.push(text)
+        return out + self._stops.flush() if last else out
 
 
 def _record_finish(span: Span, out: RequestOutput) -> None:

@@ -90,8 +90,10 @@ def completion_body(request: pb.GenerateRequest, model: str) -> dict[str, Any]:
         "stream_options": {"include_usage": True},
         "return_token_ids": True,
     }
-    if s.max_new_tokens:
-        body["max_tokens"] = int(s.max_new_tokens)
+    # 0: what is left of the context (an explicit null: vLLM's completions default is 16)
+    body["max_tokens"] = int(s.max_new_tokens) if s.max_new_tokens else None
+    if s.stop:
+        body["stop"] = list(s.stop)  # the engine matches them on its text
     if 0 < s.top_p < 1:
         body["top_p"] = float(s.top_p)
     if s.top_k:
