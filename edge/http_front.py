@@ -40,6 +40,7 @@ from aiohttp import web
 from edge import openai_api as oa
 from edge.auth import AUTHENTICATED_TENANT
 from edge.frontdoor import CallInfo, GenerationBackend, Internal, ServiceError
+from edge.openai_params import in_public_terms
 from edge.tls import ServerTls
 from kvroute_proto import kvroute_pb2 as pb
 
@@ -213,12 +214,20 @@ async def health(request: web.Request) -> web.Response:
 STARTED_KEY: web.AppKey[int] = web.AppKey("started", int)
 
 
+_OPENAI_ROUTES: dict[str, oa.Kind] = {
+    "/v1/completions": "completion",
+    "/v1/chat/completions": "chat",
+}
+
+
 @web.middleware
 async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
     """One mapping from errors to OpenAI's error JSON, for every route."""
     try:
         return await handler(request)
     except ServiceError as exc:
+        if request.path in _OPENAI_ROUTES:  # the OpenAI API's field names, not the wire's
+            exc = in_public_terms(exc, _OPENAI_ROUTES[request.path])
         return error_response(exc, _valid_request_id(request))
     except web.HTTPException as exc:
         if exc.status < 400:

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from edge import openai_api as oa
+from edge import openai_params as oa_params
 from edge.frontdoor import BadRequest, NotFound, Overloaded
 from kvroute_proto import kvroute_pb2 as pb
 
@@ -276,3 +277,35 @@ def test_chat_is_sent_as_the_rendered_template_marked_as_chat() -> None:
     plain = chat({"messages": [{"role": "user", "content": "hi"}]}, tokenizer=None)
     assert plain.request.prompt_text == "<|user|>\nhi\n<|assistant|>\n"
     assert plain.request.prompt_text_is_chat
+
+
+@pytest.mark.parametrize(
+    ("kind", "message", "param", "expected", "expected_param"),
+    [
+        (
+            "completion",
+            "sampling.max_new_tokens must be at most 1048576, got 2000000",
+            "sampling.max_new_tokens",
+            "max_tokens must be at most 1048576, got 2000000",
+            "max_tokens",
+        ),
+        (
+            "completion",
+            "prompt_text must not be empty",
+            "prompt_text",
+            "prompt must not be empty",
+            "prompt",
+        ),
+        (
+            "chat",
+            "prompt (9 tokens) + max_new_tokens (9) exceeds max_context_tokens=16",
+            "prompt_token_ids",
+            "prompt (9 tokens) + max_tokens (9) exceeds the model's context length of 16 tokens",
+            "messages",
+        ),
+        ("chat", "prompt_token_ids: too long", "prompt", "messages: too long", "messages"),
+    ],
+)
+def test_refusals_are_said_in_the_apis_field_names(kind, message, param, expected, expected_param):
+    got = oa_params.in_public_terms(BadRequest(message, param=param), kind)
+    assert (got.message, got.param) == (expected, expected_param)

@@ -88,6 +88,13 @@ async def test_openai_errors_carry_our_messages() -> None:
                 model="gpt-4o", messages=[{"role": "user", "content": "hi"}]
             )
         assert missing.value.body["code"] == "model_not_found"
+        # the router's own bound, said in the API's words (one bound per field)
+        with pytest.raises(openai.BadRequestError) as big:
+            await client.completions.create(model=MODEL, prompt="x", max_tokens=1 << 21)
+        assert big.value.body["param"] == "max_tokens" and "1..1048576" in big.value.message
+        with pytest.raises(openai.BadRequestError) as empty:
+            await client.completions.create(model=MODEL, prompt="")
+        assert empty.value.body["param"] == "prompt" and "1..4194304" in empty.value.message
         models = await client.models.list()
         assert [m.id for m in models.data] == [MODEL]
 

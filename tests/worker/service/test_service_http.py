@@ -181,7 +181,7 @@ async def test_chat_without_max_tokens_generates_to_the_end_of_the_context() -> 
         ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "1.."),
         ({"prompt": "x", "temperature": 3}, 400, "temperature", "[0, 2]"),
         ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "at most 4"),
-        ({"prompt": ""}, 400, "prompt", "at least 1 token"),
+        ({"prompt": ""}, 400, "prompt", "1..4194304 UTF-8 bytes, got 0"),
     ],
 )
 async def test_bad_requests_get_openai_errors(body, status, param, needle) -> None:
@@ -194,6 +194,55 @@ async def test_bad_requests_get_openai_errors(body, status, param, needle) -> No
         if status == 404:
             assert err["code"] == "model_not_found"
         await w.assert_no_leak()
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "needle"),
+    [
+        (
+            "/v1/completions",
+            {"prompt": "x", "max_tokens": 600},
+            "max_tokens",
+            "max_tokens (600) exceeds the model's context length of 512 tokens",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "x" * 600, "max_tokens": 1},
+            "prompt",
+            "exceeds the model's context length of 512 tokens",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x" * 600}]},
+            "messages",
+            "the model's context length of 512 tokens",
+        ),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 1 << 21}, "max_tokens", "1..1048576"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user"}]},
+            "messages[0].content",
+            "required",
+        ),
+        ("/v1/completions", {"prompt": "x", "model": 3}, "model", "must be a string"),
+    ],
+)
+async def test_refusals_use_the_openai_field_names(path, body, param, needle) -> None:
+    async with running_worker(HTTP) as w:
+        status, _, out = await post(w, path, body)
+        assert status == 400, out
+        err = out["error"]
+        assert err["param"] == param and needle in err["message"], err
+        for wire in ("max_new_tokens", "prompt_token_ids", "prompt_text", "sampling."):
+            assert wire not in err["message"]
+        await w.assert_no_leak()
+
+
+async def test_missing_model_and_unknown_fields_are_accepted() -> None:
+    async with running_worker(HTTP) as w:
+        body = {"prompt": "x", "max_tokens": 2, "vendor_extension": {"a": 1}}
+        status, _, out = await post(w, "/v1/completions", body)
+        assert status == 200 and out["model"] == MODEL, out
 
 
 async def test_http_level_errors_are_openai_json() -> None:
