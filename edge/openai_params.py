@@ -27,28 +27,50 @@ def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-# (field, kind, the value that means "off") -> 400 when set to anything else
+SUPPORTED: dict[Kind, tuple[str, ...]] = {
+    "completion": ("model", "prompt", "max_tokens"),
+    "chat": ("model", "messages", "max_tokens", "max_completion_tokens"),
+}
+_SAMPLING = (
+    "temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty",
+    "logit_bias", "n (1)", "stream", "stream_options", "user",
+    "top_k", "ignore_eos", "stop_token_ids",
+)  # fmt: skip
+
+# OpenAI parameters we do not serve: (field, kind, the values that mean "off") -> 400 when
+# set to anything else. Fields that change nothing we return (metadata, store, service_tier)
+# are accepted and ignored, as are fields OpenAI does not define.
 _UNSUPPORTED: tuple[tuple[str, Kind | None, tuple[object, ...]], ...] = (
     ("logprobs", None, (None, False, 0)),
     ("top_logprobs", None, (None, 0)),
     ("echo", "completion", (None, False)),
     ("suffix", "completion", (None, "")),
     ("best_of", "completion", (None, 1)),
-    ("presence_penalty", None, (None, 0, 0.0)),
-    ("frequency_penalty", None, (None, 0, 0.0)),
-    ("logit_bias", None, (None, {})),
     ("tools", "chat", (None, [])),
+    ("tool_choice", "chat", (None, "none", "auto")),
     ("functions", "chat", (None, [])),
+    ("function_call", "chat", (None, "none", "auto")),
     ("response_format", "chat", (None, {"type": "text"})),
+    ("audio", "chat", (None,)),
+    ("modalities", "chat", (None, ["text"])),
+    ("prediction", "chat", (None,)),
+    ("reasoning_effort", "chat", (None,)),
+    ("web_search_options", "chat", (None,)),
 )
 
 
 def refuse_unsupported(body: Mapping[str, Any], kind: Kind) -> None:
+    """400 for an OpenAI parameter we do not serve, listing the ones we do."""
+    supported = ", ".join((*SUPPORTED[kind], *_SAMPLING))
     for name, only_for, off in _UNSUPPORTED:
         if only_for not in (None, kind) or name not in body:
             continue
         if body[name] not in off:
-            raise BadRequest(f"{name}: not supported by this server", param=name)
+            raise BadRequest(
+                f"{name}: not supported by this server; supported: {supported} "
+                "(docs/openai-api.md)",
+                param=name,
+            )
     n = body.get("n", 1)
     if n is not None and n != 1:
         raise BadRequest(f"n: only n=1 is supported, got {n!r}", param="n")
@@ -78,6 +100,10 @@ def parse_sampling(
     if body.get("seed") is not None:
         s.seed = _int_field(body, "seed", 0, (1 << 64) - 1)
     s.ignore_eos = _bool_field(body, "ignore_eos")
+    s.presence_penalty = _float_field(body, "presence_penalty", -2.0, 2.0, default=0.0)
+    s.frequency_penalty = _float_field(body, "frequency_penalty", -2.0, 2.0, default=0.0)
+    for token_id, bias in _logit_bias(body.get("logit_bias")).items():
+        s.logit_bias[token_id] = bias
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None:
         if not isinstance(stop_ids, list) or not all(
@@ -96,6 +122,27 @@ def parse_sampling(
             raise BadRequest("stream_options: must be an object", param="stream_options")
         include_usage = _bool_field(options, "include_usage", where="stream_options.")
     return stream, include_usage and stream
+
+
+def _logit_bias(value: object) -> dict[int, float]:
+    """OpenAI's ``logit_bias``: ``{"token id": bias in [-100, 100]}``, at most 300."""
+    if value is None:
+        return {}
+    limit = RequestLimits().max_logit_bias
+    if not isinstance(value, dict) or len(value) > limit:
+        raise BadRequest(
+            f"logit_bias: must be an object of at most {limit} token ids", param="logit_bias"
+        )
+    out = {}
+    for key, bias in value.items():
+        ok_bias = isinstance(bias, int | float) and not isinstance(bias, bool)
+        if not (str(key).isdigit() and int(key) <= MAX_UINT32 and ok_bias and -100 <= bias <= 100):
+            raise BadRequest(
+                f"logit_bias: maps token ids to numbers in [-100, 100], got {key!r}: {bias!r}",
+                param="logit_bias",
+            )
+        out[int(key)] = float(bias)
+    return out
 
 
 def _stop_strings(value: object) -> list[str]:

@@ -116,6 +116,12 @@ def check_request(req: pb.GenerateRequest, limits: RequestLimits) -> None:
             f"sampling.stop must hold at most {limits.max_stop_strings} strings, got {len(s.stop)}",
             field="sampling.stop",
         )
+    if len(s.logit_bias) > limits.max_logit_bias:
+        raise RequestError(
+            f"sampling.logit_bias must hold at most {limits.max_logit_bias} entries, "
+            f"got {len(s.logit_bias)}",
+            field="sampling.logit_bias",
+        )
     for text in s.stop:
         if not 0 < len(text) <= limits.max_stop_chars:
             raise RequestError(

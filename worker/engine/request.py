@@ -244,11 +244,11 @@ def _validate_sampling(sp: SamplingParams, vocab_size: int) -> int | None:
         raise InvalidRequestError("top_p", f"must be in (0, 1], got {sp.top_p}")
     if not _is_int(sp.top_k) or sp.top_k < 0:
         raise InvalidRequestError("top_k", f"must be an integer >= 0 (0 = off), got {sp.top_k!r}")
-    for t in sp.stop_token_ids:
-        if not 0 <= t < vocab_size:
-            raise InvalidRequestError(
-                "stop_token_ids", f"token id {t} is outside [0, {vocab_size})"
-            )
+    biased = [t for t, _ in sp.logit_bias]
+    for name, ids in (("stop_token_ids", sp.stop_token_ids), ("logit_bias", biased)):
+        for t in ids:
+            if not 0 <= t < vocab_size:
+                raise InvalidRequestError(name, f"token id {t} is outside [0, {vocab_size})")
     return None if sp.max_new_tokens is None else int(sp.max_new_tokens)
 
 

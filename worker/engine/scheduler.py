@@ -242,6 +242,7 @@ class Scheduler:
                     r.sampling,
                     True,
                     len(r.output_ids),
+                    r.token_buf[r.prompt_len : pos + 1] if r.sampling.penalized else None,
                 )
             )
         batch.decode_reqs = decoding
@@ -325,6 +326,7 @@ class Scheduler:
                 r.sampling,
                 end == r.num_tokens,
                 len(r.output_ids),
+                r.token_buf[r.prompt_len : end] if r.sampling.penalized else None,
             )
         )
         batch.prefill_reqs.append(r)

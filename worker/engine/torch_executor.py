@@ -221,6 +221,7 @@ class TorchExecutor:
                 logits[wanted],
                 [items[i].sampling for i in wanted],
                 [items[i].num_generated for i in wanted],
+                [items[i].output_ids for i in wanted],
             )
             for i, token in zip(wanted, picked, strict=True):
                 tokens[i] = token

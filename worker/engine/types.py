@@ -26,6 +26,14 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0  # OpenAI's, on the tokens generated so far
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+
+    @property
+    def penalized(self) -> bool:
+        """Whether sampling needs the tokens generated so far (ForwardItem.output_ids)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +92,7 @@ class ForwardItem:
     sampling: SamplingParams
     sample: bool = True
     num_generated: int = 0  # tokens generated so far (for per-request seeded sampling)
+    output_ids: np.ndarray | None = None  # the tokens generated so far, when penalized
 
 
 class Executor(Protocol):

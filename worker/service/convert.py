@@ -69,6 +69,12 @@ def sampling_from_pb(msg: pb.SamplingParams, limits: RequestLimits) -> SamplingP
         )
     if not math.isfinite(msg.top_p) or not 0 <= msg.top_p <= 1:
         raise InvalidRequestError("sampling.top_p", f"must be in [0, 1], got {msg.top_p}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(msg, name)
+        if not math.isfinite(value) or not -2 <= value <= 2:
+            raise InvalidRequestError(f"sampling.{name}", f"must be in [-2, 2], got {value}")
+    if not all(math.isfinite(b) and -100 <= b <= 100 for b in msg.logit_bias.values()):
+        raise InvalidRequestError("sampling.logit_bias", "biases must be in [-100, 100]")
     return SamplingParams(
         # 0: the worker's default; its default 0: what is left of the context
         max_new_tokens=msg.max_new_tokens or limits.default_max_new_tokens or None,
@@ -78,6 +84,9 @@ def sampling_from_pb(msg: pb.SamplingParams, limits: RequestLimits) -> SamplingP
         seed=msg.seed if msg.HasField("seed") else None,
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
+        presence_penalty=float(msg.presence_penalty),
+        frequency_penalty=float(msg.frequency_penalty),
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
     )
 
 

@@ -1,0 +1,82 @@
+"""The sampling parameters, driven by the official ``openai`` client against a worker's HTTP
+front over the tiny torch model (byte tokenizer: token id 97 is "a", 98 is "b")."""
+
+from __future__ import annotations
+
+import contextlib
+
+import openai
+import pytest
+from svc_harness import WorkerSetup, running_worker
+
+TORCH = WorkerSetup(http=True, executor_kind="torch")
+A, B = 97, 98
+
+
+@contextlib.asynccontextmanager
+async def client_of_worker():
+    async with running_worker(TORCH) as w:
+        client = openai.AsyncOpenAI(base_url=w.http_url + "/v1", api_key="unused", max_retries=0)
+        try:
+            yield w, client
+        finally:
+            await client.close()
+
+
+async def text_of(client, **kwargs) -> str:
+    out = await client.completions.create(model="kvroute-tiny", prompt="Hello", **kwargs)
+    return out.choices[0].text
+
+
+async def test_logit_bias_and_penalties() -> None:
+    async with client_of_worker() as (w, client):
+        greedy = {"temperature": 0, "max_tokens": 6}
+        assert await text_of(client, **greedy, logit_bias={str(A): 100}) == "aaaaaa"
+        # "b" ten below "a" (more than the model's own logits move them); each "a" costs 2
+        both = {"temperature": 0, "max_tokens": 12, "logit_bias": {str(A): 100, str(B): 90}}
+        assert await text_of(client, **both) == "a" * 12
+        penalized = await text_of(client, **both, frequency_penalty=2)
+        assert penalized.startswith("aaa") and set(penalized) == {"a", "b"}
+        # one apart, the model's own logits alternate them; a negative presence penalty
+        # (a reward for what occurred) keeps the first one
+        close = {"temperature": 0, "max_tokens": 6, "logit_bias": {str(A): 100, str(B): 99}}
+        assert await text_of(client, **close) == "ababab"
+        assert await text_of(client, **close, presence_penalty=-2) == "aaaaaa"
+        # chat takes them as well
+        chat = await client.chat.completions.create(
+            model="kvroute-tiny",
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=4,
+            temperature=0,
+            logit_bias={str(B): 100},
+        )
+        assert chat.choices[0].message.content == "bbbb"
+        await w.assert_no_leak()
+
+
+async def test_seed_makes_sampling_reproducible() -> None:
+    async with client_of_worker() as (_, client):
+        sampled = {"temperature": 1.0, "max_tokens": 16}
+        first = await text_of(client, **sampled, seed=7)
+        assert await text_of(client, **sampled, seed=7) == first
+        assert await text_of(client, **sampled, seed=8) != first
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {"97": 101}}, "logit_bias"),
+        ({"logit_bias": {"99999": 1}}, "logit_bias"),  # past the vocabulary: the worker's
+        ({"echo": True}, "echo"),
+    ],
+)
+async def test_out_of_range_and_unsupported_parameters_are_400(kwargs, param) -> None:
+    async with client_of_worker() as (w, client):
+        with pytest.raises(openai.BadRequestError) as bad:
+            await text_of(client, max_tokens=2, **kwargs)
+        assert bad.value.body["param"] == param, bad.value.body
+        if param == "echo":
+            assert "supported: model, prompt, max_tokens" in bad.value.message
+        await w.assert_no_leak()
