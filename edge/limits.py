@@ -26,6 +26,7 @@ class RequestLimits:
     max_stop_strings: int = 4  # router: sampling.stop (OpenAI's limit)
     max_stop_chars: int = 256  # router: each stop string
     max_logit_bias: int = 300  # router: sampling.logit_bias entries (OpenAI's limit)
+    max_top_logprobs: int = 20  # router and worker: sampling.top_logprobs (OpenAI's limit)
     max_prompt_text_chars: int = 1 << 20  # worker: the text it tokenizes
     # worker: used when sampling.max_new_tokens is 0; 0 here: what is left of the context
     # (OpenAI's and vLLM's default for chat; docs/decisions/0032)

@@ -15,9 +15,10 @@ What is supported, and what is refused with a 400 that names the field:
   worker's default), completions 16 tokens (OpenAI's and vLLM's defaults for each).
 * Sampling: ``max_tokens`` / ``max_completion_tokens``, ``temperature`` (default 1.0 as
   OpenAI's), ``top_p``, ``seed``, ``stop`` (up to 4 strings, matched by the worker on the
-  decoded text across tokens; the output ends before the stop, as OpenAI's), and the vLLM/SGLang
-  extensions ``top_k``, ``ignore_eos``, ``stop_token_ids``. ``n`` must be 1; ``logprobs``,
-  ``echo``, ``best_of`` > 1, penalties, tools and response formats are refused.
+  decoded text across tokens; the output ends before the stop, as OpenAI's), penalties,
+  ``logit_bias``, ``logprobs`` / ``top_logprobs``, and the vLLM/SGLang extensions ``top_k``,
+  ``ignore_eos``, ``stop_token_ids``. ``n`` must be 1; ``echo``, ``best_of`` > 1, tools and
+  response formats are refused (docs/openai-api.md: every parameter).
 * ``model`` may be left out (the served model, as vLLM and SGLang do; OpenAI requires it).
   A message needs ``content`` unless it is the assistant's (OpenAI's rule).
 * Unknown fields are ignored, as vLLM does (peer routers add their own defaults to forwarded
@@ -40,6 +41,7 @@ from typing import Any, Protocol
 
 from edge.frontdoor import BadRequest, NotFound, ServiceError
 from edge.limits import RequestLimits
+from edge.openai_logprobs import LogprobsCollector
 from edge.openai_params import (
     MAX_UINT32,
     Kind,
@@ -280,6 +282,8 @@ class ApiOutput:
         self.api = api
         self.parts: list[str] = []
         self.finished: pb.Finished | None = None
+        s = api.request.sampling
+        self.logprobs = LogprobsCollector(api.kind, s.top_logprobs) if s.logprobs else None
 
     @property
     def text(self) -> str:
@@ -292,6 +296,8 @@ class ApiOutput:
             return None
         text = msg.chunk.text  # the worker cut stop strings from it already
         self.parts.append(text)
+        if self.logprobs is not None:
+            self.logprobs.add(msg.chunk.logprobs)
         return text
 
     @property
@@ -339,7 +345,7 @@ def full_response(out: ApiOutput, model: str, created: int | None = None) -> dic
         choice["message"] = {"role": "assistant", "content": out.text}
     else:
         choice["text"] = out.text
-    choice["logprobs"] = None
+    choice["logprobs"] = None if out.logprobs is None else out.logprobs.whole()
     choice["finish_reason"] = out.finish_reason
     body["choices"] = [choice]
     body["usage"] = out.usage()
@@ -357,7 +363,7 @@ def delta_chunk(
         choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
     else:
         choice["text"] = text
-    choice["logprobs"] = None
+    choice["logprobs"] = None if out.logprobs is None else out.logprobs.take()
     choice["finish_reason"] = None
     body["choices"] = [choice]
     if out.api.include_usage:
@@ -373,7 +379,7 @@ def finish_chunk(out: ApiOutput, model: str, created: int) -> dict[str, Any]:
         choice["delta"] = {}
     else:
         choice["text"] = ""
-    choice["logprobs"] = None
+    choice["logprobs"] = None if out.logprobs is None else out.logprobs.take()
     choice["finish_reason"] = out.finish_reason
     body["choices"] = [choice]
     if out.api.include_usage:

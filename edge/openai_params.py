@@ -20,6 +20,7 @@ Kind = Literal["completion", "chat"]
 MAX_UINT32 = (1 << 32) - 1
 MAX_STOP_SEQUENCES = RequestLimits().max_stop_strings  # OpenAI's limit
 MAX_TOKENS = RequestLimits().max_new_tokens  # one bound per field: the router's (edge.limits)
+MAX_TOP_LOGPROBS = RequestLimits().max_top_logprobs
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens (OpenAI, vLLM)
 
 
@@ -33,7 +34,7 @@ SUPPORTED: dict[Kind, tuple[str, ...]] = {
 }
 _SAMPLING = (
     "temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty",
-    "logit_bias", "n (1)", "stream", "stream_options", "user",
+    "logit_bias", "logprobs", "top_logprobs", "n (1)", "stream", "stream_options", "user",
     "top_k", "ignore_eos", "stop_token_ids",
 )  # fmt: skip
 
@@ -41,8 +42,6 @@ _SAMPLING = (
 # set to anything else. Fields that change nothing we return (metadata, store, service_tier)
 # are accepted and ignored, as are fields OpenAI does not define.
 _UNSUPPORTED: tuple[tuple[str, Kind | None, tuple[object, ...]], ...] = (
-    ("logprobs", None, (None, False, 0)),
-    ("top_logprobs", None, (None, 0)),
     ("echo", "completion", (None, False)),
     ("suffix", "completion", (None, "")),
     ("best_of", "completion", (None, 1)),
@@ -104,6 +103,7 @@ def parse_sampling(
     s.frequency_penalty = _float_field(body, "frequency_penalty", -2.0, 2.0, default=0.0)
     for token_id, bias in _logit_bias(body.get("logit_bias")).items():
         s.logit_bias[token_id] = bias
+    _parse_logprobs(kind, body, s)
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None:
         if not isinstance(stop_ids, list) or not all(
@@ -122,6 +122,22 @@ def parse_sampling(
             raise BadRequest("stream_options: must be an object", param="stream_options")
         include_usage = _bool_field(options, "include_usage", where="stream_options.")
     return stream, include_usage and stream
+
+
+def _parse_logprobs(kind: Kind, body: Mapping[str, Any], s: pb.SamplingParams) -> None:
+    """Completions: ``logprobs`` = how many top tokens (0..20); chat: ``logprobs`` true and
+    ``top_logprobs`` 0..20."""
+    top = MAX_TOP_LOGPROBS
+    if kind == "completion":
+        if body.get("logprobs") is not None:
+            s.logprobs = True
+            s.top_logprobs = _int_field(body, "logprobs", 0, top)
+        return
+    s.logprobs = _bool_field(body, "logprobs")
+    if body.get("top_logprobs") is not None:
+        s.top_logprobs = _int_field(body, "top_logprobs", 0, top)
+        if not s.logprobs:
+            raise BadRequest("top_logprobs: needs logprobs: true", param="top_logprobs")
 
 
 def _logit_bias(value: object) -> dict[int, float]:

@@ -122,6 +122,12 @@ def check_request(req: pb.GenerateRequest, limits: RequestLimits) -> None:
             f"got {len(s.logit_bias)}",
             field="sampling.logit_bias",
         )
+    if s.top_logprobs > limits.max_top_logprobs:
+        raise RequestError(
+            f"sampling.top_logprobs must be at most {limits.max_top_logprobs}, "
+            f"got {s.top_logprobs}",
+            field="sampling.top_logprobs",
+        )
     for text in s.stop:
         if not 0 < len(text) <= limits.max_stop_chars:
             raise RequestError(

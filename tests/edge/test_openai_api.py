@@ -90,10 +90,11 @@ def test_prompt_forms(prompt, expected) -> None:
         ({"prompt": [1, -1]}, "prompt", "token ids"),
         ({"prompt": 5}, "prompt", "string or a list"),
         ({"prompt": "x", "n": 3}, "n", "only n=1 is supported, got 3"),
-        ({"prompt": "x", "logprobs": 1}, "logprobs", "not supported"),
+        ({"prompt": "x", "echo": True}, "echo", "not supported"),
         ({"prompt": "x", "echo": True}, "echo", "not supported"),
         ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty", "[-2, 2]"),
         ({"prompt": "x", "best_of": 2}, "best_of", "supported: model, prompt, max_tokens"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs", "0..20"),
         ({"prompt": "x", "max_tokens": 0}, "max_tokens", "integer in 1.."),
         ({"prompt": "x", "max_tokens": 2.5}, "max_tokens", "integer in 1.."),
         ({"prompt": "x", "temperature": -1}, "temperature", "[0, 2]"),
@@ -310,3 +311,14 @@ def test_chat_is_sent_as_the_rendered_template_marked_as_chat() -> None:
 def test_refusals_are_said_in_the_apis_field_names(kind, message, param, expected, expected_param):
     got = oa_params.in_public_terms(BadRequest(message, param=param), kind)
     assert (got.message, got.param) == (expected, expected_param)
+
+
+def test_chat_top_logprobs_need_logprobs() -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(BadRequest, match="needs logprobs: true") as info:
+        chat({"messages": messages, "top_logprobs": 2})
+    assert info.value.param == "top_logprobs"
+    s = chat({"messages": messages, "logprobs": True, "top_logprobs": 2}).request.sampling
+    assert s.logprobs and s.top_logprobs == 2
+    s = completion({"prompt": "x", "logprobs": 0}).request.sampling
+    assert s.logprobs and s.top_logprobs == 0

@@ -168,6 +168,13 @@ class Engine:
         outputs = self.scheduler.process(batch, tokens)
         if self._waited:
             self._attach_queue_wait(outputs)
+        take_logprobs = getattr(self.executor, "take_logprobs", None)
+        logprobs = take_logprobs() if take_logprobs is not None else None
+        if logprobs:  # one token per output this step
+            for i, out in enumerate(outputs):
+                lp = logprobs.get(out.request_id)
+                if lp is not None and out.new_token_ids:
+                    outputs[i] = dataclasses.replace(out, logprobs=(lp,))
         return outputs
 
     def _record_queue_wait(self, admitted: list[Req]) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from worker.engine.types import SamplingParams
+from worker.engine.types import SamplingParams, TokenLogprobs
 
 # Below this temperature sampling is greedy: the float32 logits / temperature would overflow
 # to inf (and softmax to NaN) long before a draw could differ from argmax.
@@ -76,12 +76,25 @@ def adjust_logits(
     return row
 
 
+def token_logprobs(row: torch.Tensor, token: int, top_k: int) -> TokenLogprobs:
+    """``token``'s log probability in ``row`` ([vocab], after bias and penalties, before
+    temperature, as vLLM reports them) and the ``top_k`` most likely tokens."""
+    lp = torch.log_softmax(row.float(), dim=-1)
+    top: tuple[tuple[int, float], ...] = ()
+    if top_k:
+        values, ids = torch.topk(lp, min(top_k, lp.shape[-1]))
+        top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
+    return TokenLogprobs(float(lp[token]), top)
+
+
 class Sampler:
     """Turns logits rows into tokens. Unseeded requests draw from one generator seeded at
     construction (reproducible per process and call order, not per request)."""
 
     def __init__(self, seed: int = 0) -> None:
         self._unseeded = torch.Generator().manual_seed(seed)
+        # row -> the sampled token's logprob and its step's top k, for rows that asked
+        self.last_logprobs: dict[int, TokenLogprobs] = {}
 
     def sample(
         self,
@@ -103,6 +116,17 @@ class Sampler:
             for i in adjusted:
                 history = None if output_ids is None else output_ids[i]
                 logits[i] = adjust_logits(logits[i], params[i], history)
+        tokens = self._pick(logits, params, num_generated)
+        self.last_logprobs = {
+            i: token_logprobs(logits[i], tokens[i], p.logprobs)
+            for i, p in enumerate(params)
+            if p.logprobs is not None
+        }
+        return tokens
+
+    def _pick(
+        self, logits: torch.Tensor, params: list[SamplingParams], num_generated: list[int]
+    ) -> list[int]:
         tokens = [0] * len(params)
         greedy_rows = [i for i, p in enumerate(params) if p.temperature < MIN_SAMPLING_TEMPERATURE]
         if greedy_rows:

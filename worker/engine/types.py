@@ -29,6 +29,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI's, on the tokens generated so far
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    logprobs: int | None = None  # None: off; k: each token's logprob and its step's top k
 
     @property
     def penalized(self) -> bool:
@@ -64,6 +65,14 @@ class Usage:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """A sampled token's log probability and its step's most likely (token id, logprob)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class RequestOutput:
     """What one engine step produced for one request."""
 
@@ -73,6 +82,7 @@ class RequestOutput:
     usage: Usage | None = None  # set with finish_reason
     # on a request's first output: seconds from add_request to its first prefill step
     queue_wait_s: float | None = None
+    logprobs: tuple[TokenLogprobs, ...] | None = None  # one per new token, when asked
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,13 @@ from edge.tokenizer import chat_specials
 from kvroute_proto import codec
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto.events import EventBatch, LoadReport, Snapshot
-from worker.engine.types import EngineRequest, FinishReason, SamplingParams, Usage
+from worker.engine.types import (
+    EngineRequest,
+    FinishReason,
+    SamplingParams,
+    TokenLogprobs,
+    Usage,
+)
 from worker.errors import InvalidRequestError
 
 
@@ -75,6 +81,11 @@ def sampling_from_pb(msg: pb.SamplingParams, limits: RequestLimits) -> SamplingP
             raise InvalidRequestError(f"sampling.{name}", f"must be in [-2, 2], got {value}")
     if not all(math.isfinite(b) and -100 <= b <= 100 for b in msg.logit_bias.values()):
         raise InvalidRequestError("sampling.logit_bias", "biases must be in [-100, 100]")
+    if msg.top_logprobs > limits.max_top_logprobs:
+        raise InvalidRequestError(
+            "sampling.top_logprobs",
+            f"must be at most {limits.max_top_logprobs}, got {msg.top_logprobs}",
+        )
     return SamplingParams(
         # 0: the worker's default; its default 0: what is left of the context
         max_new_tokens=msg.max_new_tokens or limits.default_max_new_tokens or None,
@@ -87,6 +98,7 @@ def sampling_from_pb(msg: pb.SamplingParams, limits: RequestLimits) -> SamplingP
         presence_penalty=float(msg.presence_penalty),
         frequency_penalty=float(msg.frequency_penalty),
         logit_bias=tuple(sorted(msg.logit_bias.items())),
+        logprobs=msg.top_logprobs if msg.logprobs else None,
     )
 
 
@@ -186,10 +198,28 @@ def _encode_text(
 # ---- encoding ----------------------------------------------------------------------------
 
 
-def chunk_to_pb(request_id: str, token_ids: Sequence[int], text: str) -> pb.GenerateResponse:
-    return pb.GenerateResponse(
-        request_id=request_id, chunk=pb.TokenChunk(token_ids=token_ids, text=text)
-    )
+def chunk_to_pb(
+    request_id: str,
+    token_ids: Sequence[int],
+    text: str,
+    logprobs: Sequence[TokenLogprobs] | None = None,
+    decode: Callable[[list[int]], str] | None = None,
+) -> pb.GenerateResponse:
+    """A chunk of tokens, their text and, when asked, their logprobs (each token's text
+    by ``decode``)."""
+    chunk = pb.TokenChunk(token_ids=token_ids, text=text)
+    if logprobs:
+        name = decode or (lambda ids: "")
+        for token_id, lp in zip(token_ids, logprobs, strict=True):
+            chunk.logprobs.append(
+                pb.TokenLogprob(
+                    token_id=token_id,
+                    token=name([token_id]),
+                    logprob=lp.logprob,
+                    top=[pb.TopLogprob(token_id=t, token=name([t]), logprob=v) for t, v in lp.top],
+                )
+            )
+    return pb.GenerateResponse(request_id=request_id, chunk=chunk)
 
 
 def finished_to_pb(

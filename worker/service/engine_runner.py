@@ -117,12 +117,20 @@ class RequestStream:
         if isinstance(first, BaseException):
             raise first
         merged, last = list(first.new_token_ids), first
+        logprobs = list(first.logprobs or ())
         while self._items and isinstance(self._items[0], RequestOutput):
             last = self._items.popleft()  # type: ignore[assignment]
             merged += last.new_token_ids
+            logprobs += last.logprobs or ()
         if last is first:
             return first
-        return RequestOutput(first.request_id, tuple(merged), last.finish_reason, last.usage)
+        return RequestOutput(
+            first.request_id,
+            tuple(merged),
+            last.finish_reason,
+            last.usage,
+            logprobs=tuple(logprobs) if logprobs else None,
+        )
 
 
 class Subscription:

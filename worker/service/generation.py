@@ -69,6 +69,10 @@ class WorkerGeneration:
     def model_name(self) -> str:
         return self._model_name
 
+    def _decode(self, ids: list[int]) -> str:
+        """One token's text, for logprobs ("" without a tokenizer)."""
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+
     @property
     def num_generating(self) -> int:
         """Generate calls (any front door) that have not ended yet."""
@@ -151,7 +155,9 @@ class WorkerGeneration:
                             observer.on_tokens(len(out.new_token_ids), now - last_sent)
                         last_sent = now
                     if out.new_token_ids or text:
-                        yield convert.chunk_to_pb(rid, out.new_token_ids, text)
+                        yield convert.chunk_to_pb(
+                            rid, out.new_token_ids, text, out.logprobs, self._decode
+                        )
                     if out.finish_reason is not None:
                         outcome = out.finish_reason.value
                         _record_finish(span, out)

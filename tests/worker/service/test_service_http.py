@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 
 import aiohttp
 import pytest
-from svc_harness import MAX_CONTEXT, ByteTokenizer, Worker, WorkerSetup, running_worker
+from svc_harness import BYTE_VOCAB, MAX_CONTEXT, ByteTokenizer, Worker, WorkerSetup, running_worker
 
 from worker.engine.sim_executor import SimCostModel
 from worker.service.engine_runner import RunnerConfig
@@ -168,6 +169,16 @@ async def test_chat_without_max_tokens_generates_to_the_end_of_the_context() -> 
         await w.assert_no_leak()
 
 
+async def test_the_sim_answers_logprobs_with_uniform_stand_ins() -> None:
+    async with running_worker(HTTP) as w:
+        body = {"prompt": "Hi", "max_tokens": 3, "logprobs": 2}
+        _, _, out = await post(w, "/v1/completions", body)
+        lp = out["choices"][0]["logprobs"]
+        assert lp["token_logprobs"] == [pytest.approx(-math.log(BYTE_VOCAB))] * 3
+        assert all(len(top) >= 1 for top in lp["top_logprobs"])
+        await w.assert_no_leak()
+
+
 # ---- errors ------------------------------------------------------------------------------
 
 
@@ -177,7 +188,7 @@ async def test_chat_without_max_tokens_generates_to_the_end_of_the_context() -> 
         ({"prompt": "x", "n": 2}, 400, "n", "only n=1"),
         ({"prompt": "x", "model": "gpt-4o"}, 404, "model", "does not exist"),
         ({"prompt": ["a", "b"]}, 400, "prompt", "one prompt per request"),
-        ({"prompt": "x", "logprobs": 2}, 400, "logprobs", "not supported"),
+        ({"prompt": "x", "echo": True}, 400, "echo", "not supported"),
         ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "1.."),
         ({"prompt": "x", "temperature": 3}, 400, "temperature", "[0, 2]"),
         ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "at most 4"),

@@ -80,3 +80,43 @@ async def test_out_of_range_and_unsupported_parameters_are_400(kwargs, param) ->
         if param == "echo":
             assert "supported: model, prompt, max_tokens" in bad.value.message
         await w.assert_no_leak()
+
+
+async def test_logprobs_and_top_logprobs() -> None:
+    async with client_of_worker() as (w, client):
+        kwargs = {"model": "kvroute-tiny", "prompt": "Hello", "max_tokens": 5, "temperature": 0}
+        full = await client.completions.create(**kwargs, logprobs=3)
+        lp = full.choices[0].logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == 5
+        for chosen, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
+            # greedy: the argmax (the legacy dict keys tokens by text: two tokens decoding to
+            # the same text, e.g. parts of one character, share a key)
+            assert 1 <= len(top) <= 3 and chosen == max(top.values()) <= 0
+        stream = await client.completions.create(**kwargs, logprobs=3, stream=True)
+        streamed = [c.choices[0].logprobs for c in [c async for c in stream] if c.choices]
+        # (the second request reads the cached prompt: float sums in another order)
+        got = [t for s in streamed if s for t in s.token_logprobs]
+        assert got == pytest.approx(lp.token_logprobs, abs=1e-4)
+        # a token forced by logit_bias is certain
+        forced = await client.completions.create(**kwargs, logprobs=0, logit_bias={str(A): 100})
+        assert forced.choices[0].logprobs.tokens == ["a"] * 5
+        assert all(-1e-3 < v <= 0 for v in forced.choices[0].logprobs.token_logprobs)
+        chat = await client.chat.completions.create(
+            model="kvroute-tiny",
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=4,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=2,
+        )
+        content = chat.choices[0].logprobs.content
+        assert len(content) == chat.usage.completion_tokens == 4
+        for entry in content:
+            assert len(entry.top_logprobs) == 2
+            assert entry.logprob == entry.top_logprobs[0].logprob
+            assert entry.bytes == list(entry.token.encode())
+        plain = await client.chat.completions.create(
+            model="kvroute-tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=2
+        )
+        assert plain.choices[0].logprobs is None
+        await w.assert_no_leak()

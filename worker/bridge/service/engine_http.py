@@ -82,6 +82,8 @@ def completion_body(request: pb.GenerateRequest, model: str) -> dict[str, Any]:
             param="partition.extra_key",
         )
     s = request.sampling
+    if s.logprobs:
+        raise BadRequest("logprobs: not forwarded by the bridge yet", param="logprobs")
     body: dict[str, Any] = {
         "model": model,
         "prompt": ids,
@@ -104,6 +106,11 @@ def completion_body(request: pb.GenerateRequest, model: str) -> dict[str, Any]:
         body["stop_token_ids"] = list(s.stop_token_ids)
     if s.ignore_eos:
         body["ignore_eos"] = True
+    if s.presence_penalty or s.frequency_penalty:
+        body["presence_penalty"] = float(s.presence_penalty)
+        body["frequency_penalty"] = float(s.frequency_penalty)
+    if s.logit_bias:
+        body["logit_bias"] = {str(t): float(b) for t, b in s.logit_bias.items()}
     if request.partition.cache_salt:
         body["cache_salt"] = request.partition.cache_salt
     return body
