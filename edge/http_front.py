@@ -158,6 +158,10 @@ async def _generate(request: web.Request, kind: oa.Kind) -> web.StreamResponse:
     api = parse(body, model_name=backend.model_name, request_id=rid, tokenizer=tokenizer)
     model = backend.model_name
     created = int(time.time())
+    if api.n > 1:  # one request per choice, merged (edge/http_n.py)
+        from edge.http_n import serve_n
+
+        return await serve_n(request, backend, api, created)
     out = oa.ApiOutput(api)
     async with closing(backend.generate(api.request, call_info(request))) as messages:
         if not api.stream:

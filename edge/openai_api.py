@@ -17,8 +17,8 @@ What is supported, and what is refused with a 400 that names the field:
   OpenAI's), ``top_p``, ``seed``, ``stop`` (up to 4 strings, matched by the worker on the
   decoded text across tokens; the output ends before the stop, as OpenAI's), penalties,
   ``logit_bias``, ``logprobs`` / ``top_logprobs``, and the vLLM/SGLang extensions ``top_k``,
-  ``ignore_eos``, ``stop_token_ids``. ``n`` must be 1; ``echo``, ``best_of`` > 1, tools and
-  response formats are refused (docs/openai-api.md: every parameter).
+  ``ignore_eos``, ``stop_token_ids``; ``n`` (1..16: n requests). ``echo``, ``best_of`` > 1,
+  tools and response formats are refused (docs/openai-api.md: every parameter).
 * ``model`` may be left out (the served model, as vLLM and SGLang do; OpenAI requires it).
   A message needs ``content`` unless it is the assistant's (OpenAI's rule).
 * Unknown fields are ignored, as vLLM does (peer routers add their own defaults to forwarded
@@ -87,6 +87,7 @@ class ApiRequest:
     request: pb.GenerateRequest
     stream: bool = False
     include_usage: bool = False
+    n: int = 1  # choices: n requests to the backend (edge.http_n)
 
 
 # ---- request parsing ---------------------------------------------------------------------
@@ -278,8 +279,9 @@ class ApiOutput:
     """The output of one request as it streams in: text deltas (stop strings cut), then the
     finish. Streamed deltas concatenate to exactly ``text``."""
 
-    def __init__(self, api: ApiRequest) -> None:
+    def __init__(self, api: ApiRequest, index: int = 0) -> None:
         self.api = api
+        self.index = index  # the choice's index (n > 1)
         self.parts: list[str] = []
         self.finished: pb.Finished | None = None
         s = api.request.sampling
@@ -340,7 +342,7 @@ def full_response(out: ApiOutput, model: str, created: int | None = None) -> dic
     """The non-streamed response body."""
     api = out.api
     body = _envelope(api, model, created or int(time.time()), chunk=False)
-    choice: dict[str, Any] = {"index": 0}
+    choice: dict[str, Any] = {"index": out.index}
     if api.kind == "chat":
         choice["message"] = {"role": "assistant", "content": out.text}
     else:
@@ -358,7 +360,7 @@ def delta_chunk(
 ) -> dict[str, Any]:
     """A streamed chunk carrying ``text`` (chat: the first one also carries the role)."""
     body = _envelope(out.api, model, created, chunk=True)
-    choice: dict[str, Any] = {"index": 0}
+    choice: dict[str, Any] = {"index": out.index}
     if out.api.kind == "chat":
         choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
     else:
@@ -374,7 +376,7 @@ def delta_chunk(
 def finish_chunk(out: ApiOutput, model: str, created: int) -> dict[str, Any]:
     """The streamed chunk with the finish reason and our ``kvroute`` extension."""
     body = _envelope(out.api, model, created, chunk=True)
-    choice: dict[str, Any] = {"index": 0}
+    choice: dict[str, Any] = {"index": out.index}
     if out.api.kind == "chat":
         choice["delta"] = {}
     else:

@@ -21,6 +21,7 @@ MAX_UINT32 = (1 << 32) - 1
 MAX_STOP_SEQUENCES = RequestLimits().max_stop_strings  # OpenAI's limit
 MAX_TOKENS = RequestLimits().max_new_tokens  # one bound per field: the router's (edge.limits)
 MAX_TOP_LOGPROBS = RequestLimits().max_top_logprobs
+MAX_N = 16  # choices per request (each one request to the backend)
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens (OpenAI, vLLM)
 
 
@@ -34,7 +35,7 @@ SUPPORTED: dict[Kind, tuple[str, ...]] = {
 }
 _SAMPLING = (
     "temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty",
-    "logit_bias", "logprobs", "top_logprobs", "n (1)", "stream", "stream_options", "user",
+    "logit_bias", "logprobs", "top_logprobs", "n", "stream", "stream_options", "user",
     "top_k", "ignore_eos", "stop_token_ids",
 )  # fmt: skip
 
@@ -70,16 +71,13 @@ def refuse_unsupported(body: Mapping[str, Any], kind: Kind) -> None:
                 "(docs/openai-api.md)",
                 param=name,
             )
-    n = body.get("n", 1)
-    if n is not None and n != 1:
-        raise BadRequest(f"n: only n=1 is supported, got {n!r}", param="n")
 
 
 def parse_sampling(
     kind: Kind, body: Mapping[str, Any], request: pb.GenerateRequest
-) -> tuple[bool, bool]:
+) -> tuple[bool, bool, int]:
     """The sampling fields of ``body`` into ``request.sampling``; ``(stream,
-    include_usage)``."""
+    include_usage, n)``."""
     s = request.sampling
     names = ("max_completion_tokens", "max_tokens") if kind == "chat" else ("max_tokens",)
     for name in names:
@@ -121,7 +119,8 @@ def parse_sampling(
         if not isinstance(options, dict):
             raise BadRequest("stream_options: must be an object", param="stream_options")
         include_usage = _bool_field(options, "include_usage", where="stream_options.")
-    return stream, include_usage and stream
+    n = 1 if body.get("n") is None else _int_field(body, "n", 1, MAX_N)
+    return stream, include_usage and stream, n
 
 
 def _parse_logprobs(kind: Kind, body: Mapping[str, Any], s: pb.SamplingParams) -> None:

@@ -89,7 +89,7 @@ def test_prompt_forms(prompt, expected) -> None:
         ({"prompt": ["a", "b"]}, "prompt", "one prompt per request"),
         ({"prompt": [1, -1]}, "prompt", "token ids"),
         ({"prompt": 5}, "prompt", "string or a list"),
-        ({"prompt": "x", "n": 3}, "n", "only n=1 is supported, got 3"),
+        ({"prompt": "x", "n": 0}, "n", "integer in 1..16, got 0"),
         ({"prompt": "x", "echo": True}, "echo", "not supported"),
         ({"prompt": "x", "echo": True}, "echo", "not supported"),
         ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty", "[-2, 2]"),

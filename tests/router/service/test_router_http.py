@@ -80,9 +80,14 @@ async def test_openai_chat_streamed_and_not() -> None:
 async def test_openai_errors_carry_our_messages() -> None:
     async with http_fleet(1) as (_, _, client, _):
         with pytest.raises(openai.BadRequestError) as bad:
-            await client.completions.create(model=MODEL, prompt="x", n=2)
-        assert "only n=1 is supported" in bad.value.message
+            await client.completions.create(model=MODEL, prompt="x", n=17)
+        assert "1..16" in bad.value.message
         assert bad.value.body["param"] == "n"
+        # n choices through the router: one request each, the usage counts the prompt once
+        both = await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, n=2)
+        assert [c.index for c in both.choices] == [0, 1]
+        assert both.usage.completion_tokens == 8
+        assert both.usage.prompt_tokens == len(PROMPT.encode())
         with pytest.raises(openai.NotFoundError) as missing:
             await client.chat.completions.create(
                 model="gpt-4o", messages=[{"role": "user", "content": "hi"}]

@@ -185,7 +185,7 @@ async def test_the_sim_answers_logprobs_with_uniform_stand_ins() -> None:
 @pytest.mark.parametrize(
     ("body", "status", "param", "needle"),
     [
-        ({"prompt": "x", "n": 2}, 400, "n", "only n=1"),
+        ({"prompt": "x", "n": 17}, 400, "n", "1..16"),
         ({"prompt": "x", "model": "gpt-4o"}, 404, "model", "does not exist"),
         ({"prompt": ["a", "b"]}, 400, "prompt", "one prompt per request"),
         ({"prompt": "x", "echo": True}, 400, "echo", "not supported"),

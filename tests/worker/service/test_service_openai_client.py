@@ -120,3 +120,33 @@ async def test_logprobs_and_top_logprobs() -> None:
         )
         assert plain.choices[0].logprobs is None
         await w.assert_no_leak()
+
+
+async def test_n_choices_streamed_and_not() -> None:
+    async with client_of_worker() as (w, client):
+        kwargs = {"model": "kvroute-tiny", "prompt": "Hello", "max_tokens": 8, "temperature": 1}
+        full = await client.completions.create(**kwargs, n=3, seed=11)
+        texts = [c.text for c in sorted(full.choices, key=lambda c: c.index)]
+        assert [c.index for c in full.choices] == [0, 1, 2] and len(set(texts)) == 3
+        assert full.usage.completion_tokens == 3 * 8
+        assert full.usage.prompt_tokens == len(b"Hello")  # counted once
+        again = await client.completions.create(**kwargs, n=3, seed=11)
+        assert [c.text for c in again.choices] == texts  # seeds 11, 12, 13
+        stream = await client.completions.create(
+            **kwargs, n=3, seed=11, stream=True, stream_options={"include_usage": True}
+        )
+        chunks = [c async for c in stream]
+        streamed = ["", "", ""]
+        finished = set()
+        for c in chunks:
+            for choice in c.choices:
+                streamed[choice.index] += choice.text
+                if choice.finish_reason:
+                    finished.add(choice.index)
+        assert streamed == texts and finished == {0, 1, 2}
+        assert chunks[-1].usage.completion_tokens == 24
+        chat = await client.chat.completions.create(
+            model="kvroute-tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=3, n=2
+        )
+        assert [c.index for c in chat.choices] == [0, 1]
+        await w.assert_no_leak()
