@@ -79,4 +79,17 @@ async def test_stop_strings_across_tokens_end_the_text_and_free_the_slot(model_d
             streamed = "".join(e["choices"][0]["text"] for e in events[:-1])
             assert streamed == expected
             assert events[-2]["choices"][0]["finish_reason"] == "stop"
+        # "\n\n" served: the byte token "\n" forced twice, the stop across the two
+        (newline,) = bpe.encode("\n", add_special_tokens=False)
+        forced = {"max_tokens": 60, "logit_bias": {str(newline): 100}, "stop": ["\n\n"]}
+        _, _, out = await post(w, "/v1/completions", {**forced, "prompt": PROMPT})
+        assert (out["choices"][0]["text"], out["choices"][0]["finish_reason"]) == ("", "stop")
+        assert out["usage"]["completion_tokens"] < 60
+        _, events = await sse_events(
+            w,
+            "/v1/chat/completions",
+            {**forced, "messages": [{"role": "user", "content": "Hi"}], "stream": True},
+        )
+        assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1]) == ""
+        assert events[-2]["choices"][0]["finish_reason"] == "stop"
         await w.assert_no_leak()
