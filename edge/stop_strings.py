@@ -21,7 +21,7 @@ __all__ = ["StopMatcher"]
 
 
 class StopMatcher:
-    """Releases generated text up to (never including) the first stop string."""
+    """Releases generated text up to (never including) the first stop string to complete."""
 
     __slots__ = ("_held", "_longest", "_stops", "stopped")
 
@@ -38,11 +38,13 @@ class StopMatcher:
         if self.stopped:
             return ""
         buf = self._held + text
-        cut = min((i for i in (buf.find(s) for s in self._stops) if i >= 0), default=-1)
-        if cut >= 0:
+        # the stop completed first wins (as when text arrives a character at a time); of two
+        # completed at the same place, the longer
+        found = [(i + len(s), i) for s in self._stops if (i := buf.find(s)) >= 0]
+        if found:
             self.stopped = True
             self._held = ""
-            return buf[:cut]
+            return buf[: min(found)[1]]
         keep = self._partial_suffix(buf)
         self._held = buf[len(buf) - keep :] if keep else ""
         return buf[: len(buf) - keep]

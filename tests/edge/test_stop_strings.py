@@ -15,9 +15,13 @@ chunks_st = st.lists(st.text(ALPHABET, max_size=6), max_size=12)
 
 
 def reference(text: str, stops: list[str]) -> tuple[str, bool]:
-    """The output and whether it stopped: the text before the earliest stop string."""
-    found = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return (text[: min(found)], True) if found else (text, False)
+    """The output and whether it stopped, one character at a time: the text before the
+    first stop string to be complete."""
+    for end in range(1, len(text) + 1):
+        done = [s for s in stops if text[:end].endswith(s)]
+        if done:
+            return text[: end - max(len(s) for s in done)], True
+    return text, False
 
 
 def longest_partial(text: str, stops: list[str]) -> int:
@@ -50,7 +54,9 @@ def test_streamed_output_is_the_text_before_the_first_stop(stops, chunks) -> Non
     [
         (["Hello\n", "\nBye"], ["\n\n"], ("Hello", True)),
         (["omese", "x"], ["e"], ("om", True)),  # a stop inside a merged token
-        (["ab", "c"], ["abd", "bc"], ("a", True)),  # the earliest stop wins
+        (["ab", "c"], ["abd", "bc"], ("a", True)),  # the first stop to complete wins
+        (["b\nb"], ["\n", "b\nb"], ("b", True)),  # ... even if another starts earlier
+        (["xab"], ["ab", "xab"], ("", True)),  # of two complete at once, the longer
         (["a\n"], ["\n\n"], ("a\n", False)),  # a held "\n" is output at the end
     ],
 )
