@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -145,7 +146,9 @@ class WorkerGeneration:
                     text = "" if texts is None else texts.push(out.new_token_ids, finished)
                     if texts is not None and texts.stopped:  # the text ends before a stop
                         end = out if finished else await self._finish_on_stop(stream)
-                        out = RequestOutput(rid, out.new_token_ids, FinishReason.STOP, end.usage)
+                        out = dataclasses.replace(
+                            out, finish_reason=FinishReason.STOP, usage=end.usage
+                        )
                         finished = True
                     if out.new_token_ids:
                         now = time.perf_counter()

@@ -101,6 +101,12 @@ async def test_logprobs_and_top_logprobs() -> None:
         forced = await client.completions.create(**kwargs, logprobs=0, logit_bias={str(A): 100})
         assert forced.choices[0].logprobs.tokens == ["a"] * 5
         assert all(-1e-3 < v <= 0 for v in forced.choices[0].logprobs.token_logprobs)
+        # a stop string keeps the logprobs of the tokens that made it
+        stopped = await client.completions.create(
+            **kwargs, logprobs=0, logit_bias={str(A): 100}, stop="aaa"
+        )
+        assert stopped.choices[0].text == "" and stopped.choices[0].finish_reason == "stop"
+        assert stopped.choices[0].logprobs.tokens[:3] == ["a"] * 3
         chat = await client.chat.completions.create(
             model="kvroute-tiny",
             messages=[{"role": "user", "content": "Hi"}],
