@@ -260,7 +260,7 @@ class SimExecutor:
             () if self.eos_token_id is None else (self.eos_token_id,)
         )
         self._zero_cost = self.cost_model == SimCostModel.zero()
-        self._logprobs: dict[str, TokenLogprobs] = {}
+        self._last: tuple[list[ForwardItem], list[ForwardItem], list[int]] = ([], [], [])
         self.num_steps = 0  # steps that ran something
         self.num_floor_steps = 0  # of them, steps whose work was under weight_read_s
 
@@ -286,16 +286,20 @@ class SimExecutor:
         """One token per item, prefill items first (-1 for a non-final prefill chunk)."""
         token_for = self.token_for
         tokens = [token_for(item) for item in prefill] + [token_for(item) for item in decode]
-        for item, token in zip((*prefill, *decode), tokens, strict=True):
-            if item.sampling.logprobs is not None and token >= 0:
-                self._logprobs[item.request_id] = self._stand_in(token, item.sampling.logprobs)
+        self._last = (prefill, decode, tokens)  # take_logprobs reads it, when asked
         return tokens
 
     def take_logprobs(self) -> dict[str, TokenLogprobs]:
-        """Stand-ins (the sim has no distribution): every token of a uniform one, ln(1/vocab),
-        the sampled token first among the top ones."""
-        out, self._logprobs = self._logprobs, {}
-        return out
+        """The last forward's logprobs, by request id, of the items that asked: stand-ins
+        (the sim has no distribution): every token of a uniform one, ln(1/vocab), the sampled
+        token first among the top ones."""
+        prefill, decode, tokens = self._last
+        self._last = ([], [], [])
+        return {
+            item.request_id: self._stand_in(token, item.sampling.logprobs)
+            for item, token in zip((*prefill, *decode), tokens, strict=True)
+            if item.sampling.logprobs is not None and token >= 0
+        }
 
     def _stand_in(self, token: int, top_k: int) -> TokenLogprobs:
         vocab = self.config.vocab_size
