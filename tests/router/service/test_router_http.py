@@ -136,3 +136,17 @@ async def test_client_disconnect_through_the_router_aborts_on_the_worker() -> No
             stats.num_free_kv_tokens + stats.num_evictable_kv_tokens + stats.num_protected_kv_tokens
             == stats.num_total_kv_tokens
         )
+
+
+async def test_stop_strings_and_sampling_parameters_through_the_router() -> None:
+    async with http_fleet(1) as (router, _, client, _):
+        kwargs = {"model": MODEL, "prompt": PROMPT, "max_tokens": 40, "seed": 3}
+        free = (await client.completions.create(**kwargs)).choices[0].text
+        stop = next(free[i : i + 2] for i in range(4, len(free) - 2) if free[i : i + 2].isascii())
+        expected = free[: free.index(stop)]
+        out = await client.completions.create(**kwargs, stop=[stop], logprobs=1)
+        assert out.choices[0].text == expected and out.choices[0].finish_reason == "stop"
+        assert len(out.choices[0].logprobs.tokens) >= len(expected)  # a token per byte at most
+        stream = await client.completions.create(**kwargs, stop=stop, stream=True)
+        assert "".join([c.choices[0].text async for c in stream if c.choices]) == expected
+        assert router.frontend.num_inflight == 0
