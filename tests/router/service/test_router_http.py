@@ -149,4 +149,4 @@ async def test_stop_strings_and_sampling_parameters_through_the_router() -> None
         assert len(out.choices[0].logprobs.tokens) >= len(expected)  # a token per byte at most
         stream = await client.completions.create(**kwargs, stop=stop, stream=True)
         assert "".join([c.choices[0].text async for c in stream if c.choices]) == expected
-        assert router.frontend.num_inflight == 0
+        assert router.server.frontend.num_inflight == 0
