@@ -394,6 +394,8 @@ async def test_sglang_generate_text_and_ids_streamed_and_not() -> None:
         assert events[-2]["meta_info"]["finish_reason"]["type"] == "length"
         status, _, err = await post(w, "/generate", {"text": ["a", "b"]})
         assert status == 400 and "batches" in err["error"]["message"]
+        status, _, err = await post(w, "/generate", {"text": "a", "sampling_params": {"n": 2}})
+        assert status == 400 and err["error"]["param"] == "n"
 
 
 async def test_tokenize_and_render_give_the_served_token_ids() -> None:
