@@ -40,6 +40,7 @@ from aiohttp import web
 from edge import openai_api as oa
 from edge.auth import AUTHENTICATED_TENANT
 from edge.frontdoor import CallInfo, GenerationBackend, Internal, ServiceError
+from edge.http_n import serve_n
 from edge.openai_params import in_public_terms
 from edge.tls import ServerTls
 from kvroute_proto import kvroute_pb2 as pb
@@ -159,9 +160,7 @@ async def _generate(request: web.Request, kind: oa.Kind) -> web.StreamResponse:
     model = backend.model_name
     created = int(time.time())
     if api.n > 1:  # one request per choice, merged (edge/http_n.py)
-        from edge.http_n import serve_n
-
-        return await serve_n(request, backend, api, created)
+        return await serve_n(request, backend, api, call_info(request), {REQUEST_ID_HEADER: rid})
     out = oa.ApiOutput(api)
     async with closing(backend.generate(api.request, call_info(request))) as messages:
         if not api.stream:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
@@ -79,15 +80,17 @@ def total_usage(outs: list[oa.ApiOutput]) -> dict[str, Any]:
 
 
 async def serve_n(
-    request: web.Request, backend: GenerationBackend, api: oa.ApiRequest, created: int
+    request: web.Request,
+    backend: GenerationBackend,
+    api: oa.ApiRequest,
+    call: CallInfo,
+    headers: dict[str, str],
 ) -> web.StreamResponse:
-    """The response of an ``n`` > 1 request, streamed or not."""
-    from edge import http_front as hf  # the shell's helpers (it imports this module lazily)
-
-    model, rid = backend.model_name, api.request.request_id
+    """The response of an ``n`` > 1 request, streamed or not (``headers``: the shell's)."""
+    model, created = backend.model_name, int(time.time())
     apis = choice_requests(api)
     outs = [oa.ApiOutput(a, index=i) for i, a in enumerate(apis)]
-    messages = merged(backend, apis, hf.call_info(request))
+    messages = merged(backend, apis, call)
     async with contextlib.aclosing(messages):
         if not api.stream:
             async for index, msg in messages:
@@ -97,9 +100,14 @@ async def serve_n(
             body = oa.full_response(outs[0], model, created)
             body["choices"] = [oa.full_response(out, model, created)["choices"][0] for out in outs]
             body["usage"] = total_usage(outs)
-            return hf.json_response(body, headers={hf.REQUEST_ID_HEADER: rid})
+            return web.Response(
+                body=oa.dumps(body), content_type="application/json", headers=headers
+            )
         first = await anext(messages, None)  # a refusal is a plain HTTP error
-        resp = await hf.start_sse(request, {hf.REQUEST_ID_HEADER: rid})
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers}
+        )
+        await resp.prepare(request)
         try:
             await _stream(resp, api, outs, first, messages, model, created)
         except ServiceError as exc:
