@@ -156,3 +156,14 @@ async def test_n_choices_streamed_and_not() -> None:
         )
         assert [c.index for c in chat.choices] == [0, 1]
         await w.assert_no_leak()
+
+
+async def test_the_readme_chat_example_gets_a_whole_answer() -> None:
+    # the README's call: no max_tokens; the tiny model ends its answer with EOS
+    async with client_of_worker() as (w, client):
+        reply = await client.chat.completions.create(
+            model="kvroute-tiny", messages=[{"role": "user", "content": "Hi"}]
+        )
+        assert reply.choices[0].finish_reason == "stop"
+        assert reply.usage.completion_tokens > 16
+        await w.assert_no_leak()
