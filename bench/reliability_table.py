@@ -33,6 +33,7 @@ ORDER = (
     "redis_down",
     "slow_client",
     "overload",
+    "long_prompt_overload",
 )
 FIELDS = ("test", "fault", "client_sees", "index_after", "recovery", "recover_s")
 

@@ -67,6 +67,9 @@ class HttpFrontConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     shutdown_timeout_s: float = 1.0  # handlers still running at stop get this long
     tls: ServerTls | None = None  # HTTPS (and client certificates with a client CA)
+    # SO_REUSEPORT: only for sibling processes of one `kvroute router --processes N`, whose
+    # supervisor holds the port against everyone else (router/cli/processes.py)
+    reuse_port: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -179,11 +182,12 @@ async def _generate(request: web.Request, kind: oa.Kind) -> web.StreamResponse:
         try:
             if kind == "chat":
                 await resp.write(oa.sse_event(oa.delta_chunk(out, model, created, "", first=True)))
+            deltas = oa.DeltaEvents(out, model, created)
             msg = first
             while msg is not None:
                 text = out.push(msg)
                 if text:
-                    await resp.write(oa.sse_event(oa.delta_chunk(out, model, created, text)))
+                    await resp.write(deltas.event(text))
                 elif text is None:
                     await resp.write(oa.sse_event(oa.finish_chunk(out, model, created)))
                     if api.include_usage:
@@ -328,7 +332,7 @@ class HttpFront:
             runner,
             self.config.host,
             self.config.port,
-            reuse_port=False,
+            reuse_port=self.config.reuse_port,
             ssl_context=None if tls is None else tls.ssl_context(),
         )
         try:

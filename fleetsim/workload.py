@@ -58,6 +58,7 @@ import sys
 from dataclasses import dataclass
 
 from edge.cli_help import HelpFormatter
+from fleetsim.agentic import AgenticSessionsConfig, generate_agentic_sessions
 from fleetsim.replay.trace import TraceRecord, write_trace
 
 DEFAULT_BLOCK_SIZE = 16
@@ -351,7 +352,8 @@ def generate_cold_bursts(config: ColdBurstsConfig) -> list[TraceRecord]:
     return [TraceRecord(ts, n, out, blocks) for ts, _, n, out, blocks in timed]
 
 
-WORKLOADS = ("support-agent", "zipf-tenants", "cold-bursts")
+WORKLOADS = ("support-agent", "zipf-tenants", "cold-bursts", "agentic-sessions")
+AnyConfig = SupportAgentConfig | ZipfTenantsConfig | ColdBurstsConfig | AgenticSessionsConfig
 
 
 # option dest -> (workload, config field) of the options that belong to one workload
@@ -371,13 +373,16 @@ _SPECIFIC = {
 
 def build_parser() -> argparse.ArgumentParser:
     sa, zt, cb = SupportAgentConfig(), ZipfTenantsConfig(), ColdBurstsConfig()
+    ag = AgenticSessionsConfig()
     p = argparse.ArgumentParser(
         prog="kvroute workload",
         description="Generate a synthetic workload trace (Mooncake JSONL: timestamp ms, "
         "input_length, output_length, hash_ids) for 'kvroute replay'. support-agent: a shared "
         "system prompt, multi-turn conversations and one-off RAG requests; zipf-tenants: "
         "many tenants' system prompts picked by a Zipf law; cold-bursts: unique documents "
-        "with bursts of requests on a cold shared prefix.",
+        "with bursts of requests on a cold shared prefix; agentic-sessions: tool agents, a "
+        "shared tool spec and sessions of tens of turns growing to tens of thousands of "
+        "tokens.",
         formatter_class=HelpFormatter,
     )
     p.add_argument("name", choices=WORKLOADS, help="which workload")
@@ -386,13 +391,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--rate",
         type=float,
         help=f"requests/s, Poisson (default: support-agent {sa.rate_rps:g}, zipf-tenants "
-        f"{zt.rate_rps:g}, cold-bursts {cb.rate_rps:g} between the bursts)",
+        f"{zt.rate_rps:g}, cold-bursts {cb.rate_rps:g} between the bursts, "
+        f"agentic-sessions {ag.rate_rps:g} new sessions)",
     )
     p.add_argument(
         "--duration-s",
         type=float,
         help=f"trace length (default: support-agent {sa.duration_s:g}, zipf-tenants "
-        f"{zt.duration_s:g}, cold-bursts {cb.duration_s:g})",
+        f"{zt.duration_s:g}, cold-bursts {cb.duration_s:g}, agentic-sessions "
+        f"{ag.duration_s:g})",
     )
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument(
@@ -446,7 +453,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _config(args: argparse.Namespace) -> SupportAgentConfig | ZipfTenantsConfig | ColdBurstsConfig:
+def _config(args: argparse.Namespace) -> AnyConfig:
     fields: dict[str, object] = {"seed": args.seed, "block_size": args.block_size}
     if args.rate is not None:
         fields["rate_rps"] = args.rate
@@ -465,19 +472,21 @@ def _config(args: argparse.Namespace) -> SupportAgentConfig | ZipfTenantsConfig 
             return SupportAgentConfig(**fields)  # type: ignore[arg-type]
         case "zipf-tenants":
             return ZipfTenantsConfig(**fields)  # type: ignore[arg-type]
+        case "agentic-sessions":
+            return AgenticSessionsConfig(**fields)  # type: ignore[arg-type]
         case _:
             return ColdBurstsConfig(**fields)  # type: ignore[arg-type]
 
 
-def generate(
-    config: SupportAgentConfig | ZipfTenantsConfig | ColdBurstsConfig,
-) -> list[TraceRecord]:
+def generate(config: AnyConfig) -> list[TraceRecord]:
     """The trace of any workload config."""
     match config:
         case SupportAgentConfig():
             return generate_support_agent(config)
         case ZipfTenantsConfig():
             return generate_zipf_tenants(config)
+        case AgenticSessionsConfig():
+            return generate_agentic_sessions(config)
         case _:
             return generate_cold_bursts(config)
 

@@ -272,7 +272,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "epoch", "block_size", "page_size", "kv_capacity_tokens", "max_context_tokens", "vocab_size", "executor", "load", "model_name", "tokenizer_fingerprint", "hash_key_fingerprint", "max_running_requests")
+    __slots__ = ("worker_id", "epoch", "block_size", "page_size", "kv_capacity_tokens", "max_context_tokens", "vocab_size", "executor", "load", "model_name", "tokenizer_fingerprint", "hash_key_fingerprint", "max_running_requests", "step_decode_base_s", "step_decode_s_per_seq", "step_decode_s_per_context_token", "step_prefill_s_per_token")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -286,6 +286,10 @@ class WorkerInfo(_message.Message):
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     HASH_KEY_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MAX_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    STEP_DECODE_BASE_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_DECODE_S_PER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    STEP_DECODE_S_PER_CONTEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    STEP_PREFILL_S_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: int
     block_size: int
@@ -299,7 +303,11 @@ class WorkerInfo(_message.Message):
     tokenizer_fingerprint: str
     hash_key_fingerprint: str
     max_running_requests: int
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., block_size: _Optional[int] = ..., page_size: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ..., executor: _Optional[str] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ..., model_name: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., hash_key_fingerprint: _Optional[str] = ..., max_running_requests: _Optional[int] = ...) -> None: ...
+    step_decode_base_s: float
+    step_decode_s_per_seq: float
+    step_decode_s_per_context_token: float
+    step_prefill_s_per_token: float
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., block_size: _Optional[int] = ..., page_size: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ..., executor: _Optional[str] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ..., model_name: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., hash_key_fingerprint: _Optional[str] = ..., max_running_requests: _Optional[int] = ..., step_decode_base_s: _Optional[float] = ..., step_decode_s_per_seq: _Optional[float] = ..., step_decode_s_per_context_token: _Optional[float] = ..., step_prefill_s_per_token: _Optional[float] = ...) -> None: ...
 
 class WorkerScore(_message.Message):
     __slots__ = ("worker_id", "address", "healthy", "matched_tokens", "inflight_prefill_tokens", "cost", "load", "recent_prefill_tokens", "event_matched_tokens", "predicted_matched_tokens", "not_candidate_reason", "slot_queue")

@@ -273,6 +273,19 @@ def _add_event_args(p: argparse.ArgumentParser) -> None:
         help="seconds between load report batches (0 = off)",
     )
     g.add_argument(
+        "--kv-events-zmq",
+        metavar="ENDPOINT",
+        help="also publish the KV events as vLLM does, on a ZMQ PUB socket bound here "
+        "(e.g. tcp://*:5557), so routers written for vLLM's events (vllm-router kv_aware, "
+        "Dynamo, llm-d) can front this worker; topic kv@WORKER_ID@MODEL",
+    )
+    g.add_argument(
+        "--kv-events-zmq-replay",
+        metavar="ENDPOINT",
+        help="with --kv-events-zmq: the replay ROUTER socket bound here (e.g. tcp://*:5558), "
+        "answering a consumer's request for the frames from a seq, as vLLM's does",
+    )
+    g.add_argument(
         "--step-reports",
         action="store_true",
         help="also send a load report as a step starts, when requests arrived or the step "
@@ -383,8 +396,22 @@ def config_from_args(args: argparse.Namespace) -> WorkerServerConfig:
         ),
         limits=RequestLimits(default_max_new_tokens=args.default_max_new_tokens),
         shutdown_grace_s=args.grace_s,
+        zmq_events=_zmq_events_config(args, model_name),
     )
     return apply_worker_security(args, config)
+
+
+def _zmq_events_config(args: argparse.Namespace, model_name: str):  # type: ignore[no-untyped-def]
+    """--kv-events-zmq's config (None when not given; ValueError naming a bad flag)."""
+    if args.kv_events_zmq is None:
+        if args.kv_events_zmq_replay is not None:
+            raise ValueError("--kv-events-zmq-replay needs --kv-events-zmq")
+        return None
+    from worker.service.zmq_events import ZmqEventsConfig  # pyzmq: the worker extra
+
+    return ZmqEventsConfig(
+        args.kv_events_zmq, args.kv_events_zmq_replay, f"kv@{args.worker_id}@{model_name}"
+    )
 
 
 def build_server(args: argparse.Namespace) -> WorkerServer:

@@ -116,9 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="sim mode: a worker load report every this many seconds (default: 1.0 with one "
-        f"router or with --replica-sync-delay-s, {MULTI_ROUTER_LOAD_INTERVAL_S} with --routers "
-        "> 1 without sync: those routers see each other's picks only through the workers' "
-        "reports; decision 0016)",
+        "router -- except for a peer policy whose load signal is fresher in production, "
+        "llm_d and dynamo 0.05, decision 0031 -- or with --replica-sync-delay-s, "
+        f"{MULTI_ROUTER_LOAD_INTERVAL_S} with --routers > 1 without sync: those routers see "
+        "each other's picks only through the workers' reports; decision 0016)",
     )
     add_router_options(p)
     p.add_argument(
@@ -421,6 +422,7 @@ def _sim_config(args: argparse.Namespace):  # -> SimConfig
         replica_sync_delay_s=args.replica_sync_delay_s,
         flush_interval_s=args.flush_interval_s,
         step_reports=args.step_reports,
+        policy_load_intervals=args.load_interval_s is None and args.routers == 1,
     )
 
 

@@ -4,10 +4,11 @@
 
 One table per file: every policy's hit rate, its share of the pooled reference (one cache
 of N times the capacity: a reference, not a bound), prefill and busy-time imbalance, TTFT
-p50 / p99, e2e p99 and errors; the lowest TTFT p99 in bold, and the references above the
-table. Several files of the same trace and fleet (one policy per process, ``--no-reference``
-beside one run with the references) can be merged into one table with ``--merge``, and runs
-at several router counts (``--routers R``) into one table with ``--by-routers``.
+p50 / p99, e2e p50 / p99, mean and p99 inter-token latency and errors; the lowest TTFT p99
+in bold, and the references above the table. Several files of the same trace and fleet
+(one policy per process, ``--no-reference`` beside one run with the references) can be
+merged into one table with ``--merge``, and runs at several router counts (``--routers R``)
+into one table with ``--by-routers``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,10 @@ COLUMNS = (
     "busy imb",
     "TTFT p50",
     "TTFT p99",
+    "e2e p50",
     "e2e p99",
+    "ITL mean",
+    "ITL p99",
     "errors",
 )
 
@@ -37,6 +41,11 @@ def _seconds(x: float | None) -> str:
     if x is None or not math.isfinite(x):
         return "-"
     return f"{x * 1000:.0f} ms" if x < 1 else f"{x:.2f} s"
+
+
+def _millis(x: float | None) -> str:
+    """An inter-token latency in ms (one decimal); "-" when the report has none."""
+    return "-" if x is None or not math.isfinite(x) else f"{x * 1000:.1f} ms"
 
 
 def _ratio(x: float | None) -> str:
@@ -102,7 +111,10 @@ def table(report: dict[str, Any]) -> str:
             _ratio(p.get("busy_imbalance")),
             _seconds(p.get("ttft_p50_s")),
             ttft99,
+            _seconds(p.get("e2e_p50_s")),
             _seconds(p.get("e2e_p99_s")),
+            _millis(p.get("itl_mean_s")),
+            _millis(p.get("itl_p99_s")),
             str(p.get("errors", 0)),
         ]
         lines.append("| " + " | ".join(row) + " |")

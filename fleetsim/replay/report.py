@@ -8,6 +8,9 @@ Definitions (all times in trace seconds -- virtual in sim mode, wall time * spee
   (from each request's final usage: ``cached_prompt_tokens / prompt_tokens``).
 - ``prefill_tokens`` = prompt tokens actually computed (prompt - cached).
 - ``ttft`` = first token time - arrival; ``e2e`` = finish time - arrival.
+- ``itl`` = a request's mean inter-token latency, (finish - first token) / (completion
+  tokens - 1), over requests with at least two tokens; ``itl_mean_s`` is its mean over
+  requests, ``itl_p99_s`` its 99th percentile (a user's token speed, decode included).
 - ``throughput_tok_s`` = generated tokens / (last finish - first arrival).
 - ``load_imbalance`` = max / mean of prefill tokens computed per worker (1.0 = even): the
   *prefill* imbalance.
@@ -71,6 +74,8 @@ class PolicyReport:
     e2e_p99_s: float
     throughput_tok_s: float
     load_imbalance: float
+    itl_mean_s: float = math.nan  # mean over requests of each one's inter-token latency
+    itl_p99_s: float = math.nan
     busy_imbalance: float | None = None  # max / mean busy time per worker (sim mode)
     busy_s_per_worker: dict[str, float] = field(default_factory=dict)
     prefill_tokens_per_worker: dict[str, int] = field(default_factory=dict)
@@ -130,6 +135,11 @@ def summarize(
             errors_by_kind[kind] = errors_by_kind.get(kind, 0) + 1
     ttft = [r.first_token_s - r.arrival_s for r in done if r.first_token_s is not None]
     e2e = [r.finish_s - r.arrival_s for r in done]  # type: ignore[operator]
+    itl = [
+        (r.finish_s - r.first_token_s) / (r.completion_tokens - 1)  # type: ignore[operator]
+        for r in done
+        if r.first_token_s is not None and r.completion_tokens > 1
+    ]
     if done:
         start = min(r.arrival_s for r in results)
         end = max(r.finish_s for r in done if r.finish_s is not None)
@@ -159,6 +169,8 @@ def summarize(
         e2e_p99_s=_r(_percentile(e2e, 99)),
         throughput_tok_s=_r(throughput, 3),
         load_imbalance=_r(imbalance, 4),
+        itl_mean_s=_r(float(np.mean(itl)) if itl else math.nan),
+        itl_p99_s=_r(_percentile(itl, 99)),
         busy_imbalance=busy_imbalance,
         busy_s_per_worker=busy,
         prefill_tokens_per_worker=per_worker,
@@ -205,8 +217,9 @@ class ReplayReport:
         """A fixed-width table, one row per policy, the references underneath."""
         head = (
             f"{'policy':<15} {'hit':>6} {'/ref':>6} {'prefill Mtok':>12} {'ttft p50':>9} "
-            f"{'ttft p99':>9} {'e2e p50':>8} {'e2e p99':>8} {'tok/s':>8} {'prefill imb':>11} "
-            f"{'busy imb':>8} {'reqs':>6} {'errors':>6} {'wall s':>7}"
+            f"{'ttft p99':>9} {'e2e p50':>8} {'e2e p99':>8} {'itl':>6} {'itl p99':>7} "
+            f"{'tok/s':>8} {'prefill imb':>11} {'busy imb':>8} {'reqs':>6} {'errors':>6} "
+            f"{'wall s':>7}"
         )
         lines = [head, "-" * len(head)]
         for p in self.policies:
@@ -220,6 +233,7 @@ class ReplayReport:
                 f"{p.policy:<15} {p.hit_rate:6.1%} {ratio} {p.prefill_tokens / 1e6:12.2f} "
                 f"{_fmt_s(p.ttft_p50_s):>9} {_fmt_s(p.ttft_p99_s):>9} "
                 f"{_fmt_s(p.e2e_p50_s):>8} {_fmt_s(p.e2e_p99_s):>8} "
+                f"{_fmt_ms(p.itl_mean_s):>6} {_fmt_ms(p.itl_p99_s):>7} "
                 f"{p.throughput_tok_s:8.0f} {p.load_imbalance:11.2f} {busy} {p.requests:6d} "
                 f"{p.errors:6d} {p.wall_s:7.1f}"
             )
@@ -252,6 +266,11 @@ def _fmt_s(x: float) -> str:
     if math.isnan(x):
         return "-"
     return f"{x * 1000:.0f}ms" if x < 1 else f"{x:.2f}s"
+
+
+def _fmt_ms(x: float) -> str:
+    """An inter-token latency, in milliseconds with one decimal."""
+    return "-" if math.isnan(x) else f"{x * 1000:.1f}"
 
 
 def _nan_to_none(obj: object) -> object:

@@ -79,6 +79,7 @@ from fleetsim.replay.trace import TokenExpander, TraceRecord
 from kvroute_proto.events import EventBatch, LoadReport, Snapshot
 from router.core.core_types import ReplicaEvent, ReplicaRouted
 from router.core.router_core import NoWorkerAvailable, Resubscribe, RouterCore, RouteRequest
+from router.core.step_profile import StepProfile
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.load_reports import StepReports
 from worker.engine.sim_executor import SimExecutor, SimExecutorConfig
@@ -204,6 +205,7 @@ class FleetSim:
         )
         make_config = engine_config or self._worker_engine_config
         self.workers: dict[str, _Worker] = {}
+        profile = config.cost_model.step_profile_s()  # as GetLoad states it
         for i in range(config.num_workers):
             wid = f"worker-{i}"
             base = SimExecutor(config.cost_model, exec_config)
@@ -218,6 +220,7 @@ class FleetSim:
                 router.add_worker(wid, address=f"sim://{wid}", block_size=config.block_size)
                 # as GetLoad states it to a real router
                 router.set_max_running(wid, engine.config.max_running_requests)
+                router.set_step_profile(wid, StepProfile.stated(*profile))
         self.results = [
             RequestResult(index=i, arrival_s=r.arrival_s, prompt_tokens=r.input_length)
             for i, r in enumerate(records)
@@ -545,6 +548,7 @@ class FleetSim:
             "resubscribes": self.num_resubscribes,
             "cache_flushes": self.num_flushes,
             "routers": len(self.routers),
+            "load_interval_s": self.config.load_interval_s,
             "route_decision_s_total": round(self.route_decision_s_total, 6),
             "replica_apply_s_total": round(self.replica_apply_s_total, 6),
             "event_batches_lost": self.num_lost_batches,
@@ -581,6 +585,7 @@ def simulate(
 ) -> PolicyReport:
     """Replay ``records`` on ``config.num_workers`` simulated workers under ``policy``."""
     expander = expander or TokenExpander(vocab_size=config.vocab_size, seed=config.seed)
+    config = config.for_policy(policy)
     start = time.monotonic()
     sim = FleetSim(records, policy, config, expander)
     progress = Progress(policy, len(records), progress_stream) if progress_stream else None

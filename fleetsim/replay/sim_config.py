@@ -45,6 +45,21 @@ class SimConfig:
     # router's too, this long (a first token or finish a quarter of it), one job at a time
     # with its decisions: done before the next queued one, which waits for it
     replica_apply_s: float = 0.0
+    # each policy gets the load-report freshness it has in production (its
+    # Policy.load_interval_s, where it states one) instead of load_interval_s: set by
+    # kvroute replay when --load-interval-s is not given (decision 0031)
+    policy_load_intervals: bool = False
+
+    def for_policy(self, policy: str) -> SimConfig:
+        """This config as ``policy``'s replay runs it: with its own load-report interval
+        when ``policy_load_intervals`` and the policy states one."""
+        from router.core.registry import POLICIES
+
+        factory = POLICIES.get(policy)
+        interval = getattr(factory, "load_interval_s", None)
+        if not self.policy_load_intervals or interval is None:
+            return self
+        return replace(self, load_interval_s=interval)
 
     def router_config(self, policy: str | None = None) -> RouterConfig:
         """Each router core's config: ``router`` with this fleet's block size, replica

@@ -19,11 +19,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import gc
 import logging
 import os
-import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +34,7 @@ from edge.runtime import configure_logging, run_event_loop, stop_signals
 from edge.tokenizer import load_tokenizer_or_bytes
 from kvroute_proto.hashing import set_hash_key
 from router.cli.client import GenerateOptions, RouterClient
+from router.cli.processes import RouterProcesses, die_with_parent
 from router.cli.router import POLICIES
 from router.cli.security_flags import (
     FleetSecurity,
@@ -49,8 +48,6 @@ from router.service.server import RouterServer, RouterServerConfig
 from router.service.worker_conn import ConnectionConfig
 
 log = logging.getLogger(__name__)
-
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +69,7 @@ class FleetConfig:
     metrics_port: int | None = None
     model: str | None = None  # an HF model directory for every worker and the router
     security: FleetSecurity = field(default_factory=FleetSecurity)  # TLS, keys, limits
+    router_processes: int = 1  # >1: `kvroute router --processes N` instead of in-process
 
     def __post_init__(self) -> None:
         if self.model is not None and self.executor != "torch":
@@ -89,12 +87,15 @@ class FleetConfig:
             raise ValueError(f"--workers must be in 1..64, got {self.num_workers}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    """Linux: SIGTERM this child when its parent dies (no orphaned workers)."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if not 1 <= self.router_processes <= 64:
+            raise ValueError(f"--router-processes must be in 1..64, got {self.router_processes}")
+        if self.router_processes > 1 and (
+            self.metrics_port is not None or self.security != FleetSecurity()
+        ):
+            raise ValueError(
+                "--router-processes above 1 runs without --metrics-port and the security "
+                "options (TLS, API keys, limits, --hash-key) for now"
+            )
 
 
 @dataclass(slots=True)
@@ -165,7 +166,7 @@ async def start_worker(
         stdout=asyncio.subprocess.PIPE,
         stdin=asyncio.subprocess.DEVNULL,
         start_new_session=True,  # Ctrl-C reaches us only; we stop workers in order
-        preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+        preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
         env=config.security.worker_env(),  # --hash-key and the router token, not in argv
     )
     wp = WorkerProcess(worker_id, proc)
@@ -219,6 +220,7 @@ class Fleet:
         self.workers: list[WorkerProcess] = []
         self.router: RouterServer | None = None
         self.metrics: RouterMetricsEndpoint | None = None  # the router's /metrics
+        self.processes: RouterProcesses | None = None  # --router-processes N > 1
 
     async def start(self) -> str:
         """Start workers (concurrently) and the router; returns the router address."""
@@ -238,6 +240,8 @@ class Fleet:
         if errors:
             await self.stop()
             raise errors[0]
+        if self.config.router_processes > 1:
+            return await self._start_processes()
         service = FrontendConfig()
         if self.config.model is not None:
             service = FrontendConfig(model_name=Path(self.config.model).resolve().name)
@@ -274,8 +278,27 @@ class Fleet:
                 raise
         return self.router.address
 
+    async def _start_processes(self) -> str:
+        c = self.config
+        argv = ["--host", c.host, "--http-host", c.host, "--port", str(c.port)]
+        argv += ["--policy", c.policy, "--purge-after-s", "5", "--seed", "0"]
+        argv += ["--log-level", c.worker_log_level]
+        argv += ["--http-port", str(c.http_port)] if c.http_port is not None else []
+        argv += ["--model", c.model] if c.model is not None else []
+        for w in self.workers:
+            argv += ["--worker", w.address]
+        self.processes = RouterProcesses(argv, len(self.workers))
+        try:
+            return await self.processes.start(c.router_processes, c.startup_timeout_s)
+        except BaseException:
+            await self.stop()
+            raise
+
     async def wait_ready(self, timeout_s: float) -> None:
         """Wait until the router is connected to every worker."""
+        if self.processes is not None:
+            await self.processes.wait_ready(timeout_s)
+            return
         assert self.router is not None
         pool = self.router.pool
         await pool.wait_for(lambda: all(c.healthy for c in pool.conns.values()), timeout_s)
@@ -289,6 +312,9 @@ class Fleet:
         if self.router is not None:
             await self.router.stop(grace_s=self.config.stop_timeout_s)
             self.router = None
+        if self.processes is not None:
+            await self.processes.stop()
+            self.processes = None
         await asyncio.gather(*(stop_worker(w, self.config.stop_timeout_s) for w in self.workers))
         self.workers = []
 
@@ -339,6 +365,14 @@ def build_parser() -> argparse.ArgumentParser:
         "default: none). Names: docs/METRICS.md",
     )
     p.add_argument("--host", default="127.0.0.1", help="address everything binds to")
+    p.add_argument(
+        "--router-processes",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run the router as N processes on its ports (`kvroute router --processes N`; "
+        "without --metrics-port and the security options for now) (default: 1, in-process)",
+    )
     p.add_argument(
         "--executor",
         choices=("torch", "sim"),
@@ -414,6 +448,8 @@ async def _run_fleet(
         if fleet.router is not None and fleet.router.http is not None:
             scheme = "http" if fleet.router.http.config.tls is None else "https"
             print(f"router http listening on {scheme}://{fleet.router.http.address}", flush=True)
+        if fleet.processes is not None and fleet.processes.http_address is not None:
+            print(f"router http listening on http://{fleet.processes.http_address}", flush=True)
         if demo:
             await fleet.wait_ready(config.startup_timeout_s)
             await run_demo(address)
@@ -456,6 +492,7 @@ def main(argv: list[str]) -> int:
             startup_timeout_s=args.startup_timeout_s,
             stop_timeout_s=args.stop_timeout_s,
             security=fleet_security_from_args(args),
+            router_processes=args.router_processes,
         )
         load_tokenizer_or_bytes(args.model)  # a bad model dir: one line here, not a traceback
     except ValueError as exc:  # TokenizerLoadError included

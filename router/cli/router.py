@@ -138,9 +138,24 @@ def _first_start_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _process_args(g: argparse._ArgumentGroup) -> None:
+    g.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        metavar="N",
+        help="serve from N router processes on the same ports (a supervisor holds the ports; "
+        "each process is a replica of the others: --replicas N, and --replica-sync with "
+        "--redis-url) (default: 1)",
+    )
+    # a --processes sibling: bind the ports the supervisor holds (SO_REUSEPORT)
+    g.add_argument("--shared-port", action="store_true", help=argparse.SUPPRESS)
+
+
 def _network_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("networking")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    _process_args(g)
     g.add_argument("--http-host", default="127.0.0.1", help="address the HTTP API binds")
     g.add_argument(
         "--served-model-name",
@@ -422,7 +437,8 @@ def config_from_args(
         seed=args.seed,
         http=None
         if args.http_port is None
-        else HttpFrontConfig(host=args.http_host, port=args.http_port),
+        else HttpFrontConfig(host=args.http_host, port=args.http_port, reuse_port=args.shared_port),
+        reuse_port=args.shared_port,
     )
     return apply_router_security(args, config)
 
@@ -528,6 +544,10 @@ def main(argv: list[str]) -> int:
     except (TokenizerLoadError, ValueError) as exc:
         print(f"kvroute router: {exc}", file=sys.stderr)
         return 2
+    if args.processes != 1:  # the options are checked here, once, before any process starts
+        from router.cli.processes import supervise
+
+        return supervise(argv, args)
     logging.getLogger(__name__).info(
         "tokenizer: %s (fingerprint %s)",
         args.model or "byte tokenizer (no --model)",

@@ -28,10 +28,13 @@ A prompt's own tokens are counted whole when it is checked (before routing, its 
 not known), and its uncached ones once it is dispatched.
 
 A sample is one relayed chunk: the time since that request's previous chunk divided by the
-chunk's tokens, paired with the worker's in-flight count. With too few samples the estimate
-is unknown and the request is admitted, but never beyond a **window**: at most
-``max(initial_window, 2 * largest concurrency sampled)`` requests in flight per worker
-(slow start), so a cold burst cannot drown a worker before its model exists.
+chunk's tokens, paired with the worker's in-flight count; until ``min_samples`` of them the
+step is their mean (no slope). With no samples the estimate is unknown and the request is
+admitted, but never beyond a **window**: at most ``max(initial_window, 2 * largest
+concurrency sampled)`` requests in flight per worker (slow start), so a cold burst cannot
+drown a worker before its model exists; and before a worker's first token it holds at most
+one engine step's prefill budget of queued prompt tokens (any single prompt when none is
+queued), so a cold burst of long prompts cannot queue past every deadline.
 
 Sans-I/O: no asyncio, grpc or clock; times are passed in (seconds, any monotonic origin).
 """
@@ -40,6 +43,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+# Prompt tokens a worker may hold queued before its first token gives a prefill rate:
+# one engine step's prefill budget (the worker's max_prefill_tokens_per_step default).
+COLD_PREFILL_TOKENS = 8192
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,20 +174,25 @@ class Admission:
 
     def estimate_s(self, worker_id: str, new_tokens: int, prompt_tokens: int = 0) -> float | None:
         """Estimated seconds for a request of ``new_tokens`` (and ``prompt_tokens`` to
-        prefill) joining the worker now, or None while neither model has enough samples.
-        With only the prefill fit (long prompts, few tokens out) the decode is left out:
-        an estimate too low, never a refusal too many."""
+        prefill) joining the worker now, or None while neither model has samples. With
+        only the prefill fit the decode is left out: an estimate too low, never a refusal
+        too many."""
         model = self._models.get(worker_id)
-        decode_known = model is not None and model.n >= self.config.min_samples
         prefill = self._prefill.get(worker_id)
         ttft = None
         if prefill is not None and prefill.n >= 1:
             ttft = prefill.ttft_s_at(self._queued_prefill.get(worker_id, 0) + prompt_tokens)
-        if not decode_known:
+        if model is None or model.n == 0:
             return ttft
-        assert model is not None
-        k = self._inflight.get(worker_id, 0) + 1
-        return (model.ttft_s if ttft is None else ttft) + new_tokens * model.step_s(k)
+        if model.n < self.config.min_samples:
+            # too few samples for a slope: their mean step, so a prefill-bound request is
+            # not admitted on its first token's estimate alone
+            step = model.sy / model.w
+            if ttft is None:
+                return None
+        else:
+            step = model.step_s(self._inflight.get(worker_id, 0) + 1)
+        return (model.ttft_s if ttft is None else ttft) + new_tokens * step
 
     def queued_prefill(self, worker_id: str) -> int:
         """Uncached prompt tokens dispatched to the worker that have not begun to stream."""
@@ -206,11 +218,24 @@ class Admission:
             if self._inflight.get(worker_id, 0) >= self.window(worker_id):
                 out.append(worker_id)
                 continue
+            if self._cold_prefill_full(worker_id, prompt_tokens):
+                out.append(worker_id)
+                continue
             estimate = self.estimate_s(worker_id, n, prompt_tokens)
             if estimate is not None and estimate * cfg.margin > time_left_s:
                 out.append(worker_id)
         self.stats.num_excluded += len(out)
         return frozenset(out)
+
+    def _cold_prefill_full(self, worker_id: str, prompt_tokens: int) -> bool:
+        """Before its first token the worker's prefill rate is unknown: it takes prompts
+        up to one engine step's prefill budget at a time (any single prompt when nothing is
+        queued), so a cold burst of long prompts cannot queue past every deadline."""
+        prefill = self._prefill.get(worker_id)
+        if prefill is not None and prefill.n >= 1:
+            return False
+        queued = self._queued_prefill.get(worker_id, 0)
+        return queued > 0 and queued + prompt_tokens > COLD_PREFILL_TOKENS
 
     def on_refused(self) -> None:
         self.stats.num_refused += 1

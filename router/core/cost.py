@@ -10,7 +10,18 @@ equivalents, and takes the cheapest (equal costs broken at random, never "always
          + w.decode         * requests running on the worker      # decode slows each step
          + w.recent_prefill * recent work on the worker           # its share of the past
          + w.slot_wait      * requests it would queue behind for a running slot
+         + w.decode_time    * decode             # the time it adds, in prefill tokens
          + affinity         (several routers without sync only)
+
+    decode = L * (r * seq + K * ctx)               # its decode, slowed by the batch there
+           + L * r * (seq + (P + L / 2) * ctx)     # the running ones' steps, slowed by it
+
+    r: requests there past their prefill (running and waiting, less those the router sent
+    that have no first token yet); K: their KV, r x the worker's last reported KV per
+    running request (P + L / 2 before a report); L: the tokens it is expected to
+    generate (the router's running mean of finished requests' outputs); seq, ctx: one
+    more sequence's and one more KV token's share of a decode step in prefill tokens, from
+    the step profile the worker states (``router.core.step_profile``).
 
 Why each term (the numbers: ``CostWeights``, ``PolicyConfig`` and the decision records):
 
@@ -30,6 +41,10 @@ Why each term (the numbers: ``CostWeights``, ``PolicyConfig`` and the decision r
   compute-bound and a miss is work others wait behind: ``b = 1 + floor / backlog_tokens``,
   steeper by ``(floor - saturated_tokens) / saturated_scale_tokens`` past
   ``saturated_tokens`` (floor: the least loaded candidate's queue; decisions 0010, 0011).
+- **decode time**: e2e latency is mostly decode, and a decode step slows with the batch
+  and its KV, so a worker piled with running conversations slows every one of them; the
+  term estimates what the request adds to its own and the running requests' time
+  (decision 0031).
 - **affinity**: router replicas that cannot see each other's picks share an order of
   preference among the workers lacking the request's next block (rendezvous hashing of that
   block and the worker id: ``router.core.affinity_nb``), so they start a new prefix on the
@@ -52,7 +67,7 @@ import numpy as np
 
 from router.core.policy import Policy
 from router.core.policy_config import PolicyConfig
-from router.core.views import CandidateSet, Matched, Pick, RouteQuery, Views
+from router.core.views import ROWS, CandidateSet, Matched, Pick, RouteQuery, Views
 
 __all__ = ["ApproxTree", "CacheAware", "affinity_terms"]
 
@@ -108,6 +123,7 @@ class CacheAware(Policy):
             w.decode,
             w.recent_prefill,
             w.slot_wait,
+            w.decode_time,
             self._per_backlog,
             self._per_saturated,
         )
@@ -139,9 +155,10 @@ class CacheAware(Policy):
                 [c.recent_prefill for c in candidates],
                 [0.0] * len(candidates),  # the load part: computed by _total
                 [c.slot_queue for c in candidates],
+                *zip(*(c.decode_parts() for c in candidates), strict=True),
             ],
             dtype=np.float64,
-        ).reshape(5, len(candidates))
+        ).reshape(ROWS, len(candidates))
         ids = None
         if self.config.affinity_tokens:
             ids = np.array([c.id_hash for c in candidates], dtype=np.uint64)
@@ -162,7 +179,8 @@ class CacheAware(Policy):
         ``load`` the load part under this policy's weights when the table keeps it (None:
         computed here), ``ids`` their worker id hashes (the affinity term's; None when it is
         off), ``position``: slot -> column. Per candidate, in this order:
-        ((wq*q + wd*r + wc*s) + wr*recent) + prefill, then the knee, then the affinity."""
+        ((wq*q + wd*r + wc*s) + wr*recent) + prefill, then the knee, then the decode time,
+        then the affinity."""
         w = self.config.weights
         wp = w.prefill
         if self._per_backlog or self._per_saturated:
@@ -199,6 +217,12 @@ class CacheAware(Policy):
         wqk = w.queued_prefill * w.per_knee(prompt)
         if wqk:  # the knee's part of the queued term, q * (q * wq / knee)
             total += fields[0] * (fields[0] * wqk)
+        out = query.expected_output_tokens
+        if w.decode_time and out > 0:  # the decode-time term: WorkerView.decode_parts' A, B
+            # as L x (A + (P + L / 2) x B), weighted, in four vector operations
+            per_part = w.decode_time * out
+            total += fields[5] * per_part
+            total += fields[6] * (per_part * (query.prompt_tokens + 0.5 * out))
         if depths is not None and ids is not None:
             extra = affinity_terms(query.block_hashes, depths, ids, self.config.affinity_tokens)
             if extra is not None:

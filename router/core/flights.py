@@ -33,7 +33,10 @@ from router.core.policy import Policy
 from router.core.replicas import Inflight, ReplicaAccounting, open_flight
 from router.core.views import RouteQuery, WorkerView
 
-__all__ = ["Flights"]
+__all__ = ["DEFAULT_OUTPUT_TOKENS", "OUTPUT_MEAN_WEIGHT", "Flights"]
+
+DEFAULT_OUTPUT_TOKENS = 256.0  # the expected output before any request has finished
+OUTPUT_MEAN_WEIGHT = 1.0 / 64  # each finished request's share of the running mean
 
 
 class Flights:
@@ -66,6 +69,9 @@ class Flights:
         self._recent_window_s = config.recent_window_s
         self._recent_decode_ratio = config.recent_decode_ratio
         self._recent_t0 = clock()
+        # the decode-time term's expected output: a running mean of finished requests'
+        # generated tokens, each weighing OUTPUT_MEAN_WEIGHT (decision 0031)
+        self.expected_output_tokens = DEFAULT_OUTPUT_TOKENS
 
     # ---- recent work -----------------------------------------------------------------------
 
@@ -171,6 +177,7 @@ class Flights:
         self._release(flight, self._clock())
         flight.prefilling = False
         flight.view.inflight_prefill_tokens -= flight.prefill_tokens
+        flight.view.num_prefilling -= 1 + flight.extra_active
         flight.view.refresh()
 
     def finished(self, request_id: str, generated_tokens: int = 0) -> None:
@@ -189,12 +196,16 @@ class Flights:
 
     def _finish(self, flight: Inflight, generated_tokens: int) -> None:
         now = self._clock()
+        if generated_tokens > 0:
+            mean = self.expected_output_tokens
+            self.expected_output_tokens = mean + (generated_tokens - mean) * OUTPUT_MEAN_WEIGHT
         self._release(flight, now)
         if generated_tokens > 0 and self._recent_decode_ratio:
             scale = self.recent_scale(now)
             flight.view.recent_prefill += self._recent_decode_ratio * generated_tokens * scale
         if flight.prefilling:
             flight.view.inflight_prefill_tokens -= flight.prefill_tokens
+            flight.view.num_prefilling -= 1 + flight.extra_active
         flight.view.num_active -= 1 + flight.extra_active
         flight.extra_active = 0
         flight.view.refresh()

@@ -139,11 +139,17 @@ class Dynamo(Policy):
     Dynamo breaks ties by the smaller radix tree, then at random; here at random (a policy
     does not see per-worker index sizes). Overlap comes from the KV events
     (``use_kv_events`` is Dynamo's default).
+
+    Freshness: Dynamo's router counts active blocks itself, at once on every pick and
+    finish; the load-report stand-in is as fresh as that only with frequent reports, so the
+    sim replay sends this policy's fleet a report every 50 ms (``load_interval_s``) unless
+    ``--load-interval-s`` says otherwise.
     """
 
     name = "dynamo"
     uses_matches = True
     has_cost = True
+    load_interval_s = 0.05
 
     overlap_score_weight = 1.0
 
@@ -217,14 +223,15 @@ class LlmD(Policy):
 
     The picker takes the highest weighted sum, ties at random. ``costs`` returns the negated
     sum (lower is better, as for every policy). Stand-in: the waiting count and KV usage are
-    the worker's load report, sent every ``load_interval_s`` (1 s in the replays), where
-    llm-d scrapes vLLM's metrics every 50 ms (``kvroute replay --load-interval-s 0.05``
-    narrows the gap).
+    the worker's load report; llm-d scrapes vLLM's metrics every 50 ms (the gateway's
+    default ``refreshMetricsInterval``), so the sim replay sends this policy's fleet a report
+    every 50 ms (``load_interval_s``) unless ``--load-interval-s`` says otherwise.
     """
 
     name = "llm_d"
     uses_matches = True
     has_cost = True
+    load_interval_s = 0.05
 
     prefix_weight = 2.0
     kv_utilization_weight = 1.0

@@ -69,13 +69,16 @@ class Policy:
     ``uses_events``: False for policies that must not see event-fed index entries
     (approx_tree). ``uses_matches``: whether the pick depends on cached prefixes (the core
     then enters predicted entries for each pick). ``has_cost``: whether :meth:`costs`
-    returns numbers.
+    returns numbers. ``load_interval_s``: how fresh the workers' load signals are where this
+    policy runs in production, when that differs from kvroute's worker reports (None: the
+    replay's interval); the sim replay gives each policy its own (decision 0031).
     """
 
     name = "base"
     uses_events = True
     uses_matches = False
     has_cost = False
+    load_interval_s: float | None = None
 
     def __init__(self, config: PolicyConfig) -> None:
         self.config = config

@@ -23,11 +23,12 @@ __all__ = [
 
 SLOT_WAIT_TOKENS = 1024.0  # CostWeights.slot_wait's default (decision 0012)
 QUEUED_KNEE_PROMPTS = 14.0  # CostWeights.queued_knee's default (decision 0013)
+DECODE_TIME_WEIGHT = 0.1  # CostWeights.decode_time's default (decision 0031)
 DEFAULT_BACKLOG_TOKENS = 50_000.0  # PolicyConfig.backlog_tokens (decision 0010)
 DEFAULT_SATURATED_TOKENS = 10_000.0  # PolicyConfig.saturated_tokens (decision 0011)
 DEFAULT_SATURATED_SCALE_TOKENS = 2_000.0  # PolicyConfig.saturated_scale_tokens (0011)
 # the --cost-weights option's form (CostWeights.parse), shown by every command that takes it
-COST_WEIGHTS_FORM = "PREFILL,QUEUED,DECODE[,RECENT[,SLOT_WAIT[,KNEE]]]"
+COST_WEIGHTS_FORM = "PREFILL,QUEUED,DECODE[,RECENT[,SLOT_WAIT[,KNEE[,DECODE_TIME]]]]"
 MIN_QUEUED_KNEE = 1e-3  # a knee below a thousandth of a prompt means nothing (and overflows)
 
 
@@ -40,10 +41,12 @@ class CostWeights:
                      + decode * requests running on the worker
                      + recent_prefill * work routed there lately (decayed)
                      + slot_wait * requests ahead of it for a running slot
+                     + decode_time * (the time its decode and its prefill add, in prefill
+                                      tokens: router.core.cost, decision 0031)
 
     ``q``: queued prefill tokens on the worker; ``queued_knee`` 0 keeps the queued term
-    linear. Defaults: decisions 0009 (prefill, queued, decode, recent), 0012 (slot wait)
-    and 0013 (knee).
+    linear. Defaults: decisions 0009 (prefill, queued, decode, recent), 0012 (slot wait),
+    0013 (knee) and 0031 (decode time).
     """
 
     prefill: float = 1.0
@@ -52,9 +55,11 @@ class CostWeights:
     recent_prefill: float = 0.1
     slot_wait: float = SLOT_WAIT_TOKENS
     queued_knee: float = QUEUED_KNEE_PROMPTS
+    decode_time: float = DECODE_TIME_WEIGHT
 
     def __post_init__(self) -> None:
-        for name in ("prefill", "queued_prefill", "decode", "recent_prefill", "slot_wait"):
+        names = ("prefill", "queued_prefill", "decode", "recent_prefill", "slot_wait")
+        for name in (*names, "decode_time"):
             if not getattr(self, name) >= 0:  # NaN too
                 raise ValueError(f"CostWeights.{name} must be >= 0, got {getattr(self, name)}")
         knee = self.queued_knee
@@ -79,21 +84,22 @@ class CostWeights:
         the option and the expected form otherwise."""
         parts = text.split(",")
         try:
-            if not 3 <= len(parts) <= 6:
+            if not 3 <= len(parts) <= 7:
                 raise ValueError
             values = [float(x) for x in parts]
         except ValueError:
             raise ValueError(
-                "--cost-weights: cost weights must be three to six numbers "
+                "--cost-weights: cost weights must be three to seven numbers "
                 f"{COST_WEIGHTS_FORM}, got {text!r}"
             ) from None
         return cls(*values)
 
     def form(self) -> str:
-        """These weights as ``--cost-weights`` takes them (all six)."""
+        """These weights as ``--cost-weights`` takes them (all seven)."""
         return (
             f"{self.prefill:g},{self.queued_prefill:g},{self.decode:g},"
-            f"{self.recent_prefill:g},{self.slot_wait:g},{self.queued_knee:g}"
+            f"{self.recent_prefill:g},{self.slot_wait:g},{self.queued_knee:g},"
+            f"{self.decode_time:g}"
         )
 
 

@@ -124,6 +124,7 @@ class Inflight:
 def open_flight(view: WorkerView, prefill_tokens: int) -> Inflight:
     """A request in flight on ``view``'s worker: its prefill queued there, one more active."""
     view.inflight_prefill_tokens += prefill_tokens
+    view.num_prefilling += 1
     view.num_active += 1
     view.refresh()
     return Inflight(view, prefill_tokens)
@@ -191,6 +192,7 @@ class ReplicaAccounting:
             if extra > 0 and not cold:
                 flight.extra_active = extra
                 view.num_active += extra
+                view.num_prefilling += extra  # the stand-ins are prefilling too
                 view.refresh()
         return flight
 
@@ -237,6 +239,8 @@ class ReplicaAccounting:
                 view.inflight_prefill_tokens -= extra
             if flight.extra_active:  # (a finish took it off already)
                 view.num_active -= flight.extra_active
+                if flight.prefilling:  # (a first token took them off already)
+                    view.num_prefilling -= flight.extra_active
                 flight.extra_active = 0
             if flight.extra_recent:
                 if flight.extra_recent_t0 == recent_t0:  # no rebase since

@@ -70,6 +70,7 @@ from router.core.index_factory import make_index
 from router.core.introspect import EXCLUDED, UNHEALTHY, explanation, router_stats, worker_stats
 from router.core.policy_config import CostWeights
 from router.core.registry import make_policy
+from router.core.step_profile import StepProfile
 from router.core.streams import StreamIngest
 from router.core.sync import SyncConfig
 from router.core.views import RouteQuery, WorkerView
@@ -170,6 +171,11 @@ class RouterCore:
             )
         self._fleet.get(worker_id).view.max_running = max_running
 
+    def set_step_profile(self, worker_id: str, profile: StepProfile) -> None:
+        """The worker's stated step times (``WorkerInfo``'s step profile; the default where
+        it states none): the cost's decode-time term reads them (decision 0031)."""
+        self._fleet.get(worker_id).view.step_profile = profile
+
     def set_health(self, worker_id: str, healthy: bool) -> None:
         """Unhealthy workers keep their index entries but are never routed to."""
         self._fleet.get(worker_id).view.healthy = healthy
@@ -229,7 +235,14 @@ class RouterCore:
                     f"must be >= len(token_ids) = {prompt_tokens}, got {req.prompt_tokens}",
                 )
             prompt_tokens = req.prompt_tokens
-        return RouteQuery(req.request_id, prompt_tokens, block_size or 1, hashes, recent_scale)
+        return RouteQuery(
+            req.request_id,
+            prompt_tokens,
+            block_size or 1,
+            hashes,
+            recent_scale,
+            self._flights.expected_output_tokens,
+        )
 
     def route(self, req: RouteRequest) -> RouteDecision:
         """Pick a worker for ``req`` and account it as in flight there (Flights.open).

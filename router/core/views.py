@@ -14,6 +14,7 @@ import numpy as np
 
 from kvroute_proto.events import LoadReport
 from router.core.policy_config import CostWeights
+from router.core.step_profile import DEFAULT_STEP_PROFILE, StepProfile
 
 __all__ = [
     "CandidateSet",
@@ -52,6 +53,9 @@ class WorkerView:
     tokens routed here (and decode work of finished requests), decayed, times the core's
     current scale factor (policies multiply by
     ``RouteQuery.recent_scale`` to get tokens; see ``Flights.recent_scale``).
+    ``kv_per_running``: KV tokens per running request in the last report (0: none yet).
+    ``num_prefilling``: requests routed here not yet past their first token (router-tracked).
+    ``step_profile``: the worker's stated step times (decision 0031).
 
     A view the core registered is attached to its :class:`WorkerTable`: every change of the
     four cost fields (by :meth:`refresh` or by assignment) is also written there, where the
@@ -60,6 +64,8 @@ class WorkerView:
 
     __slots__ = (
         "_cap",
+        "_kvper",
+        "_profile",
         "_queued",
         "_recent",
         "_running",
@@ -70,6 +76,7 @@ class WorkerView:
         "inflight_prefill_tokens",
         "load",
         "num_active",
+        "num_prefilling",
         "slot",
         "worker_id",
     )
@@ -100,6 +107,9 @@ class WorkerView:
         self._running = num_running
         self._recent = recent_prefill
         self._cap = max_running
+        self._kvper = 0.0
+        self.num_prefilling = 0
+        self._profile = DEFAULT_STEP_PROFILE
         self._table: WorkerTable | None = None
 
     def __repr__(self) -> str:
@@ -120,7 +130,7 @@ class WorkerView:
     def queued_prefill_tokens(self, value: int) -> None:
         self._queued = value
         if self._table is not None:
-            self._table.set_load(self.slot, value, self._running, self.slot_queue)
+            self._table.set_view(self)
 
     @property
     def num_running(self) -> int:
@@ -130,7 +140,7 @@ class WorkerView:
     def num_running(self, value: int) -> None:
         self._running = value
         if self._table is not None:
-            self._table.set_load(self.slot, self._queued, value, self.slot_queue)
+            self._table.set_view(self)
 
     @property
     def max_running(self) -> int:
@@ -142,7 +152,7 @@ class WorkerView:
             raise ValueError(f"max_running must be >= 0, got {value}")
         self._cap = value
         if self._table is not None:
-            self._table.set_load(self.slot, self._queued, self._running, self.slot_queue)
+            self._table.set_view(self)
 
     @property
     def slot_queue(self) -> int:
@@ -159,6 +169,20 @@ class WorkerView:
         if self._table is not None:
             self._table.fields[2, self.slot] = value
 
+    @property
+    def kv_per_running(self) -> float:
+        return self._kvper
+
+    @property
+    def step_profile(self) -> StepProfile:
+        return self._profile
+
+    @step_profile.setter
+    def step_profile(self, profile: StepProfile) -> None:
+        self._profile = profile
+        if self._table is not None:
+            self._table.set_view(self)
+
     def refresh(self) -> None:
         """Recompute the derived fields from the router's counts and the last report."""
         load = self.load
@@ -168,10 +192,32 @@ class WorkerView:
         else:
             queued = max(self.inflight_prefill_tokens, load.num_queued_prefill_tokens)
             running = max(self.num_active, load.num_running + load.num_waiting)
+            if load.num_running > 0:
+                used = load.num_total_kv_tokens - load.num_free_kv_tokens
+                used -= load.num_evictable_kv_tokens
+                self._kvper = max(used, 0) / load.num_running
         self._queued = queued
         self._running = running
         if self._table is not None:
-            self._table.set_load(self.slot, queued, running, self.slot_queue)
+            self._table.set_view(self)
+
+    def decode_parts(self) -> tuple[float, float]:
+        """The decode-time term's two per-worker parts, (A, B), so that the term for a
+        request of P prompt tokens expected to generate L is ``L * (A + (P + L / 2) * B)``
+        (router.core.cost): with r the requests past their prefill and K their KV,
+        A = r * 2 * seq + K * ctx and B = r * ctx; before a report says the KV per running
+        request, each stands in with the request's own (K = r * (P + L / 2): B doubles)."""
+        r = self._running - self.num_prefilling
+        if r <= 0:
+            return 0.0, 0.0
+        profile = self._profile
+        seq, ctx = profile.seq_tokens(), profile.context_tokens()
+        if self._kvper > 0:
+            return r * (2.0 * seq) + r * self._kvper * ctx, r * ctx
+        return r * (2.0 * seq), 2.0 * (r * ctx)
+
+
+ROWS = 7  # WorkerTable.fields' rows
 
 
 class WorkerTable:
@@ -181,12 +227,14 @@ class WorkerTable:
     converts them to), row 3 the cost's load part under ``weights``, ``queued_prefill *
     queued + decode * running + slot_wait * slot_queue`` (the knee, which depends on the
     request, is added per route), computed in Python as :meth:`CacheAware.costs` computes
-    it; kept current by the views themselves. ``ids``: each slot's ``WorkerView.id_hash``."""
+    it; rows 5 and 6 the decode-time term's parts (``WorkerView.decode_parts``); kept current
+    by the views themselves.
+    ``ids``: each slot's ``WorkerView.id_hash``."""
 
     __slots__ = ("_wc", "_wd", "_wq", "fields", "ids", "weights")
 
     def __init__(self, capacity: int = 64, weights: CostWeights | None = None) -> None:
-        self.fields = np.zeros((5, max(capacity, 1)))
+        self.fields = np.zeros((ROWS, max(capacity, 1)))
         self.ids = np.zeros(self.fields.shape[1], dtype=np.uint64)
         self.weights = weights = weights or CostWeights()
         self._wq, self._wd, self._wc = weights.queued_prefill, weights.decode, weights.slot_wait
@@ -198,12 +246,18 @@ class WorkerTable:
         fields[4, slot] = slot_queue
         fields[3, slot] = self._wq * queued + self._wd * running + self._wc * slot_queue
 
+    def set_view(self, view: WorkerView) -> None:
+        """Write ``view``'s load and decode-time fields (it changed)."""
+        slot = view.slot
+        self.set_load(slot, view._queued, view._running, view.slot_queue)
+        self.fields[5, slot], self.fields[6, slot] = view.decode_parts()
+
     def attach(self, view: WorkerView) -> None:
         """Keep ``view``'s cost fields here from now on (its slot's column is overwritten)."""
         slot = view.slot
         capacity = self.fields.shape[1]
         if slot >= capacity:
-            grown = np.zeros((5, max(2 * capacity, slot + 1)))
+            grown = np.zeros((ROWS, max(2 * capacity, slot + 1)))
             grown[:, :capacity] = self.fields
             self.fields = grown
             ids = np.zeros(grown.shape[1], dtype=np.uint64)
@@ -212,7 +266,7 @@ class WorkerTable:
         self.ids[slot] = view.id_hash
         view._table = self
         self.fields[2, slot] = view._recent
-        self.set_load(slot, view._queued, view._running, view.slot_queue)
+        self.set_view(view)
 
     @staticmethod
     def detach(view: WorkerView) -> None:
@@ -253,6 +307,8 @@ class RouteQuery:
     block_size: int
     block_hashes: Sequence[int]
     recent_scale: float = 1.0
+    # tokens it is expected to generate (Flights.expected_output_tokens; 0: not known)
+    expected_output_tokens: float = 0.0
 
 
 Views = Sequence[WorkerView]  # a policy's candidates: healthy, not excluded, never empty

@@ -97,6 +97,9 @@ class RouterServerConfig:
     http: HttpFrontConfig | None = None  # the OpenAI-compatible HTTP front; None: off
     tls: ServerTls | None = None  # the gRPC port's TLS (mTLS with a client CA); None: plaintext
     api_keys: ApiKeys | None = None  # bearer keys -> tenants (router/service/auth.py); None: open
+    # SO_REUSEPORT on the gRPC port: only for the sibling processes of one `kvroute router
+    # --processes N`, whose supervisor holds the port against everyone else
+    reuse_port: bool = False
 
     def __post_init__(self) -> None:
         for address in self.workers:
@@ -113,12 +116,13 @@ def check_address(address: str) -> str:
     return address
 
 
-def server_options(config: ConnectionConfig) -> list[tuple[str, int]]:
+def server_options(config: ConnectionConfig, reuse_port: bool = False) -> list[tuple[str, int]]:
     """Accept client keepalive pings at the rate our own channels send them. No
-    SO_REUSEPORT (grpc's default is on): a second router on a taken port must fail, not
-    silently take half of the first one's clients."""
+    SO_REUSEPORT (grpc's default is on) unless ``reuse_port`` (a `--processes` sibling): a
+    second router on a taken port must fail, not silently take half of the first one's
+    clients."""
     return [
-        ("grpc.so_reuseport", 0),
+        ("grpc.so_reuseport", int(reuse_port)),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_recv_ping_interval_without_data_ms", int(config.keepalive_time_s * 500)),
         ("grpc.http2.max_ping_strikes", 0),
@@ -172,7 +176,8 @@ class RouterServer:
         if keys is not None:
             interceptors.append(AuthInterceptor(keys.authenticate))
         server = grpc.aio.server(
-            options=server_options(self.config.connection), interceptors=interceptors
+            options=server_options(self.config.connection, self.config.reuse_port),
+            interceptors=interceptors,
         )
         pb_grpc.add_RouterServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)

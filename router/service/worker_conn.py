@@ -42,6 +42,7 @@ from kvroute_proto import kvroute_pb2_grpc as pb_grpc
 from kvroute_proto.errors import ContractError
 from router.core.errors import RouterError
 from router.core.router_core import Resubscribe, RouterCore
+from router.core.step_profile import DEFAULT_STEP_PROFILE, StepProfile
 from router.service.resilience import Backoff, BackoffConfig
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,14 @@ log = logging.getLogger(__name__)
 
 # Largest event-stream message accepted from a worker (a Snapshot of ~40M blocks)
 MAX_SNAPSHOT_BYTES = 1 << 30
+# On the relay channel (Generate only) each stream from a worker may run this far ahead of
+# what the router has read (HTTP/2 flow control; grpc's default is 64 KiB, grown further by
+# its BDP probe, which is off there). A router that falls behind then holds the worker's
+# writes, and the worker sends everything its engine made meanwhile in one message: tokens
+# coalesce exactly when the router is the limit, and cost it per message, not per token
+# (decision 0030). The event stream keeps grpc's defaults on the control channel: a worker's
+# events must never wait on the router's relays (its subscriber queue would overflow).
+STREAM_WINDOW_BYTES = 1024
 
 # The Worker service's event stream (kvroute.proto), called with raw response bytes
 SUBSCRIBE_METHOD = "/kvroute.v1.Worker/SubscribeKvEvents"
@@ -87,9 +96,13 @@ class ConnectionConfig:
         if self.purge_after_s < 0:
             raise ValueError(f"purge_after_s must be >= 0, got {self.purge_after_s}")
 
-    def channel_options(self) -> list[tuple[str, int]]:
+    def channel_options(self, *, relay: bool = False) -> list[tuple[str, int]]:
+        """The worker channels' options; ``relay``: the Generate channel's (a small stream
+        window, see ``STREAM_WINDOW_BYTES``)."""
         max_backoff_ms = int(self.backoff.max_s * 1000)
+        window = [("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES), ("grpc.http2.bdp_probe", 0)]
         return [
+            *(window if relay else ()),
             ("grpc.keepalive_time_ms", int(self.keepalive_time_s * 1000)),
             ("grpc.keepalive_timeout_ms", int(self.keepalive_timeout_s * 1000)),
             # without it grpc-core (1.85) waits for a ping ack far longer than the keepalive
@@ -125,6 +138,21 @@ class ConnectionHooks:
     changed: asyncio.Condition
 
 
+def _step_profile(info: pb.WorkerInfo) -> StepProfile:
+    """The step profile the worker states (the default where it states none, or a bad one,
+    which is logged: a profile steers the cost, it never refuses a worker; decision 0031)."""
+    try:
+        return StepProfile.stated(
+            info.step_decode_base_s,
+            info.step_decode_s_per_seq,
+            info.step_decode_s_per_context_token,
+            info.step_prefill_s_per_token,
+        )
+    except ValueError as exc:
+        log.warning("worker %s: %s; using the default step profile", info.worker_id, exc)
+        return DEFAULT_STEP_PROFILE
+
+
 class WorkerConnection:
     """Channel + stub + event subscription for the worker at ``address``."""
 
@@ -151,6 +179,15 @@ class WorkerConnection:
             interceptors=bearer_interceptors(config.token) if config.token else None,
         )
         self.stub = pb_grpc.WorkerStub(self.channel)
+        # Generate's own channel (connection): its streams' small window holds the worker's
+        # writes while the router lags, which the event stream must never wait on
+        self.relay_channel = make_channel(
+            address,
+            config.tls,
+            options=config.channel_options(relay=True),
+            interceptors=bearer_interceptors(config.token) if config.token else None,
+        )
+        self.relay_stub = pb_grpc.WorkerStub(self.relay_channel)
         # the event stream without gRPC's deserializer: each message arrives as its wire
         # bytes and goes to codec.decode_stream_message as they are (the router's compiled
         # scan reads them directly; anything it declines is parsed by protobuf, as before)
@@ -192,6 +229,7 @@ class WorkerConnection:
                 await self._task
             self._task = None
         await self.channel.close()
+        await self.relay_channel.close()
         if self.worker_id is not None:
             self._hooks.release(self, self.worker_id)
             self.worker_id = None
@@ -240,6 +278,7 @@ class WorkerConnection:
             info.kv_capacity_tokens,
         )
         self._core.set_max_running(self.worker_id, info.max_running_requests)
+        self._core.set_step_profile(self.worker_id, _step_profile(info))
         self.num_connects += 1
         self._backoff.reset()
         self._down_since = None

@@ -244,6 +244,21 @@ def test_chat_stream_chunks() -> None:
     assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 13
 
 
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_delta_events_are_the_delta_chunks_byte_for_byte(kind: str, include_usage: bool) -> None:
+    body: dict = {"stream": True, "stream_options": {"include_usage": include_usage}}
+    if kind == "chat":
+        api = chat({**body, "messages": [{"role": "user", "content": "x"}]})
+    else:
+        api = completion({**body, "prompt": "x"})
+    out = oa.ApiOutput(api)
+    events = oa.DeltaEvents(out, 'a "model"', 1733450000)
+    for text in ["h", 'say "hi"\n', "\x00\x1f\\", "é漢字🙂", "\u2028", "data: {}"]:
+        expected = oa.sse_event(oa.delta_chunk(out, 'a "model"', 1733450000, text))
+        assert events.event(text) == expected
+
+
 def test_errors_and_sse_framing() -> None:
     exc = Overloaded("queue full: max_waiting_requests=4", retry_after_s=1.0)
     assert oa.error_body(exc) == {

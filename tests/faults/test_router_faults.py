@@ -34,6 +34,7 @@ from faults_harness import (
     wait_until,
 )
 
+from bench.bench_overload import OverloadConfig, capacity_rps
 from edge.frontdoor import Overloaded
 from edge.registry import DEFAULT_PREFIX
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
@@ -272,19 +273,7 @@ async def test_overload_is_refused_fast_and_bounded() -> None:
             # how long each refused call spent inside the router, from the handler's entry to
             # its refusal: the client's own round trip also waits for this process's loop,
             # which 120 streaming calls keep busy on a loaded box
-            refused_in_router: list[float] = []
-            handler = router.frontend.generate
-
-            async def timed_generate(request, call):
-                t0 = time.perf_counter()
-                try:
-                    async for msg in handler(request, call):
-                        yield msg
-                except Overloaded:
-                    refused_in_router.append(time.perf_counter() - t0)
-                    raise
-
-            router.frontend.generate = timed_generate
+            refused_in_router = _time_refusals(router)
 
             async def sample() -> None:
                 nonlocal peak
@@ -329,3 +318,83 @@ async def test_overload_is_refused_fast_and_bounded() -> None:
             details={"codes": dict(codes), "peak_inflight": peak},
         )
     )
+
+
+async def test_long_prompt_overload_admits_only_what_finishes() -> None:
+    """8,000-token prompts offered at ~3x one paced worker's prefill capacity with 4 s
+    deadlines, on the router's default admission: the calls it admits finish in time (at
+    most as many miss as finish; without admission 78 of 82 missed), the rest are refused
+    inside the router before any admitted call completes."""
+    speedup, deadline_s, new_tokens, length = 0.25, 4.0, 4, 8_000
+    capacity, _ = capacity_rps(
+        OverloadConfig(
+            num_workers=1,
+            deadline_s=deadline_s,
+            new_tokens=new_tokens,
+            prompt_tokens=length,
+            sim_speedup=speedup,
+        )
+    )
+    rate, window_s = 3 * capacity, 12.0
+    with procs() as p:
+        w = start_worker(p, "w0", speedup=speedup)
+        async with no_stray_tasks():
+            router = await start_router(router_config([w.address]))
+            refused_in_router = _time_refusals(router)
+            load = Load()
+            try:
+                await wait_synced(router, 1)
+                async with grpc.aio.insecure_channel(router.address) as ch:
+                    stub = pb_grpc.RouterStub(ch)
+                    calls = []
+                    t0 = time.perf_counter()
+                    for i in range(int(rate * window_s)):
+                        await asyncio.sleep(max(0.0, t0 + i / rate - time.perf_counter()))
+                        req = request(i, new_tokens, shared=0, length=length)
+                        calls.append(asyncio.create_task(one_call(stub, req, deadline_s, load)))
+                    await asyncio.gather(*calls)
+                await assert_no_leak([w], router)
+            finally:
+                await router.stop(0)
+    codes = load.codes()
+    assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"}, codes
+    ok, late, refused = codes["OK"], codes["DEADLINE_EXCEEDED"], codes["RESOURCE_EXHAUSTED"]
+    assert ok >= 3 and refused > 0 and late <= ok, codes
+    served = [o.elapsed_s for o in load.outcomes if o.code == "OK"]
+    assert len(refused_in_router) == refused and max(refused_in_router) < min(served)
+    times = sorted(o.elapsed_s for o in load.outcomes if o.code == "RESOURCE_EXHAUSTED")
+    p99 = times[min(len(times) - 1, int(0.99 * len(times)))]
+    goodput = ok / window_s / capacity
+    record(
+        Row(
+            test="long_prompt_overload",
+            fault=f"long-prompt overload: {length:,}-token prompts, {new_tokens} new tokens, "
+            f"{deadline_s:g} s deadlines, offered at 3x 1 paced worker's prefill capacity "
+            f"for {window_s:g} s (router defaults)",
+            client_sees=f"{codes_text(load)}; goodput {100 * goodput:.0f}% of capacity; "
+            f"refusals p99 {1000 * p99:.0f} ms",
+            index_after="unchanged",
+            recovery="refusal p99 in",
+            recover_s=round(p99, 3),
+            details={"codes": dict(codes), "goodput_of_capacity": round(goodput, 3)},
+        )
+    )
+
+
+def _time_refusals(router) -> list[float]:
+    """Wrap the router's Generate handler to time each refusal from the handler's entry;
+    the list fills as calls are refused."""
+    refused: list[float] = []
+    handler = router.frontend.generate
+
+    async def timed_generate(request, call):
+        t0 = time.perf_counter()
+        try:
+            async for msg in handler(request, call):
+                yield msg
+        except Overloaded:
+            refused.append(time.perf_counter() - t0)
+            raise
+
+    router.frontend.generate = timed_generate
+    return refused

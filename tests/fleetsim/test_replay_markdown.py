@@ -17,7 +17,10 @@ def _policy(name: str, hit: float, ttft99: float, **extra) -> dict:
         "busy_imbalance": 1.2,
         "ttft_p50_s": 0.05,
         "ttft_p99_s": ttft99,
+        "e2e_p50_s": 1.25,
         "e2e_p99_s": 3.5,
+        "itl_mean_s": 0.0125,
+        "itl_p99_s": 0.04,
         "errors": 0,
     }
     row.update(extra)
@@ -38,8 +41,9 @@ def test_table_marks_the_lowest_ttft_p99_and_the_share_of_the_pooled_reference()
     text = markdown.table(report)
     lines = text.splitlines()
     assert lines[0] == "**8 workers** — pooled reference 80.0%, infinite ceiling 81.0%"
-    assert "| cache_aware | 70.0% | 87.5% | 1.04 | 1.20 | 50 ms | **290 ms** | 3.50 s | 0 |" in text
-    assert "| round_robin | 50.0% | 62.5% | 1.04 | 1.20 | 50 ms | 310 ms | 3.50 s | 3 |" in text
+    tail = "| 1.25 s | 3.50 s | 12.5 ms | 40.0 ms |"
+    assert f"| cache_aware | 70.0% | 87.5% | 1.04 | 1.20 | 50 ms | **290 ms** {tail} 0 |" in text
+    assert f"| round_robin | 50.0% | 62.5% | 1.04 | 1.20 | 50 ms | 310 ms {tail} 3 |" in text
 
 
 def test_merge_takes_each_policy_once_and_refuses_another_fleet():

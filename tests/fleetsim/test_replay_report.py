@@ -33,6 +33,11 @@ def test_summarize_definitions():
     assert p.ttft_p50_s == 0.2  # TTFTs 0.5, 0.2, 0.1
     assert p.ttft_p99_s == pytest.approx(0.494)
     assert p.e2e_p50_s == 1.0
+    # inter-token latency per request: (1.0-0.5)/9, (2.0-1.2)/9, (3.0-2.1)/19
+    itl = [0.5 / 9, 0.8 / 9, 0.9 / 19]
+    assert p.itl_mean_s == pytest.approx(sum(itl) / 3, abs=1e-6)
+    # p99 interpolates between the two largest (linear, numpy's default)
+    assert p.itl_p99_s == pytest.approx(0.5 / 9 + 0.98 * (0.8 / 9 - 0.5 / 9), abs=1e-6)
     assert p.throughput_tok_s == round(40 / 3.0, 3)  # 40 tokens, first arrival 0, last finish 3
 
 

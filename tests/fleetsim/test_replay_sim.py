@@ -176,7 +176,7 @@ def test_cli_errors_and_plot(tmp_path, capsys):
     assert main(["--trace", str(trace), "--policy", "nope", "--trace-block-size", "64"]) == 2
     assert "nope" in capsys.readouterr().err
     assert main(["--trace", str(trace), "--trace-block-size", "64", "--cost-weights", "1,2"]) == 2
-    assert "--cost-weights: cost weights must be three to six numbers" in capsys.readouterr().err
+    assert "--cost-weights: cost weights must be three to seven numbers" in capsys.readouterr().err
     assert main(["--trace", str(trace), "--trace-block-size", "64", "--recent-window-s", "0"]) == 2
     assert "recent_window_s must be > 0" in capsys.readouterr().err
     assert main(["--trace", str(trace), "--trace-block-size", "64", "--backlog-tokens", "-1"]) == 2

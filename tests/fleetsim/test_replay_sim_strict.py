@@ -467,3 +467,32 @@ def test_cli_strict_options(tmp_path, capsys):
     ):
         assert main([*base, *bad]) == 2
         assert msg in capsys.readouterr().err
+
+
+def test_each_peer_policy_gets_its_production_load_freshness_unless_told(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace, two_prefix_trace(8))
+    base = ["--trace", str(trace), "--trace-block-size", str(BS), "--workers", "2", "--quiet"]
+    policies = ["--policy", "cache_aware", "--policy", "llm_d", "--policy", "dynamo"]
+    out = tmp_path / "o.json"
+
+    def intervals(*extra: str) -> dict[str, float]:
+        assert main([*base, *policies, "--no-reference", "--json", str(out), *extra]) == 0
+        rows = json.loads(out.read_text())["policies"]
+        return {p["policy"]: p["extra"]["load_interval_s"] for p in rows}
+
+    # llm-d scrapes every 50 ms; Dynamo counts active blocks at once: 50 ms reports
+    assert intervals() == {"cache_aware": 1.0, "llm_d": 0.05, "dynamo": 0.05}
+    assert intervals("--load-interval-s", "0.5") == {
+        "cache_aware": 0.5,
+        "llm_d": 0.5,
+        "dynamo": 0.5,
+    }
+
+
+def test_for_policy_keeps_the_config_unless_asked():
+    cfg = tiny_config(load_interval_s=1.0)
+    assert cfg.for_policy("llm_d") is cfg
+    on = replace(cfg, policy_load_intervals=True)
+    assert on.for_policy("llm_d").load_interval_s == 0.05
+    assert on.for_policy("cache_aware") is on

@@ -23,6 +23,11 @@ Fields absent from a map, or past the end of an array, take their defaults. An e
 type this module does not know decodes to :class:`EngineUnknown` (the translator counts
 it); bytes that are not this wire raise :class:`EngineWireError` naming what was wrong.
 
+:func:`encode_vllm_batch` goes the other way: kvroute's own events as vLLM >= 0.24
+publishes them (tagged maps, unsigned 64-bit int hashes, the salt as the chain's first extra
+key), so consumers written for vLLM can follow a kvroute worker (``kvroute worker
+--kv-events-zmq``).
+
 Engine block hashes are kept as the engine sent them -- ints (vLLM's low 64 bits, SGLang's
 signed int64) or bytes (vLLM with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``) -- and never
 recomputed: their seeds depend on the engine's version, hash function and PYTHONHASHSEED.
@@ -36,6 +41,8 @@ from typing import Any
 
 import msgspec
 
+from kvroute_proto.events import AllCleared, BlockRemoved, BlockStored, KvEvent
+
 __all__ = [
     "REPLAY_END_SEQ",
     "EngineAllCleared",
@@ -48,6 +55,7 @@ __all__ = [
     "EngineUnknown",
     "EngineWireError",
     "decode_frames",
+    "encode_vllm_batch",
 ]
 
 EngineHash = int | bytes
@@ -141,6 +149,51 @@ _STORED_FIELDS = (
 _REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
 
 _decoder = msgspec.msgpack.Decoder()
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode_vllm_batch(
+    events: Sequence[KvEvent], block_size: int, ts: float, dp_rank: int = 0
+) -> bytes:
+    """The msgpack payload ``[ts, events, dp_rank]`` of vLLM's ``KVEventBatch`` for our
+    ``events`` (``block_size`` tokens a block). A partition's cache salt goes where vLLM
+    puts it, the first extra key of a chain's first block; its extra key, which vLLM has no
+    name for, follows the salt there (vLLM consumers drop such blocks, as they should)."""
+    out: list[dict[str, Any]] = []
+    for ev in events:
+        match ev:
+            case BlockStored():
+                n = len(ev.block_hashes)
+                keys: list[list[str] | None] = [None] * n
+                salt, extra = ev.partition.cache_salt, ev.partition.extra_key
+                if ev.parent_hash is None and n and (salt or extra):
+                    keys[0] = [salt, extra] if extra else [salt]
+                out.append(
+                    {
+                        "type": "BlockStored",
+                        "block_hashes": [int(h) for h in ev.block_hashes],
+                        "parent_block_hash": ev.parent_hash,
+                        "token_ids": ev.token_array.tolist(),
+                        "block_size": block_size,
+                        "lora_id": None,
+                        "medium": "GPU",
+                        "lora_name": None,
+                        "extra_keys": keys,
+                        "group_idx": 0,
+                    }
+                )
+            case BlockRemoved():
+                out.append(
+                    {
+                        "type": "BlockRemoved",
+                        "block_hashes": [int(h) for h in ev.block_hashes],
+                        "medium": "GPU",
+                        "group_idx": 0,
+                    }
+                )
+            case AllCleared():
+                out.append({"type": "AllBlocksCleared"})
+    return _encoder.encode([ts, out, dp_rank])
 
 
 def decode_frames(frames: Sequence[bytes]) -> EngineBatch | EngineReplayEnd:

@@ -81,6 +81,16 @@ class SimCostModel:
             if not value >= 0.0:  # also rejects NaN
                 raise ValueError(f"SimCostModel.{f.name} must be >= 0, got {value}")
 
+    def step_profile_s(self) -> tuple[float, float, float, float]:
+        """(decode base, per sequence, per context token, per prefill token) in seconds: the
+        step profile a worker states in ``WorkerInfo`` (the router's decode-time term)."""
+        return (
+            self.decode_base_s + self.step_overhead_s,
+            self.decode_s_per_seq,
+            self.decode_s_per_context_token,
+            self.prefill_s_per_token,
+        )
+
     @classmethod
     def zero(cls) -> SimCostModel:
         """Every cost 0: pure scheduling throughput (the scheduling benchmark)."""

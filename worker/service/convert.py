@@ -54,6 +54,9 @@ class WorkerInfo:
     tokenizer_fingerprint: str = ""  # edge.tokenizer; routers check it matches theirs
     hash_key_fingerprint: str = ""  # kvroute_proto.hashing; routers check it matches theirs
     max_running_requests: int = 0  # the engine's running-batch cap (0: not stated)
+    # (decode base, per sequence, per context token, per prefill token) seconds: the step
+    # profile the router's decode-time term uses (decision 0031); zeros: not stated
+    step_profile_s: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
 
 
 _FINISH_REASONS = {
@@ -256,6 +259,10 @@ def worker_info_to_pb(info: WorkerInfo) -> pb.WorkerInfo:
         tokenizer_fingerprint=info.tokenizer_fingerprint,
         hash_key_fingerprint=info.hash_key_fingerprint,
         max_running_requests=info.max_running_requests,
+        step_decode_base_s=info.step_profile_s[0],
+        step_decode_s_per_seq=info.step_profile_s[1],
+        step_decode_s_per_context_token=info.step_profile_s[2],
+        step_prefill_s_per_token=info.step_profile_s[3],
     )
 
 

@@ -28,7 +28,7 @@ from edge.limits import RequestLimits
 from edge.stop_strings import StopMatcher
 from kvroute_proto import kvroute_pb2 as pb
 from worker.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from worker.engine.types import FinishReason, RequestOutput
+from worker.engine.types import FinishReason, RequestOutput, TokenLogprobs
 from worker.errors import InvalidRequestError, QueueFullError
 from worker.service import convert, spans
 from worker.service.convert import WorkerInfo
@@ -129,7 +129,7 @@ class WorkerGeneration:
             texts = OutputText(self.tokenizer, request.sampling.stop) if self.tokenizer else None
             finished = False
             observer = self.observer
-            last_sent: float | None = None  # when the last tokens left (TTFT, inter-token)
+            last_sent: float | None = None  # when the last tokens came (TTFT, inter-token)
             outcome = "error"
             try:
                 while not finished:  # every stream ends with a finish_reason or an error
@@ -143,24 +143,26 @@ class WorkerGeneration:
                             phases.queue_wait_s = out.queue_wait_s
                         if out.new_token_ids and phases.first_token_ns is None:
                             phases.first_token_ns = time.time_ns()
-                    text = "" if texts is None else texts.push(out.new_token_ids, finished)
-                    if texts is not None and texts.stopped:  # the text ends before a stop
-                        end = out if finished else await self._finish_on_stop(stream)
-                        out = dataclasses.replace(
-                            out, finish_reason=FinishReason.STOP, usage=end.usage
-                        )
-                        finished = True
-                    if out.new_token_ids:
+                    ids, logprobs = out.new_token_ids, out.logprobs
+                    if ids:  # the metrics see tokens as generated, however they are sent
                         now = time.perf_counter()
                         if last_sent is None:
                             observer.on_first_token(now - started)
                         else:
-                            observer.on_tokens(len(out.new_token_ids), now - last_sent)
+                            observer.on_tokens(len(ids), now - last_sent)
                         last_sent = now
-                    if out.new_token_ids or text:
-                        yield convert.chunk_to_pb(
-                            rid, out.new_token_ids, text, out.logprobs, self._decode
-                        )
+                    text = ""
+                    if texts is not None:
+                        text = texts.push(ids, finished)
+                        if texts.stopped:  # the text ends before a stop string
+                            end = out if finished else await self._finish_on_stop(stream)
+                            out = dataclasses.replace(
+                                out, finish_reason=FinishReason.STOP, usage=end.usage
+                            )
+                            finished = True
+                        ids, logprobs = texts.take_ids(ids, logprobs, bool(text) or finished)
+                    if ids or text:
+                        yield convert.chunk_to_pb(rid, ids, text, logprobs, self._decode)
                     if out.finish_reason is not None:
                         outcome = out.finish_reason.value
                         _record_finish(span, out)
@@ -235,6 +237,23 @@ class OutputText:
     def __init__(self, tokenizer: Tokenizer, stops: Sequence[str]) -> None:
         self._detok = IncrementalDetokenizer(tokenizer)
         self._stops = StopMatcher(stops) if stops else None
+        self._held_ids: tuple[int, ...] = ()  # generated ids waiting for their text
+        self._held_logprobs: tuple[TokenLogprobs, ...] = ()
+
+    def take_ids(
+        self, ids: tuple[int, ...], logprobs: tuple[TokenLogprobs, ...] | None, ready: bool
+    ) -> tuple[tuple[int, ...], tuple[TokenLogprobs, ...] | None]:
+        """The ids (and their logprobs) to send now: while there is no text to send with
+        them (a character's first bytes, or text held for a stop string), none -- they go
+        with the next text or the end (``ready``), so no message is text-free (decision
+        0030)."""
+        self._held_ids += ids
+        self._held_logprobs += logprobs or ()
+        if not ready:
+            return (), None
+        out = (self._held_ids, self._held_logprobs or None)
+        self._held_ids, self._held_logprobs = (), ()
+        return out
 
     @property
     def stopped(self) -> bool:

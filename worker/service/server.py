@@ -48,6 +48,7 @@ from worker.service.servicer import WorkerServicer
 
 if TYPE_CHECKING:
     from worker.engine.engine import Engine
+    from worker.service.zmq_events import ZmqEventPublisher, ZmqEventsConfig
 
 log = logging.getLogger("kvroute.worker.server")
 
@@ -84,10 +85,19 @@ class WorkerServerConfig:
     # the HTTP generation routes require the router token too (off: peer routers such as
     # sglang-router cannot send it); /health, /v1/models, /model_info, /server_info stay open
     http_require_token: bool = False
+    # also publish the KV events in vLLM's ZMQ wire (None: off)
+    zmq_events: ZmqEventsConfig | None = None
 
     def __post_init__(self) -> None:
         if self.http_require_token and not self.router_token:
             raise ValueError("--http-require-token needs --router-token")
+
+
+def _step_profile_s(engine: Engine) -> tuple[float, float, float, float]:
+    """The step profile GetLoad states: the simulated executor's cost model; zeros (not
+    stated, the router's default) for an executor without one."""
+    cost_model = getattr(engine.executor, "cost_model", None)
+    return cost_model.step_profile_s() if cost_model is not None else (0.0, 0.0, 0.0, 0.0)
 
 
 class WorkerServer:
@@ -123,6 +133,7 @@ class WorkerServer:
             tokenizer_fingerprint=getattr(tokenizer, "fingerprint", ""),
             hash_key_fingerprint=hash_key_fingerprint(),
             max_running_requests=ec.max_running_requests,
+            step_profile_s=_step_profile_s(engine),
         )
         self.generation = WorkerGeneration(
             self.runner, tokenizer, config.limits, self.info, model_name=config.model_name
@@ -138,6 +149,7 @@ class WorkerServer:
         self.port: int | None = None
         self._stopped = False
         self._failure_task: asyncio.Task[None] | None = None
+        self._zmq_events: ZmqEventPublisher | None = None
 
     def _on_engine_failure(self, exc: BaseException) -> None:
         # Routers must stop sending here: report NOT_SERVING (the process keeps running so
@@ -200,6 +212,8 @@ class WorkerServer:
         address = f"{self.config.host}:{self.config.port}"
         port = add_port(server, address, self.config.tls)
         self.runner.start()
+        if self.config.zmq_events is not None:
+            await self._start_zmq_events(self.config.zmq_events)
         await server.start()
         self._server, self.port = server, port
         if self.config.http is not None:
@@ -227,6 +241,19 @@ class WorkerServer:
         )
         return port
 
+    async def _start_zmq_events(self, config: ZmqEventsConfig) -> None:
+        from worker.service.zmq_events import ZmqEventPublisher  # pyzmq: the worker extra
+
+        publisher = ZmqEventPublisher(self.runner, config, self.config.engine.block_size)
+        try:
+            publisher.start()
+        except OSError:
+            await self.runner.stop()
+            raise
+        self._zmq_events = publisher
+        where = ", replay on ".join(publisher.endpoints.values())
+        log.info("publishing KV events in vLLM's ZMQ wire on %s (topic %r)", where, config.topic)
+
     async def begin_shutdown(self) -> None:
         """Health NOT_SERVING, new Generate calls refused (UNAVAILABLE), every KV event
         stream ended; requests already running keep going."""
@@ -253,6 +280,8 @@ class WorkerServer:
                 # (health watches, stragglers) are cancelled after it.
                 await self._server.stop(min(grace, _STATUS_TAIL_S))
         finally:
+            if self._zmq_events is not None:
+                await self._zmq_events.stop()
             await self.runner.stop()
         log.info("worker %s stopped", self.config.engine.worker_id)
 

@@ -103,8 +103,8 @@ def test_router_defaults():
 @pytest.mark.parametrize(
     ("flag", "value", "message"),
     [
-        ("--cost-weights", "1,2", "--cost-weights: cost weights must be three to six numbers"),
-        ("--cost-weights", "1,x,3", "--cost-weights: cost weights must be three to six"),
+        ("--cost-weights", "1,2", "--cost-weights: cost weights must be three to seven numbers"),
+        ("--cost-weights", "1,x,3", "--cost-weights: cost weights must be three to seven"),
         ("--cost-weights", "1,-1,3", "CostWeights.queued_prefill must be >= 0, got -1.0"),
         ("--recent-window-s", "0", "recent_window_s must be > 0, got 0.0"),
         ("--backlog-tokens", "-5", "backlog_tokens must be >= 0, got -5.0"),

@@ -121,6 +121,35 @@ def test_prefill_ahead_and_the_prompt_count_against_the_deadline():
     assert adm.excluded(["w0"], 4, 2.0, 8_000) == frozenset()
 
 
+def test_a_cold_worker_queues_long_prompts_one_step_budget_at_a_time():
+    """Before its first token the worker's prefill rate is unknown: a second long prompt
+    waits (it could queue past every deadline); short prompts are not held back; the first
+    token lifts the limit."""
+    adm = Admission(AdmissionConfig(initial_window=32))
+    assert adm.excluded(["w0"], 4, 4.0, 20_000) == frozenset()  # one prompt: always
+    adm.on_dispatch("a", "w0", 0.0, prefill_tokens=8_000)
+    assert adm.excluded(["w0"], 4, 4.0, 8_000) == {"w0"}
+    assert adm.excluded(["w0"], 4, 4.0, 100) == frozenset()
+    adm.on_tokens("a", 1, 1.0)  # its first token: a prefill sample, the queue is empty
+    adm.on_dispatch("b", "w0", 1.0, prefill_tokens=8_000)
+    assert adm.excluded(["w0"], 4, 60.0, 8_000) == frozenset()
+
+
+def test_the_first_decode_samples_count_before_the_slope_is_trusted():
+    """A prefill-bound request is estimated with the decode it will still do: before
+    min_samples inter-token times, their mean step stands in for the fitted line."""
+    adm = Admission(AdmissionConfig(min_samples=32, margin=1.0))
+    adm.on_dispatch("a", "w0", 0.0, prefill_tokens=8_000)
+    adm.on_tokens("a", 1, 1.0)  # first token after 1 s: 8,000 tokens a second
+    assert adm.estimate_s("w0", 4, 8_000) == pytest.approx(1.0)  # no decode sample yet
+    adm.on_tokens("a", 1, 1.5)
+    adm.on_tokens("a", 1, 2.0)  # two steps of 0.5 s
+    adm.on_done("a")
+    assert adm.estimate_s("w0", 4, 8_000) == pytest.approx(1.0 + 4 * 0.5)
+    assert adm.excluded(["w0"], 4, 2.9, 8_000) == {"w0"}
+    assert adm.estimate_s("other", 4, 8_000) is None
+
+
 def test_disabled_admission_excludes_nothing():
     adm = Admission(AdmissionConfig(enabled=False, initial_window=1))
     adm.on_dispatch("a", "w0", 0.0)

@@ -619,7 +619,8 @@ def test_router_config_ttl_error_names_the_field_and_value(field: str) -> None:
 
 
 def test_a_worker_at_its_running_cap_is_charged_the_wait_for_a_slot() -> None:
-    core, _ = make_core(2)
+    # the slot wait alone: the decode-time term would move these requests off w0 anyway
+    core, _ = make_core(2, CostWeights(decode_time=0.0))
     prefix = tokens(2048)
     give(core, "w0", stored(prefix))  # w0 holds the prompt's 2,048-token prefix
     # w0 runs 32 requests with 20 waiting; w1 is idle
@@ -639,6 +640,25 @@ def test_a_worker_at_its_running_cap_is_charged_the_wait_for_a_slot() -> None:
     core.set_max_running("w0", 32)
     assert core.worker_view("w0").slot_queue == 53 - 32
     assert core.route(RouteRequest("c", prompt)).worker_id == "w1"
+
+
+def test_a_worker_decoding_for_many_is_left_for_an_idle_one_despite_its_cache() -> None:
+    def pick(num_running: int, kv_used: int) -> str:
+        core, _ = make_core(2)  # the default cost, decode-time term included (decision 0031)
+        prefix = tokens(2048)
+        give(core, "w0", stored(prefix))
+        total = 1 << 20
+        load = LoadReport(
+            num_running=num_running, num_total_kv_tokens=total, num_free_kv_tokens=total - kv_used
+        )
+        core.on_stream_message("w0", EventBatch("w0", 1, 2, B, (), load))
+        prompt = np.concatenate([prefix, tokens(64, start=50_000)])
+        return core.route(RouteRequest("a", prompt)).worker_id
+
+    # 52 requests decoding there would each be slowed, and it would decode at their pace
+    assert pick(52, 1 << 19) == "w1"
+    # a few: the cached prefix is worth more
+    assert pick(4, 8000) == "w0"
 
 
 def test_set_max_running_rejects_what_no_worker_states() -> None:

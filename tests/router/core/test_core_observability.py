@@ -66,7 +66,9 @@ def test_decision_splits_the_match_into_event_confirmed_and_predicted() -> None:
 
 
 def test_worker_stats_report_stream_position_lag_and_blocks() -> None:
-    core, clock = make_core(2)
+    # r1 below goes to the worker holding its prefix: no decode-time term to weigh the
+    # three requests there against 64 cached tokens
+    core, clock = make_core(2, CostWeights(decode_time=0.0))
     before = {s.worker_id: s for s in core.worker_stats()}
     assert before["w0"].seconds_since_message is None
     give(core, "w0", stored(tokens(4 * B)))

@@ -163,8 +163,8 @@ def test_cost_weights_parse() -> None:
     assert CostWeights.parse("2,0,4,0.3,64") == CostWeights(2.0, 0.0, 4.0, 0.3, 64.0)
     six = CostWeights.parse("2,0,4,0.3,64,8000")
     assert six == CostWeights(2.0, 0.0, 4.0, 0.3, 64.0, 8000.0)
-    for bad in ("", "1,2", "1,2,3,4,5,6,7", "1,,3", "a,b,c"):
-        form = r"PREFILL,QUEUED,DECODE\[,RECENT\[,SLOT_WAIT\[,KNEE\]\]\], got"
+    for bad in ("", "1,2", "1,2,3,4,5,6,7,8", "1,,3", "a,b,c"):
+        form = r"PREFILL,QUEUED,DECODE\[,RECENT\[,SLOT_WAIT\[,KNEE\[,DECODE_TIME\]\]\]\], got"
         with pytest.raises(ValueError, match=form):
             CostWeights.parse(bad)
     with pytest.raises(ValueError, match=r"CostWeights\.prefill must be >= 0"):

@@ -457,7 +457,8 @@ async def test_closed_worker_channel_is_a_disconnect_not_an_internal_error(fleet
     closed = grpc.aio.insecure_channel("127.0.0.1:1")
     await closed.close()
     for conn in router.server.pool.conns.values():
-        conn.stub = pb_grpc.WorkerStub(closed)  # what a call sees during WorkerConnection.close
+        # what a call sees during WorkerConnection.close (Generate goes on the relay channel)
+        conn.stub = conn.relay_stub = pb_grpc.WorkerStub(closed)
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await router.client.generate(PROMPT, GenerateOptions(request_id="r1"))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE

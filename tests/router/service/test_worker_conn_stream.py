@@ -26,6 +26,7 @@ from kvroute_proto.events import (
 from kvroute_proto.hashing import block_hashes
 from router.core.core_types import IndexConfig
 from router.core.router_core import RouterConfig, RouterCore
+from router.core.step_profile import StepProfile
 from router.service.resilience import BackoffConfig
 from router.service.worker_conn import (
     SUBSCRIBE_METHOD,
@@ -48,7 +49,15 @@ class RawWorker:
 
     async def get_load(self, request: pb.GetLoadRequest, context: object) -> pb.WorkerInfo:
         return pb.WorkerInfo(
-            worker_id=WID, epoch=1, block_size=BS, executor="fake", max_running_requests=48
+            worker_id=WID,
+            epoch=1,
+            block_size=BS,
+            executor="fake",
+            max_running_requests=48,
+            step_decode_base_s=0.02,
+            step_decode_s_per_seq=2e-4,
+            step_decode_s_per_context_token=1e-7,
+            step_prefill_s_per_token=5e-5,
         )
 
     async def subscribe(
@@ -156,6 +165,8 @@ async def test_wire_bytes_decoded_as_sent(backend: str) -> None:
         assert core.stream_position(WID) == (1, 4)
         assert conn.num_failures == 0 and conn.healthy
         assert core.worker_view(WID).max_running == 48  # the cap GetLoad states
+        # and the step profile it states, which the cost's decode-time term reads
+        assert core.worker_view(WID).step_profile == StepProfile(0.02, 2e-4, 1e-7, 5e-5)
 
 
 @pytest.mark.parametrize("backend", ["numba", "dict"])

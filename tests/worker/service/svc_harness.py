@@ -29,6 +29,7 @@ from worker.engine.stats import EngineStats
 from worker.engine.tokenizer import ByteTokenizer
 from worker.service.engine_runner import RunnerConfig
 from worker.service.server import WorkerServer, WorkerServerConfig
+from worker.service.zmq_events import ZmqEventsConfig
 
 BYTE_VOCAB = ByteTokenizer().vocab_size  # 260
 MAX_CONTEXT = 512
@@ -56,6 +57,7 @@ class WorkerSetup:
     model_dir: str | None = None  # torch only: an HF model directory instead of the tiny one
     http: bool = False  # also serve the HTTP front (127.0.0.1, port 0)
     max_body_bytes: int = 1 << 20
+    zmq_events: ZmqEventsConfig | None = None  # also publish vLLM's ZMQ wire
 
 
 @dataclass
@@ -106,6 +108,7 @@ async def running_worker(setup: WorkerSetup | None = None) -> AsyncIterator[Work
         limits=setup.limits,
         shutdown_grace_s=2.0,
         http=HttpFrontConfig(max_body_bytes=setup.max_body_bytes) if setup.http else None,
+        zmq_events=setup.zmq_events,
     )
     server = WorkerServer(engine, tokenizer if setup.tokenizer else None, config, epoch=setup.epoch)
     port = await server.start()

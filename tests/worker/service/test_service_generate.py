@@ -74,6 +74,18 @@ async def test_generate_from_text_detokenizes_and_second_request_hits_the_cache(
         await w.assert_no_leak()
 
 
+async def test_ids_without_text_yet_go_with_the_next_text() -> None:
+    # the sim's tokens are random bytes: many start a multi-byte character or are not UTF-8,
+    # and a chunk for them alone would carry ids and no text; they wait for the next text
+    async with running_worker() as w:
+        msgs = await w.generate(token_request(list(range(10)), request_id="r1", max_new_tokens=96))
+        ids, text, fin = split(msgs)
+        assert len(ids) == 96 and fin.usage.completion_tokens == 96
+        assert text == ByteTokenizer().decode(ids)
+        assert any(t >= 0x80 for t in ids)  # some bytes that are not a character alone
+        assert all(m.chunk.text for m in msgs[:-1])
+
+
 async def test_long_texts_are_tokenized_off_the_event_loop(monkeypatch) -> None:
     """A long prompt_text or prompt_text_suffix is decoded on a worker thread (the loop keeps
     streaming meanwhile); short ones on the loop. The suffix's ids follow the prompt's."""
@@ -180,6 +192,7 @@ async def test_get_load_reports_identity_geometry_and_load() -> None:
             max_running_requests=40,
         ),
         epoch=1234,
+        cost=SimCostModel(),
     )
     async with running_worker(setup) as w:
         info = await w.stub.GetLoad(pb.GetLoadRequest())
@@ -198,6 +211,15 @@ async def test_get_load_reports_identity_geometry_and_load() -> None:
         assert info.load.num_total_kv_tokens == 2048
         assert info.load.num_running == 0
         assert info.max_running_requests == 40  # the router's cost charges waits past it
+        # the sim executor's cost model, as the router's decode-time term reads it
+        profile = SimCostModel().step_profile_s()
+        assert (
+            info.step_decode_base_s,
+            info.step_decode_s_per_seq,
+            info.step_decode_s_per_context_token,
+            info.step_prefill_s_per_token,
+        ) == profile
+        assert profile[3] > 0  # stated (0 would be "none")
         # the default model's name, and the byte tokenizer's fingerprint (the router checks it)
         assert info.model_name == "kvroute-tiny"
         assert info.tokenizer_fingerprint == ByteTokenizer().fingerprint

@@ -1,0 +1,408 @@
+"""The data plane's cost per token: the same closed-loop streamed load through each front door.
+
+::
+
+    bench/peers/install_peers.sh sglang          # once, for the sglang-router row (optional)
+    python -m bench.bench_dataplane --seconds 12 --json out/dataplane.json
+
+Two ``kvroute worker --executor sim --sim-speedup 1000`` processes (the step cost is near
+zero, so the front is the limit), then, one front after another on the same workers: the load
+sent to one worker's HTTP API directly; ``kvroute router`` over HTTP / SSE; the same router
+over gRPC (``Router.Generate``); ``kvroute router --processes 2`` over HTTP; sglang-router
+0.3.2 round robin when ``.peers/sglang`` exists (``--no-peer`` leaves it out). The load:
+``--concurrency`` (64) closed-loop streams, each a fresh ``--prompt-tokens`` (128) character
+text prompt (one token per byte: the sim workers' byte tokenizer) asking for ``--max-tokens``
+(256) tokens with ``ignore_eos``.
+
+Per front: output tokens/s received by the client over the measured window (after a warm-up),
+the front's CPU seconds in that window (utime + stime of the front's process and its
+children, from /proc), tokens per front CPU-second, TTFT p50 and p99 of the requests started
+in the window, and tokens per streamed message (how much the stream coalesced). The client
+runs in this process, on the same cores: absolute rates are the box's, the per-CPU-second
+figure is the front's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import string
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import grpc
+
+from bench.procs import ROOT, report, start_kvroute
+from fleetsim.replay.front import SGLANG_ROUTER, FrontSpec, peer_command, peer_python
+from kvroute_proto import kvroute_pb2 as pb
+from kvroute_proto import kvroute_pb2_grpc as pb_grpc
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(slots=True)
+class Load:
+    """What the closed-loop clients send."""
+
+    concurrency: int = 64
+    prompt_tokens: int = 128
+    max_tokens: int = 256
+    warmup_s: float = 2.0
+    seconds: float = 12.0
+
+
+@dataclass(slots=True)
+class Tally:
+    """What the clients saw inside the measured window [t0, t1)."""
+
+    t0: float = 0.0
+    t1: float = 0.0
+    tokens: float = 0.0
+    messages: float = 0.0
+    ttfts: list[float] = field(default_factory=list)
+    errors: int = 0
+
+    def in_window(self, t: float) -> bool:
+        return self.t0 <= t < self.t1
+
+    def add_request(self, started: float, first: float, end: float, tokens: int, messages: int):
+        """One finished request: its TTFT when it started in the window, and its tokens
+        spread evenly over [first, end] (the part inside the window counts)."""
+        if self.in_window(started):
+            self.ttfts.append(first - started)
+        span = max(end - first, 1e-9)
+        inside = max(0.0, min(end, self.t1) - max(first, self.t0))
+        share = min(1.0, inside / span) if end > first else float(self.in_window(end))
+        self.tokens += tokens * share
+        self.messages += messages * share
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of ``pid`` and its descendants (the live ones)."""
+    total = 0.0
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / CLK_TCK
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
+
+
+def _prompt(rng: random.Random, n: int) -> str:
+    return "".join(rng.choices(string.ascii_letters, k=n))
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+# ---- clients -------------------------------------------------------------------------------
+
+
+async def _http_stream(session: aiohttp.ClientSession, url: str, body: dict, tally: Tally) -> None:
+    started = time.perf_counter()
+    first = 0.0
+    messages = tokens = 0
+    async with session.post(url, json=body) as resp:
+        if resp.status != 200:
+            tally.errors += 1
+            await resp.read()
+            return
+        async for line in resp.content:  # one SSE line at a time
+            if not line.startswith(b"data: {"):
+                continue
+            if b'"choices":[]' in line:  # the usage chunk (stream_options.include_usage)
+                usage = json.loads(line[6:])["usage"]
+                tokens = usage["completion_tokens"]
+            elif b'"finish_reason":null' in line:
+                messages += 1
+                first = first or time.perf_counter()
+    if not tokens or not first:
+        tally.errors += 1
+        return
+    tally.add_request(started, first, time.perf_counter(), tokens, messages)
+
+
+async def run_http(url: str, load: Load, tally: Tally, seed: int) -> None:
+    """Closed-loop streamed completions against an OpenAI HTTP front at ``url`` until the
+    end of ``tally``'s window."""
+    rng = random.Random(seed)
+    connector = aiohttp.TCPConnector(limit=load.concurrency)
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+
+        async def loop() -> None:
+            while time.perf_counter() < tally.t1:
+                body = {
+                    "model": "kvroute-tiny",
+                    "prompt": _prompt(rng, load.prompt_tokens),
+                    "max_tokens": load.max_tokens,
+                    "ignore_eos": True,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
+                try:
+                    await _http_stream(session, url + "/v1/completions", body, tally)
+                except aiohttp.ClientError:
+                    tally.errors += 1
+
+        await asyncio.gather(*(loop() for _ in range(load.concurrency)))
+
+
+async def run_grpc(address: str, load: Load, tally: Tally, seed: int) -> None:
+    """Closed-loop streamed Router.Generate calls against ``address`` until the end of
+    ``tally``'s window."""
+    rng = random.Random(seed)
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.RouterStub(channel)
+
+        async def loop() -> None:
+            while time.perf_counter() < tally.t1:
+                request = pb.GenerateRequest(
+                    prompt_text=_prompt(rng, load.prompt_tokens),
+                    sampling=pb.SamplingParams(max_new_tokens=load.max_tokens, ignore_eos=True),
+                )
+                started = time.perf_counter()
+                first = 0.0
+                messages = tokens = 0
+                try:
+                    async for msg in stub.Generate(request, timeout=120):
+                        if msg.HasField("chunk"):
+                            messages += 1
+                            tokens += len(msg.chunk.token_ids)
+                            first = first or time.perf_counter()
+                except grpc.aio.AioRpcError:
+                    tally.errors += 1
+                    continue
+                tally.add_request(started, first, time.perf_counter(), tokens, messages)
+
+        await asyncio.gather(*(loop() for _ in range(load.concurrency)))
+
+
+async def wait_ready(url: str, timeout_s: float = 60.0) -> None:
+    """Until a one-token completion goes through ``url``."""
+    deadline = time.monotonic() + timeout_s
+    body = {"model": "kvroute-tiny", "prompt": "hello", "max_tokens": 1}
+    async with aiohttp.ClientSession() as session:
+        while True:
+            try:
+                async with session.post(url + "/v1/completions", json=body) as resp:
+                    if resp.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{url} not ready after {timeout_s} s")
+            await asyncio.sleep(0.2)
+
+
+# ---- fronts --------------------------------------------------------------------------------
+
+
+async def measure(name: str, pid: int | None, load: Load, client) -> dict[str, object]:
+    """One front's row: run ``client(tally)`` (a closed loop until the window ends) and read
+    the front's CPU (``pid`` and its children) at the window's edges."""
+    tally = Tally()
+    tally.t0 = time.perf_counter() + load.warmup_s
+    tally.t1 = tally.t0 + load.seconds
+    task = asyncio.ensure_future(client(tally))
+    await asyncio.sleep(max(0.0, tally.t0 - time.perf_counter()))
+    cpu0 = cpu_seconds(pid) if pid else 0.0
+    await asyncio.sleep(max(0.0, tally.t1 - time.perf_counter()))
+    cpu = (cpu_seconds(pid) - cpu0) if pid else 0.0
+    await task
+    window = tally.t1 - tally.t0
+    row: dict[str, object] = {
+        "front": name,
+        "output_tokens_per_s": round(tally.tokens / window),
+        "front_cpu_s": round(cpu, 2) if pid else None,
+        "window_s": round(window, 2),
+        "tokens_per_front_cpu_s": round(tally.tokens / cpu) if pid and cpu else None,
+        "ttft_p50_ms": round(percentile(tally.ttfts, 0.5) * 1e3, 2),
+        "ttft_p99_ms": round(percentile(tally.ttfts, 0.99) * 1e3, 2),
+        "tokens_per_message": round(tally.tokens / max(1, tally.messages), 2),
+        "requests_started": len(tally.ttfts),
+        "errors": tally.errors,
+    }
+    print(row, file=sys.stderr, flush=True)
+    return row
+
+
+# ---- the run -------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Fleet:
+    """The two sim workers every front shares."""
+
+    grpc_addresses: list[str]
+    http_urls: list[str]
+    procs: list[subprocess.Popen]
+
+
+def start_workers(num: int, speedup: float, logs: Path) -> Fleet:
+    fleet = Fleet([], [], [])
+    for i in range(num):
+        http_port = free_port()
+        proc, address = start_kvroute(
+            [
+                "worker",
+                "--executor",
+                "sim",
+                "--sim-speedup",
+                str(speedup),
+                "--worker-id",
+                f"worker-{i}",
+                "--http-port",
+                str(http_port),
+            ],
+            logs / f"worker-{i}.log",
+        )
+        fleet.procs.append(proc)
+        fleet.grpc_addresses.append(address)
+        fleet.http_urls.append(f"http://127.0.0.1:{http_port}")
+    return fleet
+
+
+def start_router(fleet: Fleet, policy: str, processes: int, logs: Path):
+    """``kvroute router`` in front of the fleet: the process, its gRPC address, HTTP URL."""
+    http_port = free_port()
+    args = ["router", "--port", "0", "--http-port", str(http_port), "--policy", policy]
+    if processes > 1:
+        args += ["--processes", str(processes)]
+    for address in fleet.grpc_addresses:
+        args += ["--worker", address]
+    proc, address = start_kvroute(args, logs / f"router-{processes}.log")
+    return proc, address, f"http://127.0.0.1:{http_port}"
+
+
+def start_sglang(fleet: Fleet, logs: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    argv = peer_command(
+        FrontSpec(SGLANG_ROUTER, "round_robin"),
+        port=port,
+        metrics_port=free_port(),
+        worker_urls=fleet.http_urls,
+    )
+    with open(logs / "sglang-router.log", "w") as err:
+        proc = subprocess.Popen(
+            argv, stdout=err, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT
+        )
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+async def run_fronts(args: argparse.Namespace, fleet: Fleet, logs: Path) -> list[dict]:
+    load = Load(args.concurrency, args.prompt_tokens, args.max_tokens, args.warmup_s, args.seconds)
+    rows = []
+    direct = fleet.http_urls[0]
+    await wait_ready(direct)
+    rows.append(await measure("direct: one worker's HTTP API", None, load, _http(direct, load)))
+    for processes in args.processes:
+        proc, address, url = start_router(fleet, args.policy, processes, logs)
+        try:
+            await wait_ready(url)
+            label = f"kvroute router{f' --processes {processes}' if processes > 1 else ''}"
+            rows.append(await measure(f"{label}, HTTP/SSE", proc.pid, load, _http(url, load)))
+            if processes == 1:
+                client = _grpc(address, load)
+                rows.append(await measure(f"{label}, gRPC", proc.pid, load, client))
+        finally:
+            stop(proc)
+    if args.peer and peer_python(SGLANG_ROUTER).exists():
+        proc, url = start_sglang(fleet, logs)
+        try:
+            await wait_ready(url)
+            label = "sglang-router 0.3.2 round robin, HTTP/SSE"
+            rows.append(await measure(label, proc.pid, load, _http(url, load)))
+        finally:
+            stop(proc)
+    return rows
+
+
+def _http(url: str, load: Load):
+    return lambda tally: run_http(url, load, tally, seed=1)
+
+
+def _grpc(address: str, load: Load):
+    return lambda tally: run_grpc(address, load, tally, seed=1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=12.0, help="measured window per front")
+    parser.add_argument("--warmup-s", type=float, default=2.0)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--sim-speedup", type=float, default=1000.0)
+    parser.add_argument("--policy", default="cache_aware", help="the kvroute router's policy")
+    parser.add_argument(
+        "--processes",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="kvroute router --processes values to measure, one router each (default: 1)",
+    )
+    parser.add_argument("--no-peer", dest="peer", action="store_false", help="skip sglang-router")
+    parser.add_argument("--json", help="also write the result here")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="bench_dataplane_") as tmp:
+        logs = Path(tmp)
+        fleet = start_workers(2, args.sim_speedup, logs)
+        try:
+            rows = asyncio.run(run_fronts(args, fleet, logs))
+        finally:
+            for proc in fleet.procs:
+                stop(proc)
+    report(
+        {
+            "bench": "dataplane",
+            "concurrency": args.concurrency,
+            "prompt_tokens": args.prompt_tokens,
+            "max_tokens": args.max_tokens,
+            "sim_speedup": args.sim_speedup,
+            "seconds": args.seconds,
+            "cpu_count": os.cpu_count(),
+            "rows": rows,
+        },
+        args.json,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""bench_dataplane's accounting: a request's tokens spread over its stream in the window,
+TTFT only for requests started in it, and the CPU of a process with its children."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from bench.bench_dataplane import Tally, cpu_seconds, percentile
+
+
+def test_tokens_are_spread_over_the_stream_and_cut_at_the_window() -> None:
+    tally = Tally(t0=10.0, t1=20.0)
+    tally.add_request(started=9.0, first=9.5, end=10.5, tokens=100, messages=10)  # half in
+    tally.add_request(started=12.0, first=12.1, end=13.1, tokens=256, messages=64)  # all in
+    tally.add_request(started=19.0, first=19.5, end=21.5, tokens=40, messages=8)  # a quarter
+    assert tally.tokens == pytest.approx(50 + 256 + 10)
+    assert tally.messages == pytest.approx(5 + 64 + 2)
+    assert tally.ttfts == pytest.approx([0.1, 0.5])  # the first started before the window
+
+
+def test_a_one_message_request_counts_where_it_ended() -> None:
+    tally = Tally(t0=0.0, t1=1.0)
+    tally.add_request(started=0.2, first=0.5, end=0.5, tokens=3, messages=1)
+    tally.add_request(started=0.9, first=1.5, end=1.5, tokens=7, messages=1)
+    assert tally.tokens == 3 and tally.messages == 1
+
+
+def test_percentile_of_nothing_is_nan_and_of_values_a_member() -> None:
+    assert percentile([], 0.5) != percentile([], 0.5)  # NaN
+    assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0
+
+
+def test_cpu_seconds_include_the_children() -> None:
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys, time\n"
+            f"p = subprocess.Popen([sys.executable, '-c', {spin!r}])\n"
+            "time.sleep(0.3); p.wait(); time.sleep(30)",
+        ]
+    )
+    try:
+        time.sleep(0.05)
+        before = cpu_seconds(parent.pid)
+        deadline = time.monotonic() + 20
+        # the child's CPU counts while it runs (then it is reaped, and counted in the parent's
+        # cutime, which /proc/PID/stat's utime + stime leave out)
+        seen = before
+        while time.monotonic() < deadline and seen - before < 0.2:
+            seen = cpu_seconds(parent.pid)
+            time.sleep(0.02)
+        assert seen - before >= 0.2
+    finally:
+        parent.kill()
+        parent.wait()
