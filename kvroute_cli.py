@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "serve a vLLM engine as a kvroute worker (its KV events, its completions API)",
     ),
     "router": ("router.cli.router", "main", "run the cache-aware router (gRPC)"),
+    "model": ("worker.model_dir", "main", "write a small model directory for --model (init DIR)"),
     "generate": ("router.cli.client", "main", "send one prompt to a router and print the output"),
     "explain": ("router.cli.client", "explain_main", "show each worker's match, load and cost"),
     "keys": ("router.service.auth", "keys_main", "hash an API key for kvroute router --api-keys"),

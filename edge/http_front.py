@@ -40,6 +40,8 @@ from aiohttp import web
 from edge import openai_api as oa
 from edge.auth import AUTHENTICATED_TENANT
 from edge.frontdoor import CallInfo, GenerationBackend, Internal, ServiceError
+from edge.http_n import serve_n
+from edge.openai_params import in_public_terms
 from edge.tls import ServerTls
 from kvroute_proto import kvroute_pb2 as pb
 
@@ -160,6 +162,8 @@ async def _generate(request: web.Request, kind: oa.Kind) -> web.StreamResponse:
     api = parse(body, model_name=backend.model_name, request_id=rid, tokenizer=tokenizer)
     model = backend.model_name
     created = int(time.time())
+    if api.n > 1:  # one request per choice, merged (edge/http_n.py)
+        return await serve_n(request, backend, api, call_info(request), {REQUEST_ID_HEADER: rid})
     out = oa.ApiOutput(api)
     async with closing(backend.generate(api.request, call_info(request))) as messages:
         if not api.stream:
@@ -217,12 +221,20 @@ async def health(request: web.Request) -> web.Response:
 STARTED_KEY: web.AppKey[int] = web.AppKey("started", int)
 
 
+_OPENAI_ROUTES: dict[str, oa.Kind] = {
+    "/v1/completions": "completion",
+    "/v1/chat/completions": "chat",
+}
+
+
 @web.middleware
 async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
     """One mapping from errors to OpenAI's error JSON, for every route."""
     try:
         return await handler(request)
     except ServiceError as exc:
+        if request.path in _OPENAI_ROUTES:  # the OpenAI API's field names, not the wire's
+            exc = in_public_terms(exc, _OPENAI_ROUTES[request.path])
         return error_response(exc, _valid_request_id(request))
     except web.HTTPException as exc:
         if exc.status < 400:

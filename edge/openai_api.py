@@ -11,12 +11,21 @@ What is supported, and what is refused with a 400 that names the field:
 * ``POST /v1/chat/completions``: ``messages`` with string content or a list of ``text``
   parts, rendered with the backend tokenizer's ``apply_chat_template`` (a plain default
   template when the tokenizer has none).
+* ``max_tokens`` left out: chat generates up to what is left of the model's context (the
+  worker's default), completions 16 tokens (OpenAI's and vLLM's defaults for each).
 * Sampling: ``max_tokens`` / ``max_completion_tokens``, ``temperature`` (default 1.0 as
-  OpenAI's), ``top_p``, ``seed``, ``stop`` (strings that are exactly one token of the
-  backend tokenizer; the stop text is cut from the output as OpenAI does), and the vLLM/SGLang
-  extensions ``top_k``, ``ignore_eos``, ``stop_token_ids``. ``n`` must be 1; ``logprobs``,
-  ``echo``, ``best_of`` > 1, penalties, tools and response formats are refused.
-* Unknown fields are ignored (peer routers add their own defaults to forwarded bodies).
+  OpenAI's), ``top_p``, ``seed``, ``stop`` (up to 4 strings, matched by the worker on the
+  decoded text across tokens; the output ends before the stop, as OpenAI's), penalties,
+  ``logit_bias``, ``logprobs`` / ``top_logprobs``, and the vLLM/SGLang extensions ``top_k``,
+  ``ignore_eos``, ``stop_token_ids``; ``n`` (1..16: n requests). ``echo``, ``best_of`` > 1,
+  tools and response formats are refused (docs/openai-api.md: every parameter).
+* ``model`` may be left out (the served model, as vLLM and SGLang do; OpenAI requires it).
+  A message needs ``content`` unless it is the assistant's (OpenAI's rule).
+* Unknown fields are ignored, as vLLM does (peer routers add their own defaults to forwarded
+  bodies); fields OpenAI defines that we do not support are refused (docs/openai-api.md).
+* Errors name the OpenAI API's fields (``max_tokens``, ``prompt`` / ``messages``) in their
+  message and ``param``, whichever of the router or the worker refused the request
+  (:func:`in_public_terms`); each field has one bound (``edge.limits``).
 * ``finish_reason``: ``stop`` (a stop token or EOS), ``length`` (``max_tokens`` or the
   model's context), and ``abort`` for a request aborted on the worker: OpenAI has no value
   for that; ``abort`` is what vLLM's and SGLang's OpenAI servers send.
@@ -25,19 +34,25 @@ What is supported, and what is refused with a 400 that names the field:
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from edge.frontdoor import BadRequest, NotFound, ServiceError
+from edge.limits import RequestLimits
+from edge.openai_logprobs import LogprobsCollector
+from edge.openai_params import (
+    MAX_UINT32,
+    Kind,
+    is_int,
+    parse_sampling,
+    refuse_unsupported,
+)
 from kvroute_proto import kvroute_pb2 as pb
 
-Kind = Literal["completion", "chat"]
-
-MAX_STOP_SEQUENCES = 4  # OpenAI's limit
-MAX_UINT32 = (1 << 32) - 1
+MAX_PROMPT_TOKENS = RequestLimits().max_prompt_tokens  # one bound per field (edge.limits)
+MAX_PROMPT_BYTES = RequestLimits().max_prompt_text_bytes
 MAX_REQUEST_ID_CHARS = 128
 _REQUEST_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:")
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
@@ -52,7 +67,8 @@ FINISH_REASONS: dict[int, str] = {
 
 
 class ChatTokenizer(Protocol):
-    """What the API mapping needs of a backend's tokenizer (``encode`` for stop strings)."""
+    """What the API mapping may use of a backend's tokenizer (its chat template, when it
+    has ``apply_chat_template``)."""
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -71,7 +87,7 @@ class ApiRequest:
     request: pb.GenerateRequest
     stream: bool = False
     include_usage: bool = False
-    stop_texts: Mapping[int, str] = field(default_factory=dict)  # stop token id -> its text
+    n: int = 1  # choices: n requests to the backend (edge.http_n)
 
 
 # ---- request parsing ---------------------------------------------------------------------
@@ -102,8 +118,10 @@ def check_request_id(value: str) -> str:
 def check_model(body: Mapping[str, Any], model_name: str) -> None:
     """``model`` must be absent or the served model (404 model_not_found otherwise)."""
     model = body.get("model")
-    if model is None:
+    if model is None:  # as vLLM and SGLang: the served model (OpenAI requires it)
         return
+    if not isinstance(model, str):
+        raise BadRequest(f"model: must be a string, got {type(model).__name__}", param="model")
     if model != model_name:
         raise ModelNotFound(
             f"The model {model!r} does not exist: this server serves {model_name!r}",
@@ -116,14 +134,14 @@ def parse_completion(
 ) -> ApiRequest:
     """``POST /v1/completions`` body -> ApiRequest (raises BadRequest / ModelNotFound)."""
     check_model(body, model_name)
-    _refuse_unsupported(body, "completion")
+    refuse_unsupported(body, "completion")
     request = pb.GenerateRequest(request_id=request_id)
     prompt = _one_prompt(body.get("prompt"))
     if isinstance(prompt, str):
         request.prompt_text = prompt
     else:
         request.prompt_token_ids.ids.extend(prompt)
-    return _finish_parse("completion", body, request, tokenizer)
+    return ApiRequest("completion", request, *parse_sampling("completion", body, request))
 
 
 def parse_chat(
@@ -136,15 +154,17 @@ def parse_chat(
     """``POST /v1/chat/completions`` body -> ApiRequest; the messages are rendered into one
     text prompt with the tokenizer's chat template."""
     check_model(body, model_name)
-    _refuse_unsupported(body, "chat")
+    refuse_unsupported(body, "chat")
     messages = parse_messages(body.get("messages"))
     request = pb.GenerateRequest(request_id=request_id)
     # the rendered conversation as text, marked as such: whoever encodes it (the router's
     # front end, which may tokenize only the part a cache can match, or a worker) applies
     # the template's rule for special tokens
     request.prompt_text = render_chat(messages, tokenizer)
+    size = len(request.prompt_text.encode("utf-8"))
+    _check_prompt_size(size, MAX_PROMPT_BYTES, "UTF-8 bytes once rendered", "messages")
     request.prompt_text_is_chat = True
-    return _finish_parse("chat", body, request, tokenizer)
+    return ApiRequest("chat", request, *parse_sampling("chat", body, request))
 
 
 def chat_prompt(messages: Sequence[Mapping[str, str]], tokenizer: object | None) -> str | list[int]:
@@ -171,6 +191,10 @@ def parse_messages(value: object) -> list[dict[str, str]]:
             raise BadRequest(
                 f"{where}.role: must be one of {sorted(_ROLES)}, got {role!r}",
                 param=f"{where}.role",
+            )
+        if msg.get("content") is None and role != "assistant":  # OpenAI: 400 as well
+            raise BadRequest(
+                f"{where}.content: required for a {role!r} message", param=f"{where}.content"
             )
         out.append({"role": role, "content": _content_text(msg.get("content"), where)})
     return out
@@ -223,7 +247,7 @@ def render_chat(messages: Sequence[Mapping[str, str]], tokenizer: object | None)
 
 def _one_prompt(prompt: object) -> str | list[int]:
     """A completion prompt: a string or a list of token ids (or a one-element list of one)."""
-    if isinstance(prompt, list) and prompt and not _is_int(prompt[0]):
+    if isinstance(prompt, list) and prompt and not is_int(prompt[0]):
         if len(prompt) != 1:
             raise BadRequest(
                 f"prompt: one prompt per request is supported, got a list of {len(prompt)}; "
@@ -232,8 +256,10 @@ def _one_prompt(prompt: object) -> str | list[int]:
             )
         prompt = prompt[0]
     if isinstance(prompt, str):
+        _check_prompt_size(len(prompt.encode("utf-8")), MAX_PROMPT_BYTES, "UTF-8 bytes", "prompt")
         return prompt
-    if isinstance(prompt, list) and all(_is_int(t) and 0 <= t <= MAX_UINT32 for t in prompt):
+    if isinstance(prompt, list) and all(is_int(t) and 0 <= t <= MAX_UINT32 for t in prompt):
+        _check_prompt_size(len(prompt), MAX_PROMPT_TOKENS, "tokens", "prompt")
         return list(prompt)
     raise BadRequest(
         "prompt: must be a string or a list of token ids (integers in 0..2^32-1)",
@@ -241,157 +267,9 @@ def _one_prompt(prompt: object) -> str | list[int]:
     )
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-# (field, kind, the value that means "off") -> 400 when set to anything else
-_UNSUPPORTED: tuple[tuple[str, Kind | None, tuple[object, ...]], ...] = (
-    ("logprobs", None, (None, False, 0)),
-    ("top_logprobs", None, (None, 0)),
-    ("echo", "completion", (None, False)),
-    ("suffix", "completion", (None, "")),
-    ("best_of", "completion", (None, 1)),
-    ("presence_penalty", None, (None, 0, 0.0)),
-    ("frequency_penalty", None, (None, 0, 0.0)),
-    ("logit_bias", None, (None, {})),
-    ("tools", "chat", (None, [])),
-    ("functions", "chat", (None, [])),
-    ("response_format", "chat", (None, {"type": "text"})),
-)
-
-
-def _refuse_unsupported(body: Mapping[str, Any], kind: Kind) -> None:
-    for name, only_for, off in _UNSUPPORTED:
-        if only_for not in (None, kind) or name not in body:
-            continue
-        if body[name] not in off:
-            raise BadRequest(f"{name}: not supported by this server", param=name)
-    n = body.get("n", 1)
-    if n is not None and n != 1:
-        raise BadRequest(f"n: only n=1 is supported, got {n!r}", param="n")
-
-
-def _finish_parse(
-    kind: Kind,
-    body: Mapping[str, Any],
-    request: pb.GenerateRequest,
-    tokenizer: ChatTokenizer | None,
-) -> ApiRequest:
-    s = request.sampling
-    names = ("max_completion_tokens", "max_tokens") if kind == "chat" else ("max_tokens",)
-    for name in names:
-        value = body.get(name)
-        if value is not None:
-            s.max_new_tokens = _int_field(body, name, 1, MAX_UINT32)
-            break
-    s.temperature = _float_field(body, "temperature", 0.0, 2.0, default=1.0)
-    s.top_p = _float_field(body, "top_p", 0.0, 1.0, default=1.0, low_open=True)
-    top_k = body.get("top_k")
-    if top_k is not None and top_k != -1:  # -1: vLLM's "off"
-        s.top_k = _int_field(body, "top_k", 0, MAX_UINT32)
-    if body.get("seed") is not None:
-        s.seed = _int_field(body, "seed", 0, (1 << 64) - 1)
-    s.ignore_eos = _bool_field(body, "ignore_eos")
-    stop_ids = body.get("stop_token_ids")
-    if stop_ids is not None:
-        if not isinstance(stop_ids, list) or not all(
-            _is_int(t) and 0 <= t <= MAX_UINT32 for t in stop_ids
-        ):
-            raise BadRequest("stop_token_ids: must be a list of token ids", param="stop_token_ids")
-        s.stop_token_ids.extend(stop_ids)
-    stop_texts = _stop_strings(body.get("stop"), tokenizer)
-    s.stop_token_ids.extend(t for t in stop_texts if t not in s.stop_token_ids)
-    if body.get("user") is not None and not isinstance(body["user"], str):
-        raise BadRequest("user: must be a string", param="user")
-    stream = _bool_field(body, "stream")
-    include_usage = False
-    options = body.get("stream_options")
-    if options is not None:
-        if not isinstance(options, dict):
-            raise BadRequest("stream_options: must be an object", param="stream_options")
-        include_usage = _bool_field(options, "include_usage", where="stream_options.")
-    return ApiRequest(kind, request, stream, include_usage and stream, stop_texts)
-
-
-def _stop_strings(value: object, tokenizer: ChatTokenizer | None) -> dict[int, str]:
-    """Stop strings as token ids: each must be exactly one token of the backend tokenizer
-    (the engine stops on token ids; multi-token stop strings are refused, not ignored)."""
-    if value is None:
-        return {}
-    stops = [value] if isinstance(value, str) else value
-    if not isinstance(stops, list) or not all(isinstance(x, str) for x in stops):
-        raise BadRequest("stop: must be a string or a list of strings", param="stop")
-    if len(stops) > MAX_STOP_SEQUENCES:
-        raise BadRequest(
-            f"stop: at most {MAX_STOP_SEQUENCES} sequences, got {len(stops)}", param="stop"
-        )
-    if stops and tokenizer is None:
-        raise BadRequest(
-            "stop: this server has no tokenizer to map stop strings to tokens; use stop_token_ids",
-            param="stop",
-        )
-    assert tokenizer is not None
-    # what encode adds to any text (a BOS): not part of the stop string
-    added = tokenizer.encode("") if stops else []
-    out: dict[int, str] = {}
-    for text in stops:
-        ids = tokenizer.encode(text) if text else []
-        if added and ids[: len(added)] == added:
-            ids = ids[len(added) :]
-        if len(ids) != 1:
-            raise BadRequest(
-                f"stop: only stop strings that are exactly one token are supported; "
-                f"{text!r} is {len(ids)} tokens (use stop_token_ids)",
-                param="stop",
-            )
-        out[ids[0]] = text
-    return out
-
-
-def _int_field(body: Mapping[str, Any], name: str, low: int, high: int) -> int:
-    value = body[name]
-    if not _is_int(value) or not low <= value <= high:
-        raise BadRequest(f"{name}: must be an integer in {low}..{high}, got {value!r}", param=name)
-    return int(value)
-
-
-def _float_field(
-    body: Mapping[str, Any],
-    name: str,
-    low: float,
-    high: float,
-    *,
-    default: float,
-    low_open: bool = False,
-) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    ok = (
-        isinstance(value, int | float)
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and (low < value if low_open else low <= value)
-        and value <= high
-    )
-    if not ok:
-        bracket = "(" if low_open else "["
-        raise BadRequest(
-            f"{name}: must be a number in {bracket}{low:g}, {high:g}], got {value!r}", param=name
-        )
-    return float(value)
-
-
-def _bool_field(body: Mapping[str, Any], name: str, *, where: str = "") -> bool:
-    value = body.get(name)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise BadRequest(
-            f"{where}{name}: must be true or false, got {value!r}", param=f"{where}{name}"
-        )
-    return value
+def _check_prompt_size(n: int, limit: int, unit: str, param: str) -> None:
+    if not 0 < n <= limit:
+        raise BadRequest(f"{param}: must hold 1..{limit} {unit}, got {n}", param=param)
 
 
 # ---- responses ---------------------------------------------------------------------------
@@ -401,10 +279,13 @@ class ApiOutput:
     """The output of one request as it streams in: text deltas (stop strings cut), then the
     finish. Streamed deltas concatenate to exactly ``text``."""
 
-    def __init__(self, api: ApiRequest) -> None:
+    def __init__(self, api: ApiRequest, index: int = 0) -> None:
         self.api = api
+        self.index = index  # the choice's index (n > 1)
         self.parts: list[str] = []
         self.finished: pb.Finished | None = None
+        s = api.request.sampling
+        self.logprobs = LogprobsCollector(api.kind, s.top_logprobs) if s.logprobs else None
 
     @property
     def text(self) -> str:
@@ -415,13 +296,10 @@ class ApiOutput:
         if msg.HasField("finished"):
             self.finished = msg.finished
             return None
-        chunk = msg.chunk
-        text = chunk.text
-        if chunk.token_ids and self.api.stop_texts:
-            stop = self.api.stop_texts.get(chunk.token_ids[-1])
-            if stop is not None and text.endswith(stop):  # the request ends here
-                text = text[: len(text) - len(stop)]
+        text = msg.chunk.text  # the worker cut stop strings from it already
         self.parts.append(text)
+        if self.logprobs is not None:
+            self.logprobs.add(msg.chunk.logprobs)
         return text
 
     @property
@@ -464,12 +342,12 @@ def full_response(out: ApiOutput, model: str, created: int | None = None) -> dic
     """The non-streamed response body."""
     api = out.api
     body = _envelope(api, model, created or int(time.time()), chunk=False)
-    choice: dict[str, Any] = {"index": 0}
+    choice: dict[str, Any] = {"index": out.index}
     if api.kind == "chat":
         choice["message"] = {"role": "assistant", "content": out.text}
     else:
         choice["text"] = out.text
-    choice["logprobs"] = None
+    choice["logprobs"] = None if out.logprobs is None else out.logprobs.whole()
     choice["finish_reason"] = out.finish_reason
     body["choices"] = [choice]
     body["usage"] = out.usage()
@@ -482,12 +360,12 @@ def delta_chunk(
 ) -> dict[str, Any]:
     """A streamed chunk carrying ``text`` (chat: the first one also carries the role)."""
     body = _envelope(out.api, model, created, chunk=True)
-    choice: dict[str, Any] = {"index": 0}
+    choice: dict[str, Any] = {"index": out.index}
     if out.api.kind == "chat":
         choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
     else:
         choice["text"] = text
-    choice["logprobs"] = None
+    choice["logprobs"] = None if out.logprobs is None else out.logprobs.take()
     choice["finish_reason"] = None
     body["choices"] = [choice]
     if out.api.include_usage:
@@ -517,12 +395,12 @@ class DeltaEvents:
 def finish_chunk(out: ApiOutput, model: str, created: int) -> dict[str, Any]:
     """The streamed chunk with the finish reason and our ``kvroute`` extension."""
     body = _envelope(out.api, model, created, chunk=True)
-    choice: dict[str, Any] = {"index": 0}
+    choice: dict[str, Any] = {"index": out.index}
     if out.api.kind == "chat":
         choice["delta"] = {}
     else:
         choice["text"] = ""
-    choice["logprobs"] = None
+    choice["logprobs"] = None if out.logprobs is None else out.logprobs.take()
     choice["finish_reason"] = out.finish_reason
     body["choices"] = [choice]
     if out.api.include_usage:

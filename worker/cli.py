@@ -246,7 +246,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "--default-max-new-tokens",
         type=int,
         default=RequestLimits().default_max_new_tokens,
-        help="max_new_tokens of requests that leave it 0",
+        help="max_new_tokens of requests that leave it 0 (default 0: what is left of the "
+        "model's context, as OpenAI and vLLM do)",
     )
 
 
@@ -350,9 +351,9 @@ def config_from_args(args: argparse.Namespace) -> WorkerServerConfig:
         raise ValueError(f"--graph-warmup-context must be >= 0, got {args.graph_warmup_context}")
     if args.graph_warmup_context and args.executor != "torch":
         raise ValueError("--graph-warmup-context applies to --executor torch only")
-    if args.default_max_new_tokens < 1:
+    if args.default_max_new_tokens < 0:
         raise ValueError(
-            f"--default-max-new-tokens must be >= 1, got {args.default_max_new_tokens}"
+            f"--default-max-new-tokens must be >= 0, got {args.default_max_new_tokens}"
         )
     if args.redis_url and args.advertise_address is None and args.host in ("0.0.0.0", "::", ""):
         raise ValueError(

@@ -223,6 +223,8 @@ class Frontend:
                         # release before the client can see the end, so the accounting is
                         # exact the moment the client's call completes
                         self._release(rid, entry)
+                        if not prepared.forward.sampling.max_new_tokens:  # not charged yet
+                            self.quotas.charge_output(tenant, msg.finished.usage.completion_tokens)
                     yield msg
         except ServiceError as exc:
             outcome = exc.grpc_code

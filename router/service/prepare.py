@@ -48,7 +48,9 @@ def prepare_request(
         partition = resolve_partition(
             tenancy, call.metadata, codec.partition_from_pb(request.partition), call.tenant_id
         )
-    except (RequestError, TenancyError) as exc:
+    except RequestError as exc:
+        raise BadRequest(str(exc), param=exc.field) from None
+    except TenancyError as exc:
         raise BadRequest(str(exc)) from None
     forward = pb.GenerateRequest()
     forward.CopyFrom(request)

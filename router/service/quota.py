@@ -6,7 +6,8 @@ too) has its own
 
 * **in-flight cap**: at most ``max_inflight`` of its Generate calls admitted at once;
 * **token bucket**: ``tokens_per_s`` refill up to ``burst_tokens``; a Generate costs its prompt
-  tokens plus its ``max_new_tokens`` (what it may make the fleet compute), an Explain its
+  tokens plus its ``max_new_tokens`` (what it may make the fleet compute; one that leaves it
+  0, to the worker, pays its output once it finished: ``charge_output``), an Explain its
   prompt tokens (what it makes the router tokenize and match), charged whole when admitted.
   A request costing more than the burst can never be admitted: it is refused with the reason
   and no retry hint (raise the tenant's ``burst_tokens`` to serve such prompts). So over any
@@ -216,6 +217,17 @@ class TenantQuotas:
             limit = self.config.limit_of(tenant)
             if limit.tokens_per_s is not None:
                 self._take(tenant, limit, tokens, refused_debit=sure)
+
+    def charge_output(self, tenant: str, tokens: int) -> None:
+        """Charge the output of a request that left ``max_new_tokens`` to the worker (what
+        is left of the context: its cost unknown when admitted) once it finished, into a
+        debt of one burst at most."""
+        if self.config.enabled:
+            limit = self.config.limit_of(tenant)
+            if limit.tokens_per_s is not None:
+                assert limit.burst is not None
+                bucket = self._refill(tenant, limit.tokens_per_s, limit.burst)
+                self._debt(bucket, limit.burst, tokens)
 
     def _check_inflight(self, tenant: str, limit: TenantLimit) -> None:
         if limit.max_inflight is not None and self.inflight(tenant) >= limit.max_inflight:

@@ -37,7 +37,12 @@ if TYPE_CHECKING:
 
 
 class RequestError(ValueError):
-    """A request field the router rejects (INVALID_ARGUMENT); the message names field + limit."""
+    """A request field the router rejects (INVALID_ARGUMENT); the message names field + limit,
+    ``field`` is the field's name (the error's ``param``)."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 def check_request(req: pb.GenerateRequest, limits: RequestLimits) -> None:
@@ -45,50 +50,91 @@ def check_request(req: pb.GenerateRequest, limits: RequestLimits) -> None:
     if len(req.request_id) > limits.max_request_id_chars:
         raise RequestError(
             f"request_id must be at most {limits.max_request_id_chars} characters, "
-            f"got {len(req.request_id)}"
+            f"got {len(req.request_id)}",
+            field="request_id",
         )
     if req.prompt_text_suffix:
         raise RequestError(
             "prompt_text_suffix is set by the router only (for the worker); send the whole "
-            "prompt as prompt_text or prompt_token_ids"
+            "prompt as prompt_text or prompt_token_ids",
+            field="prompt_text_suffix",
         )
     if req.prompt_text_is_chat and req.WhichOneof("prompt") != "prompt_text":
-        raise RequestError("prompt_text_is_chat is set, but the prompt is not prompt_text")
+        raise RequestError(
+            "prompt_text_is_chat is set, but the prompt is not prompt_text",
+            field="prompt_text_is_chat",
+        )
     match req.WhichOneof("prompt"):
         case "prompt_token_ids":
             n = len(req.prompt_token_ids.ids)
             if n == 0:
-                raise RequestError("prompt_token_ids must not be empty")
+                raise RequestError("prompt_token_ids must not be empty", field="prompt_token_ids")
             if n > limits.max_prompt_tokens:
                 raise RequestError(
-                    f"prompt_token_ids must hold at most {limits.max_prompt_tokens} tokens, got {n}"
+                    f"prompt_token_ids must hold at most {limits.max_prompt_tokens} tokens, "
+                    f"got {n}",
+                    field="prompt_token_ids",
                 )
         case "prompt_text":
             n = len(req.prompt_text.encode("utf-8"))
             if n == 0:
-                raise RequestError("prompt_text must not be empty")
+                raise RequestError("prompt_text must not be empty", field="prompt_text")
             if n > limits.max_prompt_text_bytes:
                 raise RequestError(
                     f"prompt_text must be at most {limits.max_prompt_text_bytes} UTF-8 bytes, "
-                    f"got {n}"
+                    f"got {n}",
+                    field="prompt_text",
                 )
         case _:
-            raise RequestError("prompt must be set: prompt_token_ids or prompt_text")
+            raise RequestError(
+                "prompt must be set: prompt_token_ids or prompt_text", field="prompt"
+            )
     s = req.sampling
     if not (math.isfinite(s.temperature) and s.temperature >= 0):
-        raise RequestError(f"sampling.temperature must be finite and >= 0, got {s.temperature}")
+        raise RequestError(
+            f"sampling.temperature must be finite and >= 0, got {s.temperature}",
+            field="sampling.temperature",
+        )
     if not (math.isfinite(s.top_p) and 0 <= s.top_p <= 1):
-        raise RequestError(f"sampling.top_p must be in [0, 1], got {s.top_p}")
+        raise RequestError(
+            f"sampling.top_p must be in [0, 1], got {s.top_p}", field="sampling.top_p"
+        )
     if s.max_new_tokens > limits.max_new_tokens:
         raise RequestError(
             f"sampling.max_new_tokens must be at most {limits.max_new_tokens}, "
-            f"got {s.max_new_tokens}"
+            f"got {s.max_new_tokens}",
+            field="sampling.max_new_tokens",
         )
     if len(s.stop_token_ids) > limits.max_stop_token_ids:
         raise RequestError(
             f"sampling.stop_token_ids must hold at most {limits.max_stop_token_ids} ids, "
-            f"got {len(s.stop_token_ids)}"
+            f"got {len(s.stop_token_ids)}",
+            field="sampling.stop_token_ids",
         )
+    if len(s.stop) > limits.max_stop_strings:
+        raise RequestError(
+            f"sampling.stop must hold at most {limits.max_stop_strings} strings, got {len(s.stop)}",
+            field="sampling.stop",
+        )
+    if len(s.logit_bias) > limits.max_logit_bias:
+        raise RequestError(
+            f"sampling.logit_bias must hold at most {limits.max_logit_bias} entries, "
+            f"got {len(s.logit_bias)}",
+            field="sampling.logit_bias",
+        )
+    if s.top_logprobs > limits.max_top_logprobs:
+        raise RequestError(
+            f"sampling.top_logprobs must be at most {limits.max_top_logprobs}, "
+            f"got {s.top_logprobs}",
+            field="sampling.top_logprobs",
+        )
+    for text in s.stop:
+        if not 0 < len(text) <= limits.max_stop_chars:
+            raise RequestError(
+                f"sampling.stop strings must be 1..{limits.max_stop_chars} characters, "
+                f"got {len(text)}",
+                field="sampling.stop",
+            )
 
 
 def routing_tokens(req: pb.GenerateRequest) -> np.ndarray:

@@ -76,8 +76,8 @@ def test_openai_client_against_kvroute_up():
             assert content == chat.choices[0].message.content
             assert chunks[-1].usage.completion_tokens == 5
 
-            with pytest.raises(openai.BadRequestError, match="only n=1 is supported"):
-                client.completions.create(model=MODEL, prompt="x", n=2)
+            with pytest.raises(openai.BadRequestError, match="best_of: not supported"):
+                client.completions.create(model=MODEL, prompt="x", best_of=2)
             with pytest.raises(openai.NotFoundError, match="does not exist"):
                 client.completions.create(model="gpt-4o", prompt="x")
         finally:

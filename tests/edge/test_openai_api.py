@@ -8,6 +8,7 @@ import json
 import pytest
 
 from edge import openai_api as oa
+from edge import openai_params as oa_params
 from edge.frontdoor import BadRequest, NotFound, Overloaded
 from kvroute_proto import kvroute_pb2 as pb
 
@@ -58,14 +59,16 @@ def test_a_completion_maps_every_sampling_field() -> None:
     s = r.sampling
     assert (s.max_new_tokens, s.top_k, s.seed, s.ignore_eos) == (7, 40, 11, True)
     assert s.temperature == pytest.approx(0.5) and s.top_p == pytest.approx(0.9)
-    assert list(s.stop_token_ids) == [2, ord("!"), ord("?")]
-    assert api.stop_texts == {ord("!"): "!", ord("?"): "?"}
+    assert list(s.stop_token_ids) == [2]
+    assert list(s.stop) == ["!", "?"]  # matched by the worker on the decoded text
     assert api.stream and api.include_usage and api.kind == "completion"
 
 
 def test_defaults_follow_openai() -> None:
     s = completion({"prompt": "x"}).request.sampling
-    assert s.max_new_tokens == 0  # the server's default
+    assert s.max_new_tokens == 16  # OpenAI's and vLLM's completions default
+    chat_sampling = chat({"messages": [{"role": "user", "content": "hi"}]}).request.sampling
+    assert chat_sampling.max_new_tokens == 0  # the worker's: what is left of the context
     assert s.temperature == 1.0 and s.top_p == 1.0 and not s.HasField("seed")
     assert not completion({"prompt": "x", "stream_options": {"include_usage": True}}).include_usage
 
@@ -86,19 +89,21 @@ def test_prompt_forms(prompt, expected) -> None:
         ({"prompt": ["a", "b"]}, "prompt", "one prompt per request"),
         ({"prompt": [1, -1]}, "prompt", "token ids"),
         ({"prompt": 5}, "prompt", "string or a list"),
-        ({"prompt": "x", "n": 3}, "n", "only n=1 is supported, got 3"),
-        ({"prompt": "x", "logprobs": 1}, "logprobs", "not supported"),
+        ({"prompt": "x", "n": 0}, "n", "integer in 1..16, got 0"),
         ({"prompt": "x", "echo": True}, "echo", "not supported"),
-        ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty", "not supported"),
+        ({"prompt": "x", "echo": True}, "echo", "not supported"),
+        ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty", "[-2, 2]"),
+        ({"prompt": "x", "best_of": 2}, "best_of", "supported: model, prompt, max_tokens"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs", "0..20"),
         ({"prompt": "x", "max_tokens": 0}, "max_tokens", "integer in 1.."),
         ({"prompt": "x", "max_tokens": 2.5}, "max_tokens", "integer in 1.."),
         ({"prompt": "x", "temperature": -1}, "temperature", "[0, 2]"),
         ({"prompt": "x", "top_p": 0}, "top_p", "(0, 1]"),
         ({"prompt": "x", "seed": -1}, "seed", "integer in 0.."),
         ({"prompt": "x", "stream": "yes"}, "stream", "true or false"),
-        ({"prompt": "x", "stop": ["ab"]}, "stop", "'ab' is 2 tokens"),
+        ({"prompt": "x", "stop": ["ab", ""]}, "stop", "non-empty string"),
         ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
-        ({"prompt": "x", "stop": 3}, "stop", "string or a list of strings"),
+        ({"prompt": "x", "stop": 3}, "stop", "string or a list of them"),
         ({"prompt": "x", "stop_token_ids": ["a"]}, "stop_token_ids", "token ids"),
         ({"prompt": "x", "user": 3}, "user", "string"),
     ],
@@ -109,10 +114,10 @@ def test_bad_completion_fields_name_the_field(body, param, needle) -> None:
     assert info.value.param == param and needle in info.value.message
 
 
-def test_stop_strings_need_a_tokenizer() -> None:
-    with pytest.raises(BadRequest, match="no tokenizer"):
-        completion({"prompt": "x", "stop": "!"}, tokenizer=None)
-    assert completion({"prompt": "x"}, tokenizer=None).stop_texts == {}
+def test_multi_token_stop_strings_go_to_the_worker_without_a_tokenizer_here() -> None:
+    assert list(
+        completion({"prompt": "x", "stop": "\n\n"}, tokenizer=None).request.sampling.stop
+    ) == ["\n\n"]
 
 
 def test_an_unknown_model_is_404_model_not_found() -> None:
@@ -218,16 +223,6 @@ def test_finish_reasons(reason, name) -> None:
     assert out.finish_reason == name
 
 
-def test_a_stop_string_is_cut_from_the_text_that_ends_with_it() -> None:
-    out = oa.ApiOutput(completion({"prompt": "x", "stop": "!"}))
-    assert out.push(chunk([104, 33], "h!")) == "h"
-    out.push(finished(pb.FINISH_REASON_STOP))
-    assert out.text == "h"
-    # the same character from stop_token_ids (not a stop string) stays in the text
-    out = oa.ApiOutput(completion({"prompt": "x", "stop_token_ids": [33]}))
-    assert out.push(chunk([104, 33], "h!")) == "h!"
-
-
 def test_chat_stream_chunks() -> None:
     api = chat(
         {
@@ -301,11 +296,44 @@ def test_chat_is_sent_as_the_rendered_template_marked_as_chat() -> None:
     assert plain.request.prompt_text_is_chat
 
 
-def test_a_stop_string_is_one_token_after_what_encode_always_adds() -> None:
-    class WithBos(CharTokenizer):
-        def encode(self, text: str) -> list[int]:
-            return [1, *super().encode(text)]
+@pytest.mark.parametrize(
+    ("kind", "message", "param", "expected", "expected_param"),
+    [
+        (
+            "completion",
+            "sampling.max_new_tokens must be at most 1048576, got 2000000",
+            "sampling.max_new_tokens",
+            "max_tokens must be at most 1048576, got 2000000",
+            "max_tokens",
+        ),
+        (
+            "completion",
+            "prompt_text must not be empty",
+            "prompt_text",
+            "prompt must not be empty",
+            "prompt",
+        ),
+        (
+            "chat",
+            "prompt (9 tokens) + max_new_tokens (9) exceeds max_context_tokens=16",
+            "prompt_token_ids",
+            "prompt (9 tokens) + max_tokens (9) exceeds the model's context length of 16 tokens",
+            "messages",
+        ),
+        ("chat", "prompt_token_ids: too long", "prompt", "messages: too long", "messages"),
+    ],
+)
+def test_refusals_are_said_in_the_apis_field_names(kind, message, param, expected, expected_param):
+    got = oa_params.in_public_terms(BadRequest(message, param=param), kind)
+    assert (got.message, got.param) == (expected, expected_param)
 
-    assert completion({"prompt": "x", "stop": "!"}, tokenizer=WithBos()).stop_texts == {33: "!"}
-    with pytest.raises(BadRequest, match="'!!' is 2 tokens"):
-        completion({"prompt": "x", "stop": "!!"}, tokenizer=WithBos())
+
+def test_chat_top_logprobs_need_logprobs() -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(BadRequest, match="needs logprobs: true") as info:
+        chat({"messages": messages, "top_logprobs": 2})
+    assert info.value.param == "top_logprobs"
+    s = chat({"messages": messages, "logprobs": True, "top_logprobs": 2}).request.sampling
+    assert s.logprobs and s.top_logprobs == 2
+    s = completion({"prompt": "x", "logprobs": 0}).request.sampling
+    assert s.logprobs and s.top_logprobs == 0

@@ -403,3 +403,15 @@ async def test_an_over_limit_refusal_is_held_while_other_tenants_are_served(monk
         served = await b.generate("x" * 5, opts)  # b is served during a's hold
         assert len(served.token_ids) == 1 and not held.done()
         assert await held >= 0.95
+
+
+def test_an_output_left_to_the_worker_is_charged_when_it_finished():
+    clock = Clock()
+    q = TenantQuotas(QuotaConfig(TenantLimit(tokens_per_s=100, burst_tokens=200)), clock)
+    q.acquire("a", 50).release()  # its prompt: 150 left
+    q.charge_output("a", 450)  # what it generated: one burst of debt at most
+    with pytest.raises(Overloaded) as info:
+        q.acquire("a", 1)
+    assert info.value.retry_after_s == pytest.approx(2.01)  # from -200 to 1 at 100/s
+    q.charge_output("b", 10)  # another tenant's bucket
+    q.acquire("b", 190).release()

@@ -95,6 +95,8 @@ class Engine:
         self._arrived: dict[str, float] = {}
         self._queue_wait = HistogramCounter(QUEUE_WAIT_BUCKETS_S)
         self._waited: dict[str, float] = {}  # queue wait, until the request's first output
+        # requests in flight that asked for logprobs: only then are they collected
+        self._logprob_ids: set[str] = set()
 
     # -- model limits (from the executor)
 
@@ -123,13 +125,25 @@ class Engine:
         DuplicateRequestError (id in flight) or QueueFullError (max_waiting_requests)."""
         self.scheduler.add(req)
         self._arrived[req.request_id] = self._clock()
+        if req.sampling.logprobs is not None:
+            self._logprob_ids.add(req.request_id)
 
     def abort(self, request_id: str) -> bool:
         """Drop a request at any stage, freeing every slot and lock it held. Returns False
         for an unknown (or already finished) id. No further output is produced for it."""
         self._arrived.pop(request_id, None)
         self._waited.pop(request_id, None)
+        self._logprob_ids.discard(request_id)
         return self.scheduler.abort(request_id)
+
+    def stop(self, request_id: str) -> RequestOutput | None:
+        """Finish a request now with ``FinishReason.STOP`` and its usage (a stop string was
+        found in its decoded text), freeing its slots as ``abort`` does; None for an unknown
+        (or already finished) id."""
+        self._arrived.pop(request_id, None)
+        self._waited.pop(request_id, None)
+        self._logprob_ids.discard(request_id)
+        return self.scheduler.stop(request_id)
 
     def step(self, before_forward: Callable[[], object] | None = None) -> list[RequestOutput]:
         """One scheduling iteration + forward. Each output carries the new token(s) of one
@@ -160,7 +174,21 @@ class Engine:
         outputs = self.scheduler.process(batch, tokens)
         if self._waited:
             self._attach_queue_wait(outputs)
+        if self._logprob_ids:
+            self._attach_logprobs(outputs)
         return outputs
+
+    def _attach_logprobs(self, outputs: list[RequestOutput]) -> None:
+        """The executor's logprobs of this step's tokens (one per output), for the requests
+        that asked (an executor without ``take_logprobs`` has none to give)."""
+        take = getattr(self.executor, "take_logprobs", None)
+        logprobs = take() if take is not None else {}
+        for i, out in enumerate(outputs):
+            lp = logprobs.get(out.request_id)
+            if lp is not None and out.new_token_ids:
+                outputs[i] = out = dataclasses.replace(out, logprobs=(lp,))
+            if out.finish_reason is not None:
+                self._logprob_ids.discard(out.request_id)
 
     def _record_queue_wait(self, admitted: list[Req]) -> None:
         now = self._clock()

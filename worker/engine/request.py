@@ -203,6 +203,14 @@ def validate_request(
             "partition", f"must be a Partition, got {type(req.partition).__name__}"
         )
     max_new = _validate_sampling(req.sampling, vocab_size)
+    if max_new is None:  # what is left of the context, as much as the KV pool can ever hold
+        if n >= max_context_tokens:
+            raise InvalidRequestError(
+                "prompt_token_ids",
+                f"prompt ({n} tokens) leaves no room to generate in "
+                f"max_context_tokens={max_context_tokens}",
+            )
+        max_new = min(max_context_tokens - n, config.num_kv_slots - n + 1)
     if n + max_new > max_context_tokens:
         if not config.clamp_max_new_tokens or n >= max_context_tokens:
             field = "prompt_token_ids" if n >= max_context_tokens else "max_new_tokens"
@@ -223,8 +231,8 @@ def validate_request(
     return max_new
 
 
-def _validate_sampling(sp: SamplingParams, vocab_size: int) -> int:
-    if not _is_int(sp.max_new_tokens) or sp.max_new_tokens < 1:
+def _validate_sampling(sp: SamplingParams, vocab_size: int) -> int | None:
+    if sp.max_new_tokens is not None and (not _is_int(sp.max_new_tokens) or sp.max_new_tokens < 1):
         raise InvalidRequestError(
             "max_new_tokens", f"must be an integer >= 1, got {sp.max_new_tokens!r}"
         )
@@ -236,12 +244,12 @@ def _validate_sampling(sp: SamplingParams, vocab_size: int) -> int:
         raise InvalidRequestError("top_p", f"must be in (0, 1], got {sp.top_p}")
     if not _is_int(sp.top_k) or sp.top_k < 0:
         raise InvalidRequestError("top_k", f"must be an integer >= 0 (0 = off), got {sp.top_k!r}")
-    for t in sp.stop_token_ids:
-        if not 0 <= t < vocab_size:
-            raise InvalidRequestError(
-                "stop_token_ids", f"token id {t} is outside [0, {vocab_size})"
-            )
-    return int(sp.max_new_tokens)
+    biased = [t for t, _ in sp.logit_bias]
+    for name, ids in (("stop_token_ids", sp.stop_token_ids), ("logit_bias", biased)):
+        for t in ids:
+            if not 0 <= t < vocab_size:
+                raise InvalidRequestError(name, f"token id {t} is outside [0, {vocab_size})")
+    return None if sp.max_new_tokens is None else int(sp.max_new_tokens)
 
 
 def _is_int(value: object) -> bool:

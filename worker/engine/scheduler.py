@@ -137,19 +137,33 @@ class Scheduler:
         req = self._reqs.pop(request_id, None)
         if req is None:
             return False
+        self._drop(req)
+        self.counters.num_aborted += 1
+        return True
+
+    def stop(self, request_id: str) -> RequestOutput | None:
+        """Finish a request now with ``FinishReason.STOP`` (the service found a stop string in
+        its text), releasing it as ``abort`` does; None if unknown or finished."""
+        req = self._reqs.pop(request_id, None)
+        if req is None:
+            return None
+        self._drop(req)
+        self.counters.num_finished += 1
+        usage = Usage(req.prompt_len, req.cached_prompt_tokens or 0, len(req.output_ids))
+        return RequestOutput(request_id, (), FinishReason.STOP, usage)
+
+    def _drop(self, req: Req) -> None:
         match req.status:
             case ReqStatus.WAITING:
                 self._remove_waiting(req)
             case ReqStatus.DECODING:
-                del self._decoding[request_id]
+                del self._decoding[req.request_id]
                 self._release(req)
             case ReqStatus.PREFILLING:
                 if self._chunked is req:
                     self._chunked = None
                 self._release(req)
         req.status = ReqStatus.FINISHED
-        self.counters.num_aborted += 1
-        return True
 
     def has_work(self) -> bool:
         return bool(self._reqs)
@@ -228,6 +242,7 @@ class Scheduler:
                     r.sampling,
                     True,
                     len(r.output_ids),
+                    r.token_buf[r.prompt_len : pos + 1] if r.sampling.penalized else None,
                 )
             )
         batch.decode_reqs = decoding
@@ -311,6 +326,7 @@ class Scheduler:
                 r.sampling,
                 end == r.num_tokens,
                 len(r.output_ids),
+                r.token_buf[r.prompt_len : end] if r.sampling.penalized else None,
             )
         )
         batch.prefill_reqs.append(r)
@@ -497,10 +513,13 @@ class Scheduler:
         sp = r.sampling
         if tok in r.stop_ids:  # stop_token_ids and, unless ignore_eos, every EOS id
             return FinishReason.STOP
-        if len(r.output_ids) >= sp.max_new_tokens:
+        num_out = len(r.output_ids)
+        if sp.max_new_tokens is not None and num_out >= sp.max_new_tokens:
             return FinishReason.LENGTH
         if r.num_tokens >= self.limits.max_context_tokens:
             return FinishReason.MAX_CONTEXT
+        if num_out >= r.max_new_tokens:  # no max_new_tokens given: the KV pool's bound
+            return FinishReason.LENGTH
         return None
 
     def _finish(self, r: Req, reason: FinishReason, tok: int) -> RequestOutput:

@@ -48,12 +48,13 @@ the same whether the request ran straight through or was retracted and recompute
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 import xxhash
 
-from worker.engine.types import ForwardItem
+from worker.engine.types import ForwardItem, TokenLogprobs
 
 # One pass over Llama-3-8B's bf16 weights at the H100 SXM's peak HBM bandwidth
 LLAMA3_8B_PARAM_BYTES = 8.03e9 * 2
@@ -269,6 +270,7 @@ class SimExecutor:
             () if self.eos_token_id is None else (self.eos_token_id,)
         )
         self._zero_cost = self.cost_model == SimCostModel.zero()
+        self._last: tuple[list[ForwardItem], list[ForwardItem], list[int]] = ([], [], [])
         self.num_steps = 0  # steps that ran something
         self.num_floor_steps = 0  # of them, steps whose work was under weight_read_s
 
@@ -293,7 +295,27 @@ class SimExecutor:
     def forward(self, prefill: list[ForwardItem], decode: list[ForwardItem]) -> list[int]:
         """One token per item, prefill items first (-1 for a non-final prefill chunk)."""
         token_for = self.token_for
-        return [token_for(item) for item in prefill] + [token_for(item) for item in decode]
+        tokens = [token_for(item) for item in prefill] + [token_for(item) for item in decode]
+        self._last = (prefill, decode, tokens)  # take_logprobs reads it, when asked
+        return tokens
+
+    def take_logprobs(self) -> dict[str, TokenLogprobs]:
+        """The last forward's logprobs, by request id, of the items that asked: stand-ins
+        (the sim has no distribution): every token of a uniform one, ln(1/vocab), the sampled
+        token first among the top ones."""
+        prefill, decode, tokens = self._last
+        self._last = ([], [], [])
+        return {
+            item.request_id: self._stand_in(token, item.sampling.logprobs)
+            for item, token in zip((*prefill, *decode), tokens, strict=True)
+            if item.sampling.logprobs is not None and token >= 0
+        }
+
+    def _stand_in(self, token: int, top_k: int) -> TokenLogprobs:
+        vocab = self.config.vocab_size
+        lp = -math.log(vocab)
+        top = [(token, lp)] + [((token + i) % vocab, lp) for i in range(1, min(top_k, vocab))]
+        return TokenLogprobs(lp, tuple(top[:top_k]))
 
     def step_cost_s(self, prefill: list[ForwardItem], decode: list[ForwardItem]) -> float:
         """Modelled seconds of the step that ran ``prefill`` and ``decode`` together."""

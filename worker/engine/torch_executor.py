@@ -43,7 +43,7 @@ from worker.engine.decode_graph import (
 from worker.engine.kv_pool import KVPool, KVPoolConfig
 from worker.engine.model import DecodeGroup, LlamaForCausalLM, PagedBatch, PrefillSeq
 from worker.engine.sampling import Sampler
-from worker.engine.types import ForwardItem
+from worker.engine.types import ForwardItem, TokenLogprobs
 
 
 def _check_pool_fits(model: LlamaForCausalLM, kv_pool: KVPool) -> None:
@@ -92,6 +92,7 @@ class TorchExecutor:
         self.eos_token_id: int | None = cfg.eos_token_id
         self.num_kv_slots: int = kv_pool.num_slots
         self._sampler = Sampler(seed)
+        self._logprobs: dict[str, TokenLogprobs] = {}
         self._last_cost_s = 0.0
         self.attention = attention
         # "gather", "torch" or "triton" (raises for an unknown option or Triton off CUDA).
@@ -221,13 +222,21 @@ class TorchExecutor:
                 logits[wanted],
                 [items[i].sampling for i in wanted],
                 [items[i].num_generated for i in wanted],
+                [items[i].output_ids for i in wanted],
             )
             for i, token in zip(wanted, picked, strict=True):
                 tokens[i] = token
+            asked = self._sampler.last_logprobs
+            self._logprobs = {items[wanted[row]].request_id: lp for row, lp in asked.items()}
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._last_cost_s = time.perf_counter() - start
         return tokens
+
+    def take_logprobs(self) -> dict[str, TokenLogprobs]:
+        """The last forward's logprobs, by request id, of the items that asked."""
+        out, self._logprobs = self._logprobs, {}
+        return out
 
     def step_cost_s(self, prefill: list[ForwardItem], decode: list[ForwardItem]) -> float:
         """Measured wall time of the last ``forward`` (the arguments are not used)."""

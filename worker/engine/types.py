@@ -16,15 +16,25 @@ from kvroute_proto.events import DEFAULT_PARTITION, Partition
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """Decoding settings of one request. temperature 0 means greedy."""
+    """Decoding settings of one request. temperature 0 means greedy; ``max_new_tokens``
+    None means what is left of the context (OpenAI's and vLLM's chat default)."""
 
-    max_new_tokens: int = 16
+    max_new_tokens: int | None = 16
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0  # OpenAI's, on the tokens generated so far
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    logprobs: int | None = None  # None: off; k: each token's logprob and its step's top k
+
+    @property
+    def penalized(self) -> bool:
+        """Whether sampling needs the tokens generated so far (ForwardItem.output_ids)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +65,14 @@ class Usage:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """A sampled token's log probability and its step's most likely (token id, logprob)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class RequestOutput:
     """What one engine step produced for one request."""
 
@@ -64,6 +82,7 @@ class RequestOutput:
     usage: Usage | None = None  # set with finish_reason
     # on a request's first output: seconds from add_request to its first prefill step
     queue_wait_s: float | None = None
+    logprobs: tuple[TokenLogprobs, ...] | None = None  # one per new token, when asked
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +102,7 @@ class ForwardItem:
     sampling: SamplingParams
     sample: bool = True
     num_generated: int = 0  # tokens generated so far (for per-request seeded sampling)
+    output_ids: np.ndarray | None = None  # the tokens generated so far, when penalized
 
 
 class Executor(Protocol):

@@ -21,7 +21,13 @@ from edge.tokenizer import chat_specials
 from kvroute_proto import codec
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto.events import EventBatch, LoadReport, Snapshot
-from worker.engine.types import EngineRequest, FinishReason, SamplingParams, Usage
+from worker.engine.types import (
+    EngineRequest,
+    FinishReason,
+    SamplingParams,
+    TokenLogprobs,
+    Usage,
+)
 from worker.errors import InvalidRequestError
 
 
@@ -72,14 +78,30 @@ def sampling_from_pb(msg: pb.SamplingParams, limits: RequestLimits) -> SamplingP
         )
     if not math.isfinite(msg.top_p) or not 0 <= msg.top_p <= 1:
         raise InvalidRequestError("sampling.top_p", f"must be in [0, 1], got {msg.top_p}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(msg, name)
+        if not math.isfinite(value) or not -2 <= value <= 2:
+            raise InvalidRequestError(f"sampling.{name}", f"must be in [-2, 2], got {value}")
+    if not all(math.isfinite(b) and -100 <= b <= 100 for b in msg.logit_bias.values()):
+        raise InvalidRequestError("sampling.logit_bias", "biases must be in [-100, 100]")
+    if msg.top_logprobs > limits.max_top_logprobs:
+        raise InvalidRequestError(
+            "sampling.top_logprobs",
+            f"must be at most {limits.max_top_logprobs}, got {msg.top_logprobs}",
+        )
     return SamplingParams(
-        max_new_tokens=msg.max_new_tokens or limits.default_max_new_tokens,
+        # 0: the worker's default; its default 0: what is left of the context
+        max_new_tokens=msg.max_new_tokens or limits.default_max_new_tokens or None,
         temperature=float(msg.temperature),
         top_p=float(msg.top_p) if msg.top_p > 0 else 1.0,
         top_k=msg.top_k,
         seed=msg.seed if msg.HasField("seed") else None,
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
+        presence_penalty=float(msg.presence_penalty),
+        frequency_penalty=float(msg.frequency_penalty),
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
+        logprobs=msg.top_logprobs if msg.logprobs else None,
     )
 
 
@@ -115,6 +137,7 @@ def request_from_pb(
         raise InvalidRequestError("prompt_text_is_chat", "set, but the prompt is not prompt_text")
     if token_ids.size == 0:
         raise InvalidRequestError("prompt", "must contain at least 1 token, got 0")
+    _check_stop(msg.sampling.stop, tokenizer, limits)
     return EngineRequest(
         request_id=request_id,
         prompt_token_ids=token_ids,
@@ -123,6 +146,20 @@ def request_from_pb(
         priority=msg.priority,
         routing_key=msg.routing_key,
     )
+
+
+def _check_stop(stops: Sequence[str], tokenizer: TextEncoder | None, limits: RequestLimits) -> None:
+    """Stop strings are matched on the decoded text: they need a tokenizer."""
+    if not stops:
+        return
+    if tokenizer is None:
+        raise InvalidRequestError("stop", "this worker has no tokenizer; use stop_token_ids")
+    if len(stops) > limits.max_stop_strings:
+        raise InvalidRequestError(
+            "stop", f"at most {limits.max_stop_strings} strings, got {len(stops)}"
+        )
+    if not all(0 < len(text) <= limits.max_stop_chars for text in stops):
+        raise InvalidRequestError("stop", f"each must be 1..{limits.max_stop_chars} characters")
 
 
 def _append_suffix(
@@ -164,10 +201,28 @@ def _encode_text(
 # ---- encoding ----------------------------------------------------------------------------
 
 
-def chunk_to_pb(request_id: str, token_ids: Sequence[int], text: str) -> pb.GenerateResponse:
-    return pb.GenerateResponse(
-        request_id=request_id, chunk=pb.TokenChunk(token_ids=token_ids, text=text)
-    )
+def chunk_to_pb(
+    request_id: str,
+    token_ids: Sequence[int],
+    text: str,
+    logprobs: Sequence[TokenLogprobs] | None = None,
+    decode: Callable[[list[int]], str] | None = None,
+) -> pb.GenerateResponse:
+    """A chunk of tokens, their text and, when asked, their logprobs (each token's text
+    by ``decode``)."""
+    chunk = pb.TokenChunk(token_ids=token_ids, text=text)
+    if logprobs:
+        name = decode or (lambda ids: "")
+        for token_id, lp in zip(token_ids, logprobs, strict=True):
+            chunk.logprobs.append(
+                pb.TokenLogprob(
+                    token_id=token_id,
+                    token=name([token_id]),
+                    logprob=lp.logprob,
+                    top=[pb.TopLogprob(token_id=t, token=name([t]), logprob=v) for t, v in lp.top],
+                )
+            )
+    return pb.GenerateResponse(request_id=request_id, chunk=chunk)
 
 
 def finished_to_pb(

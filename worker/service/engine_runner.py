@@ -117,12 +117,20 @@ class RequestStream:
         if isinstance(first, BaseException):
             raise first
         merged, last = list(first.new_token_ids), first
+        logprobs = list(first.logprobs or ())
         while self._items and isinstance(self._items[0], RequestOutput):
             last = self._items.popleft()  # type: ignore[assignment]
             merged += last.new_token_ids
+            logprobs += last.logprobs or ()
         if last is first:
             return first
-        return RequestOutput(first.request_id, tuple(merged), last.finish_reason, last.usage)
+        return RequestOutput(
+            first.request_id,
+            tuple(merged),
+            last.finish_reason,
+            last.usage,
+            logprobs=tuple(logprobs) if logprobs else None,
+        )
 
 
 class Subscription:
@@ -287,6 +295,12 @@ class EngineRunner:
         """Abort an in-flight request; its stream ends with FinishReason.ABORT."""
         self._check_running()
         return await self._call(self._job_abort, request_id)
+
+    async def stop_request(self, request_id: str) -> None:
+        """Finish a request now (its stop string was found): its stream ends with
+        FinishReason.STOP and its usage, unless it had finished already."""
+        self._check_running()
+        await self._call(self._job_stop, request_id)
 
     async def flush_cache(self) -> bool:
         """Drop every cached block (AllCleared goes out to subscribers) when no request is in
@@ -461,6 +475,12 @@ class EngineRunner:
             self._post(self._dispatch, [RequestOutput(request_id, (), FinishReason.ABORT)])
         self._publish()
         return found
+
+    def _job_stop(self, request_id: str) -> None:
+        out = self.engine.stop(request_id)
+        if out is not None:
+            self._post(self._dispatch, [out])
+        self._publish()
 
     def _job_flush_cache(self) -> bool:
         if self.engine.has_work():

@@ -13,20 +13,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 
 from opentelemetry import propagate, trace
 from opentelemetry.trace import Span, Status, StatusCode
 
 from edge.frontdoor import BadRequest, CallInfo, Overloaded, Unavailable
 from edge.limits import RequestLimits
+from edge.stop_strings import StopMatcher
 from kvroute_proto import kvroute_pb2 as pb
 from worker.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from worker.engine.types import RequestOutput
+from worker.engine.types import FinishReason, RequestOutput, TokenLogprobs
 from worker.errors import InvalidRequestError, QueueFullError
 from worker.service import convert, spans
 from worker.service.convert import WorkerInfo
@@ -67,6 +69,10 @@ class WorkerGeneration:
     @property
     def model_name(self) -> str:
         return self._model_name
+
+    def _decode(self, ids: list[int]) -> str:
+        """One token's text, for logprobs ("" without a tokenizer)."""
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
 
     @property
     def num_generating(self) -> int:
@@ -120,11 +126,10 @@ class WorkerGeneration:
             phases = spans.Phases(time.time_ns()) if tracing else None
             stream = await self._admit(request, span)
             rid = stream.request_id
-            detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None
+            texts = OutputText(self.tokenizer, request.sampling.stop) if self.tokenizer else None
             finished = False
             observer = self.observer
             last_sent: float | None = None  # when the last tokens came (TTFT, inter-token)
-            held: tuple[int, ...] = ()  # generated ids waiting for their text
             outcome = "error"
             try:
                 while not finished:  # every stream ends with a finish_reason or an error
@@ -138,7 +143,7 @@ class WorkerGeneration:
                             phases.queue_wait_s = out.queue_wait_s
                         if out.new_token_ids and phases.first_token_ns is None:
                             phases.first_token_ns = time.time_ns()
-                    ids = out.new_token_ids
+                    ids, logprobs = out.new_token_ids, out.logprobs
                     if ids:  # the metrics see tokens as generated, however they are sent
                         now = time.perf_counter()
                         if last_sent is None:
@@ -147,18 +152,17 @@ class WorkerGeneration:
                             observer.on_tokens(len(ids), now - last_sent)
                         last_sent = now
                     text = ""
-                    if detok is not None:
-                        text = detok.push(ids)
-                        text += detok.flush() if finished else ""
-                        if held:  # ids whose text was not complete yet go with this text
-                            ids, held = (*held, *ids), ()
-                        if ids and not text and not finished:
-                            # no text yet (a character's first bytes): no message either;
-                            # the ids go with the next text or the end (decision 0030)
-                            held = ids
-                            continue
+                    if texts is not None:
+                        text = texts.push(ids, finished)
+                        if texts.stopped:  # the text ends before a stop string
+                            end = out if finished else await self._finish_on_stop(stream)
+                            out = dataclasses.replace(
+                                out, finish_reason=FinishReason.STOP, usage=end.usage
+                            )
+                            finished = True
+                        ids, logprobs = texts.take_ids(ids, logprobs, bool(text) or finished)
                     if ids or text:
-                        yield convert.chunk_to_pb(rid, ids, text)
+                        yield convert.chunk_to_pb(rid, ids, text, logprobs, self._decode)
                     if out.finish_reason is not None:
                         outcome = out.finish_reason.value
                         _record_finish(span, out)
@@ -183,6 +187,17 @@ class WorkerGeneration:
             raise
         finally:
             span.end()
+
+    async def _finish_on_stop(self, stream: RequestStream) -> RequestOutput:
+        """A stop string was found: finish the request on the engine now (its slots freed)
+        and skip what it generated meanwhile; its last output, with the usage."""
+        try:
+            await self.runner.stop_request(stream.request_id)
+            while (out := await stream.get()).finish_reason is None:
+                pass
+        except EngineStoppedError as exc:
+            raise Unavailable(str(exc)) from None
+        return out
 
     async def _admit(self, request: pb.GenerateRequest, span: Span) -> RequestStream:
         """Decode and submit a request, or raise the matching ServiceError."""
@@ -213,6 +228,46 @@ class WorkerGeneration:
             raise Unavailable(str(exc)) from None
         log.debug("request %s admitted (%d prompt tokens)", req.request_id, stream.num_prompt)
         return stream
+
+
+class OutputText:
+    """A request's output text as it streams: detokenized, cut before its first stop
+    string, holding back only what could still start one (edge.stop_strings)."""
+
+    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str]) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer)
+        self._stops = StopMatcher(stops) if stops else None
+        self._held_ids: tuple[int, ...] = ()  # generated ids waiting for their text
+        self._held_logprobs: tuple[TokenLogprobs, ...] = ()
+
+    def take_ids(
+        self, ids: tuple[int, ...], logprobs: tuple[TokenLogprobs, ...] | None, ready: bool
+    ) -> tuple[tuple[int, ...], tuple[TokenLogprobs, ...] | None]:
+        """The ids (and their logprobs) to send now: while there is no text to send with
+        them (a character's first bytes, or text held for a stop string), none -- they go
+        with the next text or the end (``ready``), so no message is text-free (decision
+        0030)."""
+        self._held_ids += ids
+        self._held_logprobs += logprobs or ()
+        if not ready:
+            return (), None
+        out = (self._held_ids, self._held_logprobs or None)
+        self._held_ids, self._held_logprobs = (), ()
+        return out
+
+    @property
+    def stopped(self) -> bool:
+        return self._stops is not None and self._stops.stopped
+
+    def push(self, token_ids: tuple[int, ...], last: bool) -> str:
+        """The text to send for ``token_ids`` (``last``: the output's final ids)."""
+        text = self._detok.push(token_ids)
+        if last:
+            text += self._detok.flush()
+        if self._stops is None:
+            return text
+        out = self._stops.push(text)
+        return out + self._stops.flush() if last else out
 
 
 def _record_finish(span: Span, out: RequestOutput) -> None:

@@ -185,6 +185,8 @@ class WorkerHttpRoutes:
             request_id=rid,
             tokenizer=self.generation.tokenizer,
         )
+        if api.n != 1:
+            raise BadRequest("n: /generate serves one sequence per request", param="n")
         out = oa.ApiOutput(api)
         ids: list[int] = []
         messages_it = self.generation.generate(api.request, hf.call_info(request))

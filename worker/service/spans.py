@@ -40,10 +40,11 @@ def record_request(span: Span, req: EngineRequest, model: str) -> None:
         {
             "gen_ai.operation.name": "text_completion",
             "gen_ai.request.model": model,
-            "gen_ai.request.max_tokens": req.sampling.max_new_tokens,
             "gen_ai.request.temperature": req.sampling.temperature,
         }
     )
+    if req.sampling.max_new_tokens is not None:  # None: what is left of the context
+        span.set_attribute("gen_ai.request.max_tokens", req.sampling.max_new_tokens)
 
 
 def record_phases(span: Span, phases: Phases, out: RequestOutput, end_ns: int) -> None:

@@ -80,14 +80,26 @@ async def test_openai_chat_streamed_and_not() -> None:
 async def test_openai_errors_carry_our_messages() -> None:
     async with http_fleet(1) as (_, _, client, _):
         with pytest.raises(openai.BadRequestError) as bad:
-            await client.completions.create(model=MODEL, prompt="x", n=2)
-        assert "only n=1 is supported" in bad.value.message
+            await client.completions.create(model=MODEL, prompt="x", n=17)
+        assert "1..16" in bad.value.message
         assert bad.value.body["param"] == "n"
+        # n choices through the router: one request each, the usage counts the prompt once
+        both = await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, n=2)
+        assert [c.index for c in both.choices] == [0, 1]
+        assert both.usage.completion_tokens == 8
+        assert both.usage.prompt_tokens == len(PROMPT.encode())
         with pytest.raises(openai.NotFoundError) as missing:
             await client.chat.completions.create(
                 model="gpt-4o", messages=[{"role": "user", "content": "hi"}]
             )
         assert missing.value.body["code"] == "model_not_found"
+        # the router's own bound, said in the API's words (one bound per field)
+        with pytest.raises(openai.BadRequestError) as big:
+            await client.completions.create(model=MODEL, prompt="x", max_tokens=1 << 21)
+        assert big.value.body["param"] == "max_tokens" and "1..1048576" in big.value.message
+        with pytest.raises(openai.BadRequestError) as empty:
+            await client.completions.create(model=MODEL, prompt="")
+        assert empty.value.body["param"] == "prompt" and "1..4194304" in empty.value.message
         models = await client.models.list()
         assert [m.id for m in models.data] == [MODEL]
 
@@ -124,3 +136,17 @@ async def test_client_disconnect_through_the_router_aborts_on_the_worker() -> No
             stats.num_free_kv_tokens + stats.num_evictable_kv_tokens + stats.num_protected_kv_tokens
             == stats.num_total_kv_tokens
         )
+
+
+async def test_stop_strings_and_sampling_parameters_through_the_router() -> None:
+    async with http_fleet(1) as (router, _, client, _):
+        kwargs = {"model": MODEL, "prompt": PROMPT, "max_tokens": 40, "seed": 3}
+        free = (await client.completions.create(**kwargs)).choices[0].text
+        stop = next(free[i : i + 2] for i in range(4, len(free) - 2) if free[i : i + 2].isascii())
+        expected = free[: free.index(stop)]
+        out = await client.completions.create(**kwargs, stop=[stop], logprobs=1)
+        assert out.choices[0].text == expected and out.choices[0].finish_reason == "stop"
+        assert len(out.choices[0].logprobs.tokens) >= len(expected)  # a token per byte at most
+        stream = await client.completions.create(**kwargs, stop=stop, stream=True)
+        assert "".join([c.choices[0].text async for c in stream if c.choices]) == expected
+        assert router.server.frontend.num_inflight == 0

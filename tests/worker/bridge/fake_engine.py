@@ -179,7 +179,7 @@ class FakeEngine:
         events, cached = self.store_events(prompt)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        n = int(body.get("max_tokens", 4))
+        n = int(body.get("max_tokens") or 4)
         try:
             if events:
                 await self.publish(events)  # after "prefill"

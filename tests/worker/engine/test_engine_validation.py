@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from sched_harness import make_engine, request
+from sched_harness import make_engine, request, run
 
 from worker.engine.engine import EngineConfig
 from worker.engine.sim_executor import SimExecutorConfig
-from worker.engine.types import EngineRequest
+from worker.engine.types import EngineRequest, FinishReason
 from worker.errors import DuplicateRequestError, InvalidRequestError, QueueFullError
 
 
@@ -56,6 +56,27 @@ def test_largest_request_that_fits_is_accepted() -> None:
     engine = _engine()
     # 200 + 57 tokens: the last generated token needs no KV slot, so 256 slots suffice.
     engine.add_request(request("r", [1] * 200, max_new_tokens=57))
+
+
+@pytest.mark.parametrize(
+    ("num_kv_slots", "prompt", "expected"),
+    [
+        (4096, 100, (412, FinishReason.MAX_CONTEXT)),  # to the context's end (512)
+        (256, 100, (157, FinishReason.LENGTH)),  # as far as the KV pool can ever hold
+    ],
+)
+def test_no_max_new_tokens_generates_what_is_left(num_kv_slots, prompt, expected) -> None:
+    sim = SimExecutorConfig(vocab_size=1000, max_context_tokens=512)
+    engine = make_engine(sim=sim, num_kv_slots=num_kv_slots)[0]
+    engine.add_request(request("r", [1] * prompt, max_new_tokens=None))  # type: ignore[arg-type]
+    out = run(engine)["r"]
+    assert (len(out.tokens), out.finish_reason) == expected
+
+
+def test_a_full_context_leaves_nothing_to_generate() -> None:
+    with pytest.raises(InvalidRequestError, match="leaves no room") as info:
+        _engine().add_request(request("r", [1] * 512, max_new_tokens=None))  # type: ignore[arg-type]
+    assert info.value.field == "prompt_token_ids"
 
 
 def test_duplicate_in_flight_id() -> None:

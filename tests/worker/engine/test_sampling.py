@@ -100,3 +100,26 @@ def test_sampling_follows_the_distribution_roughly():
 def test_mismatched_lengths_are_rejected():
     with pytest.raises(ValueError, match="must match"):
         Sampler().sample(rows(2), [SamplingParams()], [0])
+
+
+def test_penalties_and_logit_bias_follow_openais_rule() -> None:
+    import numpy as np
+
+    from worker.engine.sampling import adjust_logits
+
+    logits = torch.tensor([0.0, 1.0, 2.0, 3.0])
+    history = np.array([3, 3, 1])
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, logit_bias=((0, 4.0),))
+    got = adjust_logits(logits, params, history)
+    # token 3: twice (-0.5 - 2 * 0.25); token 1: once (-0.5 - 0.25); token 0: +4
+    assert got.tolist() == [4.0, 0.25, 2.0, 2.0]
+    assert logits.tolist() == [0.0, 1.0, 2.0, 3.0]  # the input row is left as it was
+
+
+def test_greedy_rows_see_the_penalties() -> None:
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0], [0.0, 1.0, 2.0, 3.0]])
+    params = [SamplingParams(frequency_penalty=2.0), SamplingParams()]
+    import numpy as np
+
+    picked = Sampler().sample(logits, params, [1, 1], [np.array([3]), None])
+    assert picked == [2, 3]

@@ -54,6 +54,7 @@ class WorkerSetup:
     epoch: int | None = None
     tokenizer: bool = True
     executor_kind: str = "sim"  # "torch": the factory's tiny random Llama on CPU
+    model_dir: str | None = None  # torch only: an HF model directory instead of the tiny one
     http: bool = False  # also serve the HTTP front (127.0.0.1, port 0)
     max_body_bytes: int = 1 << 20
     zmq_events: ZmqEventsConfig | None = None  # also publish vLLM's ZMQ wire
@@ -94,7 +95,7 @@ async def running_worker(setup: WorkerSetup | None = None) -> AsyncIterator[Work
     tokenizer: ByteTokenizer | None = ByteTokenizer()
     if setup.executor_kind == "torch":
         executor, tokenizer = build_executor(
-            "torch", num_kv_slots=setup.engine.num_kv_slots, device="cpu"
+            "torch", model_dir=setup.model_dir, num_kv_slots=setup.engine.num_kv_slots, device="cpu"
         )
     else:
         executor = SimExecutor(setup.cost, setup.sim)

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 
 import aiohttp
 import pytest
-from svc_harness import ByteTokenizer, Worker, WorkerSetup, running_worker
+from svc_harness import BYTE_VOCAB, MAX_CONTEXT, ByteTokenizer, Worker, WorkerSetup, running_worker
 
 from worker.engine.sim_executor import SimCostModel
 from worker.service.engine_runner import RunnerConfig
@@ -105,7 +106,7 @@ async def test_token_id_prompts_are_served_as_given() -> None:
         assert out["usage"]["prompt_tokens"] == 5
 
 
-async def test_single_token_stop_strings_stop_and_are_cut_from_the_text() -> None:
+async def test_stop_strings_stop_and_are_cut_from_the_text() -> None:
     async with running_worker(HTTP) as w:
         base = {"prompt": PROMPT, "max_tokens": 40, "temperature": 0, "seed": 7, "ignore_eos": True}
         _, _, free = await post(w, "/v1/completions", base)
@@ -153,20 +154,45 @@ async def test_chat_renders_the_messages_and_streams_the_same_content() -> None:
         assert events[-2]["object"] == "chat.completion.chunk"
 
 
+async def test_chat_without_max_tokens_generates_to_the_end_of_the_context() -> None:
+    # the sim never emits EOS: the answer runs to the context's end, not to 16 tokens
+    async with running_worker(HTTP) as w:
+        body = {"messages": [{"role": "user", "content": "Hi"}], "temperature": 0}
+        status, _, full = await post(w, "/v1/chat/completions", body)
+        assert status == 200, full
+        usage = full["usage"]
+        assert usage["prompt_tokens"] + usage["completion_tokens"] == MAX_CONTEXT
+        assert full["choices"][0]["finish_reason"] == "length"
+        # completions keep OpenAI's documented default of 16
+        _, _, short = await post(w, "/v1/completions", {"prompt": "Hi"})
+        assert short["usage"]["completion_tokens"] == 16
+        await w.assert_no_leak()
+
+
+async def test_the_sim_answers_logprobs_with_uniform_stand_ins() -> None:
+    async with running_worker(HTTP) as w:
+        body = {"prompt": "Hi", "max_tokens": 3, "logprobs": 2}
+        _, _, out = await post(w, "/v1/completions", body)
+        lp = out["choices"][0]["logprobs"]
+        assert lp["token_logprobs"] == [pytest.approx(-math.log(BYTE_VOCAB))] * 3
+        assert all(len(top) >= 1 for top in lp["top_logprobs"])
+        await w.assert_no_leak()
+
+
 # ---- errors ------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
     ("body", "status", "param", "needle"),
     [
-        ({"prompt": "x", "n": 2}, 400, "n", "only n=1"),
+        ({"prompt": "x", "n": 17}, 400, "n", "1..16"),
         ({"prompt": "x", "model": "gpt-4o"}, 404, "model", "does not exist"),
         ({"prompt": ["a", "b"]}, 400, "prompt", "one prompt per request"),
-        ({"prompt": "x", "logprobs": 2}, 400, "logprobs", "not supported"),
+        ({"prompt": "x", "echo": True}, 400, "echo", "not supported"),
         ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "1.."),
         ({"prompt": "x", "temperature": 3}, 400, "temperature", "[0, 2]"),
-        ({"prompt": "x", "stop": ["two tokens"]}, 400, "stop", "exactly one token"),
-        ({"prompt": ""}, 400, "prompt", "at least 1 token"),
+        ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "at most 4"),
+        ({"prompt": ""}, 400, "prompt", "1..4194304 UTF-8 bytes, got 0"),
     ],
 )
 async def test_bad_requests_get_openai_errors(body, status, param, needle) -> None:
@@ -179,6 +205,55 @@ async def test_bad_requests_get_openai_errors(body, status, param, needle) -> No
         if status == 404:
             assert err["code"] == "model_not_found"
         await w.assert_no_leak()
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "needle"),
+    [
+        (
+            "/v1/completions",
+            {"prompt": "x", "max_tokens": 600},
+            "max_tokens",
+            "max_tokens (600) exceeds the model's context length of 512 tokens",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "x" * 600, "max_tokens": 1},
+            "prompt",
+            "exceeds the model's context length of 512 tokens",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x" * 600}]},
+            "messages",
+            "the model's context length of 512 tokens",
+        ),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 1 << 21}, "max_tokens", "1..1048576"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user"}]},
+            "messages[0].content",
+            "required",
+        ),
+        ("/v1/completions", {"prompt": "x", "model": 3}, "model", "must be a string"),
+    ],
+)
+async def test_refusals_use_the_openai_field_names(path, body, param, needle) -> None:
+    async with running_worker(HTTP) as w:
+        status, _, out = await post(w, path, body)
+        assert status == 400, out
+        err = out["error"]
+        assert err["param"] == param and needle in err["message"], err
+        for wire in ("max_new_tokens", "prompt_token_ids", "prompt_text", "sampling."):
+            assert wire not in err["message"]
+        await w.assert_no_leak()
+
+
+async def test_missing_model_and_unknown_fields_are_accepted() -> None:
+    async with running_worker(HTTP) as w:
+        body = {"prompt": "x", "max_tokens": 2, "vendor_extension": {"a": 1}}
+        status, _, out = await post(w, "/v1/completions", body)
+        assert status == 200 and out["model"] == MODEL, out
 
 
 async def test_http_level_errors_are_openai_json() -> None:
@@ -319,6 +394,8 @@ async def test_sglang_generate_text_and_ids_streamed_and_not() -> None:
         assert events[-2]["meta_info"]["finish_reason"]["type"] == "length"
         status, _, err = await post(w, "/generate", {"text": ["a", "b"]})
         assert status == 400 and "batches" in err["error"]["message"]
+        status, _, err = await post(w, "/generate", {"text": "a", "sampling_params": {"n": 2}})
+        assert status == 400 and err["error"]["param"] == "n"
 
 
 async def test_tokenize_and_render_give_the_served_token_ids() -> None:

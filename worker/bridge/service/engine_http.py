@@ -82,6 +82,8 @@ def completion_body(request: pb.GenerateRequest, model: str) -> dict[str, Any]:
             param="partition.extra_key",
         )
     s = request.sampling
+    if s.logprobs:
+        raise BadRequest("logprobs: not forwarded by the bridge yet", param="logprobs")
     body: dict[str, Any] = {
         "model": model,
         "prompt": ids,
@@ -90,8 +92,10 @@ def completion_body(request: pb.GenerateRequest, model: str) -> dict[str, Any]:
         "stream_options": {"include_usage": True},
         "return_token_ids": True,
     }
-    if s.max_new_tokens:
-        body["max_tokens"] = int(s.max_new_tokens)
+    # 0: what is left of the context (an explicit null: vLLM's completions default is 16)
+    body["max_tokens"] = int(s.max_new_tokens) if s.max_new_tokens else None
+    if s.stop:
+        body["stop"] = list(s.stop)  # the engine matches them on its text
     if 0 < s.top_p < 1:
         body["top_p"] = float(s.top_p)
     if s.top_k:
@@ -102,6 +106,11 @@ def completion_body(request: pb.GenerateRequest, model: str) -> dict[str, Any]:
         body["stop_token_ids"] = list(s.stop_token_ids)
     if s.ignore_eos:
         body["ignore_eos"] = True
+    if s.presence_penalty or s.frequency_penalty:
+        body["presence_penalty"] = float(s.presence_penalty)
+        body["frequency_penalty"] = float(s.frequency_penalty)
+    if s.logit_bias:
+        body["logit_bias"] = {str(t): float(b) for t, b in s.logit_bias.items()}
     if request.partition.cache_salt:
         body["cache_salt"] = request.partition.cache_salt
     return body

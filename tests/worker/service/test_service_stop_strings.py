@@ -1,0 +1,95 @@
+"""Stop strings on the BPE model: matched on the decoded text across token boundaries and
+inside merged tokens, streamed and not, the text ending before the stop, the request
+finished on the worker (no slot left)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from svc_harness import WorkerSetup, running_worker
+from test_service_http import post, sse_events
+
+from bench.bpe import write_bpe_model_dir
+from edge.tokenizer import load_tokenizer
+from kvroute_proto import kvroute_pb2 as pb
+from worker.service.generation import OutputText
+
+PROMPT = "The customer asked about the refund policy for the second order."
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return str(write_bpe_model_dir(tmp_path_factory.mktemp("m") / "bpe-tiny"))
+
+
+@pytest.fixture(scope="module")
+def bpe(model_dir):
+    return load_tokenizer(model_dir)
+
+
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture], max_examples=60)
+@given(data=st.data())
+def test_multi_token_stops_on_bpe_text_in_any_chunking(bpe, data) -> None:
+    text = data.draw(
+        st.sampled_from(
+            ["First line.\n\nSecond line.", "a\n\n\nb", "café über\n\nrésumé", "no stop here\n"]
+        )
+    )
+    stop = data.draw(st.sampled_from(["\n\n", "line", "é ü", "e."]))
+    ids = bpe.encode(text, add_special_tokens=False)
+    cuts = sorted(data.draw(st.sets(st.integers(0, len(ids)), max_size=len(ids))))
+    out_text = OutputText(bpe, [stop])
+    bounds = [0, *cuts, len(ids)]
+    got = ""
+    for i, (lo, hi) in enumerate(itertools.pairwise(bounds)):
+        got += out_text.push(tuple(ids[lo:hi]), i == len(bounds) - 2)
+    at = text.find(stop)
+    assert got == (text[:at] if at >= 0 else text)
+    assert out_text.stopped == (at >= 0)
+
+
+async def test_stop_strings_across_tokens_end_the_text_and_free_the_slot(model_dir, bpe) -> None:
+    setup = WorkerSetup(http=True, executor_kind="torch", model_dir=model_dir)
+    async with running_worker(setup) as w:
+        req = pb.GenerateRequest(request_id="free", prompt_text=PROMPT)
+        req.sampling.max_new_tokens = 60
+        req.sampling.ignore_eos = True
+        msgs = await w.generate(req)
+        ids = [t for m in msgs if m.HasField("chunk") for t in m.chunk.token_ids]
+        free = "".join(m.chunk.text for m in msgs if m.HasField("chunk"))
+        pieces = [bpe.decode([t]) for t in ids]
+        # a stop straddling two tokens, and one inside a merged token
+        k = next(i for i in range(5, len(ids) - 1) if pieces[i] and pieces[i + 1])
+        across = pieces[k][-1] + pieces[k + 1][0]
+        inner = next(p[1] for p in pieces[5:] if len(p) >= 3)
+        body = {"prompt": PROMPT, "max_tokens": 60, "temperature": 0, "ignore_eos": True}
+        for stop in (across, inner):
+            expected = free[: free.index(stop)]
+            status, _, out = await post(w, "/v1/completions", {**body, "stop": [stop, "zzzz"]})
+            assert status == 200, out
+            assert out["choices"][0]["text"] == expected
+            assert out["choices"][0]["finish_reason"] == "stop"
+            assert out["usage"]["completion_tokens"] < 60  # finished on the worker
+            _, events = await sse_events(
+                w, "/v1/completions", {**body, "stop": stop, "stream": True}
+            )
+            streamed = "".join(e["choices"][0]["text"] for e in events[:-1])
+            assert streamed == expected
+            assert events[-2]["choices"][0]["finish_reason"] == "stop"
+        # "\n\n" served: the byte token "\n" forced twice, the stop across the two
+        (newline,) = bpe.encode("\n", add_special_tokens=False)
+        forced = {"max_tokens": 60, "logit_bias": {str(newline): 100}, "stop": ["\n\n"]}
+        _, _, out = await post(w, "/v1/completions", {**forced, "prompt": PROMPT})
+        assert (out["choices"][0]["text"], out["choices"][0]["finish_reason"]) == ("", "stop")
+        assert out["usage"]["completion_tokens"] < 60
+        _, events = await sse_events(
+            w,
+            "/v1/chat/completions",
+            {**forced, "messages": [{"role": "user", "content": "Hi"}], "stream": True},
+        )
+        assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1]) == ""
+        assert events[-2]["choices"][0]["finish_reason"] == "stop"
+        await w.assert_no_leak()
