@@ -64,6 +64,11 @@ def check_request(req: pb.GenerateRequest, limits: RequestLimits) -> None:
             "prompt_text_is_chat is set, but the prompt is not prompt_text",
             field="prompt_text_is_chat",
         )
+    _check_prompt(req, limits)
+    _check_sampling(req.sampling, limits)
+
+
+def _check_prompt(req: pb.GenerateRequest, limits: RequestLimits) -> None:
     match req.WhichOneof("prompt"):
         case "prompt_token_ids":
             n = len(req.prompt_token_ids.ids)
@@ -89,7 +94,9 @@ def check_request(req: pb.GenerateRequest, limits: RequestLimits) -> None:
             raise RequestError(
                 "prompt must be set: prompt_token_ids or prompt_text", field="prompt"
             )
-    s = req.sampling
+
+
+def _check_sampling(s: pb.SamplingParams, limits: RequestLimits) -> None:
     if not (math.isfinite(s.temperature) and s.temperature >= 0):
         raise RequestError(
             f"sampling.temperature must be finite and >= 0, got {s.temperature}",
