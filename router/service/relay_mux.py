@@ -92,6 +92,7 @@ class RelayCall:
         self._loop = asyncio.get_running_loop()
         self._deadline = self._loop.time() + timeout_s
         self.inbox = Inbox()
+        self._finished = False  # the Finished was taken
         self._pump = asyncio.create_task(self._read_status())
 
     async def _read_status(self) -> None:
@@ -115,7 +116,12 @@ class RelayCall:
             )
 
     def cancel(self) -> bool:
+        """Stop relaying: before the Finished, cancel the call (the worker aborts the
+        request); after it, leave the call to end by itself (a cancel would cost more than
+        its OK, and race it)."""
         self._mux.detach(self._request_id, self.inbox)
+        if self._finished:
+            return False
         self._pump.cancel()
         return bool(self._call.cancel())
 
@@ -131,6 +137,7 @@ class RelayCall:
             for item in items:
                 if isinstance(item, pb.GenerateResponse):
                     if item.HasField("finished"):
+                        self._finished = True
                         if chunk is not None:
                             yield chunk
                         yield item
