@@ -158,9 +158,11 @@ class RelayCall:
 
 
 def _batch_number(metadata: Any) -> int:
-    """The ``RELAY_BATCH_KEY`` of an attached call's trailing metadata (0: none)."""
+    """The ``RELAY_BATCH_KEY`` of an attached call's trailing metadata (0: none, or not a
+    number: the call's messages are then taken to have come, and a missing Finished is the
+    worker's failure, not a wait)."""
     for key, value in metadata or ():
-        if key == RELAY_BATCH_KEY:
+        if key == RELAY_BATCH_KEY and isinstance(value, str) and value.isdecimal():
             return int(value)
     return 0
 
