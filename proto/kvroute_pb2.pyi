@@ -406,3 +406,15 @@ class ReplicaBatch(_message.Message):
     events: _containers.RepeatedCompositeFieldContainer[ReplicaEvent]
     leaving: bool
     def __init__(self, router_id: _Optional[str] = ..., seq: _Optional[int] = ..., events: _Optional[_Iterable[_Union[ReplicaEvent, _Mapping]]] = ..., leaving: _Optional[bool] = ...) -> None: ...
+
+class RelayRequest(_message.Message):
+    __slots__ = ("stream_id",)
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    stream_id: str
+    def __init__(self, stream_id: _Optional[str] = ...) -> None: ...
+
+class RelayBatch(_message.Message):
+    __slots__ = ("responses",)
+    RESPONSES_FIELD_NUMBER: _ClassVar[int]
+    responses: _containers.RepeatedCompositeFieldContainer[GenerateResponse]
+    def __init__(self, responses: _Optional[_Iterable[_Union[GenerateResponse, _Mapping]]] = ...) -> None: ...

@@ -54,6 +54,11 @@ class WorkerStub:
                 request_serializer=kvroute__proto_dot_kvroute__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=kvroute__proto_dot_kvroute__pb2.WorkerInfo.FromString,
                 _registered_method=True)
+        self.Relay = channel.unary_stream(
+                '/kvroute.v1.Worker/Relay',
+                request_serializer=kvroute__proto_dot_kvroute__pb2.RelayRequest.SerializeToString,
+                response_deserializer=kvroute__proto_dot_kvroute__pb2.RelayBatch.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -83,6 +88,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Relay(self, request, context):
+        """One stream per router connection that carries the messages of every Generate call
+        attached to it (decision 0033); see RelayRequest.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -105,6 +118,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=kvroute__proto_dot_kvroute__pb2.GetLoadRequest.FromString,
                     response_serializer=kvroute__proto_dot_kvroute__pb2.WorkerInfo.SerializeToString,
+            ),
+            'Relay': grpc.unary_stream_rpc_method_handler(
+                    servicer.Relay,
+                    request_deserializer=kvroute__proto_dot_kvroute__pb2.RelayRequest.FromString,
+                    response_serializer=kvroute__proto_dot_kvroute__pb2.RelayBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -215,6 +233,33 @@ class Worker:
             '/kvroute.v1.Worker/GetLoad',
             kvroute__proto_dot_kvroute__pb2.GetLoadRequest.SerializeToString,
             kvroute__proto_dot_kvroute__pb2.WorkerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Relay(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvroute.v1.Worker/Relay',
+            kvroute__proto_dot_kvroute__pb2.RelayRequest.SerializeToString,
+            kvroute__proto_dot_kvroute__pb2.RelayBatch.FromString,
             options,
             channel_credentials,
             insecure,

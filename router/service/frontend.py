@@ -426,7 +426,7 @@ class Frontend:
             return None
         entry.worker_id = worker_id
         try:
-            return conn.relay_stub.Generate(prepared.forward, timeout=remaining, metadata=metadata)
+            return conn.generate(prepared.forward, remaining, metadata)
         except grpc.aio.UsageError:  # the channel closed: the pool is removing the worker
             return None
 

@@ -30,6 +30,7 @@ import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -43,6 +44,7 @@ from kvroute_proto.errors import ContractError
 from router.core.errors import RouterError
 from router.core.router_core import Resubscribe, RouterCore
 from router.core.step_profile import DEFAULT_STEP_PROFILE, StepProfile
+from router.service.relay_mux import RelayMux
 from router.service.resilience import Backoff, BackoffConfig
 
 log = logging.getLogger(__name__)
@@ -188,6 +190,9 @@ class WorkerConnection:
             interceptors=bearer_interceptors(config.token) if config.token else None,
         )
         self.relay_stub = pb_grpc.WorkerStub(self.relay_channel)
+        # the worker's relay stream, when it offers one: every request's tokens on one stream
+        # (decision 0033); followed while the worker is connected
+        self.relay = RelayMux(self.relay_channel, address, self._notify)
         # the event stream without gRPC's deserializer: each message arrives as its wire
         # bytes and goes to codec.decode_stream_message as they are (the router's compiled
         # scan reads them directly; anything it declines is parsed by protobuf, as before)
@@ -228,6 +233,7 @@ class WorkerConnection:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        await self.relay.close(None)
         await self.channel.close()
         await self.relay_channel.close()
         if self.worker_id is not None:
@@ -285,11 +291,24 @@ class WorkerConnection:
         self._purged = False
         self._set_health(True)
         await self._notify()
-        while True:
-            resubscribe = await self._follow(self.worker_id)
-            if not resubscribe:
-                return
-            self.num_resubscribes += 1
+        relay = asyncio.create_task(self.relay.run(), name=f"worker-relay-{self.address}")
+        try:
+            while True:
+                resubscribe = await self._follow(self.worker_id)
+                if not resubscribe:
+                    return
+                self.num_resubscribes += 1
+        finally:
+            await self.relay.close(relay)
+
+    def generate(
+        self, request: pb.GenerateRequest, timeout_s: float, metadata: tuple[tuple[str, str], ...]
+    ) -> Any:
+        """Start ``request`` on the worker: a grpc.aio stream call, or one shaped like it
+        whose messages come on the worker's relay stream when it has one open."""
+        if self.relay.ready:
+            return self.relay.start(self.relay_stub.Generate, request, timeout_s, metadata)
+        return self.relay_stub.Generate(request, timeout=timeout_s, metadata=metadata)
 
     async def _follow(self, worker_id: str) -> bool:
         """One subscription; True when the core asked to resubscribe, False when it ended."""

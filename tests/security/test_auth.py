@@ -233,6 +233,10 @@ async def test_worker_token_refuses_every_worker_call_without_it():
                     ):
                         pass
                 assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    async for _ in stub.Relay(pb.RelayRequest(stream_id="s"), metadata=md):
+                        pass
+                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
             ok = await stub.GetLoad(
                 pb.GetLoadRequest(), metadata=(("authorization", f"Bearer {token}"),), timeout=5
             )

@@ -28,6 +28,7 @@ from worker.service.engine_runner import (
     SubscriberOverflowError,
 )
 from worker.service.generation import SHUTTING_DOWN, WorkerGeneration
+from worker.service.relay import RELAY_BATCH_KEY, RelayClosedError, RelayRegistry, send_all
 
 log = logging.getLogger("kvroute.worker.service")
 
@@ -53,6 +54,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.limits = limits
         self.info = info  # static fields; load is filled per GetLoad
         self.generation = generation or WorkerGeneration(runner, tokenizer, limits, info)
+        self.relays = RelayRegistry()
 
     def refuse_new_requests(self) -> None:
         """From now on Generate answers UNAVAILABLE (graceful shutdown)."""
@@ -66,13 +68,42 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        call = CallInfo(tuple(context.invocation_metadata() or ()), context.time_remaining())
+        """A request's chunks and Finished, on this call's stream or, when its metadata
+        names a relay stream, on that one (this call then ends with the status alone)."""
+        metadata = tuple(context.invocation_metadata() or ())
+        call = CallInfo(metadata, context.time_remaining())
+        outbox = None
         try:
+            outbox = self.relays.find(metadata)
             async with contextlib.aclosing(self.generation.generate(request, call)) as responses:
-                async for response in responses:
-                    yield response
+                if outbox is None:
+                    async for response in responses:
+                        yield response
+                else:
+                    sent = await send_all(outbox, responses)
+                    context.set_trailing_metadata(((RELAY_BATCH_KEY, sent),))
         except ServiceError as exc:
+            if outbox is not None:  # the chunks sent so far first, as on a stream of its own
+                await outbox.flushed()
             await context.abort(grpc.StatusCode[exc.grpc_code], exc.message)
+        except RelayClosedError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+
+    async def Relay(
+        self, request: pb.RelayRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.RelayBatch]:
+        """One stream for the messages of every Generate call attached to it (see
+        worker/service/relay.py); its end aborts them."""
+        try:
+            outbox = self.relays.open(request.stream_id)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        log.info("relay stream %s opened by %s", request.stream_id, context.peer() or "?")
+        try:
+            async for batch in outbox.batches():
+                yield batch
+        finally:
+            self.relays.close(outbox)
 
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext

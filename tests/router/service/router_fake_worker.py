@@ -3,7 +3,9 @@
 Generate behaviours (by ``FakeWorker.behaviour``): "ok" streams ``num_chunks`` one-token
 chunks then Finished; "fail_before" aborts with ``fail_code`` before any message;
 "fail_after" sends one chunk then aborts; "hang" waits until cancelled; "no_finished"
-sends the chunks and ends the call with OK but no Finished. Every request,
+sends the chunks and ends the call with OK but no Finished. With ``relay`` it offers the
+relay stream (decision 0033) and a call attached to it sends its messages there (the chunks
+of "fail_after" are flushed before the error, as the worker's servicer does). Every request,
 cancellation and Abort is recorded. The event stream sends an empty snapshot, then whatever
 the test pushes with ``push()`` (earlier pushes are replayed to a new stream).
 """
@@ -21,6 +23,7 @@ from kvroute_proto import codec
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
 from kvroute_proto.events import EventBatch, Snapshot
+from worker.service.relay import RELAY_BATCH_KEY, RelayRegistry, send_all
 
 
 @dataclass
@@ -47,13 +50,34 @@ class FakeWorker(pb_grpc.WorkerServicer):
     subscriptions: list[pb.SubscribeRequest] = field(default_factory=list)
     history: list = field(default_factory=list)  # pushed messages, replayed to new streams
     _queues: list[asyncio.Queue] = field(default_factory=list)
+    relay: bool = False
+    relays: RelayRegistry = field(default_factory=RelayRegistry)
 
     async def GetLoad(self, request, context):
         return pb.WorkerInfo(
             worker_id=self.worker_id, epoch=self.epoch, block_size=self.block_size, executor="fake"
         )
 
+    async def Relay(self, request, context):
+        if not self.relay:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no relay stream")
+        outbox = self.relays.open(request.stream_id)
+        try:
+            async for batch in outbox.batches():
+                yield batch
+        finally:
+            self.relays.close(outbox)
+
     async def Generate(self, request, context) -> AsyncIterator[pb.GenerateResponse]:
+        outbox = self.relays.find(tuple(context.invocation_metadata()))
+        if outbox is None:
+            async for msg in self._generate(request, context, None):
+                yield msg
+        else:
+            sent = await send_all(outbox, self._generate(request, context, outbox.flushed))
+            context.set_trailing_metadata(((RELAY_BATCH_KEY, sent),))
+
+    async def _generate(self, request, context, flushed) -> AsyncIterator[pb.GenerateResponse]:
         md = {k: v for k, v in context.invocation_metadata()}
         self.received.append(Received(request, context.time_remaining(), md))
         rid = request.request_id
@@ -63,6 +87,8 @@ class FakeWorker(pb_grpc.WorkerServicer):
                     await context.abort(self.fail_code, f"{self.worker_id} scripted failure")
                 case "fail_after":
                     yield pb.GenerateResponse(request_id=rid, chunk=pb.TokenChunk(token_ids=[1]))
+                    if flushed is not None:
+                        await flushed()
                     await context.abort(self.fail_code, f"{self.worker_id} failed mid-stream")
                 case "hang":
                     self.hanging.set()

@@ -33,11 +33,18 @@ from router.service.validation import routing_tokens
 PROMPT = list(range(1, 17))  # 4 blocks of 4
 
 
+@pytest.fixture(params=[False, True], ids=["own-streams", "relay-stream"])
+def relay(request) -> bool:
+    """Whether the fake workers offer the relay stream (decision 0033): every test of the
+    request path runs both ways."""
+    return request.param
+
+
 @pytest.fixture
-async def fleet(request):
+async def fleet(request, relay):
     """Two fake workers w0, w1 behind a router; ``request.param`` overrides FrontendConfig."""
     overrides = getattr(request, "param", {})
-    a, b = FakeWorker("w0"), FakeWorker("w1")
+    a, b = FakeWorker("w0", relay=relay), FakeWorker("w1", relay=relay)
     async with running_fake(a) as ra, running_fake(b) as rb:
         config = router_config([ra.address, rb.address])
         if overrides:
@@ -46,6 +53,8 @@ async def fleet(request):
             )
         async with running_router([ra.address, rb.address], config) as router:
             await router.wait_synced(2)
+            conns = router.server.pool.conns.values()
+            await router.wait_for(lambda: all(c.relay.ready == relay for c in conns))
             yield router, a, b
 
 
@@ -484,7 +493,8 @@ async def test_stream_ending_without_finished_is_a_worker_failure(fleet):
     assert err.code() == grpc.StatusCode.UNAVAILABLE
     assert "after the response had started" in err.details()
     assert "without a Finished message" in err.details()
-    assert [list(m.chunk.token_ids) for m in received] == [[1], [2], [3]]
+    # (on the relay stream the three chunks, put at once, travel as one)
+    assert [t for m in received for t in m.chunk.token_ids] == [1, 2, 3]
     assert len(a.received) + len(b.received) == 1  # chunks were relayed: no second attempt
     assert router.server.core.stats().num_inflight_requests == 0
 

@@ -1,0 +1,93 @@
+"""The worker's relay stream under the router (decision 0033): real in-process sim workers,
+every request's tokens on one stream per worker, and the request path's rules kept: usage,
+abort on a client's cancel, a broken relay stream failing its requests (then reopened), a
+worker without the stream served a stream per request."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from router_fake_worker import FakeWorker, running_fake
+from router_harness import WAIT_S, running_router, sim_worker
+
+from router.cli.client import GenerateOptions
+
+PROMPT = list(range(1, 33))
+
+
+async def relay_ready(router, n: int = 1) -> list:
+    conns = list(router.server.pool.conns.values())
+    await router.wait_for(lambda: sum(c.relay.ready for c in conns) == n)
+    return conns
+
+
+async def worker_idle(router, worker) -> None:
+    async with asyncio.timeout(WAIT_S):
+        while worker.server.runner.num_in_flight or router.server.frontend.num_inflight:
+            await asyncio.sleep(0.01)
+
+
+async def test_concurrent_requests_share_one_relay_stream_with_exact_usage():
+    async with sim_worker("w0") as w0, running_router([w0.address]) as router:
+        await router.wait_synced(1)
+        (conn,) = await relay_ready(router)
+        (outbox,) = w0.server.servicer.relays.outboxes
+        opts = [GenerateOptions(request_id=f"r{i}", max_new_tokens=20 + i) for i in range(16)]
+        results = await asyncio.gather(*(router.client.generate(PROMPT, o) for o in opts))
+        for i, r in enumerate(results):
+            assert r.request_id == f"r{i}"
+            assert len(r.token_ids) == r.completion_tokens == 20 + i
+            assert r.prompt_tokens == len(PROMPT) and r.worker_id == "w0"
+        # 16 requests, 20-35 tokens each, one engine step advancing all of them: far fewer
+        # relay batches than chunks, and every one of them read by the router
+        assert conn.relay.num_batches == outbox.num_batches
+        assert 1 < conn.relay.num_batches < sum(r.completion_tokens for r in results) / 4
+        assert router.server.frontend.num_inflight == 0
+
+
+async def test_client_cancel_aborts_the_request_on_the_worker():
+    async with sim_worker("w0", pace_speedup=1.0) as w0, running_router([w0.address]) as router:
+        await router.wait_synced(1)
+        await relay_ready(router)
+        stream = router.client.stream(PROMPT, GenerateOptions(max_new_tokens=500))
+        first = await anext(stream)
+        assert first.chunk.token_ids
+        assert w0.server.runner.num_in_flight == 1
+        await stream.aclose()  # the client goes away mid-stream
+        await worker_idle(router, w0)
+        stats = await w0.server.runner.call(w0.server.engine.stats)
+        assert stats.num_aborted == 1
+
+
+async def test_a_broken_relay_stream_fails_its_requests_and_is_reopened():
+    async with sim_worker("w0", pace_speedup=1.0) as w0, running_router([w0.address]) as router:
+        await router.wait_synced(1)
+        (conn,) = await relay_ready(router)
+        first_stream = conn.relay.stream_id
+        relays = w0.server.servicer.relays
+        received = []
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for msg in router.client.stream(PROMPT, GenerateOptions(max_new_tokens=500)):
+                received.append(msg)
+                if len(received) == 1:
+                    relays.close(relays.outboxes[0])  # the worker ends the stream
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "after the response had started" in err.value.details()
+        assert "relay stream" in err.value.details()
+        await worker_idle(router, w0)
+        await router.wait_for(lambda: conn.relay.ready and conn.relay.stream_id != first_stream)
+        r = await router.client.generate(PROMPT, GenerateOptions(max_new_tokens=4))
+        assert r.completion_tokens == len(r.token_ids) == 4
+
+
+async def test_a_worker_without_the_relay_stream_gets_a_stream_per_request():
+    fake = FakeWorker("w0", relay=False)
+    async with running_fake(fake) as rf, running_router([rf.address]) as router:
+        await router.wait_synced(1)
+        (conn,) = router.server.pool.conns.values()
+        r = await router.client.generate(PROMPT, GenerateOptions(request_id="r1"))
+        assert (r.token_ids, r.completion_tokens) == ((1, 2, 3), 3)
+        assert not conn.relay.ready and conn.relay.num_batches == 0
+        assert "kvroute-relay-stream" not in fake.received[0].metadata
