@@ -145,3 +145,17 @@ def procs() -> Iterator[Procs]:
         yield p
     finally:
         p.close()
+
+
+def run_up(*args: str, workers: int = 1, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """``kvroute up --workers N --executor sim ARGS`` to its end (the caller gives --exit or
+    expects it to fail)."""
+    command = ["up", "--workers", str(workers), "--executor", "sim", *args]
+    return subprocess.run(
+        [sys.executable, "-m", "kvroute_cli", *command],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )

@@ -6,23 +6,15 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 
 import pytest
-from e2e_procs import ROOT, procs
+from e2e_procs import procs, run_up
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
 
 def _up(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvroute_cli", "up", "--workers", "1", "--executor", "sim", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        stdin=subprocess.DEVNULL,
-    )
+    return run_up(*args, workers=1, timeout=60)
 
 
 def _our_lines(stderr: str) -> list[str]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from e2e_procs import ROOT, procs
+from e2e_procs import ROOT, procs, run_up
 
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
@@ -130,14 +130,7 @@ def test_two_processes_serve_one_address_and_both_take_requests() -> None:
 
 
 def _up(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvroute_cli", "up", "--workers", "2", "--executor", "sim", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=90,
-        stdin=subprocess.DEVNULL,
-    )
+    return run_up(*args, workers=2, timeout=90)
 
 
 def test_up_runs_its_router_as_several_processes() -> None:
