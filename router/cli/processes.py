@@ -5,9 +5,10 @@
     kvroute router --processes N        holds the gRPC and HTTP ports: a socket bound with
       |                                 SO_REUSEPORT, never listening, so that nobody else
       |                                 can bind them (a second router gets "address in use")
-      +-- kvroute router ... --shared-port      (N of them) each binds the same ports with
-                                                SO_REUSEPORT and listens; the kernel spreads
-                                                new connections over them
+      +-- kvroute router ...      (N of them, each with KVROUTE_ROUTER_SUPERVISOR_PID set to
+                                  the supervisor's pid) bind the same ports with
+                                  SO_REUSEPORT and listen; the kernel spreads new
+                                  connections over them
 
 One Python process relays about one core's worth of tokens (decision 0030); this puts a
 host's cores to work behind one address. Each process is a replica of the others, as
@@ -28,6 +29,7 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
+import os
 import signal
 import socket
 import sys
@@ -80,6 +82,17 @@ def _in_use(exc: OSError, what: str, host: str, port: int) -> PortInUse:
     return PortInUse(exc.errno, f"could not bind {what}{host}:{port}: {exc.strerror}{hint}")
 
 
+# Set by the supervisor to its pid in each sibling's environment: a router whose parent is
+# that pid binds its ports with SO_REUSEPORT beside the ports the supervisor holds. Anyone
+# else (a second router started by hand) binds them plainly and gets "Address already in use".
+SIBLING_ENV = "KVROUTE_ROUTER_SUPERVISOR_PID"
+
+
+def is_sibling() -> bool:
+    """True in a router process started by a ``--processes`` supervisor."""
+    return os.environ.get(SIBLING_ENV) == str(os.getppid())
+
+
 def child_argv(argv: list[str], args: argparse.Namespace, port: int, http: int | None) -> list[str]:
     """One sibling's ``kvroute router`` arguments: ours without ``--processes``, on the held
     ports, as a replica of the others."""
@@ -92,7 +105,7 @@ def child_argv(argv: list[str], args: argparse.Namespace, port: int, http: int |
             skip = True
         elif not arg.startswith("--processes="):
             out.append(arg)
-    out += ["--port", str(port), "--shared-port"]
+    out += ["--port", str(port)]
     if http is not None:
         out += ["--http-port", str(http)]
     if args.replicas == 1:
@@ -149,6 +162,7 @@ async def _run(argv: list[str], args: argparse.Namespace, port: int, http: int |
             for i in range(args.processes):
                 proc = await asyncio.create_subprocess_exec(
                     *argv,
+                    env={**os.environ, SIBLING_ENV: str(os.getpid())},
                     stdout=asyncio.subprocess.PIPE,
                     stdin=asyncio.subprocess.DEVNULL,
                     start_new_session=True,  # Ctrl-C reaches us only; we stop them

@@ -23,6 +23,7 @@ from edge.runtime import configure_logging, run_event_loop, stop_signals
 from edge.telemetry import configure_tracing
 from edge.tokenizer import ChatTokenizer, TokenizerLoadError, load_tokenizer_or_bytes
 from kvroute_proto.hashing import set_hash_key
+from router.cli import processes
 from router.cli.security_flags import add_router_security_args, apply_router_security
 from router.core.admission import AdmissionConfig
 from router.core.core_types import DEFAULT_RECENT_DECODE_RATIO, DEFAULT_RECENT_WINDOW_S
@@ -148,8 +149,6 @@ def _process_args(g: argparse._ArgumentGroup) -> None:
         "each process is a replica of the others: --replicas N, and --replica-sync with "
         "--redis-url) (default: 1)",
     )
-    # a --processes sibling: bind the ports the supervisor holds (SO_REUSEPORT)
-    g.add_argument("--shared-port", action="store_true", help=argparse.SUPPRESS)
 
 
 def _network_args(p: argparse.ArgumentParser) -> None:
@@ -400,6 +399,7 @@ def config_from_args(
     ``tokenizer_fingerprint``: the router's tokenizer's; workers reporting another are left
     out of routing."""
     secret = args.tenant_salt_secret.encode() if args.tenant_salt_secret else None
+    shared = processes.is_sibling()  # a --processes supervisor's child: SO_REUSEPORT
     # the HTTP API's model name: the flag, else the model directory's name
     served: dict[str, Any] = {}
     if args.served_model_name or args.model:
@@ -437,8 +437,8 @@ def config_from_args(
         seed=args.seed,
         http=None
         if args.http_port is None
-        else HttpFrontConfig(host=args.http_host, port=args.http_port, reuse_port=args.shared_port),
-        reuse_port=args.shared_port,
+        else HttpFrontConfig(host=args.http_host, port=args.http_port, reuse_port=shared),
+        reuse_port=shared,
     )
     return apply_router_security(args, config)
 
