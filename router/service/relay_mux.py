@@ -1,8 +1,8 @@
 """The worker's relay stream: every request's tokens from one worker on one gRPC stream.
 
 Without it each in-flight request is a Generate stream of its own, and the router pays
-grpc's Python-side read for every message of every request (decision 0030: ~30 % of the
-router's CPU). With it (decision 0033) a worker that offers ``Relay`` sends one
+grpc's Python-side read for every message of every request (the largest share of the
+router's CPU, decision 0030). With it (decision 0033) a worker that offers ``Relay`` sends one
 ``RelayBatch`` per engine step with the messages of every request the step advanced, and
 the router demultiplexes them to the requests by id::
 

@@ -106,35 +106,11 @@ def _check_sampling(s: pb.SamplingParams, limits: RequestLimits) -> None:
         raise RequestError(
             f"sampling.top_p must be in [0, 1], got {s.top_p}", field="sampling.top_p"
         )
-    if s.max_new_tokens > limits.max_new_tokens:
-        raise RequestError(
-            f"sampling.max_new_tokens must be at most {limits.max_new_tokens}, "
-            f"got {s.max_new_tokens}",
-            field="sampling.max_new_tokens",
-        )
-    if len(s.stop_token_ids) > limits.max_stop_token_ids:
-        raise RequestError(
-            f"sampling.stop_token_ids must hold at most {limits.max_stop_token_ids} ids, "
-            f"got {len(s.stop_token_ids)}",
-            field="sampling.stop_token_ids",
-        )
-    if len(s.stop) > limits.max_stop_strings:
-        raise RequestError(
-            f"sampling.stop must hold at most {limits.max_stop_strings} strings, got {len(s.stop)}",
-            field="sampling.stop",
-        )
-    if len(s.logit_bias) > limits.max_logit_bias:
-        raise RequestError(
-            f"sampling.logit_bias must hold at most {limits.max_logit_bias} entries, "
-            f"got {len(s.logit_bias)}",
-            field="sampling.logit_bias",
-        )
-    if s.top_logprobs > limits.max_top_logprobs:
-        raise RequestError(
-            f"sampling.top_logprobs must be at most {limits.max_top_logprobs}, "
-            f"got {s.top_logprobs}",
-            field="sampling.top_logprobs",
-        )
+    _at_most("sampling.max_new_tokens", s.max_new_tokens, limits.max_new_tokens)
+    _at_most("sampling.stop_token_ids", len(s.stop_token_ids), limits.max_stop_token_ids, "ids")
+    _at_most("sampling.stop", len(s.stop), limits.max_stop_strings, "strings")
+    _at_most("sampling.logit_bias", len(s.logit_bias), limits.max_logit_bias, "entries")
+    _at_most("sampling.top_logprobs", s.top_logprobs, limits.max_top_logprobs)
     for text in s.stop:
         if not 0 < len(text) <= limits.max_stop_chars:
             raise RequestError(
@@ -201,3 +177,11 @@ def _checked(ids: np.ndarray, limit: int) -> np.ndarray:
             param="prompt_text",
         )
     return ids
+
+
+def _at_most(field: str, got: int, limit: int, unit: str = "") -> None:
+    """RequestError naming ``field`` when ``got`` (a value, or a count of ``unit``) is over
+    ``limit``."""
+    if got > limit:
+        bound = f"hold at most {limit} {unit}" if unit else f"be at most {limit}"
+        raise RequestError(f"{field} must {bound}, got {got}", field=field)
