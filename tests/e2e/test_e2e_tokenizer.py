@@ -78,7 +78,10 @@ async def test_text_prompts_match_the_workers_events(model_dir):
             async def confirmed():
                 expl = await client.explain(SECOND)
                 by_id = {w.worker_id: w for w in expl.workers}
-                return expl if by_id[holder].event_matched_tokens >= shared else None
+                # ... and the holder's load report has seen the first request end (a report
+                # from before its end still counts it running, which the cost charges)
+                idle = by_id[holder].num_running == 0
+                return expl if by_id[holder].event_matched_tokens >= shared and idle else None
 
             expl = await until(confirmed, "the first prompt's KV events never matched the second")
             by_id = {w.worker_id: w for w in expl.workers}
