@@ -75,15 +75,20 @@ async def test_text_prompts_match_the_workers_events(model_dir):
             other = "w1" if holder == "w0" else "w0"
             assert first.prompt_tokens == len(first_ids)
 
+            async def holder_idle():
+                # the holder's load report has seen the last request end: a report from
+                # before its end still counts it running, which the cost charges
+                expl = await client.explain("hello")
+                return {w.worker_id: w for w in expl.workers}[holder].num_running == 0
+
             async def confirmed():
                 expl = await client.explain(SECOND)
                 by_id = {w.worker_id: w for w in expl.workers}
-                # ... and the holder's load report has seen the first request end (a report
-                # from before its end still counts it running, which the cost charges)
-                idle = by_id[holder].num_running == 0
-                return expl if by_id[holder].event_matched_tokens >= shared and idle else None
+                return expl if by_id[holder].event_matched_tokens >= shared else None
 
             expl = await until(confirmed, "the first prompt's KV events never matched the second")
+            await until(holder_idle, "the holder never reported the first request's end")
+            expl = await client.explain(SECOND)
             by_id = {w.worker_id: w for w in expl.workers}
             # from the worker's events: exactly the shared whole blocks; nothing elsewhere
             assert by_id[holder].event_matched_tokens == shared
@@ -101,6 +106,7 @@ async def test_text_prompts_match_the_workers_events(model_dir):
             # A long prompt: the router tokenizes its head as far as a cache may match and
             # the worker the rest (prompt_text_suffix); the worker serves the whole text's
             # ids, so its count and its cache hit are those of the whole encoding.
+            await until(holder_idle, "the holder never reported the second request's end")
             third = await client.generate(THIRD, OPTS)
             third_ids = tok.encode(THIRD)
             assert third.worker_id == holder
@@ -108,6 +114,7 @@ async def test_text_prompts_match_the_workers_events(model_dir):
             assert (
                 third.cached_prompt_tokens >= _common_prefix(first_ids, third_ids) // BLOCK * BLOCK
             )
+            await until(holder_idle, "the holder never reported the third request's end")
             again = await client.generate(THIRD, OPTS)  # its own blocks are cached now
             assert again.worker_id == holder
             assert again.cached_prompt_tokens >= (len(third_ids) - 1) // BLOCK * BLOCK
