@@ -47,3 +47,22 @@ def test_the_readme_layout_links_the_architecture_page():
     layout = readme.split("## Layout", 1)[1].split("\n## ", 1)[0]
     assert "(docs/ARCHITECTURE.md)" in layout
     assert (ROOT / "docs" / "ARCHITECTURE.md").is_file()
+
+
+_CONFLICT = re.compile(r"^(<{7} |>{7} |={7}$)", re.MULTILINE)
+
+
+def test_no_tracked_file_holds_merge_conflict_markers():
+    """A merge resolved by committing both sides leaves these lines behind (it happened to
+    the decisions index once)."""
+    found = []
+    for rel in _tracked():
+        path = ROOT / rel
+        if not path.is_file():
+            continue
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            continue
+        found += [f"{rel}: {m.group(0)!r}" for m in _CONFLICT.finditer(text)]
+    assert not found, found
