@@ -133,3 +133,24 @@ def test_cost_weights_take_a_seventh_number():
         CostWeights.parse("1,0.25,16,0.1,1024,14,-1")
     with pytest.raises(ValueError, match="three to seven numbers"):
         CostWeights.parse("1,0.25,16,0.1,1024,14,1,2")
+
+
+def test_a_report_keeps_counting_a_request_that_ended_until_the_next_one():
+    """The router's view takes the larger of its own count and the worker's last report, and
+    does not take ended requests off a report: a report still counting them predicts the
+    next turns of sessions that stay on that worker (decision 0035: the correction lost held
+    out on agentic sessions)."""
+    core = RouterCore(RouterConfig(), clock=lambda: 0.0, rng=random.Random(0))
+    core.add_worker("a", block_size=16)
+    view = core.worker_view("a")
+    core.route(RouteRequest("r", [1] * 40))
+    core.route(RouteRequest("s", [2] * 40))
+    view.load = LoadReport(num_running=0, num_waiting=3, num_queued_prefill_tokens=120)
+    view.refresh()
+    core.on_first_token("r")
+    core.on_finished("r")
+    core.on_finished("s")
+    assert (view.num_active, view.queued_prefill_tokens, view.num_running) == (0, 120, 3)
+    view.load = LoadReport(num_running=1)
+    view.refresh()
+    assert (view.queued_prefill_tokens, view.num_running) == (0, 1)
