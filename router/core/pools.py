@@ -132,13 +132,12 @@ class RouterPools:
         return self.pools[self.default]
 
     def served_models(self) -> list[str]:
-        """What ``GET /v1/models`` lists: the configured pools; a router given no model
-        lists the pools that have a worker (its default name while none has one)."""
+        """What ``GET /v1/models`` lists: the configured pools, in order; a router given no
+        model lists the pools that have a worker, by name (its default name while none has
+        one)."""
         if not self.config.open:
             return list(self.config.names)
-        live = set(self._of_worker.values())
-        ordered = [name for name in self.pools if name in live]
-        return ordered or [self.default]
+        return sorted(set(self._of_worker.values())) or [self.default]
 
     def resolve(self, model: str | None) -> tuple[str, RouterCore]:
         """The pool a request for ``model`` goes to: (name, core). No model: the only

@@ -105,8 +105,10 @@ async def connected(
         RouterConfig(index=IndexConfig(backend=backend)), clock=lambda: 0.0, rng=random.Random(0)
     )
 
+    pools = RouterPools(PoolsConfig(("m",)), lambda: core)  # one pool: every worker's
+
     def claim(conn: WorkerConnection, worker_id: str, block_size: int, model: str) -> bool:
-        core.add_worker(worker_id, conn.address, block_size)
+        pools.add_worker(worker_id, conn.address, block_size, model=model)
         return True
 
     hooks = ConnectionHooks(
@@ -116,7 +118,6 @@ async def connected(
         changed=asyncio.Condition(),
     )
     config = ConnectionConfig(backoff=BackoffConfig(initial_s=0.05, max_s=0.1))
-    pools = RouterPools(PoolsConfig(("m",)), lambda: core)  # one pool: every worker's
     conn = WorkerConnection(address, pools, config, hooks, rng=random.Random(1), clock=lambda: 0.0)
     conn.start()
     try:
