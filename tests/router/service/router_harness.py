@@ -72,8 +72,13 @@ async def running_router(
     *,
     tenant: str | None = None,
     tokenizer: object | None = None,
+    pool_tokenizers: dict | None = None,
 ) -> AsyncIterator[RunningRouter]:
-    server = RouterServer(config or router_config(workers), tokenizer=tokenizer)  # type: ignore[arg-type]
+    server = RouterServer(
+        config or router_config(workers),
+        tokenizer=tokenizer,  # type: ignore[arg-type]
+        pool_tokenizers=pool_tokenizers,
+    )
     await server.start()
     client = RouterClient(server.address, tenant=tenant, timeout_s=WAIT_S)
     try:
