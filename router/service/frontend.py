@@ -141,8 +141,10 @@ class Frontend:
 
     @property
     def model_name(self) -> str:
-        """The default pool's model (the only one of a single-model router)."""
-        return self.config.model_name
+        """The model a request naming none is served by: the only served one (else the
+        default pool's name; such a request is refused then)."""
+        served = self._pools.served_models()
+        return served[0] if len(served) == 1 else self.config.model_name
 
     def served_models(self) -> list[str]:
         """Every model the router serves (GET /v1/models)."""

@@ -29,6 +29,7 @@ async def test_an_open_router_forms_a_pool_per_announced_model() -> None:
         await r.wait_synced(3)
         server = r.server
         assert server.frontend.served_models() == ["x", "y"]
+        assert server.frontend.model_name == "kvroute-tiny"  # several: none is implied
         assert set(server.pools.pools) == {"kvroute-tiny", "x", "y"}  # the default stays
         assert server.pools.model_of("y0") == "y"
         first = await r.client.generate(PROMPT, GenerateOptions(max_new_tokens=2, model="x"))
@@ -70,6 +71,7 @@ async def test_a_single_model_router_serves_every_worker_as_before() -> None:
         r = await stack.enter_async_context(running_router([w.address], config))
         await r.wait_synced(1)
         assert r.server.frontend.served_models() == ["served"]
+        assert r.server.frontend.model_name == "served"
         out = await r.client.generate(PROMPT, GenerateOptions(max_new_tokens=2))
         assert out.worker_id == "w0"
         named = await r.client.generate(PROMPT, GenerateOptions(max_new_tokens=2, model="served"))
