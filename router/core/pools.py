@@ -119,6 +119,7 @@ class RouterPools:
         self.pools: dict[str, RouterCore] = {name: make_core() for name in config.names}
         self._of_worker: dict[str, str] = {}  # worker id -> its pool's name
         self._listener: Callable[[ReplicaEvent], None] | None = None
+        self._served: list[str] | None = None  # served_models(), until membership changes
 
     # ---- pools ---------------------------------------------------------------------------
 
@@ -135,9 +136,12 @@ class RouterPools:
         """What ``GET /v1/models`` lists: the configured pools, in order; a router given no
         model lists the pools that have a worker, by name (its default name while none has
         one)."""
-        if not self.config.open:
-            return list(self.config.names)
-        return sorted(set(self._of_worker.values())) or [self.default]
+        if self._served is None:
+            if not self.config.open:
+                self._served = list(self.config.names)
+            else:
+                self._served = sorted(set(self._of_worker.values())) or [self.default]
+        return list(self._served)
 
     def resolve(self, model: str | None) -> tuple[str, RouterCore]:
         """The pool a request for ``model`` goes to: (name, core). No model: the only
@@ -147,10 +151,12 @@ class RouterPools:
             if core is not None:
                 return model, core
             raise UnknownModelError(model, self.served_models())
-        served = self.served_models()
-        if len(served) == 1:
-            return served[0], self.pools[served[0]]
-        raise UnknownModelError(None, served)
+        if self._served is None:
+            self.served_models()
+        assert self._served is not None
+        if len(self._served) == 1:
+            return self._served[0], self.pools[self._served[0]]
+        raise UnknownModelError(None, self._served)
 
     def pool_for_worker(self, announced: str) -> str:
         """The pool a worker announcing ``announced`` joins (the module's table); raises
@@ -193,11 +199,13 @@ class RouterPools:
                 core.set_replica_listener(self._tagged(name))
         core.add_worker(worker_id, address, block_size)
         self._of_worker[worker_id] = name
+        self._served = None
         return name
 
     def remove_worker(self, worker_id: str) -> None:
         self.pool_of(worker_id).remove_worker(worker_id)
         del self._of_worker[worker_id]
+        self._served = None
 
     def has_worker(self, worker_id: str) -> bool:
         return worker_id in self._of_worker
