@@ -68,6 +68,12 @@ class NotFound(ServiceError):
     error_type = "not_found_error"
 
 
+class ModelNotFound(NotFound):
+    """The request names a model this server does not serve (OpenAI: 404 model_not_found)."""
+
+    code = "model_not_found"
+
+
 class Overloaded(ServiceError):
     grpc_code = "RESOURCE_EXHAUSTED"
     http_status = 429

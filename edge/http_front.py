@@ -158,9 +158,10 @@ async def _generate(request: web.Request, kind: oa.Kind) -> web.StreamResponse:
     rid = request_id_of(request)
     body = await read_json(request)
     parse = oa.parse_chat if kind == "chat" else oa.parse_completion
-    tokenizer = getattr(backend, "tokenizer", None)
-    api = parse(body, model_name=backend.model_name, request_id=rid, tokenizer=tokenizer)
-    model = backend.model_name
+    served = served_models(backend)
+    tokenizer = tokenizer_of(backend, body.get("model"))
+    api = parse(body, model_name=served, request_id=rid, tokenizer=tokenizer)
+    model = api.request.model or backend.model_name
     created = int(time.time())
     if api.n > 1:  # one request per choice, merged (edge/http_n.py)
         return await serve_n(request, backend, api, call_info(request), {REQUEST_ID_HEADER: rid})
@@ -203,9 +204,23 @@ async def _generate(request: web.Request, kind: oa.Kind) -> web.StreamResponse:
         return resp
 
 
+def served_models(backend: GenerationBackend) -> list[str]:
+    """The models ``backend`` serves: a router's pools' (``served_models``), else its one."""
+    served = getattr(backend, "served_models", None)
+    return list(served()) if served is not None else [backend.model_name]
+
+
+def tokenizer_of(backend: GenerationBackend, model: object) -> Any:
+    """The tokenizer (chat template) of ``model``'s pool, or the backend's one."""
+    tokenizer_for = getattr(backend, "tokenizer_for", None)
+    if tokenizer_for is not None and isinstance(model, str) and model:
+        return tokenizer_for(model)
+    return getattr(backend, "tokenizer", None)
+
+
 async def models(request: web.Request) -> web.Response:
     backend = backend_of(request)
-    return json_response(oa.models_list(backend.model_name, request.app[STARTED_KEY]))
+    return json_response(oa.models_list(served_models(backend), request.app[STARTED_KEY]))
 
 
 async def health(request: web.Request) -> web.Response:

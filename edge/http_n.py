@@ -87,7 +87,7 @@ async def serve_n(
     headers: dict[str, str],
 ) -> web.StreamResponse:
     """The response of an ``n`` > 1 request, streamed or not (``headers``: the shell's)."""
-    model, created = backend.model_name, int(time.time())
+    model, created = api.request.model or backend.model_name, int(time.time())
     apis = choice_requests(api)
     outs = [oa.ApiOutput(a, index=i) for i, a in enumerate(apis)]
     messages = merged(backend, apis, call)

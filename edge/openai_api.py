@@ -39,7 +39,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from edge.frontdoor import BadRequest, NotFound, ServiceError
+from edge.frontdoor import BadRequest, ModelNotFound, ServiceError
 from edge.limits import RequestLimits
 from edge.openai_logprobs import LogprobsCollector
 from edge.openai_params import (
@@ -71,12 +71,6 @@ class ChatTokenizer(Protocol):
     has ``apply_chat_template``)."""
 
     def encode(self, text: str) -> list[int]: ...
-
-
-class ModelNotFound(NotFound):
-    """The request names a model this server does not serve (OpenAI: 404 model_not_found)."""
-
-    code = "model_not_found"
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,27 +109,33 @@ def check_request_id(value: str) -> str:
     return value
 
 
-def check_model(body: Mapping[str, Any], model_name: str) -> None:
-    """``model`` must be absent or the served model (404 model_not_found otherwise)."""
+def check_model(body: Mapping[str, Any], model_name: str | Sequence[str]) -> None:
+    """``model`` must be absent or a served model (404 model_not_found otherwise, naming
+    them); ``model_name``: the served model, or each model a router's pools serve."""
     model = body.get("model")
     if model is None:  # as vLLM and SGLang: the served model (OpenAI requires it)
         return
     if not isinstance(model, str):
         raise BadRequest(f"model: must be a string, got {type(model).__name__}", param="model")
-    if model != model_name:
+    served = (model_name,) if isinstance(model_name, str) else tuple(model_name)
+    if model not in served:
+        names = ", ".join(repr(name) for name in served)
         raise ModelNotFound(
-            f"The model {model!r} does not exist: this server serves {model_name!r}",
-            param="model",
+            f"The model {model!r} does not exist: this server serves {names}", param="model"
         )
 
 
 def parse_completion(
-    body: Mapping[str, Any], *, model_name: str, request_id: str, tokenizer: ChatTokenizer | None
+    body: Mapping[str, Any],
+    *,
+    model_name: str | Sequence[str],
+    request_id: str,
+    tokenizer: ChatTokenizer | None,
 ) -> ApiRequest:
     """``POST /v1/completions`` body -> ApiRequest (raises BadRequest / ModelNotFound)."""
     check_model(body, model_name)
     refuse_unsupported(body, "completion")
-    request = pb.GenerateRequest(request_id=request_id)
+    request = pb.GenerateRequest(request_id=request_id, model=body.get("model") or "")
     prompt = _one_prompt(body.get("prompt"))
     if isinstance(prompt, str):
         request.prompt_text = prompt
@@ -147,7 +147,7 @@ def parse_completion(
 def parse_chat(
     body: Mapping[str, Any],
     *,
-    model_name: str,
+    model_name: str | Sequence[str],
     request_id: str,
     tokenizer: ChatTokenizer | None,
 ) -> ApiRequest:
@@ -156,7 +156,7 @@ def parse_chat(
     check_model(body, model_name)
     refuse_unsupported(body, "chat")
     messages = parse_messages(body.get("messages"))
-    request = pb.GenerateRequest(request_id=request_id)
+    request = pb.GenerateRequest(request_id=request_id, model=body.get("model") or "")
     # the rendered conversation as text, marked as such: whoever encodes it (the router's
     # front end, which may tokenize only the part a cache can match, or a worker) applies
     # the template's rule for special tokens
@@ -417,12 +417,13 @@ def usage_chunk(out: ApiOutput, model: str, created: int) -> dict[str, Any]:
     return body
 
 
-def models_list(model: str, created: int, *, owned_by: str = "kvroute") -> dict[str, Any]:
-    """``GET /v1/models``."""
-    return {
-        "object": "list",
-        "data": [{"id": model, "object": "model", "created": created, "owned_by": owned_by}],
-    }
+def models_list(
+    model: str | Sequence[str], created: int, *, owned_by: str = "kvroute"
+) -> dict[str, Any]:
+    """``GET /v1/models``: the served model, or each model a router's pools serve."""
+    models = (model,) if isinstance(model, str) else model
+    data = [{"id": m, "object": "model", "created": created, "owned_by": owned_by} for m in models]
+    return {"object": "list", "data": data}
 
 
 # ---- errors and SSE ----------------------------------------------------------------------

@@ -54,6 +54,9 @@ class WorkerRecord:
     epoch: int = 0
     block_size: int = 0
     kv_capacity_tokens: int = 0
+    # the model it serves (its pool on a router serving several: router.core.pools); for
+    # operators and tools: the router takes it from the worker's GetLoad
+    model: str = ""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -73,12 +76,15 @@ class WorkerRecord:
         for name in ("epoch", "block_size", "kv_capacity_tokens"):
             if not isinstance(obj.get(name, 0), int) or obj.get(name, 0) < 0:
                 raise ValueError(f"registry value field {name!r} must be an int >= 0")
+        if not isinstance(obj.get("model", ""), str):
+            raise ValueError("registry value field 'model' must be a string")
         return cls(
             worker_id=obj["worker_id"],
             address=obj["address"],
             epoch=obj.get("epoch", 0),
             block_size=obj.get("block_size", 0),
             kv_capacity_tokens=obj.get("kv_capacity_tokens", 0),
+            model=obj.get("model", ""),
         )
 
 

@@ -72,7 +72,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "prompt_text", "sampling", "partition", "priority", "routing_key", "prompt_text_suffix", "prompt_text_is_chat")
+    __slots__ = ("request_id", "prompt_token_ids", "prompt_text", "sampling", "partition", "priority", "routing_key", "prompt_text_suffix", "prompt_text_is_chat", "model")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +82,7 @@ class GenerateRequest(_message.Message):
     ROUTING_KEY_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TEXT_SUFFIX_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TEXT_IS_CHAT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: TokenIds
     prompt_text: str
@@ -91,7 +92,8 @@ class GenerateRequest(_message.Message):
     routing_key: str
     prompt_text_suffix: str
     prompt_text_is_chat: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., prompt_text: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., partition: _Optional[_Union[Partition, _Mapping]] = ..., priority: _Optional[int] = ..., routing_key: _Optional[str] = ..., prompt_text_suffix: _Optional[str] = ..., prompt_text_is_chat: _Optional[bool] = ...) -> None: ...
+    model: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., prompt_text: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., partition: _Optional[_Union[Partition, _Mapping]] = ..., priority: _Optional[int] = ..., routing_key: _Optional[str] = ..., prompt_text_suffix: _Optional[str] = ..., prompt_text_is_chat: _Optional[bool] = ..., model: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "cached_prompt_tokens", "completion_tokens")
@@ -310,7 +312,7 @@ class WorkerInfo(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., block_size: _Optional[int] = ..., page_size: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ..., executor: _Optional[str] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ..., model_name: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., hash_key_fingerprint: _Optional[str] = ..., max_running_requests: _Optional[int] = ..., step_decode_base_s: _Optional[float] = ..., step_decode_s_per_seq: _Optional[float] = ..., step_decode_s_per_context_token: _Optional[float] = ..., step_prefill_s_per_token: _Optional[float] = ...) -> None: ...
 
 class WorkerScore(_message.Message):
-    __slots__ = ("worker_id", "address", "healthy", "matched_tokens", "inflight_prefill_tokens", "cost", "load", "recent_prefill_tokens", "event_matched_tokens", "predicted_matched_tokens", "not_candidate_reason", "slot_queue")
+    __slots__ = ("worker_id", "address", "healthy", "matched_tokens", "inflight_prefill_tokens", "cost", "load", "recent_prefill_tokens", "event_matched_tokens", "predicted_matched_tokens", "not_candidate_reason", "slot_queue", "model")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
@@ -323,6 +325,7 @@ class WorkerScore(_message.Message):
     PREDICTED_MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NOT_CANDIDATE_REASON_FIELD_NUMBER: _ClassVar[int]
     SLOT_QUEUE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     healthy: bool
@@ -335,7 +338,8 @@ class WorkerScore(_message.Message):
     predicted_matched_tokens: int
     not_candidate_reason: str
     slot_queue: int
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., matched_tokens: _Optional[int] = ..., inflight_prefill_tokens: _Optional[int] = ..., cost: _Optional[float] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ..., recent_prefill_tokens: _Optional[float] = ..., event_matched_tokens: _Optional[int] = ..., predicted_matched_tokens: _Optional[int] = ..., not_candidate_reason: _Optional[str] = ..., slot_queue: _Optional[int] = ...) -> None: ...
+    model: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., matched_tokens: _Optional[int] = ..., inflight_prefill_tokens: _Optional[int] = ..., cost: _Optional[float] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ..., recent_prefill_tokens: _Optional[float] = ..., event_matched_tokens: _Optional[int] = ..., predicted_matched_tokens: _Optional[int] = ..., not_candidate_reason: _Optional[str] = ..., slot_queue: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
 
 class ExplainRequest(_message.Message):
     __slots__ = ("request",)
@@ -344,32 +348,38 @@ class ExplainRequest(_message.Message):
     def __init__(self, request: _Optional[_Union[GenerateRequest, _Mapping]] = ...) -> None: ...
 
 class ExplainResponse(_message.Message):
-    __slots__ = ("policy", "prompt_tokens", "chosen_worker_id", "workers", "miss_factor")
+    __slots__ = ("policy", "prompt_tokens", "chosen_worker_id", "workers", "miss_factor", "model", "models")
     POLICY_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CHOSEN_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     MISS_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
     policy: str
     prompt_tokens: int
     chosen_worker_id: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerScore]
     miss_factor: float
-    def __init__(self, policy: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., chosen_worker_id: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerScore, _Mapping]]] = ..., miss_factor: _Optional[float] = ...) -> None: ...
+    model: str
+    models: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, policy: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., chosen_worker_id: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerScore, _Mapping]]] = ..., miss_factor: _Optional[float] = ..., model: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReplicaRouted(_message.Message):
-    __slots__ = ("request_id", "worker_id", "prompt_tokens", "matched_tokens", "block_hashes")
+    __slots__ = ("request_id", "worker_id", "prompt_tokens", "matched_tokens", "block_hashes", "model")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     worker_id: str
     prompt_tokens: int
     matched_tokens: int
     block_hashes: bytes
-    def __init__(self, request_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., block_hashes: _Optional[bytes] = ...) -> None: ...
+    model: str
+    def __init__(self, request_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., block_hashes: _Optional[bytes] = ..., model: _Optional[str] = ...) -> None: ...
 
 class ReplicaFirstToken(_message.Message):
     __slots__ = ("request_id",)

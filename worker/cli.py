@@ -489,6 +489,7 @@ def _registration(server: WorkerServer, args: argparse.Namespace) -> RedisRegist
         epoch=server.epoch,
         block_size=engine.block_size,
         kv_capacity_tokens=engine.num_kv_slots,
+        model=server.config.model_name,
     )
     return RedisRegistration(
         args.redis_url,

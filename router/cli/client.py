@@ -56,6 +56,7 @@ class GenerateOptions:
     extra_key: str = ""
     request_id: str = ""
     priority: int = 0
+    model: str = ""  # the served model (its pool: decision 0036); "": the router's only one
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +91,7 @@ class WorkerScoreView:
     predicted_matched_tokens: int = 0  # from the router's recent routing alone
     not_candidate_reason: str = ""  # empty for a candidate
     slot_queue: int = 0  # requests a new one would wait behind for a running slot
+    model: str = ""  # the model pool the worker is in
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +101,7 @@ class ExplainResult:
     chosen_worker_id: str
     workers: tuple[WorkerScoreView, ...]
     miss_factor: float = 0.0  # a miss's weight in every cost now (0: the policy has none)
+    model: str = ""  # the pool explained ("": every pool's, on a router serving several)
 
 
 def build_request(prompt: Prompt, options: GenerateOptions) -> pb.GenerateRequest:
@@ -114,6 +117,7 @@ def build_request(prompt: Prompt, options: GenerateOptions) -> pb.GenerateReques
         ),
         partition=pb.Partition(extra_key=options.extra_key),
         priority=options.priority,
+        model=options.model,
     )
     if options.seed is not None:
         req.sampling.seed = options.seed
@@ -212,6 +216,7 @@ class RouterClient:
             prompt_tokens=resp.prompt_tokens,
             chosen_worker_id=resp.chosen_worker_id,
             miss_factor=resp.miss_factor,
+            model=resp.model,
             workers=tuple(
                 WorkerScoreView(
                     worker_id=w.worker_id,
@@ -227,6 +232,7 @@ class RouterClient:
                     predicted_matched_tokens=w.predicted_matched_tokens,
                     not_candidate_reason=w.not_candidate_reason,
                     slot_queue=w.slot_queue,
+                    model=w.model,
                 )
                 for w in resp.workers
             ),
@@ -258,6 +264,12 @@ def _common_parser(prog: str, description: str) -> argparse.ArgumentParser:
         "--tenant-header", default="x-tenant-id", help="metadata key of the tenant id"
     )
     parser.add_argument("--extra-key", default="", help="partition extra_key (e.g. a LoRA name)")
+    parser.add_argument(
+        "--model",
+        default="",
+        help="the served model, whose pool of workers serves it (a router serving several "
+        "needs it; default: the router's only one)",
+    )
     parser.add_argument(
         "--timeout",
         type=_float_at_least("--timeout", 0.0, strict=True),
@@ -356,6 +368,7 @@ async def _generate(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         seed=args.seed,
         extra_key=args.extra_key,
+        model=args.model,
     )
     prompt = _parse_prompt(args)
     async with _client(args) as client:
@@ -451,8 +464,9 @@ def format_explain(result: ExplainResult) -> str:
     it is not. ``miss_factor`` is what an uncached token counts in every cost now: 1 unless
     every candidate has prefill queued (the backlog factor; far above 1: a saturated fleet)."""
     factor = f" miss_factor={result.miss_factor:.3g}" if result.miss_factor else ""
+    model = f"model={result.model} " if result.model else ""
     lines = [
-        f"policy={result.policy} prompt_tokens={result.prompt_tokens} "
+        f"{model}policy={result.policy} prompt_tokens={result.prompt_tokens} "
         f"chosen={result.chosen_worker_id or '(none)'}{factor}",
         f"  {'worker':<16} {'address':<22} {'ok':<3} {'matched':>8} {'events':>7} "
         f"{'predicted':>9} {'inflight':>9} {'run':>4} {'wait':>5} {'slotq':>5} {'recent':>9} "
@@ -475,7 +489,7 @@ def format_explain(result: ExplainResult) -> str:
 async def _explain(args: argparse.Namespace) -> int:
     async with _client(args) as client:
         result = await client.explain(
-            _parse_prompt(args), GenerateOptions(extra_key=args.extra_key)
+            _parse_prompt(args), GenerateOptions(extra_key=args.extra_key, model=args.model)
         )
     print(format_explain(result))
     return 0

@@ -13,7 +13,7 @@ import gc
 import logging
 import os
 import sys
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 from edge.cli_help import HelpFormatter, port_number
@@ -21,10 +21,11 @@ from edge.http_front import HttpFrontConfig
 from edge.registry import DEFAULT_PREFIX, DEFAULT_TTL_S
 from edge.runtime import configure_logging, run_event_loop, stop_signals
 from edge.telemetry import configure_tracing
-from edge.tokenizer import ChatTokenizer, TokenizerLoadError, load_tokenizer_or_bytes
+from edge.tokenizer import ChatTokenizer, TokenizerLoadError
 from kvroute_proto.hashing import set_hash_key
 from router.cli import processes
 from router.cli.security_flags import add_router_security_args, apply_router_security
+from router.cli.served_models import load_served_models, served_names
 from router.core.admission import AdmissionConfig
 from router.core.core_types import DEFAULT_RECENT_DECODE_RATIO, DEFAULT_RECENT_WINDOW_S
 from router.core.index_api import IndexConfig
@@ -36,6 +37,7 @@ from router.core.policy_config import (
     CostWeights,
     PolicyConfig,
 )
+from router.core.pools import PoolsConfig
 from router.core.registry import policy_names
 from router.core.replicas import (
     DEFAULT_REPLICA_AFFINITY_TOKENS,
@@ -124,11 +126,12 @@ def _first_start_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--model",
-        default=None,
+        action="append",
         metavar="DIR",
         help="the fleet's HF model directory (the workers' --model), for its tokenizer and chat "
         "template; workers with another tokenizer are left out (without it: the byte tokenizer "
-        "of the tiny default model)",
+        "of the tiny default model). Repeat it to serve several models: one pool each, routed "
+        "by the request's model (docs/decisions/0036)",
     )
     g.add_argument(
         "--policy",
@@ -158,8 +161,10 @@ def _network_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--http-host", default="127.0.0.1", help="address the HTTP API binds")
     g.add_argument(
         "--served-model-name",
-        default=None,
-        help=f"the model name the HTTP API serves (default {DEFAULT_MODEL_NAME})",
+        action="append",
+        help=f"the model name the API serves (default: the --model directory's name, else "
+        f"{DEFAULT_MODEL_NAME}, and without either the names workers announce); repeat it "
+        "to name each --model's pool, in order",
     )
     g.add_argument(
         "--tokenize-whole",
@@ -393,17 +398,19 @@ def _observability_args(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(
-    args: argparse.Namespace, *, tokenizer_fingerprint: str | None = None
+    args: argparse.Namespace,
+    *,
+    tokenizer_fingerprint: str | None = None,
+    pool_fingerprints: tuple[tuple[str, str], ...] = (),
 ) -> RouterServerConfig:
     """The server config the command-line options describe (ValueError on bad values).
     ``tokenizer_fingerprint``: the router's tokenizer's; workers reporting another are left
-    out of routing."""
+    out of routing; ``pool_fingerprints``: the other pools' own (several --model)."""
     secret = args.tenant_salt_secret.encode() if args.tenant_salt_secret else None
     shared = processes.is_sibling()  # a --processes supervisor's child: SO_REUSEPORT
-    # the HTTP API's model name: the flag, else the model directory's name
-    served: dict[str, Any] = {}
-    if args.served_model_name or args.model:
-        served["model_name"] = args.served_model_name or Path(args.model).resolve().name
+    # the served models (router/cli/served_models.py): the flags, else the directories' names
+    names = served_names(args.model, args.served_model_name)
+    served: dict[str, Any] = {"model_name": names[0]} if names else {}
     config = RouterServerConfig(
         host=args.host,
         port=args.port,
@@ -431,6 +438,7 @@ def config_from_args(
             keepalive_time_s=args.keepalive_s,
             purge_after_s=args.purge_after_s,
             tokenizer_fingerprint=tokenizer_fingerprint,
+            pool_fingerprints=pool_fingerprints,
             # no --model: an engine bridge (no fingerprint) is routed to, with a warning
             accept_no_fingerprint=args.model is None,
         ),
@@ -439,6 +447,7 @@ def config_from_args(
         if args.http_port is None
         else HttpFrontConfig(host=args.http_host, port=args.http_port, reuse_port=shared),
         reuse_port=shared,
+        pools=PoolsConfig(tuple(names)) if names else None,
     )
     return apply_router_security(args, config)
 
@@ -475,11 +484,14 @@ async def serve(
     metrics_port: int | None = None,
     *,
     tokenizer: ChatTokenizer | None = None,
+    pool_tokenizers: Mapping[str, ChatTokenizer] | None = None,
 ) -> None:
     """Run one router until SIGINT/SIGTERM (with a /metrics endpoint when ``metrics_port``
-    is not None); ``tokenizer`` encodes text prompts (None: forwarded as text)."""
+    is not None); ``tokenizer`` encodes text prompts (None: forwarded as text), and
+    ``pool_tokenizers`` those of the pools with their own."""
+    server = RouterServer(config, tokenizer=tokenizer, pool_tokenizers=pool_tokenizers)
     with stop_signals() as stop:
-        await _serve(RouterServer(config, tokenizer=tokenizer), config, metrics_port, stop)
+        await _serve(server, config, metrics_port, stop)
 
 
 async def _serve(
@@ -539,8 +551,13 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         # The fleet's tokenizer: text prompts become the token ids the workers cache.
-        tokenizer = load_tokenizer_or_bytes(args.model)
-        config = config_from_args(args, tokenizer_fingerprint=tokenizer.fingerprint)
+        models = load_served_models(args)
+        tokenizer = models.tokenizer
+        config = config_from_args(
+            args,
+            tokenizer_fingerprint=tokenizer.fingerprint,
+            pool_fingerprints=models.fingerprints,
+        )
     except (TokenizerLoadError, ValueError) as exc:
         print(f"kvroute router: {exc}", file=sys.stderr)
         return 2
@@ -550,13 +567,14 @@ def main(argv: list[str]) -> int:
         return supervise(argv, args)
     logging.getLogger(__name__).info(
         "tokenizer: %s (fingerprint %s)",
-        args.model or "byte tokenizer (no --model)",
+        ", ".join(args.model or ()) or "byte tokenizer (no --model)",
         tokenizer.fingerprint,
     )
     set_hash_key(args.hash_key or None)  # the block-hash chain's key (before any hashing)
     shutdown_tracing = configure_tracing("kvroute-router", console=args.trace_console)
     try:
-        run_event_loop(serve(config, args.metrics_port, tokenizer=tokenizer))
+        pools = dict(models.pool_tokenizers)
+        run_event_loop(serve(config, args.metrics_port, tokenizer=tokenizer, pool_tokenizers=pools))
     except OSError as exc:  # a port that cannot be bound
         print(f"kvroute router: {exc}", file=sys.stderr)
         return 1

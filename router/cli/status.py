@@ -58,6 +58,7 @@ class WorkerRow:
     hit_rate: float | None = None  # realised cached / prompt tokens of finished requests
     index_blocks: float | None = None
     event_lag_s: float | None = None
+    model: str = ""  # the model pool it is in (router.core.pools)
 
 
 @dataclass(slots=True)
@@ -77,6 +78,7 @@ class FleetStatus:
     requests_failed: float | None = None
     unreachable: float | None = None  # worker addresses that never answered (metrics)
     refused: float | None = None  # answered, refused by a check: model, hash key, id (metrics)
+    models: list[str] = field(default_factory=list)  # the served models (a pool each)
 
 
 Samples = dict[str, list[tuple[dict[str, str], float]]]
@@ -121,9 +123,9 @@ async def explain_fleet(address: str, timeout_s: float) -> pb.ExplainResponse:
 
 def collect(explain: pb.ExplainResponse, samples: Samples | None, router: str) -> FleetStatus:
     """Join the Explain answer with the router's metrics (None: no metrics columns)."""
-    status = FleetStatus(router, explain.policy)
+    status = FleetStatus(router, explain.policy, models=list(explain.models))
     for w in explain.workers:
-        row = WorkerRow(w.worker_id, w.address, w.healthy)
+        row = WorkerRow(w.worker_id, w.address, w.healthy, model=w.model)
         if w.HasField("load"):
             load = w.load
             row.running, row.waiting = load.num_running, load.num_waiting
@@ -169,8 +171,12 @@ def _num(x: float | None) -> str:
 
 def render(status: FleetStatus) -> Group:
     """The table and the fleet summary as rich renderables."""
-    table = Table(title=f"kvroute fleet behind {status.router} (policy {status.policy or '?'})")
+    pools = len(status.models) > 1  # a model column, for a router serving several
+    models = f", models {', '.join(status.models)}" if pools else ""
+    title = f"kvroute fleet behind {status.router} (policy {status.policy or '?'}{models})"
+    table = Table(title=title)
     for name, justify in (
+        *((("model", "left"),) if pools else ()),
         ("worker", "left"),
         ("address", "left"),
         ("health", "left"),
@@ -188,6 +194,7 @@ def render(status: FleetStatus) -> Group:
         health = Text("healthy", "green") if w.healthy else Text("UNHEALTHY", "bold red")
         lag = "-" if w.event_lag_s is None else f"{w.event_lag_s:.1f}s"
         table.add_row(
+            *((w.model,) if pools else ()),
             w.worker_id,
             w.address,
             health,

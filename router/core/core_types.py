@@ -235,13 +235,15 @@ class WorkerStats:
 class ReplicaRouted:
     """This router placed ``request_id`` on ``worker_id``: ``prompt_tokens`` long, of which
     it expects ``matched_tokens`` cached there; ``block_hashes``: the prompt's full blocks
-    (the router's block size and hash key; empty when it did not hash them)."""
+    (the router's block size and hash key; empty when it did not hash them); ``model``: the
+    pool it was routed in (router.core.pools; empty: the router's default one)."""
 
     request_id: str
     worker_id: str
     prompt_tokens: int
     matched_tokens: int
     block_hashes: Sequence[int] | np.ndarray = ()
+    model: str = ""
 
 
 @dataclass(frozen=True, slots=True)

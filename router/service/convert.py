@@ -13,6 +13,7 @@ from collections.abc import Callable, Container
 from kvroute_proto import codec
 from kvroute_proto import kvroute_pb2 as pb
 from router.core.core_types import Explanation, WorkerScore
+from router.core.pools import PoolsExplanation
 from router.core.router_core import UNHEALTHY
 
 
@@ -76,3 +77,32 @@ def explanation_to_pb(
             for w in expl.workers
         ],
     )
+
+
+def pools_explanation_to_pb(
+    explained: PoolsExplanation,
+    *,
+    address_of: Callable[[str], str | None] = lambda _worker_id: "",
+    ejected: Container[str] = (),
+    last_error_of: Callable[[str], str] = lambda _worker_id: "",
+) -> pb.ExplainResponse:
+    """The ExplainResponse of one pool's explanation, or of every pool's (a request naming
+    no model on a router serving several: each pool's workers, each with its model, and no
+    pick); ``models``: every served model."""
+    parts = []
+    for model, expl in explained.explanations:
+        part = explanation_to_pb(
+            expl, address_of=address_of, ejected=ejected, last_error_of=last_error_of
+        )
+        for w in part.workers:
+            w.model = model
+        parts.append(part)
+    if explained.model:
+        resp = parts[0]
+        resp.model = explained.model
+    else:
+        resp = pb.ExplainResponse(policy=parts[0].policy, prompt_tokens=parts[0].prompt_tokens)
+        for part in parts:
+            resp.workers.extend(part.workers)
+    resp.models.extend(explained.served)
+    return resp

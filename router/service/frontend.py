@@ -39,8 +39,8 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -50,25 +50,30 @@ from edge.frontdoor import (
     BadRequest,
     CallInfo,
     DeadlineExceeded,
+    ModelNotFound,
     Overloaded,
     ServiceError,
     Unavailable,
     error_for_grpc_code,
 )
-from edge.limits import RequestLimits
 from kvroute_proto import kvroute_pb2 as pb
-from router.core.admission import Admission, AdmissionConfig
+from router.core.admission import Admission
 from router.core.errors import InvalidRouteRequestError, NoWorkerAvailable
-from router.core.router_core import Explanation, RouteDecision, RouterCore, RouteRequest
+from router.core.pools import PoolsExplanation, RouterPools, UnknownModelError
+from router.core.router_core import RouteDecision, RouterCore, RouteRequest
 from router.service import spans
+from router.service.explain import explain_pools
+from router.service.frontend_config import DEFAULT_MODEL_NAME, FrontendConfig
 from router.service.observe import NO_OBSERVER, RequestObserver
 from router.service.pool import WorkerPool
 from router.service.prepare import Prepared, prepare_request
-from router.service.quota import OverLimit, QuotaConfig, TenantQuotas
-from router.service.resilience import EjectionConfig, OutlierEjector
-from router.service.tenancy import TenancyConfig, TenancyError, tenant_of
+from router.service.quota import OverLimit, TenantQuotas
+from router.service.resilience import OutlierEjector
+from router.service.tenancy import TenancyError, tenant_of
 from router.service.token_cache import with_chunk_cache
 from router.service.validation import TextTokenizer
+
+__all__ = ["DEFAULT_MODEL_NAME", "Frontend", "FrontendConfig", "PoolsExplanation"]
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("kvroute.router")
@@ -84,35 +89,8 @@ WORKER_FAILURE_CODES = frozenset(
     }
 )
 
-DEFAULT_MODEL_NAME = "kvroute-tiny"
 REFUSAL_HOLD_S = 1.0  # the longest a tenant's over-limit refusal is held (hold_refusal)
 MAX_HELD_REFUSALS = 32
-
-
-@dataclass(frozen=True, slots=True)
-class FrontendConfig:
-    """Admission, deadline, retry and tenancy settings of the router's request path."""
-
-    max_inflight: int = 1024
-    max_deadline_s: float = 600.0
-    max_attempts: int = 2
-    limits: RequestLimits = field(default_factory=RequestLimits)
-    tenancy: TenancyConfig = field(default_factory=TenancyConfig)
-    ejection: EjectionConfig = field(default_factory=EjectionConfig)
-    model_name: str = DEFAULT_MODEL_NAME  # what the HTTP front serves (GET /v1/models)
-    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
-    quotas: QuotaConfig = field(default_factory=QuotaConfig)  # per-tenant limits (quota.py)
-    # tokenize only the head of a text prompt that a cache may match; the worker tokenizes
-    # the rest (exact: the chunk cache's cut rule); False: the router tokenizes it all
-    split_prompts: bool = True
-
-    def __post_init__(self) -> None:
-        if self.max_inflight < 1:
-            raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight}")
-        if not self.max_deadline_s > 0:
-            raise ValueError(f"max_deadline_s must be > 0, got {self.max_deadline_s}")
-        if self.max_attempts < 1:
-            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
 
 
 @dataclass(slots=True)
@@ -127,19 +105,21 @@ class _InFlight:
 
 
 class Frontend:
-    """Validate, tokenize, route, retry, relay, account: one object for every front door."""
+    """Validate, tokenize, route, retry, relay, account: one object for every front door.
+    Each request goes to the pool of its model (router.core.pools)."""
 
     def __init__(
         self,
-        core: RouterCore,
+        pools: RouterPools,
         pool: WorkerPool,
         config: FrontendConfig,
         *,
         clock: Callable[[], float],
         tokenizer: TextTokenizer | None = None,
         observer: RequestObserver = NO_OBSERVER,
+        pool_tokenizers: Mapping[str, TextTokenizer] | None = None,
     ) -> None:
-        self._core = core
+        self._pools = pools
         self.observer = observer  # metrics: watches the request path, never steers it
         self._pool = pool
         self.config = config
@@ -147,6 +127,8 @@ class Frontend:
         # text prompts repeat their long parts: tokenize each chunk once (exact; tokenizers
         # it cannot be exact for are used as they are)
         self.tokenizer = with_chunk_cache(tokenizer) if tokenizer is not None else None
+        # pools with a tokenizer of their own (several --model); the others use ``tokenizer``
+        self.tokenizers = {m: with_chunk_cache(t) for m, t in (pool_tokenizers or {}).items()}
         # a text prompt's tail that no cache can match is left to the worker to tokenize
         self.split_prompts = config.split_prompts
         self.ejector = OutlierEjector(config.ejection, clock)
@@ -159,7 +141,28 @@ class Frontend:
 
     @property
     def model_name(self) -> str:
-        return self.config.model_name
+        """The model a request naming none is served by: the only served one (else the
+        default pool's name; such a request is refused then)."""
+        served = self._pools.served_models()
+        return served[0] if len(served) == 1 else self.config.model_name
+
+    def served_models(self) -> list[str]:
+        """Every model the router serves (GET /v1/models)."""
+        return self._pools.served_models()
+
+    def tokenizer_for(self, model: str) -> TextTokenizer | None:
+        """The tokenizer of ``model``'s pool."""
+        return self.tokenizers.get(model, self.tokenizer)
+
+    def resolve(self, model: str | None) -> tuple[str, RouterCore]:
+        """The pool serving ``model``: 404 model_not_found, or 400 for a request naming
+        none on a router serving several (each naming the served models)."""
+        try:
+            return self._pools.resolve(model)
+        except UnknownModelError as exc:
+            if exc.model:
+                raise ModelNotFound(str(exc), param="model") from None
+            raise BadRequest(str(exc), param="model") from None
 
     @property
     def num_inflight(self) -> int:
@@ -192,7 +195,7 @@ class Frontend:
             cost = self._quota_cost(prepared, with_output=True)
             lease = self.quotas.acquire(tenant, cost, sure)
         except ServiceError as exc:
-            self.observer.on_end("", self._core.policy_name, exc.grpc_code)
+            self.observer.on_end("", self._pools.policy_name, exc.grpc_code)
             await self.hold_refusal(exc)
             raise
         prepared = self._own_id(prepared)  # unique across tenants: the core and workers see it
@@ -210,7 +213,7 @@ class Frontend:
         span = tracer.start_span("kvroute.router.Generate", context=parent)
         span.set_attribute("kvroute.request_id", client_id)
         if span.is_recording():
-            spans.record_request(span, prepared.forward, self.model_name)
+            spans.record_request(span, prepared.forward, prepared.model)
         outcome = "OK"
         try:
             # closed as soon as this generator is: the worker call is cancelled at once, not
@@ -243,7 +246,7 @@ class Frontend:
             span.end()
             if entry.finished:
                 outcome = "OK"
-            self.observer.on_end(entry.worker_id, self._core.policy_name, outcome)
+            self.observer.on_end(entry.worker_id, self._pools.policy_name, outcome)
 
     async def hold_refusal(self, exc: ServiceError) -> None:
         """Hold a tenant's over-limit refusal until it could be admitted, at most
@@ -279,7 +282,8 @@ class Frontend:
         if request.WhichOneof("prompt") == "prompt_token_ids":
             return len(request.prompt_token_ids.ids) + output
         chars = len(request.prompt_text)  # the bytes a text is routed on when untokenized
-        per_token = 1 if self.tokenizer is None else getattr(self.tokenizer, "max_token_chars", 0)
+        tokenizer = self.tokenizers.get(request.model, self.tokenizer)
+        per_token = 1 if tokenizer is None else getattr(tokenizer, "max_token_chars", 0)
         return (-(-chars // per_token) if per_token else 0) + output
 
     def _own_id(self, prepared: Prepared) -> Prepared:
@@ -308,6 +312,7 @@ class Frontend:
         span: trace.Span,
     ) -> AsyncGenerator[pb.GenerateResponse, None]:
         rid = prepared.forward.request_id
+        core = prepared.core
         excluded: set[str] = set()
         failures: list[str] = []
         carrier: dict[str, str] = {}
@@ -323,7 +328,7 @@ class Frontend:
             worker_id = decision.worker_id
             call = self._dispatch(prepared, entry, worker_id, remaining, metadata)
             if call is None:  # released between route() and here; try another
-                self._core.on_finished(rid)
+                core.on_finished(rid)
                 excluded.add(worker_id)
                 failures.append(f"{worker_id}: disconnected")
                 continue
@@ -336,12 +341,12 @@ class Frontend:
             try:
                 async for msg in call:
                     if not relayed:
-                        self._core.on_first_token(rid)
+                        core.on_first_token(rid)
                         relayed = True
                         elapsed = time.perf_counter() - entry.started
                         self.observer.on_first_message(worker_id, elapsed)
                     if msg.HasField("finished"):
-                        self._finish(rid, msg.finished, decision, entry, attempt, span)
+                        self._finish(prepared, msg.finished, decision, entry, attempt, span)
                         reported = True
                     else:
                         admission.on_tokens(rid, len(msg.chunk.token_ids), self._clock())
@@ -368,7 +373,7 @@ class Frontend:
                 call.cancel()
                 admission.on_done(rid)
                 if not reported:
-                    self._core.on_finished(rid)
+                    core.on_finished(rid)
             failures.append(f"{worker_id}: {code_name}: {details}")
             self._worker_failed(
                 rid, worker_id, (code_name, details), dispatched_at, relayed, attempt, span
@@ -393,7 +398,7 @@ class Frontend:
         costs = None  # the route span's top costs, before the decision (tracing only)
         if span.is_recording():
             ejected = self.ejector.ejected()
-            costs = spans.top_costs(self._core, prepared.route, frozenset(excluded) | ejected)
+            costs = spans.top_costs(prepared.core, prepared.route, frozenset(excluded) | ejected)
         t0 = time.perf_counter()
         time_left = remaining if entry.guard_deadline else None
         decision = self._route(prepared, excluded, failures, time_left)
@@ -432,7 +437,7 @@ class Frontend:
 
     def _finish(
         self,
-        rid: str,
+        prepared: Prepared,
         finished: pb.Finished,
         decision: RouteDecision,
         entry: _InFlight,
@@ -445,7 +450,7 @@ class Frontend:
         if not finished.worker_id:
             finished.worker_id = worker_id
         self.ejector.record_success(worker_id)
-        self._core.on_finished(rid, finished.usage.completion_tokens)
+        prepared.core.on_finished(prepared.forward.request_id, finished.usage.completion_tokens)
         entry.finished = True
         elapsed = time.perf_counter() - entry.started
         self.observer.on_finished(decision, finished, elapsed)
@@ -494,19 +499,19 @@ class Frontend:
     ) -> RouteDecision:
         """Route, leaving out failed, ejected and (for a caller's deadline of
         ``time_left_s``) too busy workers."""
-        route = prepared.route
+        route, core = prepared.route, prepared.core
         exclude = frozenset(excluded) | self.ejector.ejected()
         late: frozenset[str] = frozenset()
         if time_left_s is not None:
             late = self.admission.excluded(
-                [w for w in self._core.workers() if w not in exclude],
+                [w for w in core.workers() if w not in exclude],
                 prepared.forward.sampling.max_new_tokens,
                 time_left_s,
                 self._quota_cost(prepared, with_output=False),  # its prompt, as if uncached
             )
         req = RouteRequest(route.request_id, route.token_ids, route.partition, exclude | late)
         try:
-            return self._core.route(req)
+            return core.route(req)
         except NoWorkerAvailable as exc:
             if late:  # healthy workers exist, but none can finish this in time
                 self.admission.on_refused()
@@ -560,36 +565,25 @@ class Frontend:
             ) from None
         return bool(resp.found)
 
-    def explain(self, request: pb.GenerateRequest, call: CallInfo) -> Explanation:
-        """Each worker's match, load and cost, and the pick; routes nothing. A text prompt
-        is tokenized whole here (exact ``prompt_tokens``; a route may estimate the length
-        of a tail no cache matches, which moves costs, never matches)."""
-        tenant = tenant_of(self.config.tenancy, call.metadata, call.tenant_id)
-        sure = self._sure_cost(request, with_output=False)
-        self.quotas.precheck(tenant, sure)  # Explain is rate-limited like Generate
-        prepared = self.prepare(request, call, split=False)
-        self.quotas.charge(tenant, self._quota_cost(prepared, with_output=False), sure)
-        route = RouteRequest(
-            prepared.route.request_id,
-            prepared.route.token_ids,
-            prepared.route.partition,
-            exclude=self.ejector.ejected(),
-        )
-        try:
-            return self._core.explain(route)
-        except InvalidRouteRequestError as exc:
-            raise BadRequest(str(exc), param=exc.field) from None
+    def explain(self, request: pb.GenerateRequest, call: CallInfo) -> PoolsExplanation:
+        """Each worker's match, load and cost, and the pick, in the request's pool (every
+        pool's for a request naming no model on a router serving several); routes nothing
+        (router.service.explain)."""
+        return explain_pools(self, request, call)
 
     # ---- helpers -------------------------------------------------------------------------
 
     def prepare(
         self, request: pb.GenerateRequest, call: CallInfo, *, split: bool = True
     ) -> Prepared:
-        """Check fields, derive the partition, tokenize, assign a request id (BadRequest);
-        ``split``: see :func:`router.service.prepare.prepare_request`."""
-        config, tok = self.config, self.tokenizer
+        """Find the request's pool (ModelNotFound), check fields, derive the partition,
+        tokenize, assign a request id (BadRequest); ``split``: see
+        :func:`router.service.prepare.prepare_request`."""
+        model, core = self.resolve(request.model)
+        config, tok = self.config, self.tokenizers.get(model, self.tokenizer)
         split = split and self.split_prompts
-        return prepare_request(request, call, config.limits, config.tenancy, tok, self._core, split)
+        pool = (model, core)
+        return prepare_request(request, call, config.limits, config.tenancy, tok, pool, split)
 
     def _timeout_s(self, call: CallInfo) -> float:
         remaining = call.timeout_s

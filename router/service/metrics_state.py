@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -83,6 +83,12 @@ class RouterSnapshot:
     # it always does, without sync) and the sync's last measured delivery time (0: none yet)
     replica_window_s: float = 0.0
     replica_delivery_s: float = 0.0
+    # each model pool's stats (router.core.pools), by model; empty: ``stats`` is the one pool
+    # and its metrics carry model="" (a snapshot built by hand)
+    pools: dict[str, RouterStats] = field(default_factory=dict)
+
+    def by_model(self) -> dict[str, RouterStats]:
+        return self.pools or {"": self.stats}
 
 
 def take_snapshot(server: RouterServer) -> RouterSnapshot:
@@ -103,10 +109,12 @@ def take_snapshot(server: RouterServer) -> RouterSnapshot:
         )
         for c in server.pool.conns.values()
     )
+    pools = server.pools.stats()
     return RouterSnapshot(
-        policy=server.core.policy_name,
-        stats=server.core.stats(),
-        workers=tuple(server.core.worker_stats()),
+        policy=server.pools.policy_name,
+        stats=pools[server.pools.default],
+        pools=pools,
+        workers=tuple(server.pools.worker_stats()),
         connections=conns,
         ejected=frontend.ejector.ejected(),
         num_ejections=frontend.ejector.num_ejections,
@@ -114,7 +122,7 @@ def take_snapshot(server: RouterServer) -> RouterSnapshot:
         num_inflight=frontend.num_inflight,
         replica=None if sync is None else dict(sync.counters),
         replica_peers=0 if sync is None else len(sync.peers),
-        replica_window_s=_finite(server.core.replica_sync_window_s),
+        replica_window_s=_finite(server.pools.replica_sync_window_s),
         replica_delivery_s=0.0 if sync is None else sync.last_delivery_s or 0.0,
         **_tokenizer_counts(frontend.tokenizer),
     )
@@ -168,34 +176,39 @@ class RouterStateCollector(Collector):
         yield from self._replica(snap)
 
     def _index(self, snap: RouterSnapshot) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        s = snap.stats
-        blocks = _gauge("kvroute_router_index_blocks", "Distinct blocks in the prefix index")
-        blocks.add_metric([], s.num_indexed_blocks)
+        """Each model pool's index and routing (label ``model``: router.core.pools)."""
+        m = ("model",)
+        blocks = _gauge("kvroute_router_index_blocks", "Distinct blocks in the prefix index", m)
         entries = _gauge(
-            "kvroute_router_index_entries", "Confirmed (block, worker) pairs in the prefix index"
+            "kvroute_router_index_entries", "Confirmed (block, worker) pairs in the prefix index", m
         )
-        entries.add_metric([], s.num_index_entries)
         predicted = _gauge(
             "kvroute_router_index_predicted_entries",
             "Predicted (block, worker) pairs (routed, not yet confirmed by an event)",
+            m,
         )
-        predicted.add_metric([], s.num_predicted_entries)
-        size = _gauge("kvroute_router_index_bytes", "Estimated memory of the prefix index")
-        size.add_metric([], s.index_bytes)
+        size = _gauge("kvroute_router_index_bytes", "Estimated memory of the prefix index", m)
         evicted = _counter(
-            "kvroute_router_index_evicted_blocks", "Blocks dropped by the index's size cap"
+            "kvroute_router_index_evicted_blocks", "Blocks dropped by the index's size cap", m
         )
-        evicted.add_metric([], s.num_evicted_blocks)
         errors = _counter(
             "kvroute_router_event_apply_errors",
             "KV events that could not be applied as sent (counted, never fatal), by kind",
-            ("kind",),
+            ("model", "kind"),
         )
-        for kind, n in sorted(s.apply_errors.items()):
-            errors.add_metric([kind], n)
-        routed = _counter("kvroute_router_routed_requests", "Requests RouterCore.route placed")
-        routed.add_metric([], s.num_routed)
-        yield from (blocks, entries, predicted, size, evicted, errors, routed)
+        routed = _counter("kvroute_router_routed_requests", "Requests RouterCore.route placed", m)
+        workers = _gauge("kvroute_router_pool_workers", "Workers in each model's pool", m)
+        for model, s in snap.by_model().items():
+            blocks.add_metric([model], s.num_indexed_blocks)
+            entries.add_metric([model], s.num_index_entries)
+            predicted.add_metric([model], s.num_predicted_entries)
+            size.add_metric([model], s.index_bytes)
+            evicted.add_metric([model], s.num_evicted_blocks)
+            for kind, n in sorted(s.apply_errors.items()):
+                errors.add_metric([model, kind], n)
+            routed.add_metric([model], s.num_routed)
+            workers.add_metric([model], s.num_workers)
+        yield from (blocks, entries, predicted, size, evicted, errors, routed, workers)
 
     def _workers(self, snap: RouterSnapshot) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         labels = ("worker",)
@@ -367,7 +380,7 @@ class RouterStateCollector(Collector):
             "Requests other router replicas placed that this router counts in flight "
             "(replica sync; 0 without it)",
         )
-        inflight.add_metric([], snap.stats.num_replica_inflight)
+        inflight.add_metric([], sum(s.num_replica_inflight for s in snap.by_model().values()))
         yield inflight
         # without --replica-sync every family is exported at zero (dashboards stay valid)
         c = snap.replica if snap.replica is not None else _NO_REPLICA_COUNTERS

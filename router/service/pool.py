@@ -15,7 +15,7 @@ import random
 from collections.abc import Callable, Iterable
 
 from router.core.errors import RouterError
-from router.core.router_core import RouterCore
+from router.core.pools import RouterPools
 from router.service.worker_conn import ConnectionConfig, ConnectionHooks, WorkerConnection
 
 log = logging.getLogger(__name__)
@@ -26,7 +26,7 @@ class WorkerPool:
 
     def __init__(
         self,
-        core: RouterCore,
+        core: RouterPools,
         config: ConnectionConfig,
         *,
         rng: random.Random,
@@ -110,7 +110,7 @@ class WorkerPool:
 
     # ---- connection hooks ----------------------------------------------------------------
 
-    def _claim(self, conn: WorkerConnection, worker_id: str, block_size: int) -> bool:
+    def _claim(self, conn: WorkerConnection, worker_id: str, block_size: int, model: str) -> bool:
         owner = self._owners.get(worker_id)
         if owner is not None and owner is not conn:
             return self._refuse(
@@ -118,7 +118,7 @@ class WorkerPool:
             )
         if not self._core.has_worker(worker_id):
             try:
-                self._core.add_worker(worker_id, conn.address, block_size or None)
+                self._core.add_worker(worker_id, conn.address, block_size or None, model=model)
             except (RouterError, ValueError) as exc:
                 return self._refuse(conn, f"worker {worker_id!r} refused: {exc}")
         self._owners[worker_id] = conn

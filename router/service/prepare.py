@@ -25,10 +25,13 @@ from router.service.validation import (
 
 @dataclass(frozen=True, slots=True)
 class Prepared:
-    """A checked request: what is forwarded, and what the router routes on."""
+    """A checked request: what is forwarded, what the router routes on, and the pool it is
+    routed in (its model's: router.core.pools)."""
 
     forward: pb.GenerateRequest
     route: RouteRequest
+    model: str
+    core: RouterCore
 
 
 def prepare_request(
@@ -37,12 +40,14 @@ def prepare_request(
     limits: RequestLimits,
     tenancy: TenancyConfig,
     tokenizer: TextTokenizer | None,
-    core: RouterCore,
+    pool: tuple[str, RouterCore],
     split: bool,
 ) -> Prepared:
-    """``request`` checked and ready (BadRequest). With ``tokenizer`` a text prompt is
+    """``request`` checked and ready (BadRequest), to be routed in ``pool`` (model, core).
+    With ``tokenizer`` (the pool's) a text prompt is
     forwarded as token ids; ``split``: its tail that no cache matches may be left to the
     worker (``prompt_text_suffix``), else it is tokenized whole."""
+    model, core = pool
     try:
         check_request(request, limits)
         partition = resolve_partition(
@@ -79,4 +84,4 @@ def prepare_request(
     else:
         tokens = routing_tokens(forward)
     route = RouteRequest(forward.request_id, tokens, partition, prompt_tokens=prompt_tokens)
-    return Prepared(forward, route)
+    return Prepared(forward, route, model, core)

@@ -59,6 +59,7 @@ from edge.registry import DEFAULT_PREFIX
 from edge.runtime import stop_task
 from kvroute_proto import kvroute_pb2 as pb
 from router.core.core_types import ReplicaEvent, ReplicaFinished, ReplicaFirstToken, ReplicaRouted
+from router.core.pools import RouterPools
 from router.core.router_core import RouterCore
 from router.service.redis_wire import RedisTarget, RespConnection
 
@@ -117,6 +118,7 @@ def encode_batch(
                     prompt_tokens=event.prompt_tokens,
                     matched_tokens=event.matched_tokens,
                     block_hashes=hashes,
+                    model=event.model,
                 )
             )
         elif isinstance(event, ReplicaFirstToken):
@@ -176,6 +178,7 @@ def decode_batch(data: bytes) -> ReplicaBatchMessage:
                     r.prompt_tokens,
                     r.matched_tokens,
                     np.frombuffer(raw, dtype="<u8").astype(np.uint64),
+                    _check_id(r.model, f"{where}.routed.model") if r.model else "",
                 )
             )
         elif kind == "first_token":
@@ -201,7 +204,7 @@ class ReplicaSync:
 
     def __init__(
         self,
-        core: RouterCore,
+        core: RouterPools | RouterCore,
         redis_url: str,
         *,
         prefix: str = DEFAULT_PREFIX,

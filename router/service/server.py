@@ -21,7 +21,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import grpc
@@ -41,9 +41,10 @@ from edge.registry import (
 from edge.tls import RedisAuth, ServerTls, add_port
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
+from router.core.pools import PoolsConfig, RouterPools
 from router.core.router_core import RouterConfig, RouterCore
 from router.service.auth import ApiKeys
-from router.service.frontend import Frontend, FrontendConfig
+from router.service.frontend import DEFAULT_MODEL_NAME, Frontend, FrontendConfig
 from router.service.pool import WorkerPool
 from router.service.replica_sync import ReplicaSync
 from router.service.servicer import RouterServicer
@@ -100,10 +101,19 @@ class RouterServerConfig:
     # SO_REUSEPORT on the gRPC port: only for the sibling processes of one `kvroute router
     # --processes N`, whose supervisor holds the port against everyone else
     reuse_port: bool = False
+    # the model pools (router.core.pools, decision 0036); None: one pool named
+    # service.model_name, open to the names workers announce while that is the default name
+    pools: PoolsConfig | None = None
 
     def __post_init__(self) -> None:
         for address in self.workers:
             check_address(address)
+
+    def pools_config(self) -> PoolsConfig:
+        if self.pools is not None:
+            return self.pools
+        name = self.service.model_name
+        return PoolsConfig((name,), open=name == DEFAULT_MODEL_NAME)
 
 
 def check_address(address: str) -> str:
@@ -138,21 +148,38 @@ class RouterServer:
         *,
         clock: Callable[[], float] = time.monotonic,
         tokenizer: TextTokenizer | None = None,
+        pool_tokenizers: Mapping[str, TextTokenizer] | None = None,
     ) -> None:
         self.config = config
         self._clock = clock
         rng = random.Random(config.seed)
-        self.core = RouterCore(config.core, clock=clock, rng=random.Random(rng.getrandbits(64)))
+        # the first pool's generator is drawn first, then the worker pool's (as with one
+        # core before pools); later pools' come from a third
+        seeds = [rng.getrandbits(64)]
+        pool_rng = random.Random(rng.getrandbits(64))
+        more = random.Random(rng.getrandbits(64))
+
+        def make_core() -> RouterCore:
+            seed = seeds.pop() if seeds else more.getrandbits(64)
+            return RouterCore(config.core, clock=clock, rng=random.Random(seed))
+
+        # one RouterCore per served model (router.core.pools)
+        self.pools = RouterPools(config.pools_config(), make_core)
         self.pool = WorkerPool(
-            self.core,
+            self.pools,
             config.connection,
-            rng=random.Random(rng.getrandbits(64)),
+            rng=pool_rng,
             clock=clock,
             on_health_change=self._on_health_change,
         )
         # one request path (validate, tokenize, route, relay) under every front door
         self.frontend = Frontend(
-            self.core, self.pool, config.service, clock=clock, tokenizer=tokenizer
+            self.pools,
+            self.pool,
+            config.service,
+            clock=clock,
+            tokenizer=tokenizer,
+            pool_tokenizers=pool_tokenizers,
         )
         self.servicer = RouterServicer(self.frontend, self.pool)
         self.health = HealthServicer()  # with List
@@ -163,6 +190,11 @@ class RouterServer:
         self.http: HttpFront | None = None  # over the same Frontend as the gRPC servicer
         self._stopping = False
         self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def core(self) -> RouterCore:
+        """The default pool's core (the only one of a single-model router)."""
+        return self.pools.core
 
     @property
     def address(self) -> str:
@@ -200,7 +232,7 @@ class RouterServer:
             if self.config.registry.replica_sync:
                 assert self.config.registry.redis_url is not None  # RegistryConfig checks it
                 self.replica_sync = ReplicaSync(
-                    self.core,
+                    self.pools,
                     self.config.registry.redis_url,
                     prefix=self.config.registry.prefix,
                     client_options=self.config.registry.auth.client_kwargs(),
@@ -224,9 +256,10 @@ class RouterServer:
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self._set_ready(self.pool.num_healthy > 0)
         log.info(
-            "router listening on %s policy=%s workers=%s redis=%s replica_sync=%s",
+            "router listening on %s policy=%s models=%s workers=%s redis=%s replica_sync=%s",
             self.address,
-            self.core.policy_name,
+            self.pools.policy_name,
+            ",".join(self.pools.config.names) + ("+announced" if self.pools.config.open else ""),
             ",".join(self.config.workers) or "-",
             redacted_url(self.config.registry.redis_url or "-"),
             self.replica_sync.router_id if self.replica_sync is not None else "off",

@@ -84,10 +84,10 @@ class RouterServicer(pb_grpc.RouterServicer):
         if AUTHENTICATED_TENANT.get() is not None:
             # a key holder is a tenant, not the operator: worker ids, never the workers'
             # addresses (nor connection errors, which name them)
-            return convert.explanation_to_pb(
+            return convert.pools_explanation_to_pb(
                 expl, address_of=lambda _worker_id: None, ejected=self.frontend.ejector.ejected()
             )
-        return convert.explanation_to_pb(
+        return convert.pools_explanation_to_pb(
             expl,
             address_of=self._pool.address_of,
             ejected=self.frontend.ejector.ejected(),

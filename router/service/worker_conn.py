@@ -42,7 +42,8 @@ from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
 from kvroute_proto.errors import ContractError
 from router.core.errors import RouterError
-from router.core.router_core import Resubscribe, RouterCore
+from router.core.pools import RouterPools, UnservedModelError
+from router.core.router_core import Resubscribe
 from router.core.step_profile import DEFAULT_STEP_PROFILE, StepProfile
 from router.service.relay_mux import RelayMux
 from router.service.resilience import Backoff, BackoffConfig
@@ -80,6 +81,9 @@ class ConnectionConfig:
     # the router's tokenizer fingerprint (edge.tokenizer); a worker reporting
     # another one in GetLoad is left out of routing. None: no check (in-process tests).
     tokenizer_fingerprint: str | None = None
+    # a pool's own fingerprint, where it has its own tokenizer (several --model): (model,
+    # fingerprint) pairs; the pools not named here expect ``tokenizer_fingerprint``
+    pool_fingerprints: tuple[tuple[str, str], ...] = ()
     # a worker reporting no fingerprint at all (an engine bridge: kvroute bridge) is routed
     # to, with one WARNING, when True (a router without --model: token-id prompts), else
     # refused with a hint
@@ -122,8 +126,8 @@ class ConnectionConfig:
         ]
 
 
-# claim(conn, worker_id, block_size) -> True when this connection may own worker_id
-ClaimFn = Callable[["WorkerConnection", str, int], bool]
+# claim(conn, worker_id, block_size, pool) -> True when this connection may own worker_id
+ClaimFn = Callable[["WorkerConnection", str, int, str], bool]
 # release(conn, worker_id): the connection no longer speaks for worker_id
 ReleaseFn = Callable[["WorkerConnection", str], None]
 HealthFn = Callable[["WorkerConnection", bool], None]
@@ -161,7 +165,7 @@ class WorkerConnection:
     def __init__(
         self,
         address: str,
-        core: RouterCore,
+        core: RouterPools,
         config: ConnectionConfig,
         hooks: ConnectionHooks,
         *,
@@ -203,6 +207,7 @@ class WorkerConnection:
             response_deserializer=None,
         )
         self.worker_id: str | None = None
+        self.model = ""  # the pool the worker is in (router.core.pools), once claimed
         self.info: pb.WorkerInfo | None = None
         self.healthy = False
         self._down_since: float | None = clock()
@@ -219,6 +224,7 @@ class WorkerConnection:
         self.refused = False  # the worker answered and a check refused it (see the log)
         self._tokenizer_refusal: tuple[str, str] | None = None  # logged (worker, fingerprint)
         self._hash_key_refusal: tuple[str, str] | None = None  # logged (worker, fingerprint)
+        self._model_refusal: tuple[str, str] | None = None  # logged (worker, model)
         self._no_fingerprint_warned: str | None = None  # the worker id warned about
 
     # ---- lifecycle -----------------------------------------------------------------------
@@ -276,10 +282,11 @@ class WorkerConnection:
         assert self.worker_id is not None
         self.refused = False
         log.info(
-            "worker %s at %s connected (model %r, block size %d, %d KV tokens)",
+            "worker %s at %s connected (model %r, pool %r, block size %d, %d KV tokens)",
             self.worker_id,
             self.address,
             info.model_name,
+            self.model,
             info.block_size,
             info.kv_capacity_tokens,
         )
@@ -355,11 +362,22 @@ class WorkerConnection:
         if not info.worker_id:
             log.error("worker at %s reports an empty worker_id; not routing to it", self.address)
             return False
-        if not self._same_tokenizer(info) or not self._same_hash_key(info):
+        pool = self._pool_of(info)
+        if pool is None or not self._same_tokenizer(info, pool) or not self._same_hash_key(info):
             if self.worker_id is not None:  # restarted with another model: let go of it
                 self._hooks.release(self, self.worker_id)
                 self.worker_id = None
             return False
+        if self.worker_id is not None and self.model != pool:
+            log.warning(
+                "worker %s at %s moved from model %r to %r",
+                self.worker_id,
+                self.address,
+                self.model,
+                pool,
+            )
+            self._hooks.release(self, self.worker_id)
+            self.worker_id = None
         if self.worker_id is not None and self.worker_id != info.worker_id:
             log.warning(
                 "worker at %s changed identity %s -> %s",
@@ -370,11 +388,26 @@ class WorkerConnection:
             self._hooks.release(self, self.worker_id)
             self.worker_id = None
         if self.worker_id is None:
-            if not self._hooks.claim(self, info.worker_id, info.block_size):
+            if not self._hooks.claim(self, info.worker_id, info.block_size, pool):
                 return False
             self.worker_id = info.worker_id
+        self.model = pool
         self.info = info
         return True
+
+    def _pool_of(self, info: pb.WorkerInfo) -> str | None:
+        """The pool the worker's announced model puts it in (router.core.pools); None, logged
+        once per worker and model, when the router does not serve that model."""
+        try:
+            pool = self._core.pool_for_worker(info.model_name)
+        except UnservedModelError as exc:
+            seen = (info.worker_id, info.model_name)
+            if self._model_refusal != seen:
+                self._model_refusal = seen
+                log.warning("not routing to worker %s at %s: %s", info.worker_id, self.address, exc)
+            return None
+        self._model_refusal = None
+        return pool
 
     def _same_hash_key(self, info: pb.WorkerInfo) -> bool:
         """Whether the worker hashes blocks with the router's key (--hash-key): under
@@ -395,13 +428,14 @@ class WorkerConnection:
             )
         return False
 
-    def _same_tokenizer(self, info: pb.WorkerInfo) -> bool:
+    def _same_tokenizer(self, info: pb.WorkerInfo, pool: str) -> bool:
         """Whether the worker tokenizes as the router does: token ids the router computes
         from text, and the block hashes of its index, mean nothing to a worker whose
         tokenizer differs. A mismatch is logged once per worker and fingerprint. A worker
         with no fingerprint (an engine bridge) is accepted only by a router configured to
-        (no --model: ``accept_no_fingerprint``), with one WARNING."""
-        expected = self.config.tokenizer_fingerprint
+        (no --model: ``accept_no_fingerprint``), with one WARNING. ``pool``: the pool it
+        joins, whose tokenizer it must share."""
+        expected = dict(self.config.pool_fingerprints).get(pool, self.config.tokenizer_fingerprint)
         if expected is None or info.tokenizer_fingerprint == expected:
             self._tokenizer_refusal = None
             return True
@@ -490,7 +524,7 @@ class WorkerConnection:
         if self._core.has_worker(wid):
             block_size = self.info.block_size if self.info is not None else None
             self._core.remove_worker(wid)
-            self._core.add_worker(wid, self.address, block_size or None)
+            self._core.add_worker(wid, self.address, block_size or None, model=self.model)
             self._core.set_health(wid, False)
         self._purged = True
         self.num_purges += 1

@@ -26,6 +26,11 @@ def prefix(redis_prefix):
 def test_record_json_round_trip_and_validation():
     rec = WorkerRecord("w0", "127.0.0.1:5000", epoch=7, block_size=16, kv_capacity_tokens=99)
     assert WorkerRecord.from_json(rec.to_json()) == rec
+    named = WorkerRecord("w0", "a:1", model="alpha")  # the model pool it serves (0036)
+    assert WorkerRecord.from_json(named.to_json()).model == "alpha"
+    assert WorkerRecord.from_json('{"worker_id": "w0", "address": "a:1"}').model == ""
+    with pytest.raises(ValueError, match="'model' must be a string"):
+        WorkerRecord.from_json('{"worker_id": "w0", "address": "a:1", "model": 3}')
     with pytest.raises(ValueError, match="'address' must be a non-empty string"):
         WorkerRecord.from_json('{"worker_id": "w0"}')
     with pytest.raises(ValueError, match="'epoch' must be an int >= 0"):

@@ -16,6 +16,7 @@ from router.core.policy import (
     DEFAULT_SATURATED_TOKENS,
     CostWeights,
 )
+from router.core.pools import PoolsConfig
 from router.service.tenancy import TenancyConfig
 
 
@@ -81,6 +82,26 @@ def test_router_flags_map_to_the_config():
         config.core.policy_config.saturated_scale_tokens,
     ) == (4000.0, 0.0)
     assert config.core.recent_decode_ratio == 0.25
+
+
+def test_served_models_name_the_pools():
+    """--model / --served-model-name repeat, one pool each (decision 0036); one of them is
+    the single-model router of before; neither: pools from what workers announce."""
+
+    def pools(*flags: str):
+        return cli.config_from_args(cli.build_parser().parse_args(["--worker", "h:1", *flags]))
+
+    assert pools().pools is None and pools().pools_config() == PoolsConfig(("kvroute-tiny",), True)
+    one = pools("--served-model-name", "m")
+    assert one.pools == PoolsConfig(("m",)) and one.service.model_name == "m"
+    two = pools("--served-model-name", "a", "--served-model-name", "b")
+    assert two.pools == PoolsConfig(("a", "b")) and two.service.model_name == "a"
+    dirs = pools("--model", "/x/llama-8b", "--model", "/y/llama-70b")
+    assert dirs.pools == PoolsConfig(("llama-8b", "llama-70b"))
+    with pytest.raises(ValueError, match="got 2 --model and 1 --served-model-name"):
+        pools("--model", "/x/a", "--model", "/y/b", "--served-model-name", "n")
+    with pytest.raises(ValueError, match="served model names must differ, got m, m"):
+        pools("--model", "/x/m", "--model", "/y/m")
 
 
 def test_router_defaults():

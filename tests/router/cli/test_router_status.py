@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from rich.console import Console
 
 from kvroute_proto import kvroute_pb2 as pb
 from router.cli import status
@@ -133,3 +134,21 @@ async def test_an_unreachable_worker_address_is_shown_logged_and_counted(capsys,
         if r.levelname == "WARNING" and "127.0.0.1:1 unreachable" in r.getMessage()
     ]
     assert len(warned) == 1
+
+
+def test_a_router_serving_several_models_shows_a_model_column() -> None:
+    explain = pb.ExplainResponse(policy="cache_aware", models=["alpha", "beta"])
+    explain.workers.add(worker_id="a0", address="a:1", healthy=True, model="alpha")
+    explain.workers.add(worker_id="b0", address="b:1", healthy=True, model="beta")
+    s = status.collect(explain, None, "r:1")
+    assert s.models == ["alpha", "beta"]
+    assert [(w.model, w.worker_id) for w in s.workers] == [("alpha", "a0"), ("beta", "b0")]
+    console = Console(width=200, record=True)
+    console.print(status.render(s))
+    text = console.export_text()
+    assert "models alpha, beta" in text
+    assert any(line.split("│")[1].strip() == "alpha" for line in text.splitlines() if "a0" in line)
+    single = status.collect(pb.ExplainResponse(policy="p", models=["m"]), None, "r:1")
+    console = Console(width=200, record=True)
+    console.print(status.render(single))
+    assert "model" not in console.export_text()  # one model: the table as before

@@ -147,3 +147,43 @@ def test_cli_router_accepts_bridges_only_without_model(tmp_path):
     assert cli.config_from_args(args).connection.accept_no_fingerprint is True
     args = cli.build_parser().parse_args(["--worker", "127.0.0.1:1", "--model", str(tmp_path)])
     assert cli.config_from_args(args).connection.accept_no_fingerprint is False
+
+
+async def test_each_model_pool_tokenizes_and_checks_workers_with_its_own_tokenizer():
+    """Several --model (decision 0036): the pool of "b" encodes with b's tokenizer and takes
+    only workers reporting its fingerprint; "a"'s with a's."""
+    from router.core.pools import PoolsConfig
+    from router.service.frontend_config import FrontendConfig
+
+    conn = dataclasses.replace(
+        FAST_CONN,
+        tokenizer_fingerprint=ROUTER_TOK.fingerprint,
+        pool_fingerprints=(("b", OTHER_TOK.fingerprint),),
+    )
+    async with (
+        sim_worker("a0", model_name="a") as a0,
+        sim_worker("b0", model_name="b", tokenizer=OTHER_TOK) as b0,
+        sim_worker("b-wrong", model_name="b") as wrong,
+    ):
+        config = router_config(
+            [a0.address, b0.address, wrong.address],
+            connection=conn,
+            pools=PoolsConfig(("a", "b")),
+            service=FrontendConfig(model_name="a"),
+        )
+        tokenizers = {"b": OTHER_TOK}  # as `--model A --model B` gives b's pool
+        async with running_router(
+            [], config, tokenizer=ROUTER_TOK, pool_tokenizers=tokenizers
+        ) as r:
+            await r.wait_synced(2)
+            bad = r.server.pool.conns[wrong.address]
+            await r.wait_for(lambda: bad.num_failures >= 2)
+            assert bad.state == "refused" and not r.server.pools.has_worker("b-wrong")
+            from router.cli.client import GenerateOptions
+
+            text = "hello pools"
+            in_a = await r.client.generate(text, GenerateOptions(max_new_tokens=1, model="a"))
+            in_b = await r.client.generate(text, GenerateOptions(max_new_tokens=1, model="b"))
+            assert (in_a.worker_id, in_b.worker_id) == ("a0", "b0")
+            assert in_a.prompt_tokens == len(ROUTER_TOK.encode(text))
+            assert in_b.prompt_tokens == len(OTHER_TOK.encode(text)) == in_a.prompt_tokens + 1

@@ -72,8 +72,13 @@ async def running_router(
     *,
     tenant: str | None = None,
     tokenizer: object | None = None,
+    pool_tokenizers: dict | None = None,
 ) -> AsyncIterator[RunningRouter]:
-    server = RouterServer(config or router_config(workers), tokenizer=tokenizer)  # type: ignore[arg-type]
+    server = RouterServer(
+        config or router_config(workers),
+        tokenizer=tokenizer,  # type: ignore[arg-type]
+        pool_tokenizers=pool_tokenizers,
+    )
     await server.start()
     client = RouterClient(server.address, tenant=tenant, timeout_s=WAIT_S)
     try:
@@ -100,9 +105,11 @@ async def sim_worker(
     load_interval_s: float = 0.2,
     pace_speedup: float = 0.0,
     tokenizer: object | None = None,
+    model_name: str | None = None,
 ) -> AsyncIterator[SimWorker]:
     """A real worker (Engine + sim executor) served in this process; with ``pace_speedup``
-    > 0 it runs the modelled Llama-3-8B step times (1 = real time) instead of zero cost."""
+    > 0 it runs the modelled Llama-3-8B step times (1 = real time) instead of zero cost;
+    ``model_name``: the model it announces (default: the worker's default name)."""
     from worker.engine.engine import Engine, EngineConfig
     from worker.engine.sim_executor import SimCostModel, SimExecutor, SimExecutorConfig
     from worker.engine.tokenizer import ByteTokenizer
@@ -128,6 +135,8 @@ async def sim_worker(
         runner=RunnerConfig(load_interval_s=load_interval_s, pace_speedup=pace_speedup),
         shutdown_grace_s=0.5,
     )
+    if model_name is not None:
+        config = dataclasses.replace(config, model_name=model_name)
     tok = ByteTokenizer() if tokenizer is None else tokenizer  # its fingerprint is reported
     server = WorkerServer(engine, tok, config, epoch=epoch)  # type: ignore[arg-type]
     bound = await server.start()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 
+from router.core.pools import PoolsConfig, RouterPools
 from router.core.router_core import RouterConfig, RouterCore
 from router.service.resilience import BackoffConfig
 from router.service.worker_conn import ConnectionConfig, ConnectionHooks, WorkerConnection
@@ -21,13 +22,14 @@ class FakeClock:
 def make_conn(clock: FakeClock) -> WorkerConnection:
     core = RouterCore(RouterConfig(), clock=clock, rng=random.Random(0))
     hooks = ConnectionHooks(
-        claim=lambda conn, wid, bs: True,
+        claim=lambda conn, wid, bs, model: True,
         release=lambda conn, wid: None,
         on_health=lambda conn, healthy: None,
         changed=asyncio.Condition(),
     )
     config = ConnectionConfig(purge_after_s=3.0, backoff=BackoffConfig(initial_s=1.0, max_s=2.0))
-    return WorkerConnection("127.0.0.1:1", core, config, hooks, rng=random.Random(1), clock=clock)
+    pools = RouterPools(PoolsConfig(("m",)), lambda: core)
+    return WorkerConnection("127.0.0.1:1", pools, config, hooks, rng=random.Random(1), clock=clock)
 
 
 async def test_never_reached_worker_backs_off_instead_of_spinning():

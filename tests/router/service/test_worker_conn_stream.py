@@ -25,6 +25,7 @@ from kvroute_proto.events import (
 )
 from kvroute_proto.hashing import block_hashes
 from router.core.core_types import IndexConfig
+from router.core.pools import PoolsConfig, RouterPools
 from router.core.router_core import RouterConfig, RouterCore
 from router.core.step_profile import StepProfile
 from router.service.resilience import BackoffConfig
@@ -104,8 +105,10 @@ async def connected(
         RouterConfig(index=IndexConfig(backend=backend)), clock=lambda: 0.0, rng=random.Random(0)
     )
 
-    def claim(conn: WorkerConnection, worker_id: str, block_size: int) -> bool:
-        core.add_worker(worker_id, conn.address, block_size)
+    pools = RouterPools(PoolsConfig(("m",)), lambda: core)  # one pool: every worker's
+
+    def claim(conn: WorkerConnection, worker_id: str, block_size: int, model: str) -> bool:
+        pools.add_worker(worker_id, conn.address, block_size, model=model)
         return True
 
     hooks = ConnectionHooks(
@@ -115,7 +118,7 @@ async def connected(
         changed=asyncio.Condition(),
     )
     config = ConnectionConfig(backoff=BackoffConfig(initial_s=0.05, max_s=0.1))
-    conn = WorkerConnection(address, core, config, hooks, rng=random.Random(1), clock=lambda: 0.0)
+    conn = WorkerConnection(address, pools, config, hooks, rng=random.Random(1), clock=lambda: 0.0)
     conn.start()
     try:
         yield conn, core
