@@ -277,13 +277,21 @@ def _add_event_args(p: argparse.ArgumentParser) -> None:
         metavar="ENDPOINT",
         help="also publish the KV events as vLLM does, on a ZMQ PUB socket bound here "
         "(e.g. tcp://*:5557), so routers written for vLLM's events (vllm-router kv_aware, "
-        "Dynamo, llm-d) can front this worker; topic kv@WORKER_ID@MODEL",
+        "Dynamo, llm-d) can front this worker",
     )
     g.add_argument(
         "--kv-events-zmq-replay",
         metavar="ENDPOINT",
         help="with --kv-events-zmq: the replay ROUTER socket bound here (e.g. tcp://*:5558), "
         "answering a consumer's request for the frames from a seq, as vLLM's does",
+    )
+    g.add_argument(
+        "--kv-events-zmq-topic",
+        metavar="TOPIC",
+        default="",
+        help="with --kv-events-zmq: the topic frame of every message (default: empty, "
+        "vLLM's default, the only topic vllm-router's --kv-event-source reads; llm-d "
+        "expects kv@POD@MODEL)",
     )
     g.add_argument(
         "--step-reports",
@@ -396,22 +404,21 @@ def config_from_args(args: argparse.Namespace) -> WorkerServerConfig:
         ),
         limits=RequestLimits(default_max_new_tokens=args.default_max_new_tokens),
         shutdown_grace_s=args.grace_s,
-        zmq_events=_zmq_events_config(args, model_name),
+        zmq_events=_zmq_events_config(args),
     )
     return apply_worker_security(args, config)
 
 
-def _zmq_events_config(args: argparse.Namespace, model_name: str):  # type: ignore[no-untyped-def]
+def _zmq_events_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     """--kv-events-zmq's config (None when not given; ValueError naming a bad flag)."""
     if args.kv_events_zmq is None:
-        if args.kv_events_zmq_replay is not None:
-            raise ValueError("--kv-events-zmq-replay needs --kv-events-zmq")
+        for flag in ("replay", "topic"):
+            if getattr(args, f"kv_events_zmq_{flag}"):
+                raise ValueError(f"--kv-events-zmq-{flag} needs --kv-events-zmq")
         return None
     from worker.service.zmq_events import ZmqEventsConfig  # pyzmq: the worker extra
 
-    return ZmqEventsConfig(
-        args.kv_events_zmq, args.kv_events_zmq_replay, f"kv@{args.worker_id}@{model_name}"
-    )
+    return ZmqEventsConfig(args.kv_events_zmq, args.kv_events_zmq_replay, args.kv_events_zmq_topic)
 
 
 def build_server(args: argparse.Namespace) -> WorkerServer:

@@ -32,8 +32,9 @@ VLLM_ROUTER = "vllm-router"
 URL = "url"
 
 # Policies each peer can run in front of kvroute workers. sglang-router's "manual" needs a
-# routing header per request; vllm-router's "kv_aware" consumes vLLM's KV events over ZMQ,
-# which kvroute workers do not publish (they stream their events over gRPC).
+# routing header per request. vllm-router's "kv_aware" reads the workers' KV events in vLLM's
+# ZMQ wire (kvroute worker --kv-events-zmq, started so for it) and tokenizes the text prompts
+# with a byte tokenizer written for it (fleetsim.replay.byte_tokenizer).
 PEER_POLICIES: dict[str, tuple[str, ...]] = {
     SGLANG_ROUTER: ("cache_aware", "round_robin", "random", "power_of_two"),
     VLLM_ROUTER: (
@@ -43,12 +44,12 @@ PEER_POLICIES: dict[str, tuple[str, ...]] = {
         "power_of_two",
         "consistent_hash",
         "sticky_least_loaded",
+        "kv_aware",
     ),
 }
+KV_AWARE = "kv_aware"
 _REFUSED: dict[tuple[str, str], str] = {
     (SGLANG_ROUTER, "manual"): "routes by a per-request header the replay does not send",
-    (VLLM_ROUTER, "kv_aware"): "needs vLLM KV events over ZMQ; kvroute workers publish "
-    "theirs over gRPC only",
 }
 PEER_DEFAULT_POLICY = "cache_aware"
 # the peers' launchers, run with the venv's python: python -m MODULE
@@ -61,6 +62,16 @@ PEER_VENVS = {SGLANG_ROUTER: "sglang", VLLM_ROUTER: "vllm"}
 
 class FrontSpecError(ValueError):
     """A ``--front`` value that names no known front end or policy."""
+
+
+@dataclass(frozen=True, slots=True)
+class KvEventSource:
+    """One worker's vLLM-wire KV events, for vllm-router's ``kv_aware``: its HTTP URL, the
+    PUB endpoint and the replay endpoint."""
+
+    worker_url: str
+    pub: str
+    replay: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +92,11 @@ class FrontSpec:
         if self.kind == URL:
             return str(self.url)
         return f"{self.kind}:{self.policy}" if self.policy else self.kind
+
+    @property
+    def reads_zmq_events(self) -> bool:
+        """True for vllm-router's kv_aware: its workers must publish vLLM's ZMQ events."""
+        return self.kind == VLLM_ROUTER and self.policy == KV_AWARE
 
     @property
     def starts_fleet(self) -> bool:
@@ -158,8 +174,12 @@ def peer_command(
     metrics_port: int,
     worker_urls: Sequence[str],
     peers_dir: Path = DEFAULT_PEERS_DIR,
+    kv_events: Sequence[KvEventSource] = (),
+    block_size: int = 16,
+    model: str = "",
 ) -> list[str]:
-    """The argv that starts a peer router on 127.0.0.1:``port`` in front of ``worker_urls``.
+    """The argv that starts a peer router on 127.0.0.1:``port`` in front of ``worker_urls``;
+    ``kv_events``, ``block_size`` and ``model``: what vllm-router's kv_aware reads.
 
     Raises :class:`FrontSpecError` when the peer's virtualenv is missing (it says how to
     make it).
@@ -194,4 +214,9 @@ def peer_command(
     else:
         # without this the router waits up to 30 s between worker start-up checks
         argv += ["--log-level", "warning", "--worker-startup-check-interval", "1"]
+    for source in kv_events:
+        argv += ["--kv-event-source", f"{source.worker_url}={source.pub}"]
+        argv += ["--kv-event-replay-source", f"{source.worker_url}={source.replay}"]
+    if kv_events:
+        argv += ["--kv-event-block-size", str(block_size), "--kv-event-model", model]
     return argv

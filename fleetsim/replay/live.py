@@ -154,10 +154,13 @@ class LiveFleet:
     def _kvroute_command(self, args: list[str]) -> list[str]:
         return [self.config.python, "-m", "kvroute_cli", *args]
 
-    async def _start_process(self, name: str, argv: list[str], pipe_stdout: bool) -> _Proc:
-        """Start ``argv``; stdout is piped when ``pipe_stdout``, else logged with stderr."""
+    async def _start_process(
+        self, name: str, argv: list[str], pipe_stdout: bool, env: dict[str, str] | None = None
+    ) -> _Proc:
+        """Start ``argv`` (``env`` added to ours); stdout is piped when ``pipe_stdout``, else
+        logged with stderr."""
         log_path = Path(self._tmp.name) / f"{name}.log"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         with open(log_path, "wb") as log:
             process = await asyncio.create_subprocess_exec(
                 *argv,

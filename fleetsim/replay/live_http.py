@@ -8,6 +8,11 @@ its own workers)::
     .peers/sglang/bin/python -m sglang_router.launch_router --worker-urls HTTP_i ...
     .peers/vllm/bin/python -m vllm_router.launch_router --worker-urls HTTP_i ...
 
+For ``vllm-router:kv_aware`` each worker also publishes its KV events in vLLM's ZMQ wire
+(``--kv-events-zmq``, ``--kv-events-zmq-replay``), vllm-router reads them
+(``--kv-event-source``) and tokenizes the text prompts with the workers' byte ids
+(:mod:`fleetsim.replay.byte_tokenizer`, ``VLLM_ROUTER_TOKENIZER``).
+
 Every process binds 127.0.0.1. Once the workers answer ``GET /health`` and the front is
 ready (our router: every worker healthy in Explain; a peer: ``GET /health`` and a probe
 completion), request i is sent as ``POST /v1/completions`` with ``stream: true`` and
@@ -42,12 +47,14 @@ from typing import Any, TextIO
 import aiohttp
 import grpc
 
+from fleetsim.replay.byte_tokenizer import write_byte_tokenizer
 from fleetsim.replay.front import (
     DEFAULT_PEERS_DIR,
     KVROUTE,
     URL,
     FrontSpec,
     FrontSpecError,
+    KvEventSource,
     peer_command,
 )
 from fleetsim.replay.live import (
@@ -101,34 +108,77 @@ class HttpFleet(LiveFleet):
             await wait_http_ok(self.front_url + "/health", c.startup_timeout_s, None)
             await self._probe()
             return
-        await self._start_workers(self.worker_args(), lambda i: ["--http-port", "0"])
+        sources = await self._start_http_workers()
+        if self.spec.kind == KVROUTE:
+            await self._start_kvroute_front()
+        else:
+            await self._start_peer_front(sources)
+        await self._probe()
+
+    async def _start_http_workers(self) -> list[KvEventSource]:
+        """The sim workers with their HTTP API; for a front that reads vLLM's ZMQ events,
+        each also publishes them (the sources returned, else none)."""
+        c = self.config
+        zmq = self.spec.reads_zmq_events
+        pubs = [f"tcp://127.0.0.1:{free_port()}" for _ in range(c.num_workers)] if zmq else []
+        replays = [f"tcp://127.0.0.1:{free_port()}" for _ in range(c.num_workers)] if zmq else []
+
+        def per_worker(i: int) -> list[str]:
+            if not zmq:
+                return ["--http-port", "0"]
+            zmq_args = ["--kv-events-zmq", pubs[i], "--kv-events-zmq-replay", replays[i]]
+            return ["--http-port", "0", *zmq_args]
+
+        await self._start_workers(self.worker_args(), per_worker)
         self.worker_urls = [await self._http_address(w) for w in self.workers]
         for url, proc in zip(self.worker_urls, self.workers, strict=True):
             await wait_http_ok(url + "/health", c.startup_timeout_s, proc)
-        if self.spec.kind == KVROUTE:
-            assert self.spec.policy is not None
-            args = ["router", "--port", "0", "--http-port", "0"]
-            args += self.router_args(self.spec.policy)
-            for w in self.workers:
-                args += ["--worker", w.address]
-            self.router = self.front = await self._spawn("router", args)
-            self.front_url = await self._http_address(self.router)
-            async with grpc.aio.insecure_channel(self.router.address) as channel:
-                await _wait_ready(pb_grpc.RouterStub(channel), c.num_workers, c.startup_timeout_s)
-            await wait_http_ok(self.front_url + "/health", c.startup_timeout_s, self.front)
-        else:
-            port = free_port()  # the peers take no port 0
-            self.front_url = f"http://127.0.0.1:{port}"
-            argv = peer_command(
-                self.spec,
-                port=port,
-                metrics_port=free_port(),
-                worker_urls=self.worker_urls,
-                peers_dir=self.options.peers_dir,
-            )
-            self.front = await self._start_process(self.spec.kind, argv, pipe_stdout=False)
-            await wait_http_ok(self.front_url + "/health", c.startup_timeout_s, self.front)
-        await self._probe()
+        if not zmq:
+            return []
+        return [
+            KvEventSource(url, pub, replay)
+            for url, pub, replay in zip(self.worker_urls, pubs, replays, strict=True)
+        ]
+
+    async def _start_kvroute_front(self) -> None:
+        c = self.config
+        assert self.spec.policy is not None
+        args = ["router", "--port", "0", "--http-port", "0"]
+        args += self.router_args(self.spec.policy)
+        for w in self.workers:
+            args += ["--worker", w.address]
+        self.router = self.front = await self._spawn("router", args)
+        self.front_url = await self._http_address(self.router)
+        async with grpc.aio.insecure_channel(self.router.address) as channel:
+            await _wait_ready(pb_grpc.RouterStub(channel), c.num_workers, c.startup_timeout_s)
+        await wait_http_ok(self.front_url + "/health", c.startup_timeout_s, self.front)
+
+    async def _start_peer_front(self, sources: list[KvEventSource]) -> None:
+        c = self.config
+        port = free_port()  # the peers take no port 0
+        self.front_url = f"http://127.0.0.1:{port}"
+        env: dict[str, str] = {}
+        if sources:  # kv_aware tokenizes the text prompts itself: the workers' byte ids
+            tokenizer_dir = Path(self._tmp.name) / "byte-tokenizer"
+            write_byte_tokenizer(tokenizer_dir)
+            env["VLLM_ROUTER_TOKENIZER"] = str(tokenizer_dir)
+        argv = peer_command(
+            self.spec,
+            port=port,
+            metrics_port=free_port(),
+            worker_urls=self.worker_urls,
+            peers_dir=self.options.peers_dir,
+            kv_events=sources,
+            block_size=c.block_size,
+            model=await self._worker_model() if sources else "",
+        )
+        self.front = await self._start_process(self.spec.kind, argv, pipe_stdout=False, env=env)
+        await wait_http_ok(self.front_url + "/health", c.startup_timeout_s, self.front)
+
+    async def _worker_model(self) -> str:
+        """The model the first worker serves (vllm-router's --kv-event-model)."""
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10.0)) as s:
+            return await front_model(s, self.worker_urls[0]) or "kvroute-tiny"
 
     async def _probe(self) -> None:
         """Pick the model name (peers refuse a request without one), then wait until a

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from fleetsim.replay.cli import available_policies, main
@@ -12,6 +14,7 @@ from fleetsim.replay.front import (
     VLLM_ROUTER,
     FrontSpec,
     FrontSpecError,
+    KvEventSource,
     expand_fronts,
     parse_front,
     peer_command,
@@ -47,7 +50,6 @@ def test_parse_front(value, expected):
         ("kvroute:fastest", "kvroute policy 'fastest' is not one of cache_aware, round_robin"),
         ("sglang-router:consistent_hash", "sglang-router policy 'consistent_hash' is not one"),
         ("sglang-router:manual", "manual routes by a per-request header"),
-        ("vllm-router:kv_aware", "kv_aware needs vLLM KV events over ZMQ"),
         ("vllm-router:bogus", "vllm-router policy 'bogus' is not one of cache_aware"),
         ("ftp://127.0.0.1:21", "a URL must be http\\(s\\)://HOST\\[:PORT\\]"),
         ("http://:8000", "a URL must be http"),
@@ -95,6 +97,30 @@ def test_peer_command_binds_loopback_only(tmp_path):
     assert argv[i + 1 : i + 3] == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
 
 
+def test_vllm_router_kv_aware_reads_each_workers_zmq_events(tmp_path):
+    (tmp_path / "vllm" / "bin").mkdir(parents=True)
+    (tmp_path / "vllm" / "bin" / "python").touch()
+    spec = parse_front("vllm-router:kv_aware")
+    assert spec.reads_zmq_events and not parse_front("vllm-router").reads_zmq_events
+    urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    sources = [
+        KvEventSource(u, f"tcp://127.0.0.1:1{i}", f"tcp://127.0.0.1:2{i}")
+        for i, u in enumerate(urls)
+    ]
+    argv = peer_command(
+        spec, port=3, metrics_port=4, worker_urls=urls, peers_dir=tmp_path,
+        kv_events=sources, block_size=32, model="m",
+    )  # fmt: skip
+    pairs = list(itertools.pairwise(argv))
+    assert ("--kv-event-source", "http://127.0.0.1:1=tcp://127.0.0.1:10") in pairs
+    assert ("--kv-event-source", "http://127.0.0.1:2=tcp://127.0.0.1:11") in pairs
+    assert ("--kv-event-replay-source", "http://127.0.0.1:2=tcp://127.0.0.1:21") in pairs
+    assert ("--kv-event-block-size", "32") in pairs and ("--kv-event-model", "m") in pairs
+    plain = peer_command(parse_front("vllm-router"), port=3, metrics_port=4, worker_urls=urls,
+                         peers_dir=tmp_path)  # fmt: skip
+    assert not any(a.startswith("--kv-event") for a in plain)
+
+
 def test_a_missing_peer_venv_says_how_to_make_it(tmp_path):
     with pytest.raises(FrontSpecError, match=r"vllm-router is not installed.*install_peers\.sh"):
         peer_command(
@@ -123,7 +149,6 @@ def trace(tmp_path):
     [
         (["--front", "kvroute"], "--front needs --mode live"),
         (["--mode", "live", "--front", "haproxy"], "--front 'haproxy' is not one of"),
-        (["--mode", "live", "--front", "vllm-router:kv_aware"], "ZMQ"),
         (["--mode", "live", "--peers-dir", "/x"], "only apply with --front"),
         (["--mode", "live", "--model", "m"], "only apply with --front"),
         (["--mode", "live", "--requests-dir", "d"], "only apply with --front"),

@@ -101,11 +101,14 @@ def test_the_flags_build_the_publisher_config() -> None:
 
     assert config().zmq_events is None
     zmq_config = config("--kv-events-zmq", "tcp://*:5557", "--kv-events-zmq-replay", "tcp://*:5558")
-    assert zmq_config.zmq_events == ZmqEventsConfig(
-        "tcp://*:5557", "tcp://*:5558", f"kv@w7@{zmq_config.model_name}"
-    )
+    # vLLM's default topic (empty): vllm-router's --kv-event-source drops any other
+    assert zmq_config.zmq_events == ZmqEventsConfig("tcp://*:5557", "tcp://*:5558", "")
+    topic = config("--kv-events-zmq", "tcp://*:5557", "--kv-events-zmq-topic", "kv@w7@m")
+    assert topic.zmq_events == ZmqEventsConfig("tcp://*:5557", None, "kv@w7@m")
     with pytest.raises(ValueError, match="--kv-events-zmq-replay needs --kv-events-zmq"):
         config("--kv-events-zmq-replay", "tcp://*:5558")
+    with pytest.raises(ValueError, match="--kv-events-zmq-topic needs --kv-events-zmq"):
+        config("--kv-events-zmq-topic", "kv@w7@m")
 
 
 def test_an_endpoint_in_use_is_an_error_naming_the_flag() -> None:
