@@ -59,11 +59,18 @@ _UNSUPPORTED: tuple[tuple[str, Kind | None, tuple[object, ...]], ...] = (
 )
 
 
+# tool definitions the request itself says not to call (``tool_choice: "none"``): nothing
+# to serve, so accepted (vLLM accepts them too) and left out of the prompt
+_TOOLS_OFF = {"tools": "tool_choice", "functions": "function_call"}
+
+
 def refuse_unsupported(body: Mapping[str, Any], kind: Kind) -> None:
     """400 for an OpenAI parameter we do not serve, listing the ones we do."""
     supported = ", ".join((*SUPPORTED[kind], *_SAMPLING))
     for name, only_for, off in _UNSUPPORTED:
         if only_for not in (None, kind) or name not in body:
+            continue
+        if name in _TOOLS_OFF and body.get(_TOOLS_OFF[name]) == "none":
             continue
         if body[name] not in off:
             raise BadRequest(

@@ -337,3 +337,16 @@ def test_chat_top_logprobs_need_logprobs() -> None:
     assert s.logprobs and s.top_logprobs == 2
     s = completion({"prompt": "x", "logprobs": 0}).request.sampling
     assert s.logprobs and s.top_logprobs == 0
+
+
+def test_tools_are_refused_unless_the_request_says_not_to_call_them() -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]
+    for extra in ({}, {"tool_choice": "auto"}, {"tool_choice": "required"}):
+        with pytest.raises(BadRequest, match="tools: not supported") as info:
+            chat({"messages": messages, "tools": tools, **extra})
+        assert info.value.param == "tools"
+    # tool_choice "none": nothing to call, the definitions are left out of the prompt
+    plain = chat({"messages": messages}).request
+    assert chat({"messages": messages, "tools": tools, "tool_choice": "none"}).request == plain
+    assert chat({"messages": messages, "functions": [{}], "function_call": "none"}).request == plain
