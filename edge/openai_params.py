@@ -243,6 +243,7 @@ _WIRE_NAME = re.compile(
     r"(?<![\w.])(" + "|".join(re.escape(w) for w, _ in _PUBLIC_NAMES) + r")(?![\w])"
 )
 _CONTEXT = re.compile(r"max_context_tokens=(\d+)")
+_LEADING_FIELD = re.compile(r"(\w+): ")
 _KV_POOL = re.compile(r"num_kv_slots=(\d+) tokens")
 
 
@@ -260,4 +261,7 @@ def in_public_terms(exc: ServiceError, kind: Kind) -> ServiceError:
     param = exc.param
     if param is not None:
         param = names.get(param, "messages" if kind == "chat" and param == "prompt" else param)
+    else:  # a worker's refusal crossed gRPC as text: its field leads the message
+        lead = _LEADING_FIELD.match(message)
+        param = lead.group(1) if lead and lead.group(1) in set(names.values()) else None
     return BadRequest(message, param=param, retry_after_s=exc.retry_after_s)

@@ -321,6 +321,18 @@ def test_chat_is_sent_as_the_rendered_template_marked_as_chat() -> None:
             "messages",
         ),
         ("chat", "prompt_token_ids: too long", "prompt", "messages: too long", "messages"),
+        # a worker's refusal through the router: no param, the field leads the message
+        (
+            "completion",
+            "max_new_tokens: prompt (3 tokens) + max_new_tokens (2000) exceeds "
+            "max_context_tokens=1024",
+            None,
+            "max_tokens: prompt (3 tokens) + max_tokens (2000) exceeds the model's context "
+            "length of 1024 tokens",
+            "max_tokens",
+        ),
+        ("chat", "prompt_token_ids: too long", None, "messages: too long", "messages"),
+        ("completion", "worker: out of memory", None, "worker: out of memory", None),
     ],
 )
 def test_refusals_are_said_in_the_apis_field_names(kind, message, param, expected, expected_param):
