@@ -7,11 +7,12 @@ to kvroute (router + torch worker) serving the same model directory, and writes 
 tests/test_openai_compat_table.py checks (without vLLM) that the committed table has a row
 for every case and is linked from docs/openai-api.md.
 
-What is compared, per request: the HTTP status; the error's ``type`` (both 4xx); the JSON's
-shape (every key path and its JSON type, streamed chunks merged; null values left out, as
-the official client reads a missing key and a null alike); ``finish_reason``; the usage's
-token counts; that no stop string is in the returned text; and, for greedy requests, the
-text (and the token logprobs when asked for).
+What is compared, per request: the HTTP status; the JSON's shape (every key path and its
+JSON type, streamed chunks merged; null values left out, as the official client reads a
+missing key and a null alike); ``finish_reason``; the usage's token counts; that no stop
+string is in the returned text; and, for greedy requests, the text and the logprobs (token,
+value, chat's ``bytes``). What differs in every answer (keys one server always sends, the
+error ``type`` / ``code`` values) is counted once, in the table's header.
 """
 
 from __future__ import annotations
