@@ -59,11 +59,18 @@ _UNSUPPORTED: tuple[tuple[str, Kind | None, tuple[object, ...]], ...] = (
 )
 
 
+# tool definitions the request itself says not to call (``tool_choice: "none"``): nothing
+# to serve, so accepted (vLLM accepts them too) and left out of the prompt
+_TOOLS_OFF = {"tools": "tool_choice", "functions": "function_call"}
+
+
 def refuse_unsupported(body: Mapping[str, Any], kind: Kind) -> None:
     """400 for an OpenAI parameter we do not serve, listing the ones we do."""
     supported = ", ".join((*SUPPORTED[kind], *_SAMPLING))
     for name, only_for, off in _UNSUPPORTED:
         if only_for not in (None, kind) or name not in body:
+            continue
+        if name in _TOOLS_OFF and body.get(_TOOLS_OFF[name]) == "none":
             continue
         if body[name] not in off:
             raise BadRequest(
@@ -236,6 +243,7 @@ _WIRE_NAME = re.compile(
     r"(?<![\w.])(" + "|".join(re.escape(w) for w, _ in _PUBLIC_NAMES) + r")(?![\w])"
 )
 _CONTEXT = re.compile(r"max_context_tokens=(\d+)")
+_LEADING_FIELD = re.compile(r"(\w+): ")
 _KV_POOL = re.compile(r"num_kv_slots=(\d+) tokens")
 
 
@@ -253,4 +261,7 @@ def in_public_terms(exc: ServiceError, kind: Kind) -> ServiceError:
     param = exc.param
     if param is not None:
         param = names.get(param, "messages" if kind == "chat" and param == "prompt" else param)
+    else:  # a worker's refusal crossed gRPC as text: its field leads the message
+        lead = _LEADING_FIELD.match(message)
+        param = lead.group(1) if lead and lead.group(1) in set(names.values()) else None
     return BadRequest(message, param=param, retry_after_s=exc.retry_after_s)

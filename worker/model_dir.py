@@ -152,6 +152,14 @@ def write_model_dir(
     out = Path(model_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = train_bpe(vocab_size, seed=seed)
+    # the bos in tokenizer.json as well: loaders that follow its post-processor and not
+    # add_bos_token (transformers 5's generic fast tokenizer, so vLLM) encode as we do
+    from tokenizers import processors
+
+    bos_id = tok.token_to_id(BOS)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
+    )
     tok.save(str(out / "tokenizer.json"))
     config: dict[str, Any] = {
         "bos_token": BOS,

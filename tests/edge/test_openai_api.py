@@ -321,6 +321,18 @@ def test_chat_is_sent_as_the_rendered_template_marked_as_chat() -> None:
             "messages",
         ),
         ("chat", "prompt_token_ids: too long", "prompt", "messages: too long", "messages"),
+        # a worker's refusal through the router: no param, the field leads the message
+        (
+            "completion",
+            "max_new_tokens: prompt (3 tokens) + max_new_tokens (2000) exceeds "
+            "max_context_tokens=1024",
+            None,
+            "max_tokens: prompt (3 tokens) + max_tokens (2000) exceeds the model's context "
+            "length of 1024 tokens",
+            "max_tokens",
+        ),
+        ("chat", "prompt_token_ids: too long", None, "messages: too long", "messages"),
+        ("completion", "worker: out of memory", None, "worker: out of memory", None),
     ],
 )
 def test_refusals_are_said_in_the_apis_field_names(kind, message, param, expected, expected_param):
@@ -337,3 +349,16 @@ def test_chat_top_logprobs_need_logprobs() -> None:
     assert s.logprobs and s.top_logprobs == 2
     s = completion({"prompt": "x", "logprobs": 0}).request.sampling
     assert s.logprobs and s.top_logprobs == 0
+
+
+def test_tools_are_refused_unless_the_request_says_not_to_call_them() -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]
+    for extra in ({}, {"tool_choice": "auto"}, {"tool_choice": "required"}):
+        with pytest.raises(BadRequest, match="tools: not supported") as info:
+            chat({"messages": messages, "tools": tools, **extra})
+        assert info.value.param == "tools"
+    # tool_choice "none": nothing to call, the definitions are left out of the prompt
+    plain = chat({"messages": messages}).request
+    assert chat({"messages": messages, "tools": tools, "tool_choice": "none"}).request == plain
+    assert chat({"messages": messages, "functions": [{}], "function_call": "none"}).request == plain

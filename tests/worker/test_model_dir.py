@@ -31,6 +31,12 @@ def test_model_init_writes_a_directory_that_serves(tmp_path, capsys) -> None:
     executor, served_tok = build_executor("torch", model_dir=out, num_kv_slots=64, device="cpu")
     assert executor.eos_token_ids == (config["eos_token_id"],)
     assert served_tok.encode(text) == tok.encode(text)
+    # loaders that follow tokenizer.json's post-processor alone (transformers 5's generic
+    # fast tokenizer, so vLLM) put the same bos first
+    from tokenizers import Tokenizer
+
+    plain = Tokenizer.from_file(str(out / "tokenizer.json"))
+    assert plain.encode(text).ids == tok.encode(text)
 
 
 def test_model_init_refuses_a_directory_with_files(tmp_path, capsys) -> None:

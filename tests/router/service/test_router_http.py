@@ -97,6 +97,11 @@ async def test_openai_errors_carry_our_messages() -> None:
         with pytest.raises(openai.BadRequestError) as big:
             await client.completions.create(model=MODEL, prompt="x", max_tokens=1 << 21)
         assert big.value.body["param"] == "max_tokens" and "1..1048576" in big.value.message
+        # a worker's refusal (prompt + max_tokens past its context) names the field too
+        with pytest.raises(openai.BadRequestError) as long:
+            await client.completions.create(model=MODEL, prompt="x", max_tokens=1 << 20)
+        assert long.value.body["param"] == "max_tokens", long.value.body
+        assert "context length" in long.value.message
         with pytest.raises(openai.BadRequestError) as empty:
             await client.completions.create(model=MODEL, prompt="")
         assert empty.value.body["param"] == "prompt" and "1..4194304" in empty.value.message
