@@ -110,6 +110,7 @@ def test_a_router_serves_two_models_each_by_its_own_index(tmp_path: Path) -> Non
                 *(a for w in [*workers, gamma] for a in ("--worker", w)),
             ],
             log=log,
+            marker="http listening on",  # printed after the gRPC line: wait for it
         )  # fmt: skip
         http = next(line for line in router.lines if "http listening on" in line).split()[-1]
         url = f"http://{http}" if not http.startswith("http") else http
