@@ -112,7 +112,8 @@ def test_a_router_serves_two_models_each_by_its_own_index(tmp_path: Path) -> Non
             log=log,
             marker="http listening on",  # printed after the gRPC line: wait for it
         )  # fmt: skip
-        http = next(line for line in router.lines if "http listening on" in line).split()[-1]
+        http = router.address  # the HTTP front's (the marker's line)
+        grpc_address = next(x for x in router.lines if x.startswith("listening on ")).split()[-1]
         url = f"http://{http}" if not http.startswith("http") else http
         _wait_healthy(url)
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
@@ -136,7 +137,7 @@ def test_a_router_serves_two_models_each_by_its_own_index(tmp_path: Path) -> Non
             assert chat.model == "beta"
         finally:
             client.close()
-        asyncio.run(_grpc_checks(router.address, holders))
+        asyncio.run(_grpc_checks(grpc_address, holders))
         refusals = [x for x in log.read_text().splitlines() if "which this router does not" in x]
         assert refusals and all("g0" in x and "'gamma'" in x for x in refusals)
         assert len({x.split("WARNING", 1)[-1] for x in refusals}) == 1  # logged once
