@@ -234,7 +234,7 @@ async def test_worker_token_refuses_every_worker_call_without_it():
                         pass
                 assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
                 with pytest.raises(grpc.aio.AioRpcError) as info:
-                    async for _ in stub.Relay(pb.RelayRequest(stream_id="s"), metadata=md):
+                    async for _ in stub.Relay(iter([pb.RelayRequest(stream_id="s")]), metadata=md):
                         pass
                 assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
             ok = await stub.GetLoad(
