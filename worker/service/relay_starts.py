@@ -173,6 +173,7 @@ async def serve_relay(
     starts = RelayStarts(outbox, handler)
     starts.take(first)
     reader = asyncio.create_task(starts.follow(requests), name=f"relay-{first.stream_id}")
+    reader.add_done_callback(lambda task: _reader_ended(task, registry, outbox))
     try:
         async for batch in outbox.batches(accepts_starts=True):
             yield batch
@@ -180,3 +181,12 @@ async def serve_relay(
         reader.cancel()
         starts.close()
         registry.close(outbox)
+
+
+def _reader_ended(task: asyncio.Task[None], registry: RelayRegistry, outbox: RelayOutbox) -> None:
+    """The router's side ended: a half-close (a router of 0033) leaves the stream open; a
+    failure ends it, so the router reopens it instead of waiting on starts never taken."""
+    if task.cancelled() or task.exception() is None:
+        return
+    log.warning("relay stream %s: reading failed: %r", outbox.stream_id, task.exception())
+    registry.close(outbox)
