@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -35,7 +35,7 @@ from bench.bench_dataplane import (
     stop,
     wait_ready,
 )
-from bench.procs import report, start_kvroute
+from bench.procs import ROOT, report, start_kvroute
 
 
 def start_router(workers: list[str], logs: Path, name: str, base: Path | None):
@@ -137,6 +137,16 @@ def _line(rows: list[dict]) -> str:
     )
 
 
+def _commit(checkout: Path) -> str:
+    """The checkout's commit (short hash; ``+`` when its tree has changes)."""
+    git = ["git", "-C", str(checkout)]
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(
+        [*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+    )
+    return head.stdout.strip() + ("+" if dirty.stdout.strip() else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", required=True, help="a checkout of the base commit")
@@ -154,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     report(
         {
             "bench": "dataplane_ab",
-            "base": os.path.abspath(args.base),
+            "base": _commit(Path(args.base)),
+            "this": _commit(ROOT),
             "prompt_tokens": args.prompt_tokens,
             "max_tokens": args.max_tokens,
             "sim_speedup": args.sim_speedup,
