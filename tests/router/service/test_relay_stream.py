@@ -142,3 +142,19 @@ async def test_a_cancelled_id_started_again_gets_nothing_of_the_cancelled_reques
 
 def new_start(mux: RelayMux) -> pb.RelayStart:
     return mux._out[-1].starts[0]
+
+
+async def test_a_request_too_large_for_the_stream_gets_a_call_of_its_own(monkeypatch):
+    import router.service.worker_conn as worker_conn
+
+    fake = FakeWorker("w0", relay=True)
+    async with running_fake(fake) as rf, running_router([rf.address]) as router:
+        await router.wait_synced(1)
+        (conn,) = await relay_ready(router)
+        monkeypatch.setattr(worker_conn, "MAX_START_BYTES", len(PROMPT))  # PROMPT is larger
+        r = await router.client.generate(PROMPT, GenerateOptions(request_id="big"))
+        assert (r.token_ids, r.completion_tokens) == ((1, 2, 3), 3)
+        assert conn.relay.ready and conn.relay.num_started == 0
+        monkeypatch.setattr(worker_conn, "MAX_START_BYTES", 1 << 20)
+        r = await router.client.generate(PROMPT, GenerateOptions(request_id="small"))
+        assert r.completion_tokens == 3 and conn.relay.num_started == 1
