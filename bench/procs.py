@@ -14,7 +14,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def start_kvroute(
-    args: list[str], log: Path, timeout_s: float = 60.0
+    args: list[str],
+    log: Path,
+    timeout_s: float = 60.0,
+    *,
+    cwd: Path = ROOT,
+    env: dict[str, str] | None = None,
 ) -> tuple[subprocess.Popen, str]:
     """``python -m kvroute_cli ARGS`` with stderr in ``log``; the process and the address it
     listens on (RuntimeError with the log's tail when it does not start)."""
@@ -25,8 +30,8 @@ def start_kvroute(
             stderr=err,
             stdin=subprocess.DEVNULL,
             text=True,
-            cwd=ROOT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            cwd=cwd,
+            env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},
         )
     assert proc.stdout is not None
     deadline = time.monotonic() + timeout_s

@@ -187,7 +187,12 @@ class _UnaryStream(_AddMetadata, grpc.aio.UnaryStreamClientInterceptor):
         return await continuation(self._details(client_call_details), request)
 
 
+class _StreamStream(_AddMetadata, grpc.aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):  # type: ignore[no-untyped-def]
+        return await continuation(self._details(client_call_details), request_iterator)
+
+
 def bearer_interceptors(token: str) -> list[grpc.aio.ClientInterceptor]:
     """Client interceptors that add ``authorization: Bearer TOKEN`` to every call."""
     pairs = (("authorization", f"Bearer {token}"),)
-    return [_UnaryUnary(pairs), _UnaryStream(pairs)]
+    return [_UnaryUnary(pairs), _UnaryStream(pairs), _StreamStream(pairs)]

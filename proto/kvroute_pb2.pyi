@@ -418,13 +418,51 @@ class ReplicaBatch(_message.Message):
     def __init__(self, router_id: _Optional[str] = ..., seq: _Optional[int] = ..., events: _Optional[_Iterable[_Union[ReplicaEvent, _Mapping]]] = ..., leaving: _Optional[bool] = ...) -> None: ...
 
 class RelayRequest(_message.Message):
-    __slots__ = ("stream_id",)
+    __slots__ = ("stream_id", "starts", "cancels")
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    STARTS_FIELD_NUMBER: _ClassVar[int]
+    CANCELS_FIELD_NUMBER: _ClassVar[int]
     stream_id: str
-    def __init__(self, stream_id: _Optional[str] = ...) -> None: ...
+    starts: _containers.RepeatedCompositeFieldContainer[RelayStart]
+    cancels: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, stream_id: _Optional[str] = ..., starts: _Optional[_Iterable[_Union[RelayStart, _Mapping]]] = ..., cancels: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RelayStart(_message.Message):
+    __slots__ = ("request", "timeout_s", "metadata")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    request: GenerateRequest
+    timeout_s: float
+    metadata: _containers.RepeatedCompositeFieldContainer[MetadataEntry]
+    def __init__(self, request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., timeout_s: _Optional[float] = ..., metadata: _Optional[_Iterable[_Union[MetadataEntry, _Mapping]]] = ...) -> None: ...
+
+class MetadataEntry(_message.Message):
+    __slots__ = ("key", "value")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    value: str
+    def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
 
 class RelayBatch(_message.Message):
-    __slots__ = ("responses",)
+    __slots__ = ("responses", "accepts_starts", "ends", "cancelled")
     RESPONSES_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTS_STARTS_FIELD_NUMBER: _ClassVar[int]
+    ENDS_FIELD_NUMBER: _ClassVar[int]
+    CANCELLED_FIELD_NUMBER: _ClassVar[int]
     responses: _containers.RepeatedCompositeFieldContainer[GenerateResponse]
-    def __init__(self, responses: _Optional[_Iterable[_Union[GenerateResponse, _Mapping]]] = ...) -> None: ...
+    accepts_starts: bool
+    ends: _containers.RepeatedCompositeFieldContainer[RelayEnd]
+    cancelled: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, responses: _Optional[_Iterable[_Union[GenerateResponse, _Mapping]]] = ..., accepts_starts: _Optional[bool] = ..., ends: _Optional[_Iterable[_Union[RelayEnd, _Mapping]]] = ..., cancelled: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RelayEnd(_message.Message):
+    __slots__ = ("request_id", "code", "details")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    code: int
+    details: str
+    def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., details: _Optional[str] = ...) -> None: ...

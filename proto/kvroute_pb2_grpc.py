@@ -54,7 +54,7 @@ class WorkerStub:
                 request_serializer=kvroute__proto_dot_kvroute__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=kvroute__proto_dot_kvroute__pb2.WorkerInfo.FromString,
                 _registered_method=True)
-        self.Relay = channel.unary_stream(
+        self.Relay = channel.stream_stream(
                 '/kvroute.v1.Worker/Relay',
                 request_serializer=kvroute__proto_dot_kvroute__pb2.RelayRequest.SerializeToString,
                 response_deserializer=kvroute__proto_dot_kvroute__pb2.RelayBatch.FromString,
@@ -88,9 +88,10 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Relay(self, request, context):
-        """One stream per router connection that carries the messages of every Generate call
-        attached to it (decision 0033); see RelayRequest.
+    def Relay(self, request_iterator, context):
+        """One stream per router connection that carries the messages of every request attached
+        to it (decision 0033), and the requests themselves, started and cancelled on it
+        (decision 0034); see RelayRequest. A router of 0033 sends one RelayRequest only.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -119,7 +120,7 @@ def add_WorkerServicer_to_server(servicer, server):
                     request_deserializer=kvroute__proto_dot_kvroute__pb2.GetLoadRequest.FromString,
                     response_serializer=kvroute__proto_dot_kvroute__pb2.WorkerInfo.SerializeToString,
             ),
-            'Relay': grpc.unary_stream_rpc_method_handler(
+            'Relay': grpc.stream_stream_rpc_method_handler(
                     servicer.Relay,
                     request_deserializer=kvroute__proto_dot_kvroute__pb2.RelayRequest.FromString,
                     response_serializer=kvroute__proto_dot_kvroute__pb2.RelayBatch.SerializeToString,
@@ -244,7 +245,7 @@ class Worker:
             _registered_method=True)
 
     @staticmethod
-    def Relay(request,
+    def Relay(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -254,8 +255,8 @@ class Worker:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
             '/kvroute.v1.Worker/Relay',
             kvroute__proto_dot_kvroute__pb2.RelayRequest.SerializeToString,

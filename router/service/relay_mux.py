@@ -1,24 +1,29 @@
-"""The worker's relay stream: every request's tokens from one worker on one gRPC stream.
+"""The worker's relay stream: every request started, and every token streamed, on one stream.
 
-Without it each in-flight request is a Generate stream of its own, and the router pays
-grpc's Python-side read for every message of every request (the largest share of the
-router's CPU, decision 0030). With it (decision 0033) a worker that offers ``Relay`` sends one
-``RelayBatch`` per engine step with the messages of every request the step advanced, and
-the router demultiplexes them to the requests by id::
+Without it each in-flight request is a Generate call of its own, and the router pays grpc's
+Python-side costs per call (its start, its status) and per message of every request (the
+largest share of the router's CPU, decisions 0030 and 0033). With it a worker that offers
+``Relay`` takes the requests themselves on the stream (decision 0034) and sends one
+``RelayBatch`` per engine step with the messages of every request the step advanced; the
+router demultiplexes them to the requests by id::
 
-    worker                                   router
-    Relay(stream_id) ------------------------> RelayMux._follow: batch -> Inbox per request
-    Generate(req, metadata stream_id) <------- RelayCall: starts it; its status (OK, or the
-      chunks, Finished -> the relay stream       request's error) is read by a pump task
+    router                                    worker
+    RelayMux._write: starts, cancels -------> RelayStarts: a task per request
+    RelayMux._take: batch -> Inbox per request <- RelayOutbox: chunks, Finished, RelayEnd
 
 A ``RelayCall`` looks like the grpc call it replaces (``async for`` messages, ``cancel``,
 errors raised as ``grpc.aio.AioRpcError``), so the request path (frontend.py) keeps its
-retry, deadline and abort rules: cancelling it cancels the Generate call, which aborts the
-request on the worker. A request's chunks that arrived together are merged into one
-message (the router was behind). When the relay stream breaks, every request attached to it
-fails with UNAVAILABLE (retried when nothing was relayed yet). A worker that does not offer
-``Relay`` (an engine bridge, an older worker) answers UNIMPLEMENTED and gets per-request
-streams, as before.
+retry, deadline and abort rules: a request's end without a Finished comes as a ``RelayEnd``
+with the status Generate would have ended with, its deadline is timed here (and on the
+worker), and cancelling it sends a cancel, which aborts the request on the worker. A cancel
+is fenced: until the worker acknowledges it, whatever comes under that request id is
+dropped, so an id started again at once never receives the cancelled request's tokens. A
+request's chunks that arrived together are merged into one message (the router was behind).
+When the relay stream breaks, every request on it fails with UNAVAILABLE (retried when
+nothing was relayed yet). A worker that does not offer ``Relay`` (an engine bridge, an older
+worker) answers UNIMPLEMENTED, and one of decision 0033 (no ``accepts_starts``) is left:
+both get a Generate call per request, as before; so does a request too large to share the
+stream (``MAX_START_BYTES``).
 """
 
 from __future__ import annotations
@@ -37,9 +42,12 @@ from kvroute_proto import kvroute_pb2 as pb
 log = logging.getLogger(__name__)
 
 RELAY_METHOD = "/kvroute.v1.Worker/Relay"
-RELAY_METADATA_KEY = "kvroute-relay-stream"
-RELAY_BATCH_KEY = "kvroute-relay-batch"  # see worker/service/relay.py
+# A request larger than this goes in a Generate call of its own (a relay message must fit
+# the worker's receive limit, grpc's 4 MiB by default); several starts share one message up
+# to twice this.
+MAX_START_BYTES = 1 << 20
 _EMPTY = grpc.aio.Metadata()
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 def relay_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
@@ -48,7 +56,7 @@ def relay_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
 
 
 class _Ended:
-    """The Generate call ended with OK (its messages went to the relay stream)."""
+    """The request ended without a Finished (Generate's OK without one)."""
 
 
 ENDED = _Ended()
@@ -83,61 +91,52 @@ class Inbox:
 
 
 class RelayCall:
-    """One request attached to a relay stream, shaped like a grpc.aio stream call."""
+    """One request started on a relay stream, shaped like a grpc.aio stream call."""
 
-    def __init__(self, mux: RelayMux, call: Any, request_id: str, timeout_s: float) -> None:
+    __slots__ = ("_done", "_mux", "_request_id", "_timer", "inbox")
+
+    def __init__(self, mux: RelayMux, request_id: str, timeout_s: float) -> None:
         self._mux = mux
-        self._call = call
         self._request_id = request_id
-        self._loop = asyncio.get_running_loop()
-        self._deadline = self._loop.time() + timeout_s
         self.inbox = Inbox()
-        self._finished = False  # the Finished was taken
-        self._pump = asyncio.create_task(self._read_status())
+        self._done = False  # the worker is done with it (or told to be): nothing to cancel
+        self._timer = asyncio.get_running_loop().call_later(timeout_s, self._expire)
 
-    async def _read_status(self) -> None:
-        try:
-            async for msg in self._call:  # a worker that streamed here anyway
-                self.inbox.push(msg)
-            trailing = await self._call.trailing_metadata()
-            sent = _batch_number(trailing)
-            if sent > self._mux.num_batches:  # the call's OK overtook its last messages
-                await self._mux.caught_up(sent)
-            self.inbox.push(ENDED)
-        except grpc.aio.AioRpcError as exc:
-            self.inbox.push(exc)
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if task is None or task.cancelling():  # cancel(): nobody reads the inbox
-                raise
-            # the channel closed under the call (the worker left the registry)
-            self.inbox.push(
-                relay_error(grpc.StatusCode.UNAVAILABLE, "the connection to the worker was closed")
-            )
+    def _expire(self) -> None:
+        """Its deadline passed: the worker is told to abort it, its reader gets the error
+        grpc raises for a call past its deadline."""
+        if not self._done:
+            self._done = True
+            self._mux.cancel(self._request_id, self.inbox)
+            self.inbox.push(relay_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+
+    def _end(self) -> None:
+        """The worker ended it (its Finished, its end, or the stream broke)."""
+        self._done = True
+        self._timer.cancel()
+        self._mux.detach(self._request_id, self.inbox)
 
     def cancel(self) -> bool:
-        """Stop relaying: before the Finished, cancel the call (the worker aborts the
-        request); after it, leave the call to end by itself (a cancel would cost more than
-        its OK, and race it)."""
-        self._mux.detach(self._request_id, self.inbox)
-        if self._finished:
+        """Stop relaying: unless the worker ended it already, the worker aborts it."""
+        self._timer.cancel()
+        if self._done:
             return False
-        self._pump.cancel()
-        return bool(self._call.cancel())
+        self._done = True
+        self._mux.cancel(self._request_id, self.inbox)
+        return True
 
     def __aiter__(self) -> AsyncIterator[pb.GenerateResponse]:
         return self._messages()
 
     async def _messages(self) -> AsyncIterator[pb.GenerateResponse]:
-        """The request's messages (each take's chunks merged); raises the call's error."""
-        ended = False
-        while not ended:
+        """The request's messages (each take's chunks merged); raises its error."""
+        while True:
             items = await self.inbox.take()
             chunk: pb.GenerateResponse | None = None
             for item in items:
                 if isinstance(item, pb.GenerateResponse):
                     if item.HasField("finished"):
-                        self._finished = True
+                        self._end()
                         if chunk is not None:
                             yield chunk
                         yield item
@@ -147,28 +146,24 @@ class RelayCall:
                     else:
                         chunk.chunk.token_ids.extend(item.chunk.token_ids)
                         chunk.chunk.text += item.chunk.text
-                elif isinstance(item, _Ended):  # all its messages came: no Finished
-                    ended = True
                 else:
+                    if not self._done:
+                        self._end()
                     if chunk is not None:
                         yield chunk
+                    if isinstance(item, _Ended):  # all its messages came: no Finished
+                        return
                     raise item
             if chunk is not None:
                 yield chunk
 
 
-def _batch_number(metadata: Any) -> int:
-    """The ``RELAY_BATCH_KEY`` of an attached call's trailing metadata (0: none, or not a
-    number: the call's messages are then taken to have come, and a missing Finished is the
-    worker's failure, not a wait)."""
-    for key, value in metadata or ():
-        if key == RELAY_BATCH_KEY and isinstance(value, str) and value.isdecimal():
-            return int(value)
-    return 0
+class _Refused(Exception):
+    """The worker's relay stream takes no starts (a worker of decision 0033)."""
 
 
 class RelayMux:
-    """A worker's relay stream on ``channel``, and the requests attached to it."""
+    """A worker's relay stream on ``channel``, and the requests started on it."""
 
     def __init__(
         self,
@@ -178,52 +173,83 @@ class RelayMux:
     ) -> None:
         self._address = address
         self._on_ready = on_ready  # awaited when the stream is registered (tests await it)
-        self._open = channel.unary_stream(
+        self._open = channel.stream_stream(
             RELAY_METHOD,
             request_serializer=pb.RelayRequest.SerializeToString,
             response_deserializer=pb.RelayBatch.FromString,
         )
         self._inboxes: dict[str, Inbox] = {}
+        self._fenced: dict[str, int] = {}  # request id -> cancels not yet acknowledged
+        self._out: list[pb.RelayRequest] = []  # not yet written: starts and cancels
+        self._out_bytes = 0  # the starts in its last message
+        self._wake = asyncio.Event()
         self.stream_id = ""
         self.ready = False
-        self.num_batches = 0  # of the current stream, the first (empty) one included
-        self._catching_up: list[tuple[int, asyncio.Future[None]]] = []
+        self.num_batches = 0  # of the current stream, the first one included
+        self.num_started = 0  # requests started on the stream (all streams)
 
     def start(
         self,
-        stub_generate: Any,
         request: pb.GenerateRequest,
         timeout_s: float,
         metadata: tuple[tuple[str, str], ...],
+        size: int,
     ) -> RelayCall:
-        """Start ``request`` with Generate, its messages to come on this stream."""
+        """Start ``request`` (of ``size`` bytes) on this stream."""
         rid = request.request_id
-        call = stub_generate(
-            request,
-            timeout=timeout_s,
-            metadata=(*metadata, (RELAY_METADATA_KEY, self.stream_id)),
-        )
-        relay_call = RelayCall(self, call, rid, timeout_s)
-        self._inboxes[rid] = relay_call.inbox
-        return relay_call
+        self.num_started += 1
+        call = RelayCall(self, rid, timeout_s)
+        self._inboxes[rid] = call.inbox
+        out = self._out
+        if not out or self._out_bytes + size > 2 * MAX_START_BYTES:
+            out.append(pb.RelayRequest())
+            self._out_bytes = 0
+        self._out_bytes += size
+        start = out[-1].starts.add(request=request, timeout_s=timeout_s)
+        if metadata:
+            start.metadata.extend(pb.MetadataEntry(key=k, value=v) for k, v in metadata)
+        self._wake.set()
+        return call
 
     def detach(self, request_id: str, inbox: Inbox) -> None:
         if self._inboxes.get(request_id) is inbox:
             del self._inboxes[request_id]
 
+    def cancel(self, request_id: str, inbox: Inbox) -> None:
+        """Abort a request on the worker (never sent: just forget it) and fence its id."""
+        if self._inboxes.get(request_id) is not inbox:
+            return  # not on this stream (it broke meanwhile)
+        del self._inboxes[request_id]
+        for message in self._out:  # a start not written yet is dropped, nothing to cancel
+            for i, start in enumerate(message.starts):
+                if start.request.request_id == request_id:
+                    del message.starts[i]
+                    return
+        if not self._out:
+            self._out.append(pb.RelayRequest())
+            self._out_bytes = 0
+        self._out[-1].cancels.append(request_id)  # a message's cancels go before its starts
+        self._fenced[request_id] = self._fenced.get(request_id, 0) + 1
+        self._wake.set()
+
     async def run(self) -> None:
-        """Follow the worker's relay stream until it is not offered; a broken stream is
-        reopened (its requests fail) after ``retry_s``, doubling up to 30 s."""
+        """Follow the worker's relay stream until it is not offered (or takes no starts);
+        a broken stream is reopened (its requests fail) after ``retry_s``, doubling up to
+        30 s."""
         retry_s = 0.1
         while True:
             try:
                 await self._follow()
                 reason = "the relay stream ended"
+            except _Refused:
+                log.info(
+                    "worker at %s takes no starts on its relay stream: a call per request",
+                    self._address,
+                )
+                return
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-                    log.info(
-                        "worker at %s has no relay stream: a stream per request", self._address
-                    )
+                    log.info("worker at %s has no relay stream: a call per request", self._address)
                     return
                 reason = f"{exc.code().name}: {exc.details()}"
             finally:
@@ -235,45 +261,77 @@ class RelayMux:
     async def _follow(self) -> None:
         self.stream_id = uuid.uuid4().hex
         self.num_batches = 0
-        call = self._open(pb.RelayRequest(stream_id=self.stream_id))
+        call = self._open()
+        writer: asyncio.Task[None] | None = None
         try:
-            async for batch in call:
-                if not self.ready:
-                    self.ready = True
-                    if self._on_ready is not None:
-                        await self._on_ready()
-                self.num_batches += 1
-                inboxes = self._inboxes
-                for response in batch.responses:
-                    inbox = inboxes.get(response.request_id)
-                    if inbox is not None:  # else cancelled meanwhile
-                        inbox.push(response)
-                if self._catching_up:
-                    self._wake_caught_up()
+            await call.write(pb.RelayRequest(stream_id=self.stream_id))
+            first = await call.read()
+            if first is grpc.aio.EOF:
+                return
+            if not first.accepts_starts:
+                raise _Refused
+            self.num_batches = 1
+            self.ready = True
+            writer = asyncio.create_task(self._write(call), name=f"relay-{self._address}")
+            if self._on_ready is not None:
+                await self._on_ready()
+            while (batch := await call.read()) is not grpc.aio.EOF:
+                self._take(batch)
         finally:
             self.ready = False
+            if writer is not None:
+                writer.cancel()
             call.cancel()
 
-    async def caught_up(self, number: int) -> None:
-        """Return once batch ``number`` of this stream was read (or the stream broke)."""
-        future = asyncio.get_running_loop().create_future()
-        self._catching_up.append((number, future))
-        await future
-
-    def _wake_caught_up(self, *, all_of_them: bool = False) -> None:
-        waiting = []
-        for number, future in self._catching_up:
-            if all_of_them or number <= self.num_batches:
-                if not future.done():
-                    future.set_result(None)
+    def _take(self, batch: pb.RelayBatch) -> None:
+        """Hand a batch's messages to their requests (a fenced id's are dropped)."""
+        self.num_batches += 1
+        fenced = self._fenced
+        for rid in batch.cancelled:
+            left = fenced.get(rid, 0) - 1
+            if left > 0:
+                fenced[rid] = left
             else:
-                waiting.append((number, future))
-        self._catching_up = waiting
+                fenced.pop(rid, None)
+        inboxes = self._inboxes
+        for response in batch.responses:
+            rid = response.request_id
+            if fenced and rid in fenced:
+                continue
+            inbox = inboxes.get(rid)
+            if inbox is not None:  # else cancelled meanwhile
+                inbox.push(response)
+        for end in batch.ends:
+            rid = end.request_id
+            inbox = inboxes.get(rid)
+            if inbox is None or (fenced and rid in fenced):
+                continue
+            if end.code == 0:
+                inbox.push(ENDED)
+            else:
+                code = _CODES.get(end.code, grpc.StatusCode.UNKNOWN)
+                inbox.push(relay_error(code, end.details))
+
+    async def _write(self, call: Any) -> None:
+        """Send the starts and cancels made since the last write (as few messages as
+        ``MAX_START_BYTES`` allows); a failed write ends it (the reader sees the stream's
+        status)."""
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                out, self._out = self._out, []
+                for message in out:
+                    if message.starts or message.cancels:
+                        await call.write(message)
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
+            log.debug("relay stream to %s: write failed: %s", self._address, exc)
 
     def _fail_all(self, details: str) -> None:
         self.ready = False
-        self._wake_caught_up(all_of_them=True)
         inboxes, self._inboxes = self._inboxes, {}
+        self._out = []
+        self._fenced.clear()
         error = relay_error(grpc.StatusCode.UNAVAILABLE, details)
         for inbox in inboxes.values():
             inbox.push(error)

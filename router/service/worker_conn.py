@@ -45,7 +45,7 @@ from router.core.errors import RouterError
 from router.core.pools import RouterPools, UnservedModelError
 from router.core.router_core import Resubscribe
 from router.core.step_profile import DEFAULT_STEP_PROFILE, StepProfile
-from router.service.relay_mux import RelayMux
+from router.service.relay_mux import MAX_START_BYTES, RelayMux
 from router.service.resilience import Backoff, BackoffConfig
 
 log = logging.getLogger(__name__)
@@ -311,10 +311,12 @@ class WorkerConnection:
     def generate(
         self, request: pb.GenerateRequest, timeout_s: float, metadata: tuple[tuple[str, str], ...]
     ) -> Any:
-        """Start ``request`` on the worker: a grpc.aio stream call, or one shaped like it
-        whose messages come on the worker's relay stream when it has one open."""
+        """Start ``request`` on the worker: on its relay stream when it has one open (a
+        call shaped like grpc's, decision 0034), else a Generate call of its own."""
         if self.relay.ready:
-            return self.relay.start(self.relay_stub.Generate, request, timeout_s, metadata)
+            size = request.ByteSize()
+            if size <= MAX_START_BYTES:
+                return self.relay.start(request, timeout_s, metadata, size)
         return self.relay_stub.Generate(request, timeout=timeout_s, metadata=metadata)
 
     async def _follow(self, worker_id: str) -> bool:

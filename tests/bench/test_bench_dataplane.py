@@ -59,3 +59,34 @@ def test_cpu_seconds_include_the_children() -> None:
     finally:
         parent.kill()
         parent.wait()
+
+
+def test_the_ab_line_reports_each_routers_excess_over_the_direct_path():
+    from bench.bench_dataplane_ab import _line
+
+    rows = [
+        {"ttft_p50_ms": 2.0, "tokens_per_front_cpu_s": None},
+        {"ttft_p50_ms": 4.5, "tokens_per_front_cpu_s": 900, "concurrency": 1},
+        {"ttft_p50_ms": 3.0, "tokens_per_front_cpu_s": 1200},
+    ]
+    rows[1].update(round=2, door="gRPC")
+    line = _line(rows)
+    assert line.startswith("c=1 r2 gRPC: tokens/CPU-s base 900 this 1200")
+    assert line.endswith("direct 2.0 base +2.50 this +1.00 ms")
+
+
+def test_the_ab_bench_names_a_checkouts_commit(tmp_path):
+    import subprocess
+
+    from bench.bench_dataplane_ab import _commit
+
+    git = ["git", "-C", str(tmp_path)]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / "f").write_text("a")
+    subprocess.run([*git, "add", "f"], check=True)
+    ident = ["-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", *ident, "-C", str(tmp_path), "commit", "-qm", "x"], check=True)
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    assert _commit(tmp_path) == head.stdout.strip()
+    (tmp_path / "f").write_text("b")
+    assert _commit(tmp_path) == head.stdout.strip() + "+"

@@ -234,7 +234,7 @@ async def test_worker_token_refuses_every_worker_call_without_it():
                         pass
                 assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
                 with pytest.raises(grpc.aio.AioRpcError) as info:
-                    async for _ in stub.Relay(pb.RelayRequest(stream_id="s"), metadata=md):
+                    async for _ in stub.Relay(iter([pb.RelayRequest(stream_id="s")]), metadata=md):
                         pass
                 assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
             ok = await stub.GetLoad(
@@ -251,8 +251,11 @@ async def test_worker_token_refuses_every_worker_call_without_it():
         await router.start()
         try:
             await router.pool.wait_for(lambda: router.pool.num_healthy == 1, WAIT_S)
+            (conn_ok,) = router.pool.conns.values()
+            await router.pool.wait_for(lambda: conn_ok.relay.ready, WAIT_S)
             async with RouterClient(router.address, timeout_s=WAIT_S) as c:
                 assert len((await c.generate("through the router", OPTS)).token_ids) == 2
+            assert conn_ok.relay.num_started == 1  # the relay stream carries the token too
         finally:
             await router.stop(grace_s=0.1)
         router = RouterServer(_router_config([worker.address]))

@@ -8,10 +8,14 @@ requests an engine step advanced cost the router one read, not one each (decisio
 While the router is behind (its flow-control window holds the writer), a request's chunks
 pile up and are merged into one, as a request's own stream coalesces (decision 0030).
 
-Lifecycle: ``RelayRegistry.open`` registers a stream; its first batch is empty (the router
-knows the stream is registered); ``close`` (the router's call ended) unregisters it and
-makes every later ``put`` raise :class:`RelayClosedError`, which ends the attached calls (the
-engine aborts their requests).
+Requests may also be started on the stream itself, with no call of their own (decision
+0034, worker/service/relay_starts.py): their messages go into the same outbox, and one that
+ends without a Finished puts its end (a status) there.
+
+Lifecycle: ``RelayRegistry.open`` registers a stream; its first batch is empty but for
+``accepts_starts`` (the router knows the stream is registered); ``close`` (the router's call
+ended) unregisters it and makes every later ``put`` raise :class:`RelayClosedError`, which
+ends the attached calls (the engine aborts their requests).
 """
 
 from __future__ import annotations
@@ -36,13 +40,15 @@ class RelayClosedError(Exception):
 
 
 class _Pending:
-    """What one request put since the last batch: its chunks merged, then its Finished."""
+    """What one request put since the last batch: its chunks merged, then its Finished or,
+    for a request started on the stream, its end (decision 0034)."""
 
-    __slots__ = ("chunk", "finished")
+    __slots__ = ("chunk", "end", "finished")
 
     def __init__(self) -> None:
         self.chunk: pb.GenerateResponse | None = None
         self.finished: pb.GenerateResponse | None = None
+        self.end: pb.RelayEnd | None = None
 
 
 class RelayOutbox:
@@ -51,6 +57,7 @@ class RelayOutbox:
     def __init__(self, stream_id: str) -> None:
         self.stream_id = stream_id
         self._pending: dict[str, _Pending] = {}
+        self._cancelled: list[str] = []  # cancels taken since the last batch
         self._wake = asyncio.Event()
         self._sent = asyncio.Event()  # set when a batch was handed to grpc
         self._writing = False  # a batch taken and not yet handed to grpc
@@ -74,24 +81,44 @@ class RelayOutbox:
             chunk.text += response.chunk.text
         self._wake.set()
 
+    def end(self, request_id: str, code: int, details: str) -> None:
+        """A started request ended without a Finished (``code``: a gRPC status code)."""
+        if self.closed:
+            raise RelayClosedError(f"relay stream {self.stream_id!r} has ended")
+        pending = self._pending.get(request_id)
+        if pending is None:
+            pending = self._pending[request_id] = _Pending()
+        pending.end = pb.RelayEnd(request_id=request_id, code=code, details=details)
+        self._wake.set()
+
+    def cancelled(self, request_id: str) -> None:
+        """The router cancelled ``request_id``: what it put and was not sent is dropped,
+        and the next batch acknowledges the cancel (nothing of it comes after that)."""
+        self._pending.pop(request_id, None)
+        self._cancelled.append(request_id)
+        self._wake.set()
+
     def take(self) -> pb.RelayBatch:
         """Everything put since the last call, as one batch (each request in put order)."""
-        batch = pb.RelayBatch()
+        batch = pb.RelayBatch(cancelled=self._cancelled)
+        self._cancelled = []
         responses = batch.responses
         for pending in self._pending.values():
             if pending.chunk is not None:
                 responses.append(pending.chunk)
             if pending.finished is not None:
                 responses.append(pending.finished)
+            if pending.end is not None:
+                batch.ends.append(pending.end)
         self._pending.clear()
         self._wake.clear()
         return batch
 
-    async def batches(self) -> AsyncIterator[pb.RelayBatch]:
-        """An empty batch (registered), then one batch per wake-up, until cancelled or
-        closed."""
+    async def batches(self, *, accepts_starts: bool = True) -> AsyncIterator[pb.RelayBatch]:
+        """A batch with only ``accepts_starts`` (registered), then one batch per wake-up,
+        until cancelled or closed."""
         self.num_batches = 1
-        yield pb.RelayBatch()
+        yield pb.RelayBatch(accepts_starts=accepts_starts)
         while True:
             await self._wake.wait()
             if self.closed:
@@ -105,7 +132,7 @@ class RelayOutbox:
     async def flushed(self) -> None:
         """Return once everything put so far has been handed to grpc (or the stream
         ended): a call that fails after its chunks can let them go first."""
-        while (self._pending or self._writing) and not self.closed:
+        while (self._pending or self._cancelled or self._writing) and not self.closed:
             self._sent.clear()
             await self._sent.wait()
 

@@ -29,6 +29,7 @@ from worker.service.engine_runner import (
 )
 from worker.service.generation import SHUTTING_DOWN, WorkerGeneration
 from worker.service.relay import RELAY_BATCH_KEY, RelayClosedError, RelayRegistry, send_all
+from worker.service.relay_starts import StartedContext, serve_relay
 
 log = logging.getLogger("kvroute.worker.service")
 
@@ -66,7 +67,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         return await self.generation.drain(timeout_s)
 
     async def Generate(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext | StartedContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         """A request's chunks and Finished, on this call's stream or, when its metadata
         names a relay stream, on that one (this call then ends with the status alone)."""
@@ -90,20 +91,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
 
     async def Relay(
-        self, request: pb.RelayRequest, context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[pb.RelayRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.RelayBatch]:
-        """One stream for the messages of every Generate call attached to it (see
-        worker/service/relay.py); its end aborts them."""
-        try:
-            outbox = self.relays.open(request.stream_id)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        log.info("relay stream %s opened by %s", request.stream_id, context.peer() or "?")
-        try:
-            async for batch in outbox.batches():
-                yield batch
-        finally:
-            self.relays.close(outbox)
+        """One stream for the messages of every request started on it or attached to it
+        (see worker/service/relay.py, relay_starts.py); its end aborts them."""
+        async for batch in serve_relay(self.relays, request_iterator, context, self.Generate):
+            yield batch
 
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext

@@ -4,8 +4,10 @@ Generate behaviours (by ``FakeWorker.behaviour``): "ok" streams ``num_chunks`` o
 chunks then Finished; "fail_before" aborts with ``fail_code`` before any message;
 "fail_after" sends one chunk then aborts; "hang" waits until cancelled; "no_finished"
 sends the chunks and ends the call with OK but no Finished. With ``relay`` it offers the
-relay stream (decision 0033) and a call attached to it sends its messages there (the chunks
-of "fail_after" are flushed before the error, as the worker's servicer does). Every request,
+relay stream and takes requests started on it (decision 0034; the worker's own
+``serve_relay``); with ``starts`` False it is a worker of decision 0033, whose calls attached
+by metadata send their messages there (the chunks of "fail_after" are flushed before the
+error, as the worker's servicer does). Every request,
 cancellation and Abort is recorded. The event stream sends an empty snapshot, then whatever
 the test pushes with ``push()`` (earlier pushes are replayed to a new stream).
 """
@@ -24,6 +26,7 @@ from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
 from kvroute_proto.events import EventBatch, Snapshot
 from worker.service.relay import RELAY_BATCH_KEY, RelayRegistry, send_all
+from worker.service.relay_starts import serve_relay
 
 
 @dataclass
@@ -51,6 +54,8 @@ class FakeWorker(pb_grpc.WorkerServicer):
     history: list = field(default_factory=list)  # pushed messages, replayed to new streams
     _queues: list[asyncio.Queue] = field(default_factory=list)
     relay: bool = False
+    starts: bool = True  # with relay: requests are started on the stream (decision 0034)
+    num_relays: int = 0  # Relay calls served
     relays: RelayRegistry = field(default_factory=RelayRegistry)
 
     async def GetLoad(self, request, context):
@@ -58,15 +63,21 @@ class FakeWorker(pb_grpc.WorkerServicer):
             worker_id=self.worker_id, epoch=self.epoch, block_size=self.block_size, executor="fake"
         )
 
-    async def Relay(self, request, context):
+    async def Relay(self, request_iterator, context):
         if not self.relay:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no relay stream")
-        outbox = self.relays.open(request.stream_id)
-        try:
-            async for batch in outbox.batches():
-                yield batch
-        finally:
-            self.relays.close(outbox)
+        self.num_relays += 1
+        if not self.starts:  # a worker of decision 0033: its calls are attached by metadata
+            first = await anext(aiter(request_iterator))
+            outbox = self.relays.open(first.stream_id)
+            try:
+                async for batch in outbox.batches(accepts_starts=False):
+                    yield batch
+            finally:
+                self.relays.close(outbox)
+            return
+        async for batch in serve_relay(self.relays, request_iterator, context, self.Generate):
+            yield batch
 
     async def Generate(self, request, context) -> AsyncIterator[pb.GenerateResponse]:
         outbox = self.relays.find(tuple(context.invocation_metadata()))

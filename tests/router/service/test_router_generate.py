@@ -35,8 +35,8 @@ PROMPT = list(range(1, 17))  # 4 blocks of 4
 
 @pytest.fixture(params=[False, True], ids=["own-streams", "relay-stream"])
 def relay(request) -> bool:
-    """Whether the fake workers offer the relay stream (decision 0033): every test of the
-    request path runs both ways."""
+    """Whether the fake workers offer the relay stream and take requests started on it
+    (decisions 0033, 0034): every test of the request path runs both ways."""
     return request.param
 
 
@@ -242,6 +242,20 @@ async def test_deadline_is_propagated_and_capped(fleet):
     got = [x.time_remaining for x in a.received + b.received if x.request.request_id == "d2"]
     cap = router.server.config.service.max_deadline_s
     assert len(got) == 1 and cap - 5 < got[0] <= cap + 1.5  # the wire rounds timeouts up
+
+
+@pytest.mark.parametrize("fleet", [{"max_deadline_s": 0.5}], indirect=True)
+async def test_a_deadline_passing_on_the_worker_ends_the_request_and_cancels_it(fleet):
+    router, a, b = fleet
+    a.behaviour = b.behaviour = "hang"
+    stub = pb_grpc.RouterStub(router.client._channel)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        [m async for m in stub.Generate(build_request(PROMPT, GenerateOptions(request_id="x")))]
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    await asyncio.wait_for(_either(a.cancelled_event, b.cancelled_event), WAIT_S)
+    assert a.cancelled + b.cancelled == ["x"]
+    await router.wait_for(lambda: router.server.frontend.num_inflight == 0)
+    assert router.server.core.stats().num_inflight_requests == 0
 
 
 @pytest.mark.parametrize("fleet", [{"max_deadline_s": 2.0}], indirect=True)
@@ -468,6 +482,7 @@ async def test_closed_worker_channel_is_a_disconnect_not_an_internal_error(fleet
     for conn in router.server.pool.conns.values():
         # what a call sees during WorkerConnection.close (Generate goes on the relay channel)
         conn.stub = conn.relay_stub = pb_grpc.WorkerStub(closed)
+        conn.relay.ready = False  # close() ends the relay stream before the channels
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await router.client.generate(PROMPT, GenerateOptions(request_id="r1"))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE

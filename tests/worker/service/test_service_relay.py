@@ -75,12 +75,25 @@ def request(rid: str, n: int) -> pb.GenerateRequest:
     return token_request(list(range(1, 17)), request_id=rid, max_new_tokens=n, ignore_eos=True)
 
 
+def open_0033(channel: grpc.aio.Channel, stream_id: str):
+    """Relay as a router of decision 0033 calls it: one RelayRequest, then only reading."""
+    relay = channel.unary_stream(
+        "/kvroute.v1.Worker/Relay",
+        request_serializer=pb.RelayRequest.SerializeToString,
+        response_deserializer=pb.RelayBatch.FromString,
+    )
+    return relay(pb.RelayRequest(stream_id=stream_id))
+
+
 async def test_an_attached_call_sends_its_messages_on_the_relay_stream():
+    """A router of decision 0033 (Relay called with one message, requests by Generate
+    calls attached by metadata) is served as before."""
     async with running_worker() as w:
         stub = w.stub
-        relay = stub.Relay(pb.RelayRequest(stream_id="s1"))
+        relay = open_0033(w.channel, "s1")
         batches = relay.__aiter__()
-        assert len((await anext(batches)).responses) == 0
+        first = await anext(batches)
+        assert len(first.responses) == 0 and first.accepts_starts
         call = stub.Generate(request("r1", 9), metadata=((RELAY_METADATA_KEY, "s1"),))
         assert [m async for m in call] == []  # nothing on the call's own stream
         sent = dict(await call.trailing_metadata())[RELAY_BATCH_KEY]
@@ -107,7 +120,7 @@ async def test_relay_and_generate_errors_name_the_stream():
     async with running_worker() as w:
         stub = w.stub
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await anext(stub.Relay(pb.RelayRequest(stream_id="")).__aiter__())
+            await anext(stub.Relay(iter([pb.RelayRequest(stream_id="")])).__aiter__())
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "stream_id must be 1 to 128 characters" in err.value.details()
         call = stub.Generate(request("r1", 2), metadata=((RELAY_METADATA_KEY, "gone"),))

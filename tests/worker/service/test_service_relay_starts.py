@@ -1,0 +1,174 @@
+"""Requests started on the relay stream (decision 0034), against a real in-process sim
+worker over gRPC: usage, per-request errors, deadline, cancel (aborted on the engine and
+fenced), and the stream's end aborting its requests."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import grpc
+import pytest
+from svc_harness import WorkerSetup, running_worker, token_request
+
+from kvroute_proto import kvroute_pb2 as pb
+from worker.engine.sim_executor import SimCostModel
+from worker.service.engine_runner import RunnerConfig
+
+WAIT_S = 10.0
+
+
+def start(rid: str, n: int, timeout_s: float = 0.0, **sampling) -> pb.RelayStart:
+    req = token_request(list(range(1, 17)), request_id=rid, max_new_tokens=n, **sampling)
+    return pb.RelayStart(request=req, timeout_s=timeout_s)
+
+
+class Relay:
+    """A router's side of one relay stream: what it writes, and everything it read."""
+
+    def __init__(self, stub) -> None:
+        self.call = stub.Relay()
+        self.batches: list[pb.RelayBatch] = []
+
+    async def open(self, stream_id: str = "s1") -> pb.RelayBatch:
+        await self.call.write(pb.RelayRequest(stream_id=stream_id))
+        return await self.call.read()
+
+    async def read_until(self, done) -> None:
+        async with asyncio.timeout(WAIT_S):
+            while not done():
+                batch = await self.call.read()
+                assert batch is not grpc.aio.EOF
+                self.batches.append(batch)
+
+    def responses(self, rid: str) -> list[pb.GenerateResponse]:
+        return [r for b in self.batches for r in b.responses if r.request_id == rid]
+
+    def ends(self, rid: str) -> list[pb.RelayEnd]:
+        return [e for b in self.batches for e in b.ends if e.request_id == rid]
+
+    def finished(self, rid: str) -> pb.Finished | None:
+        fins = [r.finished for r in self.responses(rid) if r.HasField("finished")]
+        return fins[0] if fins else None
+
+
+def paced() -> WorkerSetup:
+    """A worker whose steps take real time (the modelled 8B's, ~8 ms a decode step)."""
+    setup = WorkerSetup(cost=SimCostModel())
+    return dataclasses.replace(setup, runner=RunnerConfig(load_interval_s=0, pace_speedup=1.0))
+
+
+async def test_started_requests_stream_their_tokens_and_usage_in_shared_batches():
+    async with running_worker() as w:
+        relay = Relay(w.stub)
+        first = await relay.open()
+        assert first.accepts_starts and not first.responses
+        await relay.call.write(pb.RelayRequest(starts=[start(f"r{i}", 5 + i) for i in range(8)]))
+        rids = [f"r{i}" for i in range(8)]
+        await relay.read_until(lambda: all(relay.finished(r) for r in rids))
+        for i, rid in enumerate(rids):
+            tokens = [t for r in relay.responses(rid) for t in r.chunk.token_ids]
+            fin = relay.finished(rid)
+            assert len(tokens) == fin.usage.completion_tokens == 5 + i
+            assert fin.usage.prompt_tokens == 16 and fin.worker_id == "w-test"
+            assert relay.ends(rid) == []  # a Finished is the whole answer
+        assert len(relay.batches) < sum(5 + i for i in range(8))  # requests share batches
+        await w.assert_no_leak()
+        relay.call.cancel()
+
+
+@pytest.mark.parametrize(
+    ("the_start", "message"),
+    [
+        (start("r1", 4, temperature=-1.0), "temperature"),
+        (start("r1", 4, timeout_s=-1.0), "timeout_s must be a finite number >= 0"),
+        (start("r1", 4, timeout_s=float("nan")), "timeout_s must be a finite number >= 0"),
+        (start("", 4), "request_id must be set"),
+    ],
+)
+async def test_a_bad_start_ends_with_invalid_argument_naming_the_field(the_start, message):
+    async with running_worker() as w:
+        relay = Relay(w.stub)
+        await relay.open()
+        rid = the_start.request.request_id
+        await relay.call.write(pb.RelayRequest(starts=[the_start, start("ok", 3)]))
+        await relay.read_until(lambda: relay.ends(rid) and relay.finished("ok"))
+        (end,) = relay.ends(rid)
+        assert end.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert message in end.details
+        assert relay.finished("ok").usage.completion_tokens == 3  # the stream goes on
+        await w.assert_no_leak()
+        relay.call.cancel()
+
+
+async def test_a_second_start_of_a_running_id_is_refused_and_the_first_goes_on():
+    async with running_worker(paced()) as w:
+        relay = Relay(w.stub)
+        await relay.open()
+        await relay.call.write(pb.RelayRequest(starts=[start("r1", 20), start("r1", 3)]))
+        await relay.read_until(lambda: relay.ends("r1") and relay.finished("r1"))
+        (end,) = relay.ends("r1")
+        assert end.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert "'r1' is already in flight here" in end.details
+        assert relay.finished("r1").usage.completion_tokens == 20
+        relay.call.cancel()
+
+
+async def test_a_start_past_its_deadline_ends_deadline_exceeded_and_is_aborted():
+    async with running_worker(paced()) as w:
+        relay = Relay(w.stub)
+        await relay.open()
+        await relay.call.write(pb.RelayRequest(starts=[start("r1", 400, timeout_s=0.1)]))
+        await relay.read_until(lambda: relay.ends("r1"))
+        (end,) = relay.ends("r1")
+        assert end.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+        assert relay.responses("r1")  # it had started streaming
+        assert relay.finished("r1") is None
+        await w.assert_no_leak()
+        assert (await w.stats()).num_aborted == 1
+        relay.call.cancel()
+
+
+async def test_a_cancel_aborts_the_request_and_nothing_of_it_follows_the_ack():
+    async with running_worker(paced()) as w:
+        relay = Relay(w.stub)
+        await relay.open()
+        await relay.call.write(pb.RelayRequest(starts=[start("r1", 400)]))
+        await relay.read_until(lambda: relay.responses("r1"))
+        # the same id started again right after its cancel: a new request
+        await relay.call.write(pb.RelayRequest(cancels=["r1"], starts=[start("r1", 4)]))
+        await relay.read_until(lambda: relay.finished("r1"))
+        acked = next(i for i, b in enumerate(relay.batches) if "r1" in b.cancelled)
+        after = [t for b in relay.batches[acked:] for r in b.responses for t in r.chunk.token_ids]
+        assert len(after) == relay.finished("r1").usage.completion_tokens == 4
+        await w.assert_no_leak()
+        assert (await w.stats()).num_aborted == 1
+        # a cancel of an id not running is acknowledged too (it may have just ended)
+        await relay.call.write(pb.RelayRequest(cancels=["gone"]))
+        await relay.read_until(lambda: "gone" in relay.batches[-1].cancelled)
+        relay.call.cancel()
+
+
+async def test_the_streams_end_aborts_its_requests():
+    async with running_worker(paced()) as w:
+        relay = Relay(w.stub)
+        await relay.open()
+        await relay.call.write(pb.RelayRequest(starts=[start("r1", 400), start("r2", 400)]))
+        await relay.read_until(lambda: relay.responses("r1") and relay.responses("r2"))
+        relay.call.cancel()  # the router went away
+        await w.assert_no_leak()
+        assert (await w.stats()).num_aborted == 2
+        assert w.server.servicer.relays.outboxes == []
+
+
+async def test_a_draining_worker_ends_new_starts_unavailable():
+    async with running_worker() as w:
+        relay = Relay(w.stub)
+        await relay.open()
+        w.server.servicer.refuse_new_requests()
+        await relay.call.write(pb.RelayRequest(starts=[start("r1", 4)]))
+        await relay.read_until(lambda: relay.ends("r1"))
+        (end,) = relay.ends("r1")
+        assert end.code == grpc.StatusCode.UNAVAILABLE.value[0]
+        assert "shutting down" in end.details
+        relay.call.cancel()
