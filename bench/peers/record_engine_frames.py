@@ -436,7 +436,7 @@ def record_sglang(out: Path) -> None:
             sr.worker_step(cache, alloc, key)
 
         def step() -> None:
-            events = cache.kv_events.take()
+            events = sr.take_events(cache)
             if not events:
                 return
             publisher.publish(KVEventBatch(ts=time.time(), events=events))

@@ -169,6 +169,13 @@ def make_cache(pool_slots: int, page_size: int = 1, events: bool = False) -> tup
     return SG["RadixCache"](params), alloc
 
 
+def take_events(cache: Any) -> list[Any]:
+    """Drain the tree's queued KV events: ``kv_events.take()`` (0.5.23) or
+    ``take_events()`` (0.5.18, before the queue became an object of its own)."""
+    queue = getattr(cache, "kv_events", None)
+    return list(queue.take() if queue is not None else cache.take_events())
+
+
 def radix_key(tokens: Any) -> Any:
     ids = array("q")
     ids.frombytes(tokens.tobytes())
