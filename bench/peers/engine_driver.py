@@ -189,7 +189,7 @@ class SglangDriver:
         sr, cache = self.sr, self.cache
         key = sr.RadixKey(token_ids=array("q", act["tokens"]), cache_salt=act.get("salt"))
         m = self._match(key)
-        hit = m.device_prefix_len
+        hit, prefix = sr.matched(cache, m)
         cache.inc_lock_ref(m.last_device_node)  # the scheduler locks what it matched
         want = len(key) - hit
         new = self.alloc.alloc(want)
@@ -200,7 +200,7 @@ class SglangDriver:
             cache.dec_lock_ref(m.last_device_node)
             skipped.append({"id": act["id"], "why": "pool too small"})
             return
-        slots = sr.torch.cat((cache.path_device_indices(m.last_device_node)[:hit], new))
+        slots = sr.torch.cat((prefix, new))
         prefix_len = cache.insert(sr.InsertParams(key=key, value=slots)).prefix_len
         if prefix_len > hit:
             self.alloc.free(slots[hit:prefix_len])
