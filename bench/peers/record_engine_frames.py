@@ -399,12 +399,16 @@ def main() -> None:
 
 
 def record_sglang(out: Path) -> None:
+    import importlib
     from array import array
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from sglang.srt.disaggregation.kv_events import KVEventBatch, ZmqEventPublisher
+    # sglang_radix first: its import-time stubs let SGLang's modules import (0.5.18's
+    # package root imports torchvision).
+    from bench.peers import sglang_radix as sr
 
-    from bench.peers import sglang_radix as sr  # its import-time stubs and helpers
+    kv_events = importlib.import_module("sglang.srt.disaggregation.kv_events")
+    KVEventBatch, ZmqEventPublisher = kv_events.KVEventBatch, kv_events.ZmqEventPublisher
 
     with tempfile.TemporaryDirectory() as sockdir:
         endpoint, replay = f"ipc://{sockdir}/sg.pub", f"ipc://{sockdir}/sg.replay"
@@ -436,7 +440,7 @@ def record_sglang(out: Path) -> None:
             sr.worker_step(cache, alloc, key)
 
         def step() -> None:
-            events = cache.kv_events.take()
+            events = sr.take_events(cache)
             if not events:
                 return
             publisher.publish(KVEventBatch(ts=time.time(), events=events))

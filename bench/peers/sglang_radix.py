@@ -169,17 +169,32 @@ def make_cache(pool_slots: int, page_size: int = 1, events: bool = False) -> tup
     return SG["RadixCache"](params), alloc
 
 
+def take_events(cache: Any) -> list[Any]:
+    """Drain the tree's queued KV events: ``kv_events.take()`` (0.5.23) or
+    ``take_events()`` (0.5.18, before the queue became an object of its own)."""
+    queue = getattr(cache, "kv_events", None)
+    return list(queue.take() if queue is not None else cache.take_events())
+
+
 def radix_key(tokens: Any) -> Any:
     ids = array("q")
     ids.frombytes(tokens.tobytes())
     return RadixKey(token_ids=ids)
 
 
+def matched(cache: Any, result: Any) -> tuple[int, Any]:
+    """A match_prefix result's hit length and the matched slots: 0.5.23 reports the length
+    (``device_prefix_len``) and reads the slots off the path; 0.5.18 returns them
+    (``device_indices``)."""
+    if hasattr(result, "device_prefix_len"):
+        hit = result.device_prefix_len
+        return hit, cache.path_device_indices(result.last_device_node)[:hit]
+    return len(result.device_indices), result.device_indices
+
+
 def worker_step(cache: Any, alloc: Any, key: Any) -> None:
     """The step bench_radix_cache.worker_step does, in SGLang's API."""
-    hit_result = cache.match_prefix(MatchPrefixParams(key=key))
-    hit = hit_result.device_prefix_len
-    prefix = cache.path_device_indices(hit_result.last_device_node)[:hit]
+    hit, prefix = matched(cache, cache.match_prefix(MatchPrefixParams(key=key)))
     new = alloc.alloc(len(key) - hit)
     if new is None:
         raise RuntimeError("benchmark pool too small")

@@ -18,6 +18,8 @@ The wire (both engines, every version this module knows)::
     an event, positional array (vLLM <= 0.23, older SGLang):
         ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
          lora_id, medium, ...]                  (trailing default fields may be omitted)
+        SGLang (0.5.18) then has, for a salted store only, a map {"cache_salt": s} where
+        vLLM has lora_name
 
 Fields absent from a map, or past the end of an array, take their defaults. An event whose
 type this module does not know decodes to :class:`EngineUnknown` (the translator counts
@@ -147,6 +149,9 @@ _STORED_FIELDS = (
     "group_idx",
 )
 _REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
+# SGLang's array generation puts a salted store's ``metadata`` map ({"cache_salt": s}, its
+# BlockStoredWithMetadata) after ``medium``, where vLLM has ``lora_name``.
+_METADATA_AT = 1 + _STORED_FIELDS.index("lora_name")
 
 _decoder = msgspec.msgpack.Decoder()
 _encoder = msgspec.msgpack.Encoder()
@@ -245,6 +250,8 @@ def _decode_event(ev: Any, seq: int, index: int) -> EngineEvent:
         kind = ev[0]
         layout = {"BlockStored": _STORED_FIELDS, "BlockRemoved": _REMOVED_FIELDS}.get(kind, ())
         fields = dict(zip(layout, ev[1:], strict=False))  # newer trailing fields: ignored
+        if kind == "BlockStored" and len(ev) > _METADATA_AT and isinstance(ev[_METADATA_AT], dict):
+            fields = _sglang_metadata(fields, ev[_METADATA_AT], where)
     else:
         raise EngineWireError(
             f"{where} must be a tagged map or an array led by its type, got {ev!r:.80}"
@@ -262,6 +269,17 @@ def _decode_event(ev: Any, seq: int, index: int) -> EngineEvent:
             return EngineAllCleared()
         case _:
             return EngineUnknown(kind)
+
+
+def _sglang_metadata(fields: dict[str, Any], meta: dict[Any, Any], where: str) -> dict[str, Any]:
+    """The fields of an SGLang array-generation store that carries ``metadata``: its salt
+    becomes ``cache_salt``; nothing of vLLM's layout follows it."""
+    fields = {k: v for k, v in fields.items() if k in _STORED_FIELDS[: _METADATA_AT - 1]}
+    salt = meta.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise EngineWireError(f"{where}: metadata.cache_salt must be str or nil, got {salt!r:.40}")
+    fields["cache_salt"] = salt
+    return fields
 
 
 def _stored(fields: dict[str, Any], where: str) -> EngineBlockStored:

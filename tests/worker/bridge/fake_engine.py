@@ -1,4 +1,5 @@
-"""A fake engine for the bridge's tests: the KV-event wire and an OpenAI completions API.
+"""A fake engine for the bridge's tests: the KV-event wire and an OpenAI completions API
+(or, ``kind="sglang"``, SGLang's ``/generate`` and its metric names).
 
 * Events: a ZMQ PUB (bound, or connected to a bridge that binds) publishing
   ``[topic, seq (8 bytes big-endian), msgpack [ts, events, dp_rank]]`` with tagged-map
@@ -51,6 +52,8 @@ class FakeEngine:
     completions: int = 0
     disconnects: int = 0  # streams whose client went away before the end
     bodies: list[dict[str, Any]] = field(default_factory=list)
+    kind: str = "vllm"  # "sglang": /generate and sglang:* metrics instead
+    incremental: bool = False  # SGLang's --incremental-streaming-output
 
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
@@ -71,6 +74,7 @@ class FakeEngine:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/generate", self._generate)
         self._runner = web.AppRunner(app)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -157,6 +161,16 @@ class FakeEngine:
         return web.json_response({"data": [{"id": self.model, "max_model_len": 1024}]})
 
     async def _metrics(self, request: web.Request) -> web.Response:
+        if self.kind == "sglang":
+            labels = f'{{model_name="{self.model}",tp_rank="0"}}'
+            text = (
+                f"# TYPE sglang:num_running_reqs gauge\nsglang:num_running_reqs{labels} 1.0\n"
+                f"# TYPE sglang:num_queue_reqs gauge\nsglang:num_queue_reqs{labels} 2.0\n"
+                f"# TYPE sglang:token_usage gauge\nsglang:token_usage{labels} 0.5\n"
+                "# TYPE sglang:max_total_num_tokens gauge\n"
+                f"sglang:max_total_num_tokens{labels} 4096.0\n"
+            )
+            return web.Response(text=text, content_type="text/plain")
         text = (
             "# TYPE vllm:num_requests_running gauge\n"
             f'vllm:num_requests_running{{model_name="{self.model}"}} 0.0\n'
@@ -195,6 +209,45 @@ class FakeEngine:
                 "prompt_tokens_details": {"cached_tokens": cached},
             }
             await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
+            await resp.write(b"data: [DONE]\n\n")
+        except (ConnectionResetError, asyncio.CancelledError):
+            self.disconnects += 1
+            raise
+        return resp
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        """SGLang's /generate: output_ids and text cumulative (or, ``incremental``, only the
+        new part), meta_info's completion_tokens the running total, finish_reason a map on
+        the last event."""
+        body = await request.json()
+        self.bodies.append(body)
+        ids = body.get("input_ids")
+        if not isinstance(ids, list) or not ids:
+            return web.json_response({"error": {"message": "input_ids required"}}, status=400)
+        self.completions += 1
+        events, cached = self.store_events(ids)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        n = int((body.get("sampling_params") or {}).get("max_new_tokens") or 4)
+        out: list[int] = []
+        try:
+            if events:
+                await self.publish(events)
+            for i in range(n):
+                out.append(ids[-1] + i + 1)
+                meta = {
+                    "prompt_tokens": len(ids),
+                    "completion_tokens": i + 1,
+                    "cached_tokens": cached,
+                    "finish_reason": {"type": "length", "length": n} if i == n - 1 else None,
+                }
+                chunk = {
+                    "text": f"t{i}" if self.incremental else "".join(f"t{j}" for j in range(i + 1)),
+                    "output_ids": out[-1:] if self.incremental else list(out),
+                    "meta_info": meta,
+                }
+                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                await asyncio.sleep(self.token_delay_s)
             await resp.write(b"data: [DONE]\n\n")
         except (ConnectionResetError, asyncio.CancelledError):
             self.disconnects += 1

@@ -22,7 +22,12 @@ SESSIONS = sorted(p.stem for p in FRAMES.glob("*.json"))
 
 
 def test_sessions_are_there() -> None:
-    assert {"vllm-0.32.0_b16", "vllm-0.23.0_b16", "sglang-0.5.23_page1"} <= set(SESSIONS)
+    assert {
+        "vllm-0.32.0_b16",
+        "vllm-0.23.0_b16",
+        "sglang-0.5.23_page1",
+        "sglang-0.5.18_page1",
+    } <= set(SESSIONS)
 
 
 @pytest.mark.parametrize("name", SESSIONS)
@@ -57,8 +62,11 @@ def test_vllm_maps_and_arrays_decode_alike(version: str) -> None:
     assert live[5].events == (EngineAllCleared(),)
 
 
-def test_sglang_one_token_pages_and_salt() -> None:
-    live = batches(load("sglang-0.5.23_page1"))
+@pytest.mark.parametrize("version", ["0.5.23", "0.5.18"])
+def test_sglang_one_token_pages_and_salt(version: str) -> None:
+    """0.5.23 sends tagged maps; 0.5.18 positional arrays, a salted store's salt in a
+    trailing metadata map: the same scenario decodes alike."""
+    live = batches(load(f"sglang-{version}_page1"))
     assert live[0].events[0] == EngineAllCleared()  # RadixCache announces its reset at start
     stored = live[0].events[1]
     assert isinstance(stored, EngineBlockStored)
@@ -92,6 +100,20 @@ def test_extra_trailing_fields_are_ignored() -> None:
     assert isinstance(batch, EngineBatch) and batch.dp_rank is None
     assert batch.events[0] == EngineBlockStored((1,), None, (5, 6), 2, medium="GPU", group_idx=0)
     assert batch.events[1] == EngineBlockRemoved((1,))
+
+
+def test_sglang_array_store_metadata() -> None:
+    """SGLang's array generation: a salted store carries {"cache_salt": s} after medium; an
+    unsalted one stops at medium."""
+    salted = ["BlockStored", [7], None, [5], 1, None, "GPU", {"cache_salt": "t"}]
+    plain = ["BlockStored", [8], 7, [6], 1, None, "GPU"]
+    batch = decode_frames(_frames([1.0, [salted, plain], 0]))
+    assert isinstance(batch, EngineBatch)
+    assert batch.events[0] == EngineBlockStored((7,), None, (5,), 1, medium="GPU", cache_salt="t")
+    assert batch.events[1] == EngineBlockStored((8,), 7, (6,), 1, medium="GPU")
+    bad = ["BlockStored", [7], None, [5], 1, None, "GPU", {"cache_salt": 3}]
+    with pytest.raises(EngineWireError, match=r"metadata\.cache_salt must be str"):
+        decode_frames(_frames([1.0, [bad]]))
 
 
 @pytest.mark.parametrize(

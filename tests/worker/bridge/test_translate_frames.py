@@ -21,6 +21,7 @@ from worker.bridge.engine_wire import EngineBatch, EngineBlockStored
 from worker.bridge.translate import EventTranslator, ReplayFrom, TranslatorConfig
 
 VLLM = ["0.32.0", "0.23.0"]
+SGLANG = ["0.5.23", "0.5.18"]  # tagged maps; positional arrays, the salt in a metadata map
 
 
 def make() -> tuple[EventTranslator, Announced]:
@@ -189,14 +190,16 @@ def test_held_batches_overflow() -> None:
     assert tr.stats().num_batches_lost == 1 and tr.stats().num_held_batches == 0
 
 
-def test_sglang_one_token_pages() -> None:
-    tr, seen = run_live("sglang-0.5.23_page1", expected_sglang)
+@pytest.mark.parametrize("version", SGLANG)
+def test_sglang_one_token_pages(version: str) -> None:
+    tr, seen = run_live(f"sglang-{version}_page1", expected_sglang)
     assert tr.stats().num_blocks == len(seen.blocks)
     assert tr.stats().dropped_unknown_parent == 0
 
 
-def test_sglang_salt_and_gap() -> None:
-    doc = load("sglang-0.5.23_page1")
+@pytest.mark.parametrize("version", SGLANG)
+def test_sglang_salt_and_gap(version: str) -> None:
+    doc = load(f"sglang-{version}_page1")
     live, replay = batches(doc), batches(doc, "replay")
     tr, seen = make()
     for b in live[:3]:

@@ -1,4 +1,4 @@
-"""``kvroute bridge``: put kvroute's router in front of a vLLM engine.
+"""``kvroute bridge``: put kvroute's router in front of a vLLM or SGLang engine.
 
 One bridge per engine, started beside it. Stable output for parent processes: once bound,
 exactly one line ``listening on HOST:PORT`` on stdout (then ``metrics on URL`` with
@@ -18,13 +18,14 @@ from edge.runtime import configure_logging, run_event_loop, stop_signals
 from edge.security_cli import HASH_KEY_ENV, ROUTER_TOKEN_ENV
 from kvroute_proto.hashing import set_hash_key
 from worker.bridge.service.events import EventSourceConfig
-from worker.bridge.service.server import BridgeConfig, BridgeServer
+from worker.bridge.service.server import ENGINES, BridgeConfig, BridgeServer
 
 log = logging.getLogger("kvroute.bridge")
 
 _USAGE = (
-    "%(prog)s --engine-url URL (--events ENDPOINT | --events-bind ENDPOINT)\n"
-    "       [--replay ENDPOINT] [--block-size B] [--host HOST] [--port PORT] [options]"
+    "%(prog)s [--engine vllm|sglang] --engine-url URL\n"
+    "       (--events ENDPOINT | --events-bind ENDPOINT) [--replay ENDPOINT]\n"
+    "       [--block-size B] [--host HOST] [--port PORT] [options]"
 )
 _EPILOG = """\
 example (a vLLM engine on this host, then a router in front of its bridge):
@@ -41,13 +42,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvroute bridge",
         usage=_USAGE,
-        description="Serve kvroute's Worker gRPC service for one vLLM engine: its KV events\n"
-        "(ZMQ) become kvroute's event stream, Generate/Abort go to its OpenAI completions\n"
-        "API with token-id prompts. Prints 'listening on HOST:PORT' on stdout once bound.",
+        description="Serve kvroute's Worker gRPC service for one vLLM or SGLang engine: its KV\n"
+        "events (ZMQ) become kvroute's event stream, Generate/Abort go to its HTTP API with\n"
+        "token-id prompts (vLLM /v1/completions, SGLang /generate). Prints 'listening on\n"
+        "HOST:PORT' on stdout once bound.",
         epilog=_EPILOG,
         formatter_class=RawDescriptionHelpFormatter,
     )
     g = p.add_argument_group("first start")
+    g.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="vllm",
+        help="the engine's kind: vllm (its /v1/completions, vllm:* metrics) or sglang (its "
+        "/generate with input_ids, sglang:* metrics with --enable-metrics)",
+    )
     g.add_argument(
         "--engine-url",
         metavar="URL",
@@ -156,6 +165,7 @@ def config_from_args(args: argparse.Namespace) -> BridgeConfig:
         max_running_requests=args.max_running,
         shutdown_grace_s=args.grace_s,
         router_token=args.router_token or None,
+        engine=args.engine,
     )
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -197,12 +197,15 @@ class EngineHttp:
         first = models[0]
         return EngineModel(str(first.get("id", "")), int(first.get("max_model_len") or 0), first)
 
-    async def open_completion(self, body: dict[str, Any]) -> aiohttp.ClientResponse:
-        """POST the completion; the response once its headers arrived (ServiceError when the
-        engine refuses or cannot be reached). The caller reads it with :func:`events` and
-        must release it (closing it aborts the request on the engine)."""
+    async def open_completion(
+        self, body: dict[str, Any], path: str = "/v1/completions"
+    ) -> aiohttp.ClientResponse:
+        """POST the completion (SGLang: ``path`` /generate); the response once its headers
+        arrived (ServiceError when the engine refuses or cannot be reached). The caller reads
+        it with :func:`events` and must release it (closing it aborts the request on the
+        engine)."""
         try:
-            resp = await self._http().post(self.base_url + "/v1/completions", json=body)
+            resp = await self._http().post(self.base_url + path, json=body)
         except (aiohttp.ClientError, OSError) as exc:
             raise Unavailable(f"the engine at {self.base_url} cannot be reached: {exc}") from None
         if resp.status >= 400:
@@ -214,8 +217,11 @@ class EngineHttp:
         return resp
 
 
-async def events(resp: aiohttp.ClientResponse) -> AsyncIterator[Completion]:
-    """The completions of one streamed response, until ``[DONE]`` or its end."""
+async def events(
+    resp: aiohttp.ClientResponse, parse: Callable[[str], Completion | None] = parse_event
+) -> AsyncIterator[Completion]:
+    """The completions of one streamed response, until ``[DONE]`` or its end (``parse``:
+    one ``data:`` payload; SGLang's is :class:`.engine_sglang.SglangStream`'s)."""
     n = 0
     async for raw in resp.content:
         line = raw.decode("utf-8", "replace").strip()
@@ -224,7 +230,7 @@ async def events(resp: aiohttp.ClientResponse) -> AsyncIterator[Completion]:
         n += 1
         if n > MAX_SSE_EVENTS:
             raise Unavailable(f"the engine sent more than {MAX_SSE_EVENTS} stream events")
-        event = parse_event(line[len("data:") :].strip())
+        event = parse(line[len("data:") :].strip())
         if event is None:
             return
         yield event

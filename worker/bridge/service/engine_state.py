@@ -10,6 +10,7 @@ bridge forwarded itself.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -74,8 +75,10 @@ class EngineState:
         block_size: int,
         *,
         max_running_requests: int = 0,
+        parse_metrics: Callable[[str], EngineLoad | None] | None = None,
     ) -> None:
         self.engine = engine
+        self.parse_metrics = parse_metrics or parse_vllm_metrics
         self.worker_id = worker_id
         self.block_size = block_size
         self.model_name = ""
@@ -116,7 +119,7 @@ class EngineState:
             return
         self.engine_up = True
         try:
-            self.load = parse_vllm_metrics(text)
+            self.load = self.parse_metrics(text)
         except ValueError as exc:
             self.load = None
             self.last_error = f"unreadable /metrics: {exc}"

@@ -34,6 +34,7 @@ from edge.malformed import MalformedRequestInterceptor
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
 from worker.bridge.service.engine_http import EngineHttp
+from worker.bridge.service.engine_sglang import parse_sglang_metrics
 from worker.bridge.service.engine_state import EngineState
 from worker.bridge.service.events import EngineEventFollower, EventHub, EventSourceConfig
 from worker.bridge.service.servicer import BridgeServicer
@@ -41,6 +42,7 @@ from worker.bridge.translate import EventTranslator, TranslatorConfig
 
 log = logging.getLogger("kvroute.bridge.server")
 
+ENGINES = ("vllm", "sglang")
 WORKER_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Worker"].full_name
 _DRAIN_POLL_S = 0.05
 
@@ -61,6 +63,7 @@ class BridgeConfig:
     max_running_requests: int = 0  # the engine's --max-num-seqs, if the user says (0: unknown)
     shutdown_grace_s: float = 5.0
     router_token: str | None = None  # Worker-service calls must bear it (None: open)
+    engine: str = "vllm"  # the engine's kind: vllm (/v1/completions) or sglang (/generate)
 
     def __post_init__(self) -> None:
         if not self.engine_url.startswith(("http://", "https://")):
@@ -74,6 +77,8 @@ class BridgeConfig:
             raise ValueError(f"--load-interval-s must be > 0, got {self.load_interval_s}")
         if not self.worker_id:
             raise ValueError("--worker-id must not be empty")
+        if self.engine not in ENGINES:
+            raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
 
 
 class BridgeServer:
@@ -93,11 +98,13 @@ class BridgeServer:
             config.worker_id,
             config.block_size,
             max_running_requests=config.max_running_requests,
+            parse_metrics=parse_sglang_metrics if config.engine == "sglang" else None,
         )
         self.servicer = BridgeServicer(
             self.engine,
             self.state,
             self.hub,
+            config.engine,
         )
         self.health = HealthServicer()
         self._server: grpc.aio.Server | None = None

@@ -25,7 +25,8 @@ from edge.frontdoor import BadRequest, ServiceError, Unavailable
 from edge.limits import RequestLimits
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
-from worker.bridge.service.engine_http import EngineHttp, completion_body, events
+from worker.bridge.service.engine_http import EngineHttp, completion_body, events, parse_event
+from worker.bridge.service.engine_sglang import SglangStream, generate_body
 from worker.bridge.service.engine_state import EngineState
 from worker.bridge.service.events import EventHub
 from worker.service.engine_runner import SubscriberOverflowError
@@ -51,8 +52,10 @@ class BridgeServicer(pb_grpc.WorkerServicer):
         engine: EngineHttp,
         state: EngineState,
         hub: EventHub,
+        engine_kind: str = "vllm",
     ) -> None:
         self.engine = engine
+        self.engine_kind = engine_kind  # "vllm": /v1/completions; "sglang": /generate
         self.state = state
         self.hub = hub
         self.inflight: dict[str, InFlight] = {}
@@ -108,12 +111,16 @@ class BridgeServicer(pb_grpc.WorkerServicer):
             raise BadRequest(f"request_id: {rid!r} is already in flight", param="request_id")
         if not self.state.model_name:
             raise Unavailable(f"the engine at {self.engine.base_url} has not answered yet")
+        if self.engine_kind == "sglang":
+            return generate_body(request)
         return completion_body(request, self.state.model_name)
 
     async def _stream(
         self, rid: str, body: dict[str, object], entry: InFlight
     ) -> AsyncIterator[pb.GenerateResponse]:
-        resp = await self.engine.open_completion(body)
+        sglang = self.engine_kind == "sglang"
+        resp = await self.engine.open_completion(body, "/generate" if sglang else "/v1/completions")
+        parse = SglangStream().parse if sglang else parse_event
         entry.resp = resp
         if entry.aborted:  # aborted while the engine was answering
             resp.close()
@@ -121,7 +128,7 @@ class BridgeServicer(pb_grpc.WorkerServicer):
         usage: pb.Usage | None = None
         generated = 0
         try:
-            async for ev in events(resp):
+            async for ev in events(resp, parse):
                 usage = ev.usage or usage
                 if ev.token_ids or ev.text:
                     entry.started = True
