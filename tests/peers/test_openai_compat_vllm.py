@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.e2e_procs import ROOT, _read_until_listening, procs
+from tests.peers import stop
 from tests.peers.compat_cases import (
     CASES,
     CHAT,
@@ -139,12 +140,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
                 version = json.loads(r.read())["version"]
             yield {"vllm": vllm, "kvroute": kvroute, "version": version, "model": str(model)}
     finally:
-        engine.terminate()
-        try:
-            engine.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            engine.kill()
-            engine.wait(timeout=30)
+        stop(engine)
 
 
 def send(base: str, path: str, request: dict[str, object]) -> Outcome:

@@ -26,6 +26,7 @@ import pytest
 
 from router.cli.client import GenerateOptions, RouterClient
 from tests.e2e.e2e_procs import ROOT, procs
+from tests.peers import stop
 
 pytestmark = [pytest.mark.peer, pytest.mark.timeout(900)]
 
@@ -100,12 +101,7 @@ def vllm_engine(vllm_python: Path, tiny_model: Path, tmp_path: Path) -> Iterator
             "pid": str(proc.pid),
         }
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
+        stop(proc)
 
 
 def _wait_healthy(url: str, log: Path, timeout_s: float) -> float:

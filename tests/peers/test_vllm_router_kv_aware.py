@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.e2e_procs import ROOT, procs
+from tests.peers import stop
 
 pytestmark = [pytest.mark.peer, pytest.mark.timeout(300)]
 
@@ -129,9 +130,4 @@ def test_vllm_router_kv_aware_routes_to_the_kvroute_worker_holding_the_prefix(tm
             credits = [ln for ln in plain.splitlines() if "credited_prefix" in ln]
             assert routed == want, (routed, credits[-4:])
         finally:
-            router.terminate()
-            try:
-                router.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                router.kill()
-                router.wait(timeout=20)
+            stop(router, timeout=20)

@@ -116,9 +116,9 @@ def completion_body(request: pb.GenerateRequest, model: str) -> dict[str, Any]:
     return body
 
 
-def parse_event(data: str) -> Completion | None:
-    """One SSE ``data:`` payload; None for ``[DONE]``. Raises Unavailable when it is not
-    a completions chunk."""
+def decode_event(data: str) -> dict[str, Any] | None:
+    """One SSE ``data:`` payload as a JSON object; None for ``[DONE]``. Raises Unavailable
+    when it is not an object, or when it carries the engine's ``error``."""
     if data == "[DONE]":
         return None
     try:
@@ -131,6 +131,15 @@ def parse_event(data: str) -> Completion | None:
         raise Unavailable(f"the engine sent a stream event that is not an object: {data[:80]!r}")
     if "error" in chunk:
         raise Unavailable(f"the engine failed the request: {chunk['error']}")
+    return chunk
+
+
+def parse_event(data: str) -> Completion | None:
+    """One SSE ``data:`` payload; None for ``[DONE]``. Raises Unavailable when it is not
+    a completions chunk."""
+    chunk = decode_event(data)
+    if chunk is None:
+        return None
     usage = _usage(chunk.get("usage"))
     choices = chunk.get("choices") or []
     if not choices:

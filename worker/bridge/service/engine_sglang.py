@@ -21,14 +21,13 @@ Load: SGLang's ``/metrics`` (``--enable-metrics``): ``sglang:num_running_reqs``,
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from edge.frontdoor import Unavailable
 from kvroute_proto import kvroute_pb2 as pb
-from worker.bridge.service.engine_http import Completion, completion_body
+from worker.bridge.service.engine_http import Completion, completion_body, decode_event
 from worker.bridge.service.engine_state import EngineLoad
 
 __all__ = ["SglangStream", "generate_body", "parse_sglang_metrics"]
@@ -84,20 +83,9 @@ class SglangStream:
     def parse(self, data: str) -> Completion | None:
         """One SSE ``data:`` payload; None for ``[DONE]``. Raises Unavailable when it is not
         a /generate event."""
-        if data == "[DONE]":
+        chunk = decode_event(data)
+        if chunk is None:
             return None
-        try:
-            chunk = json.loads(data)
-        except json.JSONDecodeError:
-            raise Unavailable(
-                f"the engine sent a stream event that is not JSON: {data[:80]!r}"
-            ) from None
-        if not isinstance(chunk, dict):
-            raise Unavailable(
-                f"the engine sent a stream event that is not an object: {data[:80]!r}"
-            )
-        if "error" in chunk:
-            raise Unavailable(f"the engine failed the request: {chunk['error']}")
         meta = chunk.get("meta_info")
         ids = chunk.get("output_ids")
         if not isinstance(meta, dict) or not isinstance(ids, list):
