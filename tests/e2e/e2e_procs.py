@@ -10,6 +10,9 @@ import signal
 import subprocess
 import sys
 import threading
+import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -159,3 +162,17 @@ def run_up(*args: str, workers: int = 1, timeout: float = 60) -> subprocess.Comp
         timeout=timeout,
         stdin=subprocess.DEVNULL,
     )
+
+
+def wait_healthy(url: str, timeout: float = 30.0) -> None:
+    """GET ``url``/health until 200 (a router connects to its workers after it listens)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except urllib.error.HTTPError as exc:
+            if exc.code != 503 or time.monotonic() > deadline:
+                raise
+        time.sleep(0.05)  # another process: nothing to await

@@ -11,26 +11,12 @@ import urllib.request
 
 import openai
 import pytest
-from e2e_procs import procs
+from e2e_procs import procs, wait_healthy
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
 MODEL = "kvroute-tiny"
 SYSTEM = "You are a helpful support agent for ExampleCorp. Answer briefly and politely. "
-
-
-def _wait_healthy(url: str, timeout: float = 30.0) -> None:
-    """GET /health until 200 (the router connects to its workers after it listens)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except urllib.error.HTTPError as exc:
-            if exc.code != 503 or time.monotonic() > deadline:
-                raise
-        time.sleep(0.05)  # another process: nothing to await
 
 
 def test_openai_client_against_kvroute_up():
@@ -42,7 +28,7 @@ def test_openai_client_against_kvroute_up():
         )
         url = up.address
         assert url.startswith("http://127.0.0.1:")
-        _wait_healthy(url)
+        wait_healthy(url)
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         try:
             assert [m.id for m in client.models.list().data] == [MODEL]
@@ -93,7 +79,7 @@ def test_worker_process_serves_http_and_stops_cleanly():
             time.sleep(0.05)  # another process: nothing to await
         line = next(x for x in worker.lines if x.startswith("http listening on "))
         url = "http://" + line.split()[-1]
-        _wait_healthy(url)
+        wait_healthy(url)
         body = json.dumps({"text": "Hello", "sampling_params": {"max_new_tokens": 3}}).encode()
         request = urllib.request.Request(
             url + "/generate", data=body, headers={"Content-Type": "application/json"}

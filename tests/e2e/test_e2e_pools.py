@@ -7,15 +7,12 @@ as Explain shows."""
 from __future__ import annotations
 
 import asyncio
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import grpc
 import openai
 import pytest
-from e2e_procs import procs, until
+from e2e_procs import procs, until, wait_healthy
 
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
@@ -23,19 +20,6 @@ from kvroute_proto import kvroute_pb2_grpc as pb_grpc
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 PROMPT = "Pools keep one prefix index per model. " * 6  # byte tokenizer: 234 tokens
-
-
-def _wait_healthy(url: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except urllib.error.HTTPError as exc:
-            if exc.code != 503 or time.monotonic() > deadline:
-                raise
-        time.sleep(0.05)  # another process: nothing to await
 
 
 async def _explain(stub: pb_grpc.RouterStub, model: str, prompt: str) -> pb.ExplainResponse:
@@ -115,7 +99,7 @@ def test_a_router_serves_two_models_each_by_its_own_index(tmp_path: Path) -> Non
         http = router.address  # the HTTP front's (the marker's line)
         grpc_address = next(x for x in router.lines if x.startswith("listening on ")).split()[-1]
         url = f"http://{http}" if not http.startswith("http") else http
-        _wait_healthy(url)
+        wait_healthy(url)
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         try:
             assert [m.id for m in client.models.list().data] == ["alpha", "beta"]
