@@ -40,7 +40,7 @@ from aiohttp import web
 from edge import openai_api as oa
 from edge.auth import AUTHENTICATED_TENANT
 from edge.frontdoor import CallInfo, GenerationBackend, Internal, ServiceError
-from edge.http_n import serve_n
+from edge.http_n import serve_n, start_sse
 from edge.openai_params import in_public_terms
 from edge.tls import ServerTls
 from kvroute_proto import kvroute_pb2 as pb
@@ -134,14 +134,6 @@ async def closing(it: AsyncIterator[pb.GenerateResponse]):
             await aclose()
 
 
-async def start_sse(request: web.Request, headers: dict[str, str]) -> web.StreamResponse:
-    resp = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers}
-    )
-    await resp.prepare(request)
-    return resp
-
-
 # ---- the OpenAI routes -------------------------------------------------------------------
 
 
@@ -180,27 +172,33 @@ async def _generate(request: web.Request, kind: oa.Kind) -> web.StreamResponse:
         # overload, no worker) is then a plain HTTP error, not an error event.
         first = await anext(messages, None)
         resp = await start_sse(request, {REQUEST_ID_HEADER: rid})
+        # One socket write per relayed message: its events joined; the last ones leave
+        # with the end of the stream.
+        events: list[bytes] = []
+        if kind == "chat":
+            events.append(oa.sse_event(oa.delta_chunk(out, model, created, "", first=True)))
         try:
-            if kind == "chat":
-                await resp.write(oa.sse_event(oa.delta_chunk(out, model, created, "", first=True)))
             deltas = oa.DeltaEvents(out, model, created)
             msg = first
             while msg is not None:
                 text = out.push(msg)
                 if text:
-                    await resp.write(deltas.event(text))
+                    events.append(deltas.event(text))
                 elif text is None:
-                    await resp.write(oa.sse_event(oa.finish_chunk(out, model, created)))
+                    events.append(oa.sse_event(oa.finish_chunk(out, model, created)))
                     if api.include_usage:
-                        await resp.write(oa.sse_event(oa.usage_chunk(out, model, created)))
+                        events.append(oa.sse_event(oa.usage_chunk(out, model, created)))
+                if events and out.finished is None:
+                    await resp.write(b"".join(events))
+                    events.clear()
                 msg = await anext(messages, None)
             if out.finished is None:
                 raise Internal("the backend's stream ended without a Finished message")
         except ServiceError as exc:
             log.info("request %s failed mid-stream: %s", rid, exc.message)
-            await resp.write(oa.sse_event(oa.error_body(exc)))
-        await resp.write(oa.SSE_DONE)
-        await resp.write_eof()
+            events.append(oa.sse_event(oa.error_body(exc)))
+        events.append(oa.SSE_DONE)
+        await resp.write_eof(b"".join(events))
         return resp
 
 

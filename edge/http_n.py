@@ -36,6 +36,22 @@ def choice_requests(api: oa.ApiRequest) -> list[oa.ApiRequest]:
     return out
 
 
+class EventStream(web.StreamResponse):
+    """An SSE response whose headers leave with its first event: aiohttp sends a
+    StreamResponse's headers at ``prepare`` (one socket write of their own) unless told
+    otherwise, and a write is a system call on the time to first token."""
+
+    _send_headers_immediately = False
+
+
+async def start_sse(request: web.Request, headers: dict[str, str]) -> web.StreamResponse:
+    resp = EventStream(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers}
+    )
+    await resp.prepare(request)
+    return resp
+
+
 async def merged(
     backend: GenerationBackend, apis: list[oa.ApiRequest], call: CallInfo
 ) -> AsyncGenerator[tuple[int, pb.GenerateResponse], None]:
@@ -104,16 +120,12 @@ async def serve_n(
                 body=oa.dumps(body), content_type="application/json", headers=headers
             )
         first = await anext(messages, None)  # a refusal is a plain HTTP error
-        resp = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers}
-        )
-        await resp.prepare(request)
+        resp = await start_sse(request, headers)
         try:
             await _stream(resp, api, outs, first, messages, model, created)
         except ServiceError as exc:
             await resp.write(oa.sse_event(oa.error_body(exc)))
-        await resp.write(oa.SSE_DONE)
-        await resp.write_eof()
+        await resp.write_eof(oa.SSE_DONE)
         return resp
 
 

@@ -210,8 +210,7 @@ class WorkerHttpRoutes:
                     msg = await anext(messages, None)
             except ServiceError as exc:
                 await resp.write(oa.sse_event(oa.error_body(exc)))
-            await resp.write(oa.SSE_DONE)
-            await resp.write_eof()
+            await resp.write_eof(oa.SSE_DONE)
             return resp
 
 
