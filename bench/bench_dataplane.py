@@ -6,13 +6,14 @@
     python -m bench.bench_dataplane --seconds 12 --json out/dataplane.json
 
 Two ``kvroute worker --executor sim --sim-speedup 1000`` processes (the step cost is near
-zero, so the front is the limit), then, one front after another on the same workers: the load
-sent to one worker's HTTP API directly; ``kvroute router`` over HTTP / SSE; the same router
-over gRPC (``Router.Generate``); ``kvroute router --processes 2`` over HTTP; sglang-router
-0.3.2 round robin when ``.peers/sglang`` exists (``--no-peer`` leaves it out). The load:
-``--concurrency`` (64) closed-loop streams, each a fresh ``--prompt-tokens`` (128) character
-text prompt (one token per byte: the sim workers' byte tokenizer) asking for ``--max-tokens``
-(256) tokens with ``ignore_eos``.
+zero, so the front is the limit), then, one front after another on the same workers: the
+load split evenly over the workers' own HTTP APIs (the floor the fronts are compared with);
+``kvroute router`` over HTTP / SSE; the same router over gRPC (``Router.Generate``);
+``kvroute router --processes 2`` over HTTP; sglang-router 0.3.2 round robin when
+``.peers/sglang`` exists (``--no-peer`` leaves it out). The load: ``--concurrency`` (64)
+closed-loop streams, each a fresh ``--prompt-tokens`` (128) character text prompt (one token
+per byte: the sim workers' byte tokenizer) asking for ``--max-tokens`` (256) tokens with
+``ignore_eos``.
 
 Per front: output tokens/s received by the client over the measured window (after a warm-up),
 the front's CPU seconds in that window (utime + stime of the front's process and its
@@ -147,15 +148,16 @@ async def _http_stream(session: aiohttp.ClientSession, url: str, body: dict, tal
     tally.add_request(started, first, time.perf_counter(), tokens, messages)
 
 
-async def run_http(url: str, load: Load, tally: Tally, seed: int) -> None:
-    """Closed-loop streamed completions against an OpenAI HTTP front at ``url`` until the
-    end of ``tally``'s window."""
+async def run_http(url: str | list[str], load: Load, tally: Tally, seed: int) -> None:
+    """Closed-loop streamed completions against an OpenAI HTTP front at ``url`` (a list:
+    the streams split evenly over them) until the end of ``tally``'s window."""
+    urls = [url] if isinstance(url, str) else url
     rng = random.Random(seed)
     connector = aiohttp.TCPConnector(limit=load.concurrency)
     timeout = aiohttp.ClientTimeout(total=120)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
 
-        async def loop() -> None:
+        async def loop(base: str) -> None:
             while time.perf_counter() < tally.t1:
                 body = {
                     "model": "kvroute-tiny",
@@ -166,11 +168,11 @@ async def run_http(url: str, load: Load, tally: Tally, seed: int) -> None:
                     "stream_options": {"include_usage": True},
                 }
                 try:
-                    await _http_stream(session, url + "/v1/completions", body, tally)
+                    await _http_stream(session, base + "/v1/completions", body, tally)
                 except aiohttp.ClientError:
                     tally.errors += 1
 
-        await asyncio.gather(*(loop() for _ in range(load.concurrency)))
+        await asyncio.gather(*(loop(urls[i % len(urls)]) for i in range(load.concurrency)))
 
 
 async def run_grpc(address: str, load: Load, tally: Tally, seed: int) -> None:
@@ -328,9 +330,11 @@ def stop(proc: subprocess.Popen) -> None:
 async def run_fronts(args: argparse.Namespace, fleet: Fleet, logs: Path) -> list[dict]:
     load = Load(args.concurrency, args.prompt_tokens, args.max_tokens, args.warmup_s, args.seconds)
     rows = []
-    direct = fleet.http_urls[0]
-    await wait_ready(direct)
-    rows.append(await measure("direct: one worker's HTTP API", None, load, _http(direct, load)))
+    for url in fleet.http_urls:
+        await wait_ready(url)
+    # the floor: the same streams split evenly over the workers' own HTTP APIs
+    label = "direct: the workers' HTTP APIs"
+    rows.append(await measure(label, None, load, _http(fleet.http_urls, load)))
     for processes in args.processes:
         proc, address, url = start_router(fleet, args.policy, processes, logs)
         try:
@@ -353,7 +357,7 @@ async def run_fronts(args: argparse.Namespace, fleet: Fleet, logs: Path) -> list
     return rows
 
 
-def _http(url: str, load: Load):
+def _http(url: str | list[str], load: Load):
     return lambda tally: run_http(url, load, tally, seed=1)
 
 

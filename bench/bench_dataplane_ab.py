@@ -1,12 +1,12 @@
 """The data plane, A/B in the same window: a base checkout's router against this one's.
 
-On a box other jobs load, fronts measured one after the other see different loads; here
-both routers (and the direct path) serve the same closed-loop load *at the same time*, in
-front of the same two sim workers (this checkout's; a worker serves a router of decision
-0033 as before), so the box's load falls on both alike. Per concurrency and front door
-(HTTP/SSE, gRPC), each round runs: direct to a worker's HTTP API, the base router, and this
-checkout's router, each with ``--concurrency`` streams, in one window; it reports each
-router's tokens per CPU-second and TTFT p50 (and their excess over the direct path's).
+On a box other jobs load, fronts measured one after the other see different loads; here both
+routers (and the direct path) serve the same closed-loop load *at the same time*, in front
+of the same two sim workers (this checkout's; a worker serves a router of decision 0033 as
+before), so the box's load falls on both alike. Per concurrency and front door (HTTP/SSE,
+gRPC), each round runs: direct to the workers' HTTP APIs (split evenly), the base router,
+and this checkout's router, each with ``--concurrency`` streams, in one window; it reports
+each router's tokens per CPU-second and TTFT p50 (and their excess over the direct path's).
 
     git worktree add /tmp/base BASE_COMMIT
     python -m bench.bench_dataplane_ab --base /tmp/base --concurrency 1 8 64
@@ -112,7 +112,7 @@ async def run(args: argparse.Namespace, logs: Path) -> list[dict]:
                     make = _http if door == "HTTP/SSE" else _grpc
                     at = 2 if door == "HTTP/SSE" else 1
                     fronts = [
-                        ("direct", None, _http(fleet.http_urls[0], load)),
+                        ("direct", None, _http(fleet.http_urls, load)),
                         (f"base {door}", base[0].pid, make(base[at], load)),
                         (f"this {door}", this[0].pid, make(this[at], load)),
                     ]

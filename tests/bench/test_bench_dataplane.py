@@ -90,3 +90,46 @@ def test_the_ab_bench_names_a_checkouts_commit(tmp_path):
     assert _commit(tmp_path) == head.stdout.strip()
     (tmp_path / "f").write_text("b")
     assert _commit(tmp_path) == head.stdout.strip() + "+"
+
+
+def test_the_direct_floor_splits_the_streams_over_the_workers() -> None:
+    """run_http given several URLs sends each closed-loop stream to one of them, evenly."""
+    import asyncio
+
+    from aiohttp import web
+
+    from bench.bench_dataplane import Load, run_http
+
+    async def scenario() -> list[int]:
+        counts = [0, 0]
+        runners = []
+        for i in range(2):
+
+            async def completions(request: web.Request, i: int = i) -> web.StreamResponse:
+                counts[i] += 1
+                resp = web.StreamResponse()
+                await resp.prepare(request)
+                await resp.write(b'data: {"choices":[{"finish_reason":null}]}\n\n')
+                usage = b'data: {"choices":[],"usage":{"completion_tokens":1}}\n\n'
+                await resp.write_eof(usage)
+                return resp
+
+            app = web.Application()
+            app.router.add_post("/v1/completions", completions)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            runners.append(runner)
+        urls = [f"http://127.0.0.1:{r.addresses[0][1]}" for r in runners]
+        tally = Tally(t0=time.perf_counter(), t1=time.perf_counter() + 0.3)
+        try:
+            await run_http(urls, Load(concurrency=4, max_tokens=1), tally, seed=1)
+        finally:
+            for runner in runners:
+                await runner.cleanup()
+        assert tally.errors == 0
+        return counts
+
+    counts = asyncio.run(scenario())
+    assert min(counts) > 0 and max(counts) <= 2 * min(counts) + 2
