@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from itertools import chain, repeat
 
 import numpy as np
 
@@ -447,18 +448,30 @@ class EventTranslator:
         if not k:
             return
         tokens = ev.token_ids[: k * ebs]
-        if tokens and (min(tokens) < 0 or max(tokens) > MAX_TOKEN_ID):
+        run = tail + tokens
+        try:
+            wide = np.array(run, dtype=np.int64)
+        except OverflowError:  # an id past int64
+            wide = None
+        if wide is None or wide.min() < 0 or wide.max() > MAX_TOKEN_ID:
             self._counts.add("dropped_malformed", k)
             return
-        run = tail + tokens
+        packed = wide.astype(TOKEN_DTYPE)
+        raw = packed.tobytes()  # our block j's tokens: raw[j * width : (j + 1) * width]
+        width = bs * packed.itemsize
         seed = partition.seed if last is None else unfmix64(last)
-        ours: list[BlockHash] = block_hashes(
-            np.asarray(run, dtype=np.uint32), bs, seed, validate=False
-        ).tolist()
+        ours: list[BlockHash] = block_hashes(packed, bs, seed, validate=False).tolist()
         first_index = (start - len(tail)) // bs  # chain index of ours[0]
+        engine = ev.block_hashes[:k]
+        if self._all_new(engine, ours):
+            self._store_new(
+                engine, ebs, run, len(tail), ours, last, partition, raw, start, first_index
+            )
+            self._announce(list(range(len(ours))), ours, last, partition, raw, out)
+            return
         new: list[int] = []  # positions in ``ours`` that became held
         done = 0  # our blocks assigned to an engine block so far
-        for i, h in enumerate(ev.block_hashes[:k]):
+        for i, h in enumerate(engine):
             end = len(tail) + (i + 1) * ebs  # offset in ``run`` of engine block i's end
             num_ours = end // bs
             owned = ours[done:num_ours]
@@ -481,11 +494,67 @@ class EventTranslator:
                         o.refs += 1
                         continue
                     parent_hash = ours[j - 1] if j else last
-                    tok = np.asarray(run[j * bs : (j + 1) * bs], dtype=TOKEN_DTYPE).tobytes()
+                    tok = raw[j * width : (j + 1) * width]
                     self._ours[ours[j]] = _Ours(1, parent_hash, tok, partition, first_index + j)
                     new.append(j)
             done = num_ours
-        self._announce(new, ours, last, partition, out)
+        self._announce(new, ours, last, partition, raw, out)
+
+    def _all_new(self, engine: tuple[EngineHash, ...], ours: list[BlockHash]) -> bool:
+        """No engine block of the run held yet, nor any of ours (no duplicates within it
+        either): the common case, taken a run at a time."""
+        return (
+            self._chains.keys().isdisjoint(engine)
+            and self._ours.keys().isdisjoint(ours)
+            and len(set(engine)) == len(engine)
+            and len(set(ours)) == len(ours)
+        )
+
+    def _store_new(
+        self,
+        engine: tuple[EngineHash, ...],
+        ebs: int,
+        run: tuple[int, ...],
+        tail_len: int,
+        ours: list[BlockHash],
+        last: BlockHash | None,
+        partition: Partition,
+        raw: bytes,
+        start: int,
+        first_index: int,
+    ) -> None:
+        """:meth:`_store`'s loop when every block of the run is new (the common case),
+        each map built without a Python loop body: engine block i ends at offset
+        ``end = tail_len + (i + 1) * ebs`` of ``run`` and owns our blocks
+        ``[n(i - 1), n(i))``, ``n(i) = end // B``; its chain state is the last of ours it
+        reaches and the tokens past it."""
+        bs = self.config.block_size
+        k, m = len(engine), len(ours)
+        ends = range(tail_len + ebs, tail_len + (k + 1) * ebs, ebs)
+        ns = [end // bs for end in ends]
+        chains = map(
+            _Chain,
+            repeat(1),
+            repeat(partition),
+            [ours[n - 1] if n else last for n in ns],
+            map(tuple, map(run.__getitem__, map(slice, [n * bs for n in ns], ends))),
+            range(start + ebs, start + (k + 1) * ebs, ebs),
+            map(tuple, map(ours.__getitem__, map(slice, chain((0,), ns), ns))),
+        )
+        self._chains.update(zip(engine, chains, strict=True))
+        width = bs * TOKEN_DTYPE.itemsize
+        blocks = map(
+            _Ours,
+            repeat(1),
+            chain((last,), ours),
+            map(
+                raw.__getitem__,
+                map(slice, range(0, m * width, width), range(width, m * width + 1, width)),
+            ),
+            repeat(partition),
+            range(first_index, first_index + m),
+        )
+        self._ours.update(zip(ours, blocks))  # noqa: B905 (parents: one more than ours)
 
     def _announce(
         self,
@@ -493,9 +562,12 @@ class EventTranslator:
         ours: list[BlockHash],
         last: BlockHash | None,
         partition: Partition,
+        raw: bytes,
         out: list[KvEvent],
     ) -> None:
-        """BlockStored runs of consecutive newly held blocks."""
+        """BlockStored runs of consecutive newly held blocks (``raw``: ``ours``' tokens,
+        packed)."""
+        width = self.config.block_size * TOKEN_DTYPE.itemsize
         self._counts.add("num_blocks_stored", len(new))
         i = 0
         while i < len(new):
@@ -504,7 +576,7 @@ class EventTranslator:
                 j += 1
             first = new[i]
             hashes = tuple(ours[first : new[j] + 1])
-            tokens = b"".join(self._ours[h].tokens for h in hashes)
+            tokens = raw[first * width : (new[j] + 1) * width]
             out.append(BlockStored(hashes, ours[first - 1] if first else last, tokens, partition))
             i = j + 1
 
