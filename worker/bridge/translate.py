@@ -71,7 +71,6 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from itertools import chain, repeat
 
 import numpy as np
 
@@ -95,6 +94,7 @@ from worker.bridge.engine_wire import (
     EngineHash,
     EngineUnknown,
 )
+from worker.bridge.held import OURS_PARENT, OURS_PARTITION, OURS_TOKENS, HeldBlocks
 
 __all__ = ["EventTranslator", "ReplayFrom", "TranslatorConfig", "TranslatorStats"]
 
@@ -163,27 +163,6 @@ class TranslatorStats:
 
 
 @dataclass(slots=True)
-class _Chain:
-    """What one held engine block means in our terms."""
-
-    refs: int
-    partition: Partition
-    last: BlockHash | None  # our hash at the last boundary at or before its end
-    tail: tuple[int, ...]  # tokens after that boundary, up to its end (< B of them)
-    end: int  # absolute token position of its end
-    owned: tuple[BlockHash, ...]  # our blocks whose last token it holds
-
-
-@dataclass(slots=True)
-class _Ours:
-    refs: int
-    parent: BlockHash | None
-    tokens: bytes
-    partition: Partition
-    index: int  # block index in its chain (for parents-first snapshots)
-
-
-@dataclass(slots=True)
 class _Counters:
     values: dict[str, int] = field(default_factory=dict)
 
@@ -203,8 +182,7 @@ class EventTranslator:
         self._last_live: int | None = None
         self._held: dict[int, EngineBatch] = {}
         self._awaiting: int | None = None  # the replay asked for, not yet ended
-        self._chains: dict[EngineHash, _Chain] = {}
-        self._ours: dict[BlockHash, _Ours] = {}
+        self._held_blocks = HeldBlocks(config.block_size)
         self._outbox: list[EventBatch] = []
         self._counts = _Counters()
 
@@ -287,16 +265,18 @@ class EventTranslator:
 
     def held_blocks(self) -> frozenset[BlockHash]:
         """Our blocks currently announced as held."""
-        return frozenset(self._ours)
+        return frozenset(self._held_blocks.ours)
 
     def held_engine_hashes(self) -> frozenset[EngineHash]:
         """The engine hashes currently held (translated ones only)."""
-        return frozenset(self._chains)
+        return frozenset(self._held_blocks.chains)
 
     def snapshot(self) -> Snapshot:
         """Every block of ours held, as of our last seq (parents first)."""
-        items = sorted(self._ours.items(), key=lambda kv: kv[1].index)
-        blocks = tuple(BlockStored((h,), o.parent, o.tokens, o.partition) for h, o in items)
+        blocks = tuple(
+            BlockStored((h,), o[OURS_PARENT], o[OURS_TOKENS], o[OURS_PARTITION])
+            for h, o in self._held_blocks.snapshot()
+        )
         return Snapshot(
             self.config.worker_id, self._epoch, self._seq, self.config.block_size, blocks
         )
@@ -305,8 +285,8 @@ class EventTranslator:
         return TranslatorStats(
             epoch=self._epoch,
             num_held_batches=len(self._held),
-            num_engine_blocks=len(self._chains),
-            num_blocks=len(self._ours),
+            num_engine_blocks=len(self._held_blocks.chains),
+            num_blocks=len(self._held_blocks.ours),
             **self._counts.values,
         )
 
@@ -319,8 +299,7 @@ class EventTranslator:
         """A new epoch of ours, opened by AllCleared, with all state forgotten."""
         self._epoch = self._new_epoch()
         self._seq = 0
-        self._chains.clear()
-        self._ours.clear()
+        self._held_blocks.clear()
         self._emit([AllCleared()])
 
     def _restart(self) -> None:
@@ -369,8 +348,7 @@ class EventTranslator:
                 case EngineBlockRemoved():
                     self._remove(ev, out)
                 case EngineAllCleared():
-                    self._chains.clear()
-                    self._ours.clear()
+                    self._held_blocks.clear()
                     out.append(AllCleared())
                 case EngineUnknown():
                     self._counts.add("num_unknown_events")
@@ -439,12 +417,12 @@ class EventTranslator:
             tail: tuple[int, ...] = ()
             start = 0
         else:
-            parent = self._chains.get(ev.parent_block_hash)
+            parent = self._held_blocks.chains.get(ev.parent_block_hash)
             if parent is None:
                 self._counts.add("dropped_unknown_parent", n)
                 return
             _, k = self._salt_and_nameable(ev)
-            partition, last, tail, start = parent.partition, parent.last, parent.tail, parent.end
+            partition, last, tail, start, _owned = parent
         if not k:
             return
         tokens = ev.token_ids[: k * ebs]
@@ -457,104 +435,15 @@ class EventTranslator:
             self._counts.add("dropped_malformed", k)
             return
         packed = wide.astype(TOKEN_DTYPE)
-        raw = packed.tobytes()  # our block j's tokens: raw[j * width : (j + 1) * width]
-        width = bs * packed.itemsize
+        raw = packed.tobytes()  # our block j's tokens: B * 4 bytes from raw[j * B * 4]
         seed = partition.seed if last is None else unfmix64(last)
         ours: list[BlockHash] = block_hashes(packed, bs, seed, validate=False).tolist()
-        first_index = (start - len(tail)) // bs  # chain index of ours[0]
-        engine = ev.block_hashes[:k]
-        if self._all_new(engine, ours):
-            self._store_new(
-                engine, ebs, run, len(tail), ours, last, partition, raw, start, first_index
-            )
-            self._announce(list(range(len(ours))), ours, last, partition, raw, out)
-            return
-        new: list[int] = []  # positions in ``ours`` that became held
-        done = 0  # our blocks assigned to an engine block so far
-        for i, h in enumerate(engine):
-            end = len(tail) + (i + 1) * ebs  # offset in ``run`` of engine block i's end
-            num_ours = end // bs
-            owned = ours[done:num_ours]
-            chain = self._chains.get(h)
-            if chain is not None:
-                chain.refs += 1
-                self._counts.add("num_engine_duplicate_stores")
-            else:
-                self._chains[h] = _Chain(
-                    1,
-                    partition,
-                    ours[num_ours - 1] if num_ours else last,
-                    tuple(run[num_ours * bs : end]),
-                    start - len(tail) + end,
-                    tuple(owned),
-                )
-                for j in range(done, num_ours):
-                    o = self._ours.get(ours[j])
-                    if o is not None:
-                        o.refs += 1
-                        continue
-                    parent_hash = ours[j - 1] if j else last
-                    tok = raw[j * width : (j + 1) * width]
-                    self._ours[ours[j]] = _Ours(1, parent_hash, tok, partition, first_index + j)
-                    new.append(j)
-            done = num_ours
+        new, duplicates = self._held_blocks.store(
+            ev.block_hashes[:k], ebs, run, len(tail), ours, last, partition, raw, start
+        )
+        if duplicates:
+            self._counts.add("num_engine_duplicate_stores", duplicates)
         self._announce(new, ours, last, partition, raw, out)
-
-    def _all_new(self, engine: tuple[EngineHash, ...], ours: list[BlockHash]) -> bool:
-        """No engine block of the run held yet, nor any of ours (no duplicates within it
-        either): the common case, taken a run at a time."""
-        return (
-            self._chains.keys().isdisjoint(engine)
-            and self._ours.keys().isdisjoint(ours)
-            and len(set(engine)) == len(engine)
-            and len(set(ours)) == len(ours)
-        )
-
-    def _store_new(
-        self,
-        engine: tuple[EngineHash, ...],
-        ebs: int,
-        run: tuple[int, ...],
-        tail_len: int,
-        ours: list[BlockHash],
-        last: BlockHash | None,
-        partition: Partition,
-        raw: bytes,
-        start: int,
-        first_index: int,
-    ) -> None:
-        """:meth:`_store`'s loop when every block of the run is new (the common case),
-        each map built without a Python loop body: engine block i ends at offset
-        ``end = tail_len + (i + 1) * ebs`` of ``run`` and owns our blocks
-        ``[n(i - 1), n(i))``, ``n(i) = end // B``; its chain state is the last of ours it
-        reaches and the tokens past it."""
-        bs = self.config.block_size
-        k, m = len(engine), len(ours)
-        ends = range(tail_len + ebs, tail_len + (k + 1) * ebs, ebs)
-        ns = [end // bs for end in ends]
-        chains = map(
-            _Chain,
-            repeat(1),
-            repeat(partition),
-            [ours[n - 1] if n else last for n in ns],
-            map(tuple, map(run.__getitem__, map(slice, [n * bs for n in ns], ends))),
-            range(start + ebs, start + (k + 1) * ebs, ebs),
-            map(tuple, map(ours.__getitem__, map(slice, chain((0,), ns), ns))),
-        )
-        self._chains.update(zip(engine, chains, strict=True))
-        width = bs * TOKEN_DTYPE.itemsize
-        blocks = map(
-            _Ours,
-            repeat(1),
-            chain((last,), ours),
-            map(
-                raw.__getitem__,
-                map(slice, range(0, m * width, width), range(width, m * width + 1, width)),
-            ),
-            repeat(partition),
-            range(first_index, first_index + m),
-        )
-        self._ours.update(zip(ours, blocks))  # noqa: B905 (parents: one more than ours)
 
     def _announce(
         self,
@@ -585,22 +474,9 @@ class EventTranslator:
         if not self._medium_and_group_ok(ev.medium, ev.group_idx, 0):
             self._counts.add("num_removed_unknown", n)
             return
-        gone: list[BlockHash] = []
-        for h in ev.block_hashes:
-            chain = self._chains.get(h)
-            if chain is None:
-                self._counts.add("num_removed_unknown")
-                continue
-            chain.refs -= 1
-            if chain.refs:
-                continue
-            del self._chains[h]
-            for o in chain.owned:
-                ours = self._ours[o]
-                ours.refs -= 1
-                if not ours.refs:
-                    del self._ours[o]
-                    gone.append(o)
+        gone, unknown = self._held_blocks.remove(ev.block_hashes)
+        if unknown:
+            self._counts.add("num_removed_unknown", unknown)
         if gone:
             self._counts.add("num_blocks_removed", len(gone))
             out.append(BlockRemoved(tuple(gone)))
