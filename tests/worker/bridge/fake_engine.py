@@ -54,6 +54,8 @@ class FakeEngine:
     bodies: list[dict[str, Any]] = field(default_factory=list)
     kind: str = "vllm"  # "sglang": /generate and sglang:* metrics instead
     incremental: bool = False  # SGLang's --incremental-streaming-output
+    fail_status: int = 0  # /v1/completions answers this status (0: it streams)
+    cut_after: int = 0  # /v1/completions ends its stream after this many tokens (0: never)
 
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
@@ -189,6 +191,8 @@ class FakeEngine:
         prompt = body.get("prompt")
         if not isinstance(prompt, list) or not prompt:
             return web.json_response({"error": {"message": "prompt must be token ids"}}, status=400)
+        if self.fail_status:
+            return web.json_response({"error": {"message": "refused"}}, status=self.fail_status)
         self.completions += 1
         events, cached = self.store_events(prompt)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -198,6 +202,8 @@ class FakeEngine:
             if events:
                 await self.publish(events)  # after "prefill"
             for i in range(n):
+                if i == self.cut_after > 0:
+                    return resp  # no finish reason, no usage, no [DONE]
                 chunk = {"choices": [{"index": 0, "text": "", "token_ids": [prompt[-1] + i + 1]}]}
                 if i == n - 1:
                     chunk["choices"][0]["finish_reason"] = "length"
