@@ -56,6 +56,8 @@ class FakeEngine:
     incremental: bool = False  # SGLang's --incremental-streaming-output
     fail_status: int = 0  # /v1/completions answers this status (0: it streams)
     cut_after: int = 0  # /v1/completions ends its stream after this many tokens (0: never)
+    done_to_end_s: float = 0.0  # /v1/completions: from [DONE] to the body's end
+    peers: list[tuple[str, int]] = field(default_factory=list)  # each completion's client
 
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
@@ -188,6 +190,8 @@ class FakeEngine:
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
+        assert request.transport is not None
+        self.peers.append(request.transport.get_extra_info("peername"))
         prompt = body.get("prompt")
         if not isinstance(prompt, list) or not prompt:
             return web.json_response({"error": {"message": "prompt must be token ids"}}, status=400)
@@ -216,6 +220,7 @@ class FakeEngine:
             }
             await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
             await resp.write(b"data: [DONE]\n\n")
+            await asyncio.sleep(self.done_to_end_s)
         except (ConnectionResetError, asyncio.CancelledError):
             self.disconnects += 1
             raise

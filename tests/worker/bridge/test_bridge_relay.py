@@ -84,9 +84,11 @@ async def test_started_requests_come_back_with_the_engines_tokens_and_usage():
         relay = Relay(ch)
         first = await relay.open()
         assert first.accepts_starts and not first.responses
+        engine.done_to_end_s = 0.02  # the body's end comes a little after [DONE]
         starts = [start(f"r{i}", 2 + i, seed=i) for i in range(4)]
-        await relay.call.write(pb.RelayRequest(starts=starts))
-        await relay.read_until(lambda: all(relay.finished(f"r{i}") for i in range(4)))
+        for s in starts:  # one at a time
+            await relay.call.write(pb.RelayRequest(starts=[s]))
+            await relay.read_until(lambda s=s: relay.finished(s.request.request_id))
         for i in range(4):
             p = prompt(i)
             assert relay.tokens(f"r{i}") == [p[-1] + k + 1 for k in range(2 + i)]
@@ -100,6 +102,9 @@ async def test_started_requests_come_back_with_the_engines_tokens_and_usage():
         await relay.read_until(lambda: relay.finished("again"))
         assert relay.finished("again").usage.cached_prompt_tokens == 96
         assert bridge.servicer.num_requests == 5
+        # one request at a time: each took a connection an earlier one handed back (the
+        # load loop's GETs share the pool: two at most), none opened one of its own
+        assert len(engine.peers) == 5 and len(set(engine.peers)) <= 2
         await nothing_left(bridge)
         relay.call.cancel()
         await wait_until(lambda: not bridge.servicer.relays.outboxes)

@@ -34,6 +34,7 @@ from kvroute_proto import kvroute_pb2 as pb
 log = logging.getLogger("kvroute.bridge.http")
 
 MAX_SSE_EVENTS = 10_000_000  # events read from one response at most (a loop bound)
+MAX_READS_AFTER_DONE = 16  # reads for the body's end after [DONE] (then it is closed)
 
 _FINISH = {"length": pb.FINISH_REASON_LENGTH, "stop": pb.FINISH_REASON_STOP}
 
@@ -241,8 +242,20 @@ async def events(
             raise Unavailable(f"the engine sent more than {MAX_SSE_EVENTS} stream events")
         event = parse(line[len("data:") :].strip())
         if event is None:
+            await _read_to_end(resp)
             return
         yield event
+
+
+async def _read_to_end(resp: aiohttp.ClientResponse) -> None:
+    """Read the body's end that follows ``[DONE]`` (the last chunk of the chunked body),
+    so that aiohttp hands the connection back to the pool: closing a response before its
+    end closes its connection, and the next request would wait for a new one (decision
+    0038). An engine that sends more is cut off (the response is closed by its owner)."""
+    content = resp.content
+    for _ in range(MAX_READS_AFTER_DONE):
+        if content.at_eof() or not await content.readany():
+            return
 
 
 __all__ = [
