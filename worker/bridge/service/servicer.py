@@ -23,7 +23,6 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
-import aiohttp
 import grpc
 
 from edge.frontdoor import BadRequest, ServiceError, Unavailable
@@ -33,6 +32,7 @@ from kvroute_proto import kvroute_pb2_grpc as pb_grpc
 from worker.bridge.service.engine_http import EngineHttp, completion_body, events, parse_event
 from worker.bridge.service.engine_sglang import SglangStream, generate_body
 from worker.bridge.service.engine_state import EngineState
+from worker.bridge.service.engine_stream import EngineResponse
 from worker.bridge.service.events import EventHub
 from worker.service.engine_runner import SubscriberOverflowError
 from worker.service.relay import RELAY_BATCH_KEY, RelayClosedError, RelayRegistry, send_all
@@ -48,7 +48,7 @@ class InFlight:
     prompt_tokens: int
     started: bool = False  # the engine sent its first tokens
     aborted: bool = False
-    resp: aiohttp.ClientResponse | None = None
+    resp: EngineResponse | None = None
 
 
 class BridgeServicer(pb_grpc.WorkerServicer):
@@ -172,7 +172,7 @@ class BridgeServicer(pb_grpc.WorkerServicer):
                     )
                 if ev.finish is not None:
                     finish = ev.finish
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+        except OSError as exc:  # the connection broke (TimeoutError, ConnectionError)
             if not entry.aborted:
                 raise Unavailable(f"the engine's stream broke: {exc!r}") from None
         if entry.aborted:
