@@ -150,8 +150,8 @@ class _BridgeClient:
 
     async def open(self) -> None:
         call = self.stub.Relay()
-        await call.write(pb.RelayRequest(stream_id=f"bench-{os.getpid()}"))
         try:
+            await call.write(pb.RelayRequest(stream_id=f"bench-{os.getpid()}"))
             first = await call.read()
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
