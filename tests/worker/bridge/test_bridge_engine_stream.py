@@ -212,3 +212,24 @@ async def test_reading_pauses_while_lines_pile_up_and_every_line_arrives(monkeyp
         assert not resp._conn.paused
         resp.close()
         assert pool._take_idle() is not None  # its end was read: reusable
+
+
+async def test_an_error_answer_is_read_as_text_and_its_connection_kept():
+    async def refuse_first(reader, writer, n):
+        first = True
+        while await read_request(reader) is not None:
+            if first:
+                text = b'{"error": {"message": "too long"}}'
+                writer.write(b"HTTP/1.1 400 Bad Request\r\ncontent-length: %d\r\n\r\n" % len(text))
+                writer.write(text)
+                first = False
+            else:
+                writer.write(sse(b"[DONE]"))
+
+    async with serving(refuse_first) as (_server, pool):
+        resp = await pool.open("/v1/completions", {})
+        assert resp.status == 400
+        assert await resp.text(20) == '{"error": {"message'
+        resp.close()
+        assert await lines_of(pool, {}) == [b"data: [DONE]", b""]
+        assert pool.num_connects == 1

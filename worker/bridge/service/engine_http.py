@@ -233,8 +233,10 @@ class EngineHttp:
         except OSError as exc:  # ConnectionError, TimeoutError
             raise Unavailable(f"the engine at {self.base_url} cannot be reached: {exc!r}") from None
         if resp.status >= 400:
-            text = await resp.text()
-            resp.close()
+            try:
+                text = await resp.text()
+            finally:
+                resp.close()
             if 400 <= resp.status < 500:
                 raise BadRequest(f"the engine refused the request ({resp.status}): {text}")
             raise Unavailable(f"the engine failed the request ({resp.status}): {text}")

@@ -241,7 +241,8 @@ class EnginePool:
             except BaseException:  # cancelled while waiting: the engine aborts it
                 resp.close()
                 raise
-            # an idle connection the engine had closed: once more, on a new one
+            # an idle connection the engine had closed: once more, on another idle one or a
+            # new one (bounded: each round takes one idle connection, a new one never loops)
 
     def _take_idle(self) -> _Connection | None:
         while self._idle:
