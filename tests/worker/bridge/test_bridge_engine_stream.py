@@ -229,7 +229,7 @@ async def test_an_error_answer_is_read_as_text_and_its_connection_kept():
     async with serving(refuse_first) as (_server, pool):
         resp = await pool.open("/v1/completions", {})
         assert resp.status == 400
-        assert await resp.text(20) == '{"error": {"message'
+        assert await resp.text(20) == '{"error": {"message"'
         resp.close()
         assert await lines_of(pool, {}) == [b"data: [DONE]", b""]
         assert pool.num_connects == 1
