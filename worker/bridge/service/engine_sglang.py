@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from edge.frontdoor import Unavailable
 from kvroute_proto import kvroute_pb2 as pb
 from worker.bridge.service.engine_http import Completion, completion_body, decode_event
-from worker.bridge.service.engine_state import EngineLoad
+from worker.bridge.service.engine_state import EngineLoad, metric_lines
 
 __all__ = ["SglangStream", "generate_body", "parse_sglang_metrics"]
 
@@ -37,6 +37,12 @@ _FINISH = {
     "stop": pb.FINISH_REASON_STOP,
     "abort": pb.FINISH_REASON_ABORT,
 }
+_SGLANG_LOAD = (
+    "sglang:num_running_reqs",
+    "sglang:num_queue_reqs",
+    "sglang:token_usage",
+    "sglang:max_total_num_tokens",
+)
 # /v1/completions body keys -> SGLang sampling_params keys (the same checks apply first)
 _SAMPLING = {
     "max_tokens": "max_new_tokens",
@@ -114,14 +120,9 @@ class SglangStream:
 def parse_sglang_metrics(text: str) -> EngineLoad | None:
     """The load in an SGLang ``/metrics`` page; None when it has none of SGLang's names."""
     values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(metric_lines(text, _SGLANG_LOAD)):
         for sample in family.samples:
-            if sample.name in (
-                "sglang:num_running_reqs",
-                "sglang:num_queue_reqs",
-                "sglang:token_usage",
-                "sglang:max_total_num_tokens",
-            ):
+            if sample.name in _SGLANG_LOAD:
                 values[sample.name] = values.get(sample.name, 0.0) + sample.value
     if not values:
         return None

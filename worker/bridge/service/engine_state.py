@@ -36,23 +36,36 @@ class EngineLoad:
     kv_total_tokens: int = 0
 
 
+_VLLM_LOAD = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+
+
+def metric_lines(text: str, names: tuple[str, ...]) -> str:
+    """The lines of a ``/metrics`` page that begin with one of ``names`` (samples and their
+    ``# TYPE``), the part the load parsers read. A vLLM page runs to hundreds of histogram
+    lines; parsing all of it held the event loop for milliseconds at each poll, and the
+    tokens the bridge relays waited meanwhile (decision 0038)."""
+    kept = [
+        line
+        for line in text.splitlines()
+        if line.startswith(names) or (line.startswith("# TYPE ") and line[7:].startswith(names))
+    ]
+    return "\n".join(kept) + "\n"
+
+
 def parse_vllm_metrics(text: str) -> EngineLoad | None:
     """The load in a vLLM ``/metrics`` page; None when it has none of vLLM's names."""
     values: dict[str, float] = {}
     total = 0
     found = False
-    for family in text_string_to_metric_families(text):
+    page = metric_lines(text, ("vllm:cache_config_info", *_VLLM_LOAD))
+    for family in text_string_to_metric_families(page):
         for sample in family.samples:
             name = sample.name
             if name == "vllm:cache_config_info":
                 blocks = int(float(sample.labels.get("num_gpu_blocks") or 0))
                 total += blocks * int(float(sample.labels.get("block_size") or 0))
                 found = True
-            elif name in (
-                "vllm:num_requests_running",
-                "vllm:num_requests_waiting",
-                "vllm:kv_cache_usage_perc",
-            ):
+            elif name in _VLLM_LOAD:
                 values[name] = values.get(name, 0.0) + sample.value
                 found = True
     if not found:

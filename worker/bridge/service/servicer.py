@@ -3,6 +3,10 @@
 * Generate: the request as the engine's streamed completion (:mod:`.engine_http`); chunks
   as TokenChunk, then Finished with the engine's usage. A cancelled call closes the HTTP
   stream, which aborts the request on the engine.
+* Relay: the router's one stream per worker (decisions 0033, 0034), served by the worker's
+  own machinery (worker/service/relay.py, relay_starts.py) over this Generate: requests
+  started on it, and Generate calls that name it, put their messages into its batches; a
+  cancel or the stream's end closes the request's HTTP stream (decision 0038).
 * Abort: closes the request's HTTP stream; its Generate ends with FINISH_REASON_ABORT.
 * SubscribeKvEvents: the translated event stream (:class:`.events.EventHub`): replay of
   our buffered batches or a snapshot, then live batches.
@@ -13,12 +17,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
-import aiohttp
 import grpc
 
 from edge.frontdoor import BadRequest, ServiceError, Unavailable
@@ -28,8 +32,11 @@ from kvroute_proto import kvroute_pb2_grpc as pb_grpc
 from worker.bridge.service.engine_http import EngineHttp, completion_body, events, parse_event
 from worker.bridge.service.engine_sglang import SglangStream, generate_body
 from worker.bridge.service.engine_state import EngineState
+from worker.bridge.service.engine_stream import EngineResponse
 from worker.bridge.service.events import EventHub
 from worker.service.engine_runner import SubscriberOverflowError
+from worker.service.relay import RELAY_BATCH_KEY, RelayClosedError, RelayRegistry, send_all
+from worker.service.relay_starts import StartedContext, serve_relay
 
 log = logging.getLogger("kvroute.bridge.service")
 
@@ -41,7 +48,7 @@ class InFlight:
     prompt_tokens: int
     started: bool = False  # the engine sent its first tokens
     aborted: bool = False
-    resp: aiohttp.ClientResponse | None = None
+    resp: EngineResponse | None = None
 
 
 class BridgeServicer(pb_grpc.WorkerServicer):
@@ -59,6 +66,7 @@ class BridgeServicer(pb_grpc.WorkerServicer):
         self.state = state
         self.hub = hub
         self.inflight: dict[str, InFlight] = {}
+        self.relays = RelayRegistry()
         self.draining = False
         self.num_requests = 0
         self.num_aborted = 0
@@ -78,26 +86,52 @@ class BridgeServicer(pb_grpc.WorkerServicer):
     # ---- RPCs ----------------------------------------------------------------------------
 
     async def Generate(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext | StartedContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        rid = request.request_id or uuid.uuid4().hex
-        entry: InFlight | None = None
+        """The request's chunks and Finished, on this call's stream or, when its metadata
+        names a relay stream, on that one (this call then ends with the status alone)."""
+        outbox = None
         try:
-            body = self._admit(request, rid)
-            entry = InFlight(len(request.prompt_token_ids.ids))
-            self.inflight[rid] = entry
-            self.num_requests += 1
-            async for msg in self._stream(rid, body, entry):
-                yield msg
+            outbox = self.relays.find(tuple(context.invocation_metadata() or ()))
+            responses = self._generate(request)
+            async with contextlib.aclosing(responses):
+                if outbox is None:
+                    async for response in responses:
+                        yield response
+                else:
+                    sent = await send_all(outbox, responses)
+                    context.set_trailing_metadata(((RELAY_BATCH_KEY, sent),))
         except ServiceError as exc:
             if isinstance(exc, Unavailable):
                 self.num_engine_errors += 1
+            if outbox is not None:  # the chunks sent so far first, as on a stream of its own
+                await outbox.flushed()
             await context.abort(grpc.StatusCode[exc.grpc_code], exc.message)
+        except RelayClosedError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+
+    async def _generate(
+        self, request: pb.GenerateRequest
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
+        rid = request.request_id or uuid.uuid4().hex
+        body = self._admit(request, rid)
+        entry = self.inflight[rid] = InFlight(len(request.prompt_token_ids.ids))
+        self.num_requests += 1
+        try:
+            async for msg in self._stream(rid, body, entry):
+                yield msg
         finally:
-            if entry is not None:
-                self.inflight.pop(rid, None)
-                if entry.resp is not None:
-                    entry.resp.close()  # a request still running on the engine is aborted
+            self.inflight.pop(rid, None)
+            if entry.resp is not None:
+                entry.resp.close()  # a request still running on the engine is aborted
+
+    async def Relay(
+        self, request_iterator: AsyncIterator[pb.RelayRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.RelayBatch]:
+        """One stream for the messages of every request started on it or attached to it;
+        its end aborts them on the engine."""
+        async for batch in serve_relay(self.relays, request_iterator, context, self.Generate):
+            yield batch
 
     def _admit(self, request: pb.GenerateRequest, rid: str) -> dict[str, object]:
         if self.draining:
@@ -138,7 +172,7 @@ class BridgeServicer(pb_grpc.WorkerServicer):
                     )
                 if ev.finish is not None:
                     finish = ev.finish
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+        except OSError as exc:  # the connection broke (TimeoutError, ConnectionError)
             if not entry.aborted:
                 raise Unavailable(f"the engine's stream broke: {exc!r}") from None
         if entry.aborted:
