@@ -2,38 +2,40 @@
 
     python -m bench.bench_bridge_events [--blocks-per-s 100000] [--seconds 5] [--json OUT]
 
-A `kvroute bridge` (its own process) in front of a stand-in engine in this process: a ZMQ
-PUB speaking vLLM's KV-event wire (``[topic, seq, msgpack KVEventBatch]``, tagged-map
-events, the encoder the worker's own vLLM publisher uses) and the two HTTP routes the bridge
-reads at start (``/v1/models``, ``/metrics``). The engine stores ``--blocks-per-s`` blocks a
-second (``--blocks-per-batch`` a batch, each batch a new chain of 16-token blocks, paced
-every 10 ms) and, as a full cache does, removes as many: the chain stored
-``--keep-batches`` batches earlier. A subscriber made as the router makes it
-(``SubscribeKvEvents``, raw bytes, the router's decoder) timestamps every stored chain when
-it arrives, matched to its publish time by its first kvroute block hash (computed here from
-its tokens, as the bridge computes it).
+A `kvroute bridge` (its own process) in front of a stand-in engine: a publisher process
+speaking vLLM's KV-event wire (ZMQ PUB, ``[topic, seq, msgpack KVEventBatch]``, tagged-map
+events) and, in this process, the two HTTP routes the bridge reads at start (``/v1/models``,
+``/metrics``). The engine takes a step every 10 ms and publishes one batch a step, as vLLM
+does: ``--chains-per-batch`` requests' prompts stored (each a new chain of
+``--blocks-per-chain`` 16-token blocks), and, as a full cache does, as many blocks removed
+(the chains stored ``--keep-chains`` chains earlier), at ``--blocks-per-s`` stored blocks a
+second. A subscriber made as the router makes it (``SubscribeKvEvents``, raw bytes, the
+router's decoder) notes when each chain arrives, matched to its publish time by its first
+kvroute block hash (computed from its tokens, as the bridge computes it).
 
 Reported: the event latency p50 / p99 / max (publish -> the subscriber holds the decoded
-batch), the rate achieved, blocks lost (sent but never seen), and the bridge's CPU seconds
-(from /proc). Everything runs on 127.0.0.1 and is bounded in time.
+batch), the rate achieved, chains lost (sent but never seen), the bridge's CPU seconds
+(from /proc) and its warnings. Everything runs on 127.0.0.1 and is bounded in time.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
 import os
 import random
 import sys
 import tempfile
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 import grpc
 import msgspec
 import numpy as np
 import zmq
-import zmq.asyncio
 from aiohttp import web
 
 from bench.procs import report, start_kvroute
@@ -87,57 +89,104 @@ async def _engine_http() -> tuple[web.AppRunner, str]:
 
 
 class Engine:
-    """Publishes chains made beforehand (so that publishing is a socket write, not this
-    process's CPU); remembers when each was sent, by its first kvroute block hash."""
+    """The stand-in engine's publisher, in a process of its own (so that the subscriber's
+    work does not slow the publishing, nor the other way round). Chains are made
+    beforehand, so publishing is a socket write; it remembers when each was sent, by its
+    first kvroute block hash."""
 
-    def __init__(self, pub: zmq.asyncio.Socket, blocks_per_batch: int, keep: int) -> None:
+    def __init__(self, pub: zmq.Socket, chains: int, blocks: int, keep: int) -> None:
         self.pub = pub
-        self.blocks_per_batch = blocks_per_batch
+        self.chains_per_batch = chains
+        self.blocks_per_chain = blocks
         self.keep = keep
         self.seq = 0
         self.rng = np.random.default_rng(1)
         self.live: list[list[int]] = []  # engine hashes of the chains held, oldest first
-        self.made: list[tuple[int, bytes]] = []  # (our first block hash, payload), in order
+        self.made: list[tuple[list[int], bytes]] = []  # (chains' first hashes, payload)
         self.sent_at: dict[int, float] = {}  # our first block hash -> publish time
         self.stored = 0
 
     def make(self, num_batches: int) -> None:
-        n = self.blocks_per_batch
+        """Each batch an engine step: its chains stored, the oldest held chains removed."""
+        n = self.blocks_per_chain
         for _ in range(num_batches):
-            tokens = self.rng.integers(1, 32000, size=n * BLOCK, dtype=np.uint32)
-            ours = block_hashes(tokens, BLOCK, DEFAULT_PARTITION.seed, validate=False)
-            engine = [random.getrandbits(63) for _ in range(n)]
-            events: list[dict[str, object]] = [
-                {
-                    "type": "BlockStored",
-                    "block_hashes": engine,
-                    "parent_block_hash": None,
-                    "token_ids": tokens.tolist(),
-                    "block_size": BLOCK,
-                    "lora_id": None,
-                    "medium": "GPU",
-                    "lora_name": None,
-                    "extra_keys": None,
-                    "group_idx": 0,
-                }
-            ]
-            self.live.append(engine)
-            if len(self.live) > self.keep:
-                gone = self.live.pop(0)
-                events.append({"type": "BlockRemoved", "block_hashes": gone, "medium": "GPU"})
-            self.made.append((int(ours[0]), _encode([time.time(), events, 0])))
+            events: list[dict[str, object]] = []
+            firsts = []
+            for _ in range(self.chains_per_batch):
+                tokens = self.rng.integers(1, 32000, size=n * BLOCK, dtype=np.uint32)
+                firsts.append(int(block_hashes(tokens[:BLOCK], BLOCK, DEFAULT_PARTITION.seed)[0]))
+                engine = [random.getrandbits(63) for _ in range(n)]
+                events.append(
+                    {
+                        "type": "BlockStored",
+                        "block_hashes": engine,
+                        "parent_block_hash": None,
+                        "token_ids": tokens.tolist(),
+                        "block_size": BLOCK,
+                        "lora_id": None,
+                        "medium": "GPU",
+                        "lora_name": None,
+                        "extra_keys": None,
+                        "group_idx": 0,
+                    }
+                )
+                self.live.append(engine)
+                if len(self.live) > self.keep:
+                    gone = self.live.pop(0)
+                    events.append({"type": "BlockRemoved", "block_hashes": gone, "medium": "GPU"})
+            self.made.append((firsts, _encode([time.time(), events, 0])))
 
-    async def publish(self, measured: bool) -> None:
-        first, payload = self.made[self.seq]
+    def publish(self, measured: bool) -> None:
+        firsts, payload = self.made[self.seq]
         if measured:
-            self.sent_at[first] = time.perf_counter()
-            self.stored += self.blocks_per_batch
-        await self.pub.send_multipart([TOPIC, self.seq.to_bytes(8, "big"), payload])
+            now = time.perf_counter()  # CLOCK_MONOTONIC: one clock for the host's processes
+            self.sent_at.update(dict.fromkeys(firsts, now))
+            self.stored += len(firsts) * self.blocks_per_chain
+        self.pub.send_multipart([TOPIC, self.seq.to_bytes(8, "big"), payload])
         self.seq += 1
 
 
-async def subscribe(address: str, engine: Engine, seen: list[float], stop: asyncio.Event) -> None:
-    """Follow the bridge's event stream as the router does; a latency per measured chain."""
+def _publish(conn: Connection, args: argparse.Namespace) -> None:
+    """The publisher process: bind, say the port, publish unmeasured chains until told
+    ``go`` (ZMQ's slow joiner), then the paced run; send back what was sent when."""
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.setsockopt(zmq.SNDHWM, 100_000)
+    conn.send(pub.bind_to_random_port("tcp://127.0.0.1"))
+    total_s = args.warmup_s + args.seconds
+    engine = Engine(pub, args.chains_per_batch, args.blocks_per_chain, args.keep_chains)
+    per_batch = args.chains_per_batch * args.blocks_per_chain
+    engine.make(int(total_s * args.blocks_per_s / per_batch) + 700)
+    while not conn.poll(0.05) and engine.seq < 600:  # bounded: 30 s
+        engine.publish(measured=True)
+    conn.recv()
+    engine.sent_at.clear()
+    engine.stored = 0
+    per_tick = args.blocks_per_s * TICK_S / per_batch
+    start = time.perf_counter()
+    owed = 0.0
+    tick = 0
+    measuring = False
+    while (elapsed := time.perf_counter() - start) < total_s:
+        if not measuring and elapsed >= args.warmup_s:
+            measuring = True
+            conn.send("measuring")
+        owed += per_tick
+        while owed >= 1 and engine.seq < len(engine.made):
+            engine.publish(measuring)
+            owed -= 1
+        tick += 1
+        time.sleep(max(0.0, start + tick * TICK_S - time.perf_counter()))
+    conn.send((engine.sent_at, engine.stored))
+    conn.recv()  # bye: the socket stays open until the subscriber is done
+    pub.close(0)
+    ctx.term()
+
+
+async def subscribe(address: str, arrived: dict[int, float], stop: asyncio.Event) -> None:
+    """Follow the bridge's event stream as the router does (its compiled decode when
+    numba is installed); the arrival time of every chain's first block."""
     async with grpc.aio.insecure_channel(address) as channel:
         call = channel.unary_stream(
             "/kvroute.v1.Worker/SubscribeKvEvents",
@@ -156,105 +205,104 @@ async def subscribe(address: str, engine: Engine, seen: list[float], stop: async
                 if raw is grpc.aio.EOF:
                     return
                 now = time.perf_counter()
-                msg = codec.decode_stream_message(raw)
-                for ev in getattr(msg, "events", ()):
+                for ev in getattr(codec.decode_stream_message(raw), "events", ()):
                     if isinstance(ev, BlockStored) and ev.parent_hash is None:
-                        sent = engine.sent_at.pop(int(ev.block_hashes[0]), None)
-                        if sent is not None:
-                            seen.append(now - sent)
+                        arrived[int(ev.block_hashes[0])] = now
         finally:
             stopper.cancel()
             call.cancel()
 
 
+async def _recv(conn: Connection, timeout_s: float = 120.0) -> Any:
+    """The publisher's next message (EOFError when it died, TimeoutError past the bound)."""
+    deadline = time.monotonic() + timeout_s
+    while not conn.poll():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the publisher process did not answer")
+        await asyncio.sleep(0.01)
+    return conn.recv()
+
+
 async def run(args: argparse.Namespace, logs: Path) -> dict[str, object]:
+    codec.enable_compiled_decode()  # as the router decodes (False without numba)
     runner, url = await _engine_http()
-    ctx = zmq.asyncio.Context()
-    pub = ctx.socket(zmq.PUB)
-    pub.setsockopt(zmq.LINGER, 0)
-    pub.setsockopt(zmq.SNDHWM, 100_000)
-    port = pub.bind_to_random_port("tcp://127.0.0.1")
-    bridge, address = start_kvroute(
-        [
-            "bridge",
-            "--engine-url",
-            url,
-            "--events",
-            f"tcp://127.0.0.1:{port}",
-            "--block-size",
-            str(BLOCK),
-            "--port",
-            "0",
-        ],
-        logs / "bridge.log",
+    conn, child_conn = multiprocessing.get_context("spawn").Pipe()
+    publisher = multiprocessing.get_context("spawn").Process(
+        target=_publish, args=(child_conn, args), daemon=True
     )
-    engine = Engine(pub, args.blocks_per_batch, args.keep_batches)
-    total_s = args.warmup_s + args.seconds
-    engine.make(int(total_s * args.blocks_per_s / args.blocks_per_batch) + 700)
-    seen: list[float] = []
-    stop = asyncio.Event()
+    publisher.start()
+    child_conn.close()  # the child's end: EOF here if it dies
+    bridge = None
     try:
-        sub = asyncio.create_task(subscribe(address, engine, seen, stop))
-        # ZMQ's slow joiner: unmeasured chains until one comes through (bounded)
+        port = await _recv(conn)
+        bridge, address = start_kvroute(
+            [
+                "bridge",
+                "--engine-url",
+                url,
+                "--events",
+                f"tcp://127.0.0.1:{port}",
+                "--block-size",
+                str(BLOCK),
+                "--port",
+                "0",
+            ],
+            logs / "bridge.log",
+        )
+        arrived: dict[int, float] = {}
+        stop = asyncio.Event()
+        sub = asyncio.create_task(subscribe(address, arrived, stop))
         deadline = time.monotonic() + 30
-        while not seen and time.monotonic() < deadline:
-            engine.sent_at.clear()
-            await engine.publish(measured=True)
-            await asyncio.sleep(0.05)
-        if not seen:
+        while not arrived and time.monotonic() < deadline and not sub.done():
+            await asyncio.sleep(0.02)
+        if not arrived:
             raise RuntimeError(f"no event came through; bridge log: {logs / 'bridge.log'}")
-        seen.clear()
-        engine.stored = 0
-        per_tick = args.blocks_per_s * TICK_S / args.blocks_per_batch
-        start = time.perf_counter()
-        cpu0 = 0.0
-        owed = 0.0
-        tick = 0
-        while (elapsed := time.perf_counter() - start) < total_s:
-            measured = elapsed >= args.warmup_s
-            if measured and not cpu0:
-                cpu0 = _cpu_seconds(bridge.pid)
-                seen.clear()
-                engine.sent_at.clear()
-                engine.stored = 0
-            owed += per_tick
-            while owed >= 1 and engine.seq < len(engine.made):
-                await engine.publish(measured)
-                owed -= 1
-            tick += 1
-            await asyncio.sleep(max(0.0, start + tick * TICK_S - time.perf_counter()))
+        conn.send("go")
+        await _recv(conn)  # measuring
+        cpu0 = _cpu_seconds(bridge.pid)
+        sent_at, stored = await _recv(conn)
         cpu = _cpu_seconds(bridge.pid) - cpu0
         await asyncio.sleep(args.drain_s)  # what is still on its way
         stop.set()
         await sub
+        conn.send("bye")
     finally:
-        bridge.terminate()
-        bridge.wait(10)
-        pub.close(0)
-        ctx.term()
+        if bridge is not None:
+            bridge.terminate()
+            bridge.wait(10)
+        publisher.join(10)
+        if publisher.is_alive():
+            publisher.kill()
         await runner.cleanup()
-    lost = len(engine.sent_at)
+    seen = [arrived[h] - t for h, t in sent_at.items() if h in arrived]
+    log_lines = (logs / "bridge.log").read_text().splitlines()
+    warnings = [line for line in log_lines if " INFO " not in line]
     return {
         "bench": "bridge_events",
         "blocks_per_s_target": args.blocks_per_s,
-        "blocks_per_batch": args.blocks_per_batch,
+        "chains_per_batch": args.chains_per_batch,
+        "blocks_per_chain": args.blocks_per_chain,
         "seconds": args.seconds,
-        "stored_blocks_per_s": round(engine.stored / args.seconds),
+        "stored_blocks_per_s": round(stored / args.seconds),
         "chains_seen": len(seen),
-        "chains_lost": lost,
+        "chains_lost": len(sent_at) - len(seen),
         "latency_p50_ms": round(percentile(seen, 0.5) * 1e3, 2),
         "latency_p99_ms": round(percentile(seen, 0.99) * 1e3, 2),
         "latency_max_ms": round(max(seen) * 1e3, 2) if seen else None,
         "bridge_cpu_s": round(cpu, 2),
         "cpu_count": os.cpu_count(),
+        "bridge_warnings": warnings[:5],  # why chains were lost, if they were
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--blocks-per-s", type=int, default=100_000)
-    parser.add_argument("--blocks-per-batch", type=int, default=64, help="one chain a batch")
-    parser.add_argument("--keep-batches", type=int, default=200, help="chains held at once")
+    parser.add_argument(
+        "--chains-per-batch", type=int, default=16, help="requests prefilled in a step"
+    )
+    parser.add_argument("--blocks-per-chain", type=int, default=64, help="a request's blocks")
+    parser.add_argument("--keep-chains", type=int, default=2000, help="chains held at once")
     parser.add_argument("--seconds", type=float, default=5.0, help="measured window")
     parser.add_argument("--warmup-s", type=float, default=1.0)
     parser.add_argument("--drain-s", type=float, default=1.0)

@@ -11,7 +11,8 @@ from bench import bench_bridge_events
 
 def test_every_chain_published_reaches_the_subscriber(tmp_path, capsys) -> None:
     out = tmp_path / "result.json"
-    argv = ["--blocks-per-s", "3200", "--blocks-per-batch", "32", "--seconds", "1"]
+    argv = ["--blocks-per-s", "3200", "--chains-per-batch", "1", "--blocks-per-chain", "32"]
+    argv += ["--seconds", "1"]
     assert bench_bridge_events.main([*argv, "--warmup-s", "0.3", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["chains_lost"] == 0
