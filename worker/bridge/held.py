@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from itertools import chain, repeat
 from operator import itemgetter
-from typing import Final, TypeAlias
+from typing import Final, TypeAlias, TypeVar
 
 from kvroute_proto.events import TOKEN_DTYPE, Partition
 from kvroute_proto.hashing import BlockHash
@@ -38,6 +38,7 @@ OURS_PARTITION: Final = 2
 OURS_INDEX: Final = 3
 
 _owned_of = itemgetter(CHAIN_OWNED)
+K = TypeVar("K")
 
 
 class HeldBlocks:
@@ -197,7 +198,7 @@ def _index_of(item: tuple[BlockHash, Ours]) -> int:
     return item[1][OURS_INDEX]
 
 
-def _drop_ref(extra: dict[int, int], key: int) -> bool:
+def _drop_ref(extra: dict[K, int], key: K) -> bool:
     """Drop a reference beyond the first, if ``key`` has one (True), else False."""
     n = extra.get(key)
     if not n:
