@@ -27,11 +27,11 @@ from kvroute_proto.events import TOKEN_DTYPE, Partition
 from kvroute_proto.hashing import BlockHash
 from worker.bridge.engine_wire import EngineHash
 
-# Chain = (partition, last, tail, end, owned)
-Chain: TypeAlias = tuple[Partition, BlockHash | None, tuple[int, ...], int, tuple[BlockHash, ...]]
+# Chain = (partition id, last, tail, end, owned)
+Chain: TypeAlias = tuple[int, BlockHash | None, tuple[int, ...], int, tuple[BlockHash, ...]]
 CHAIN_OWNED: Final = 4
-# Ours = (parent, tokens, partition, index)
-Ours: TypeAlias = tuple[BlockHash | None, bytes, Partition, int]
+# Ours = (parent, tokens, partition id, index)
+Ours: TypeAlias = tuple[BlockHash | None, bytes, int, int]
 OURS_PARENT: Final = 0
 OURS_TOKENS: Final = 1
 OURS_PARTITION: Final = 2
@@ -51,8 +51,21 @@ class HeldBlocks:
         self.ours: dict[BlockHash, Ours] = {}
         self.chain_refs: dict[EngineHash, int] = {}  # references beyond the first
         self.ours_refs: dict[BlockHash, int] = {}
+        # Partitions by id: the maps' tuples then hold only ints, bytes and tuples of them,
+        # which the garbage collector stops tracking; a Partition in each would make every
+        # full collection walk every held block (pauses of 100s of ms at 100k blocks).
+        self.partitions: list[Partition] = []
+        self._partition_ids: dict[Partition, int] = {}
+
+    def partition_id(self, partition: Partition) -> int:
+        pid = self._partition_ids.get(partition)
+        if pid is None:
+            pid = self._partition_ids[partition] = len(self.partitions)
+            self.partitions.append(partition)
+        return pid
 
     def clear(self) -> None:
+        """Forget everything (partition ids stay: they name no block)."""
         self.chains.clear()
         self.ours.clear()
         self.chain_refs.clear()
@@ -80,6 +93,7 @@ class HeldBlocks:
         ``run`` and owns our blocks ``[n(i - 1), n(i))``, ``n(i) = end // block_size``.
         Returns the positions in ``ours`` that became held, and how many engine blocks
         were already held (duplicates)."""
+        pid = self.partition_id(partition)
         if not (
             self.chains.keys().isdisjoint(engine)
             and self.ours.keys().isdisjoint(ours)
@@ -87,13 +101,13 @@ class HeldBlocks:
             and len(set(ours)) == len(ours)
         ):
             return self._store_some_held(
-                engine, engine_block_size, run, tail_len, ours, last, partition, raw, start
+                engine, engine_block_size, run, tail_len, ours, last, pid, raw, start
             )
         bs, ebs, k, m = self.block_size, engine_block_size, len(engine), len(ours)
         ends = range(tail_len + ebs, tail_len + (k + 1) * ebs, ebs)
         ns = [end // bs for end in ends]
         chains = zip(
-            repeat(partition),
+            repeat(pid),
             [ours[n - 1] if n else last for n in ns],
             map(tuple, map(run.__getitem__, map(slice, [n * bs for n in ns], ends))),
             range(start + ebs, start + (k + 1) * ebs, ebs),
@@ -108,7 +122,7 @@ class HeldBlocks:
                 raw.__getitem__,
                 map(slice, range(0, m * width, width), range(width, m * width + 1, width)),
             ),
-            repeat(partition),
+            repeat(pid),
             range(first_index, first_index + m),
         )
         self.ours.update(zip(ours, blocks, strict=True))
@@ -122,7 +136,7 @@ class HeldBlocks:
         tail_len: int,
         ours: list[BlockHash],
         last: BlockHash | None,
-        partition: Partition,
+        pid: int,
         raw: bytes,
         start: int,
     ) -> tuple[list[int], int]:
@@ -142,7 +156,7 @@ class HeldBlocks:
                 done = num_ours
                 continue
             self.chains[h] = (
-                partition,
+                pid,
                 ours[num_ours - 1] if num_ours else last,
                 run[num_ours * bs : end],
                 start - tail_len + end,
@@ -157,7 +171,7 @@ class HeldBlocks:
                 self.ours[o] = (
                     parent,
                     raw[j * width : (j + 1) * width],
-                    partition,
+                    pid,
                     first_index + j,
                 )
                 new.append(j)

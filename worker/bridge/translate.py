@@ -273,8 +273,9 @@ class EventTranslator:
 
     def snapshot(self) -> Snapshot:
         """Every block of ours held, as of our last seq (parents first)."""
+        partitions = self._held_blocks.partitions
         blocks = tuple(
-            BlockStored((h,), o[OURS_PARENT], o[OURS_TOKENS], o[OURS_PARTITION])
+            BlockStored((h,), o[OURS_PARENT], o[OURS_TOKENS], partitions[o[OURS_PARTITION]])
             for h, o in self._held_blocks.snapshot()
         )
         return Snapshot(
@@ -422,7 +423,8 @@ class EventTranslator:
                 self._counts.add("dropped_unknown_parent", n)
                 return
             _, k = self._salt_and_nameable(ev)
-            partition, last, tail, start, _owned = parent
+            pid, last, tail, start, _owned = parent
+            partition = self._held_blocks.partitions[pid]
         if not k:
             return
         tokens = ev.token_ids[: k * ebs]
