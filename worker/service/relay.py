@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 from kvroute_proto import kvroute_pb2 as pb
 
@@ -150,6 +151,20 @@ async def send_all(outbox: RelayOutbox, responses: AsyncIterator[pb.GenerateResp
         outbox.put(response)
     await outbox.flushed()
     return str(outbox.num_batches)
+
+
+async def own_stream_or_relay(
+    outbox: RelayOutbox | None, responses: AsyncIterator[pb.GenerateResponse], context: Any
+) -> AsyncIterator[pb.GenerateResponse]:
+    """A Generate call's messages: yielded on its own stream or, when its metadata named a
+    relay stream (``outbox``), put there; the call then carries only the batch they went by
+    (``RELAY_BATCH_KEY`` in its trailing metadata)."""
+    if outbox is None:
+        async for response in responses:
+            yield response
+    else:
+        sent = await send_all(outbox, responses)
+        context.set_trailing_metadata(((RELAY_BATCH_KEY, sent),))
 
 
 class RelayRegistry:

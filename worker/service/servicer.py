@@ -28,7 +28,7 @@ from worker.service.engine_runner import (
     SubscriberOverflowError,
 )
 from worker.service.generation import SHUTTING_DOWN, WorkerGeneration
-from worker.service.relay import RELAY_BATCH_KEY, RelayClosedError, RelayRegistry, send_all
+from worker.service.relay import RelayClosedError, RelayRegistry, own_stream_or_relay
 from worker.service.relay_starts import StartedContext, serve_relay
 
 log = logging.getLogger("kvroute.worker.service")
@@ -77,12 +77,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         try:
             outbox = self.relays.find(metadata)
             async with contextlib.aclosing(self.generation.generate(request, call)) as responses:
-                if outbox is None:
-                    async for response in responses:
-                        yield response
-                else:
-                    sent = await send_all(outbox, responses)
-                    context.set_trailing_metadata(((RELAY_BATCH_KEY, sent),))
+                async for response in own_stream_or_relay(outbox, responses, context):
+                    yield response
         except ServiceError as exc:
             if outbox is not None:  # the chunks sent so far first, as on a stream of its own
                 await outbox.flushed()

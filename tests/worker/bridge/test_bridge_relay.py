@@ -22,6 +22,7 @@ from tests.worker.bridge.test_bridge_service import (
     prompt,
     wait_until,
 )
+from tests.worker.relay_client import RelayClient
 from worker.bridge.service.server import BridgeServer
 from worker.service.relay import RELAY_BATCH_KEY, RELAY_METADATA_KEY
 
@@ -35,36 +36,9 @@ def start(rid: str, n: int, *, seed: int = 1, timeout_s: float = 0.0) -> pb.Rela
     return pb.RelayStart(request=req, timeout_s=timeout_s)
 
 
-class Relay:
-    """A router's side of one relay stream to the bridge: what it read."""
-
-    def __init__(self, channel: grpc.aio.Channel) -> None:
-        self.call = pb_grpc.WorkerStub(channel).Relay()
-        self.batches: list[pb.RelayBatch] = []
-
-    async def open(self, stream_id: str = "s1") -> pb.RelayBatch:
-        await self.call.write(pb.RelayRequest(stream_id=stream_id))
-        return await self.call.read()
-
-    async def read_until(self, done) -> None:  # type: ignore[no-untyped-def]
-        async with asyncio.timeout(WAIT_S):
-            while not done():
-                batch = await self.call.read()
-                assert batch is not grpc.aio.EOF
-                self.batches.append(batch)
-
-    def responses(self, rid: str) -> list[pb.GenerateResponse]:
-        return [r for b in self.batches for r in b.responses if r.request_id == rid]
-
-    def tokens(self, rid: str) -> list[int]:
-        return [t for r in self.responses(rid) for t in r.chunk.token_ids]
-
-    def ends(self, rid: str) -> list[pb.RelayEnd]:
-        return [e for b in self.batches for e in b.ends if e.request_id == rid]
-
-    def finished(self, rid: str) -> pb.Finished | None:
-        fins = [r.finished for r in self.responses(rid) if r.HasField("finished")]
-        return fins[0] if fins else None
+def relay_to(channel: grpc.aio.Channel) -> RelayClient:
+    """A router's side of one relay stream to the bridge."""
+    return RelayClient(pb_grpc.WorkerStub(channel), WAIT_S)
 
 
 def start_tasks() -> list[asyncio.Task]:
@@ -81,7 +55,7 @@ async def test_started_requests_come_back_with_the_engines_tokens_and_usage():
         engine_and_bridge("b0") as (engine, bridge),
         grpc.aio.insecure_channel(bridge.address) as ch,
     ):
-        relay = Relay(ch)
+        relay = relay_to(ch)
         first = await relay.open()
         assert first.accepts_starts and not first.responses
         engine.done_to_end_s = 0.02  # the body's end comes a little after [DONE]
@@ -138,7 +112,7 @@ async def test_a_cancel_closes_the_engine_stream_and_nothing_of_it_follows_the_a
         engine_and_bridge("b0", token_delay_s=0.05) as (engine, bridge),
         grpc.aio.insecure_channel(bridge.address) as ch,
     ):
-        relay = Relay(ch)
+        relay = relay_to(ch)
         await relay.open()
         await relay.call.write(pb.RelayRequest(starts=[start("r1", 500), start("r2", 3, seed=2)]))
         await relay.read_until(lambda: relay.tokens("r1"))
@@ -160,7 +134,7 @@ async def test_the_streams_end_aborts_its_requests_on_the_engine():
         engine_and_bridge("b0", token_delay_s=0.05) as (engine, bridge),
         grpc.aio.insecure_channel(bridge.address) as ch,
     ):
-        relay = Relay(ch)
+        relay = relay_to(ch)
         await relay.open()
         await relay.call.write(
             pb.RelayRequest(starts=[start(f"r{i}", 500, seed=i) for i in (1, 2)])
@@ -177,7 +151,7 @@ async def test_a_start_past_its_deadline_ends_deadline_exceeded_and_is_aborted()
         engine_and_bridge("b0", token_delay_s=0.05) as (engine, bridge),
         grpc.aio.insecure_channel(bridge.address) as ch,
     ):
-        relay = Relay(ch)
+        relay = relay_to(ch)
         await relay.open()
         await relay.call.write(pb.RelayRequest(starts=[start("r1", 500, timeout_s=0.3)]))
         await relay.read_until(lambda: relay.ends("r1"))
@@ -194,7 +168,7 @@ async def test_requests_the_bridge_cannot_forward_end_with_the_status_naming_why
         engine_and_bridge("b0") as (_engine, bridge),
         grpc.aio.insecure_channel(bridge.address) as ch,
     ):
-        relay = Relay(ch)
+        relay = relay_to(ch)
         await relay.open()
         text = pb.RelayStart(request=pb.GenerateRequest(request_id="t", prompt_text="hi"))
         twice = [start("d", 3), start("d", 3)]
@@ -217,7 +191,7 @@ async def test_engine_failures_end_the_request_with_its_status_after_its_tokens(
         engine_and_bridge("b0") as (engine, bridge),
         grpc.aio.insecure_channel(bridge.address) as ch,
     ):
-        relay = Relay(ch)
+        relay = relay_to(ch)
         await relay.open()
         engine.cut_after = 2  # the stream ends after 2 tokens, without a finish reason
         await relay.call.write(pb.RelayRequest(starts=[start("cut", 10)]))
@@ -248,7 +222,7 @@ async def test_a_draining_bridge_ends_new_starts_unavailable():
         engine_and_bridge("b0") as (_engine, bridge),
         grpc.aio.insecure_channel(bridge.address) as ch,
     ):
-        relay = Relay(ch)
+        relay = relay_to(ch)
         await relay.open()
         bridge.servicer.draining = True
         await relay.call.write(pb.RelayRequest(starts=[start("late", 3)]))
@@ -264,7 +238,7 @@ async def test_a_generate_call_attached_to_the_stream_sends_its_messages_there()
         engine_and_bridge("b0") as (_engine, bridge),
         grpc.aio.insecure_channel(bridge.address) as ch,
     ):
-        relay = Relay(ch)
+        relay = relay_to(ch)
         await relay.open("s-attached")
         req = start("a1", 3).request
         call = pb_grpc.WorkerStub(ch).Generate(req, metadata=((RELAY_METADATA_KEY, "s-attached"),))

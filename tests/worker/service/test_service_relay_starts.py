@@ -4,7 +4,6 @@ fenced), and the stream's end aborting its requests."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 
 import grpc
@@ -12,6 +11,7 @@ import pytest
 from svc_harness import WorkerSetup, running_worker, token_request
 
 from kvroute_proto import kvroute_pb2 as pb
+from tests.worker.relay_client import RelayClient
 from worker.engine.sim_executor import SimCostModel
 from worker.service.engine_runner import RunnerConfig
 
@@ -23,35 +23,6 @@ def start(rid: str, n: int, timeout_s: float = 0.0, **sampling) -> pb.RelayStart
     return pb.RelayStart(request=req, timeout_s=timeout_s)
 
 
-class Relay:
-    """A router's side of one relay stream: what it writes, and everything it read."""
-
-    def __init__(self, stub) -> None:
-        self.call = stub.Relay()
-        self.batches: list[pb.RelayBatch] = []
-
-    async def open(self, stream_id: str = "s1") -> pb.RelayBatch:
-        await self.call.write(pb.RelayRequest(stream_id=stream_id))
-        return await self.call.read()
-
-    async def read_until(self, done) -> None:
-        async with asyncio.timeout(WAIT_S):
-            while not done():
-                batch = await self.call.read()
-                assert batch is not grpc.aio.EOF
-                self.batches.append(batch)
-
-    def responses(self, rid: str) -> list[pb.GenerateResponse]:
-        return [r for b in self.batches for r in b.responses if r.request_id == rid]
-
-    def ends(self, rid: str) -> list[pb.RelayEnd]:
-        return [e for b in self.batches for e in b.ends if e.request_id == rid]
-
-    def finished(self, rid: str) -> pb.Finished | None:
-        fins = [r.finished for r in self.responses(rid) if r.HasField("finished")]
-        return fins[0] if fins else None
-
-
 def paced() -> WorkerSetup:
     """A worker whose steps take real time (the modelled 8B's, ~8 ms a decode step)."""
     setup = WorkerSetup(cost=SimCostModel())
@@ -60,7 +31,7 @@ def paced() -> WorkerSetup:
 
 async def test_started_requests_stream_their_tokens_and_usage_in_shared_batches():
     async with running_worker() as w:
-        relay = Relay(w.stub)
+        relay = RelayClient(w.stub, WAIT_S)
         first = await relay.open()
         assert first.accepts_starts and not first.responses
         await relay.call.write(pb.RelayRequest(starts=[start(f"r{i}", 5 + i) for i in range(8)]))
@@ -88,7 +59,7 @@ async def test_started_requests_stream_their_tokens_and_usage_in_shared_batches(
 )
 async def test_a_bad_start_ends_with_invalid_argument_naming_the_field(the_start, message):
     async with running_worker() as w:
-        relay = Relay(w.stub)
+        relay = RelayClient(w.stub, WAIT_S)
         await relay.open()
         rid = the_start.request.request_id
         await relay.call.write(pb.RelayRequest(starts=[the_start, start("ok", 3)]))
@@ -103,7 +74,7 @@ async def test_a_bad_start_ends_with_invalid_argument_naming_the_field(the_start
 
 async def test_a_second_start_of_a_running_id_is_refused_and_the_first_goes_on():
     async with running_worker(paced()) as w:
-        relay = Relay(w.stub)
+        relay = RelayClient(w.stub, WAIT_S)
         await relay.open()
         await relay.call.write(pb.RelayRequest(starts=[start("r1", 20), start("r1", 3)]))
         await relay.read_until(lambda: relay.ends("r1") and relay.finished("r1"))
@@ -116,7 +87,7 @@ async def test_a_second_start_of_a_running_id_is_refused_and_the_first_goes_on()
 
 async def test_a_start_past_its_deadline_ends_deadline_exceeded_and_is_aborted():
     async with running_worker(paced()) as w:
-        relay = Relay(w.stub)
+        relay = RelayClient(w.stub, WAIT_S)
         await relay.open()
         await relay.call.write(pb.RelayRequest(starts=[start("r1", 400, timeout_s=0.1)]))
         await relay.read_until(lambda: relay.ends("r1"))
@@ -131,7 +102,7 @@ async def test_a_start_past_its_deadline_ends_deadline_exceeded_and_is_aborted()
 
 async def test_a_cancel_aborts_the_request_and_nothing_of_it_follows_the_ack():
     async with running_worker(paced()) as w:
-        relay = Relay(w.stub)
+        relay = RelayClient(w.stub, WAIT_S)
         await relay.open()
         await relay.call.write(pb.RelayRequest(starts=[start("r1", 400)]))
         await relay.read_until(lambda: relay.responses("r1"))
@@ -151,7 +122,7 @@ async def test_a_cancel_aborts_the_request_and_nothing_of_it_follows_the_ack():
 
 async def test_the_streams_end_aborts_its_requests():
     async with running_worker(paced()) as w:
-        relay = Relay(w.stub)
+        relay = RelayClient(w.stub, WAIT_S)
         await relay.open()
         await relay.call.write(pb.RelayRequest(starts=[start("r1", 400), start("r2", 400)]))
         await relay.read_until(lambda: relay.responses("r1") and relay.responses("r2"))
@@ -163,7 +134,7 @@ async def test_the_streams_end_aborts_its_requests():
 
 async def test_a_draining_worker_ends_new_starts_unavailable():
     async with running_worker() as w:
-        relay = Relay(w.stub)
+        relay = RelayClient(w.stub, WAIT_S)
         await relay.open()
         w.server.servicer.refuse_new_requests()
         await relay.call.write(pb.RelayRequest(starts=[start("r1", 4)]))

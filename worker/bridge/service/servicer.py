@@ -35,7 +35,7 @@ from worker.bridge.service.engine_state import EngineState
 from worker.bridge.service.engine_stream import EngineResponse
 from worker.bridge.service.events import EventHub
 from worker.service.engine_runner import SubscriberOverflowError
-from worker.service.relay import RELAY_BATCH_KEY, RelayClosedError, RelayRegistry, send_all
+from worker.service.relay import RelayClosedError, RelayRegistry, own_stream_or_relay
 from worker.service.relay_starts import StartedContext, serve_relay
 
 log = logging.getLogger("kvroute.bridge.service")
@@ -95,12 +95,8 @@ class BridgeServicer(pb_grpc.WorkerServicer):
             outbox = self.relays.find(tuple(context.invocation_metadata() or ()))
             responses = self._generate(request)
             async with contextlib.aclosing(responses):
-                if outbox is None:
-                    async for response in responses:
-                        yield response
-                else:
-                    sent = await send_all(outbox, responses)
-                    context.set_trailing_metadata(((RELAY_BATCH_KEY, sent),))
+                async for response in own_stream_or_relay(outbox, responses, context):
+                    yield response
         except ServiceError as exc:
             if isinstance(exc, Unavailable):
                 self.num_engine_errors += 1
