@@ -7,6 +7,9 @@ RelayEnd with the status Generate would have ended with; nothing stays behind.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
@@ -36,9 +39,17 @@ def start(rid: str, n: int, *, seed: int = 1, timeout_s: float = 0.0) -> pb.Rela
     return pb.RelayStart(request=req, timeout_s=timeout_s)
 
 
-def relay_to(channel: grpc.aio.Channel) -> RelayClient:
-    """A router's side of one relay stream to the bridge."""
-    return RelayClient(pb_grpc.WorkerStub(channel), WAIT_S)
+@contextlib.asynccontextmanager
+async def relay_on_bridge(**engine_options: Any) -> AsyncIterator[Any]:
+    """A fake engine, its bridge on 127.0.0.1, and a router's side of a relay stream to it,
+    opened: (bridge, relay, engine, the stream's first batch)."""
+    async with (
+        engine_and_bridge("b0", **engine_options) as (engine, bridge),
+        grpc.aio.insecure_channel(bridge.address) as ch,
+    ):
+        relay = RelayClient(pb_grpc.WorkerStub(ch), WAIT_S)
+        first = await relay.open()
+        yield bridge, relay, engine, first
 
 
 def start_tasks() -> list[asyncio.Task]:
@@ -51,12 +62,7 @@ async def nothing_left(bridge: BridgeServer) -> None:
 
 
 async def test_started_requests_come_back_with_the_engines_tokens_and_usage():
-    async with (
-        engine_and_bridge("b0") as (engine, bridge),
-        grpc.aio.insecure_channel(bridge.address) as ch,
-    ):
-        relay = relay_to(ch)
-        first = await relay.open()
+    async with relay_on_bridge() as (bridge, relay, engine, first):
         assert first.accepts_starts and not first.responses
         engine.done_to_end_s = 0.02  # the body's end comes a little after [DONE]
         starts = [start(f"r{i}", 2 + i, seed=i) for i in range(4)]
@@ -108,12 +114,7 @@ async def test_a_router_starts_its_requests_on_the_bridges_relay_stream():
 
 
 async def test_a_cancel_closes_the_engine_stream_and_nothing_of_it_follows_the_ack():
-    async with (
-        engine_and_bridge("b0", token_delay_s=0.05) as (engine, bridge),
-        grpc.aio.insecure_channel(bridge.address) as ch,
-    ):
-        relay = relay_to(ch)
-        await relay.open()
+    async with relay_on_bridge(token_delay_s=0.05) as (bridge, relay, engine, _):
         await relay.call.write(pb.RelayRequest(starts=[start("r1", 500), start("r2", 3, seed=2)]))
         await relay.read_until(lambda: relay.tokens("r1"))
         await relay.call.write(pb.RelayRequest(cancels=["r1"]))
@@ -130,12 +131,7 @@ async def test_a_cancel_closes_the_engine_stream_and_nothing_of_it_follows_the_a
 
 
 async def test_the_streams_end_aborts_its_requests_on_the_engine():
-    async with (
-        engine_and_bridge("b0", token_delay_s=0.05) as (engine, bridge),
-        grpc.aio.insecure_channel(bridge.address) as ch,
-    ):
-        relay = relay_to(ch)
-        await relay.open()
+    async with relay_on_bridge(token_delay_s=0.05) as (bridge, relay, engine, _):
         await relay.call.write(
             pb.RelayRequest(starts=[start(f"r{i}", 500, seed=i) for i in (1, 2)])
         )
@@ -147,12 +143,7 @@ async def test_the_streams_end_aborts_its_requests_on_the_engine():
 
 
 async def test_a_start_past_its_deadline_ends_deadline_exceeded_and_is_aborted():
-    async with (
-        engine_and_bridge("b0", token_delay_s=0.05) as (engine, bridge),
-        grpc.aio.insecure_channel(bridge.address) as ch,
-    ):
-        relay = relay_to(ch)
-        await relay.open()
+    async with relay_on_bridge(token_delay_s=0.05) as (bridge, relay, engine, _):
         await relay.call.write(pb.RelayRequest(starts=[start("r1", 500, timeout_s=0.3)]))
         await relay.read_until(lambda: relay.ends("r1"))
         (end,) = relay.ends("r1")
@@ -164,12 +155,7 @@ async def test_a_start_past_its_deadline_ends_deadline_exceeded_and_is_aborted()
 
 
 async def test_requests_the_bridge_cannot_forward_end_with_the_status_naming_why():
-    async with (
-        engine_and_bridge("b0") as (_engine, bridge),
-        grpc.aio.insecure_channel(bridge.address) as ch,
-    ):
-        relay = relay_to(ch)
-        await relay.open()
+    async with relay_on_bridge() as (bridge, relay, _engine, _):
         text = pb.RelayStart(request=pb.GenerateRequest(request_id="t", prompt_text="hi"))
         twice = [start("d", 3), start("d", 3)]
         await relay.call.write(pb.RelayRequest(starts=[text, *twice, start("ok", 2, seed=3)]))
@@ -187,12 +173,7 @@ async def test_requests_the_bridge_cannot_forward_end_with_the_status_naming_why
 
 
 async def test_engine_failures_end_the_request_with_its_status_after_its_tokens():
-    async with (
-        engine_and_bridge("b0") as (engine, bridge),
-        grpc.aio.insecure_channel(bridge.address) as ch,
-    ):
-        relay = relay_to(ch)
-        await relay.open()
+    async with relay_on_bridge() as (bridge, relay, engine, _):
         engine.cut_after = 2  # the stream ends after 2 tokens, without a finish reason
         await relay.call.write(pb.RelayRequest(starts=[start("cut", 10)]))
         await relay.read_until(lambda: relay.ends("cut"))
@@ -218,12 +199,7 @@ async def test_engine_failures_end_the_request_with_its_status_after_its_tokens(
 
 
 async def test_a_draining_bridge_ends_new_starts_unavailable():
-    async with (
-        engine_and_bridge("b0") as (_engine, bridge),
-        grpc.aio.insecure_channel(bridge.address) as ch,
-    ):
-        relay = relay_to(ch)
-        await relay.open()
+    async with relay_on_bridge() as (bridge, relay, _engine, _):
         bridge.servicer.draining = True
         await relay.call.write(pb.RelayRequest(starts=[start("late", 3)]))
         await relay.read_until(lambda: relay.ends("late"))
@@ -238,7 +214,7 @@ async def test_a_generate_call_attached_to_the_stream_sends_its_messages_there()
         engine_and_bridge("b0") as (_engine, bridge),
         grpc.aio.insecure_channel(bridge.address) as ch,
     ):
-        relay = relay_to(ch)
+        relay = RelayClient(pb_grpc.WorkerStub(ch), WAIT_S)
         await relay.open("s-attached")
         req = start("a1", 3).request
         call = pb_grpc.WorkerStub(ch).Generate(req, metadata=((RELAY_METADATA_KEY, "s-attached"),))
