@@ -2,7 +2,7 @@
 
     python -m bench.replay_targets runs OUT.json [MORE.json ...] [--label-from-name]
     python -m bench.replay_targets pair BEFORE.json AFTER.json [--policy P ...]
-    python -m bench.replay_targets routers ONE.json MANY.json [MORE.json ...]
+    python -m bench.replay_targets routers ONE.json MANY.json [ONE.json MANY.json ...]
 
 ``runs``: one row per report for ``cache_aware`` against the best *other* policy on each
 figure (``approx_tree`` left out: it is the same cost fed only its own routing history),
@@ -16,7 +16,9 @@ pooled reference: then two targets conflict on that run.
 cells (a charge on or off, cache flushes on or off).
 
 ``routers``: cache_aware with several routers against one router on the same trace, per
-pair of reports: the hit rate's difference in points and the latency figures' ratios.
+pair of reports: the hit rate's difference in points and the latency figures' ratios, then
+how many pairs are within issue 13's bounds (2 points of hit rate, 10% of TTFT p99) and
+each figure's range.
 """
 
 from __future__ import annotations
@@ -240,6 +242,21 @@ def routers_row(one: dict[str, Any], many: dict[str, Any]) -> dict[str, float]:
     return row
 
 
+HIT_POINTS, TTFT_RATIO = 2.0, 1.10  # issue 13's bounds for several routers against one
+
+
+def routers_summary(rows: Sequence[dict[str, float]]) -> str:
+    """How many pairs are within the bounds, and each figure's range over them."""
+    within = sum(abs(r["hit_points"]) <= HIT_POINTS and r["ttft_p99_s"] <= TTFT_RATIO for r in rows)
+    hits = [r["hit_points"] for r in rows]
+    parts = [f"{within} / {len(rows)} within", f"{min(hits):+.2f}..{max(hits):+.2f} points"]
+    for key, label, _ in LATENCY_TARGETS:
+        ratios = [r[key] - 1 for r in rows]
+        parts.append(f"{label} {min(ratios):+.1%}..{max(ratios):+.1%}")
+    errors = sum(int(r["errors"]) for r in rows)
+    return ", ".join(parts) + (f", {errors} errors" if errors else "")
+
+
 def _load(path: str) -> dict[str, Any]:
     return json.loads(Path(path).read_text())
 
@@ -256,8 +273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     pair.add_argument("after")
     pair.add_argument("--policy", action="append", default=[])
     routers = sub.add_parser("routers", help="several routers against one, cache_aware")
-    routers.add_argument("one")
-    routers.add_argument("many", nargs="+")
+    routers.add_argument("pairs", nargs="+", metavar="ONE.json MANY.json")
     args = parser.parse_args(argv)
     try:
         if args.command == "runs":
@@ -266,10 +282,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "pair":
             print(pair_table(_load(args.before), _load(args.after), args.policy))
         else:
-            one = _load(args.one)
-            for f in args.many:
-                row = routers_row(one, _load(f))
-                print(Path(f).stem, json.dumps({k: round(v, 4) for k, v in row.items()}))
+            if len(args.pairs) % 2:
+                raise ValueError("routers takes pairs: a one-router report, then its match")
+            rows = []
+            for one, many in zip(args.pairs[::2], args.pairs[1::2], strict=True):
+                rows.append(routers_row(_load(one), _load(many)))
+                print(Path(many).stem, json.dumps({k: round(v, 4) for k, v in rows[-1].items()}))
+            print(routers_summary(rows))
     except (OSError, ValueError, KeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

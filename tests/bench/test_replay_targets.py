@@ -6,7 +6,14 @@ import json
 
 import pytest
 
-from bench.replay_targets import main, pair_table, routers_row, summary, verdict
+from bench.replay_targets import (
+    main,
+    pair_table,
+    routers_row,
+    routers_summary,
+    summary,
+    verdict,
+)
 
 
 def _policy(name: str, hit: float, ttft99: float, e2e50: float, e2e99: float, itl: float):
@@ -80,6 +87,11 @@ def test_routers_row_is_points_and_ratios():
     assert row["hit_points"] == pytest.approx(-1.0)
     assert row["ttft_p99_s"] == pytest.approx(1.10)
     assert row["e2e_p99_s"] == pytest.approx(1.10)
+    worse = routers_row(one, _report(_policy("cache_aware", 0.46, 0.340, 2.0, 5.0, 0.010)))
+    assert routers_summary([row, worse]) == (
+        "1 / 2 within, -3.00..-1.00 points, TTFT p99 +10.0%..+13.3%, e2e p50 +0.0%..+0.0%, "
+        "e2e p99 +0.0%..+10.0%, ITL +0.0%..+0.0%"
+    )
 
 
 def test_cli_prints_the_rows_and_the_count(tmp_path, capsys):
