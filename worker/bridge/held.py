@@ -38,6 +38,7 @@ OURS_PARTITION: Final = 2
 OURS_INDEX: Final = 3
 
 _owned_of = itemgetter(CHAIN_OWNED)
+MIN_PARTITIONS_COMPACTED = 4096
 K = TypeVar("K")
 
 
@@ -53,23 +54,41 @@ class HeldBlocks:
         self.ours_refs: dict[BlockHash, int] = {}
         # Partitions by id: the maps' tuples then hold only ints, bytes and tuples of them,
         # which the garbage collector stops tracking; a Partition in each would make every
-        # full collection walk every held block (pauses of 100s of ms at 100k blocks).
+        # full collection walk every held block (decision 0041). Ids no block uses any more
+        # are dropped when the table doubles (a salt per user would otherwise grow it).
         self.partitions: list[Partition] = []
         self._partition_ids: dict[Partition, int] = {}
+        self._compact_at = MIN_PARTITIONS_COMPACTED
 
     def partition_id(self, partition: Partition) -> int:
         pid = self._partition_ids.get(partition)
         if pid is None:
+            if len(self.partitions) >= self._compact_at:
+                self._compact_partitions()
             pid = self._partition_ids[partition] = len(self.partitions)
             self.partitions.append(partition)
         return pid
 
+    def _compact_partitions(self) -> None:
+        """Renumber the partitions some held block still names; the others go."""
+        used = {c[0] for c in self.chains.values()} | {
+            o[OURS_PARTITION] for o in self.ours.values()
+        }
+        new_id = {old: new for new, old in enumerate(sorted(used))}
+        self.partitions = [self.partitions[old] for old in sorted(used)]
+        self._partition_ids = {p: i for i, p in enumerate(self.partitions)}
+        self.chains = {h: (new_id[c[0]], c[1], c[2], c[3], c[4]) for h, c in self.chains.items()}
+        self.ours = {h: (o[0], o[1], new_id[o[OURS_PARTITION]], o[3]) for h, o in self.ours.items()}
+        self._compact_at = max(MIN_PARTITIONS_COMPACTED, 2 * len(self.partitions))
+
     def clear(self) -> None:
-        """Forget everything (partition ids stay: they name no block)."""
+        """Forget everything."""
         self.chains.clear()
         self.ours.clear()
         self.chain_refs.clear()
         self.ours_refs.clear()
+        self.partitions.clear()
+        self._partition_ids.clear()
 
     def store(
         self,

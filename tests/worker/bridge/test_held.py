@@ -1,0 +1,50 @@
+"""HeldBlocks' partition table (decision 0041): ids that no held block names any more are
+dropped when the table fills, so a salt per user does not grow it for ever, and the blocks
+still held keep their partitions."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvroute_proto.events import TOKEN_DTYPE, Partition
+from kvroute_proto.hashing import block_hashes
+from worker.bridge import held
+from worker.bridge.held import OURS_PARTITION, HeldBlocks
+
+
+def store_one(blocks: HeldBlocks, engine_hash: int, salt: str) -> int:
+    """One new 16-token chain under ``salt``; its block of ours."""
+    partition = Partition(cache_salt=salt)
+    tokens = np.arange(engine_hash, engine_hash + 16, dtype=TOKEN_DTYPE)
+    (ours,) = block_hashes(tokens, 16, partition.seed).tolist()
+    run = tuple(int(t) for t in tokens)
+    new, duplicates = blocks.store(
+        (engine_hash,), 16, run, 0, [ours], None, partition, tokens.tobytes(), 0
+    )
+    assert new == [0] and duplicates == 0
+    return ours
+
+
+def test_partitions_no_block_names_are_dropped_and_held_ones_keep_theirs(monkeypatch) -> None:
+    monkeypatch.setattr(held, "MIN_PARTITIONS_COMPACTED", 8)
+    blocks = HeldBlocks(16)
+    kept = {store_one(blocks, 10_000, "kept-a"): "kept-a"}
+    kept[store_one(blocks, 20_000, "kept-b")] = "kept-b"
+    for i in range(200):  # a salt per user, each block evicted soon after
+        store_one(blocks, 100 * i + 30_000, f"user-{i}")
+        gone, unknown = blocks.remove((100 * i + 30_000,))
+        assert len(gone) == 1 and unknown == 0
+    assert len(blocks.partitions) <= 2 * 8 + 2
+    for ours, salt in kept.items():
+        assert blocks.partitions[blocks.ours[ours][OURS_PARTITION]] == Partition(cache_salt=salt)
+    for chain in blocks.chains.values():
+        assert blocks.partitions[chain[0]].cache_salt.startswith("kept-")
+
+
+def test_a_full_table_of_partitions_in_use_doubles(monkeypatch) -> None:
+    monkeypatch.setattr(held, "MIN_PARTITIONS_COMPACTED", 4)
+    blocks = HeldBlocks(16)
+    salts = {store_one(blocks, 1_000 * (i + 1), f"s{i}"): f"s{i}" for i in range(12)}
+    assert len(blocks.partitions) == 12  # every one still names a held block
+    for ours, salt in salts.items():
+        assert blocks.partitions[blocks.ours[ours][OURS_PARTITION]] == Partition(cache_salt=salt)
