@@ -161,20 +161,25 @@ async def test_abort_closes_the_engine_stream_and_finishes_with_abort():
             assert await r.client.abort("r-abort") is False  # no longer in flight
 
 
+async def cancel_after_first_chunk(stub: pb_grpc.WorkerStub) -> None:
+    """A long Generate call, cancelled once its first chunk came."""
+    req = pb.GenerateRequest(
+        request_id="c1",
+        prompt_token_ids=pb.TokenIds(ids=prompt(3)),
+        sampling=pb.SamplingParams(max_new_tokens=500),
+    )
+    call = stub.Generate(req)
+    async for msg in call:
+        assert msg.HasField("chunk")
+        break
+    call.cancel()
+
+
 async def test_a_cancelled_call_aborts_the_engine_request():
     async with engine_and_bridge("b0", token_delay_s=0.05) as (engine, bridge):
         async with grpc.aio.insecure_channel(bridge.address) as ch:
             stub = pb_grpc.WorkerStub(ch)
-            req = pb.GenerateRequest(
-                request_id="c1",
-                prompt_token_ids=pb.TokenIds(ids=prompt(3)),
-                sampling=pb.SamplingParams(max_new_tokens=500),
-            )
-            call = stub.Generate(req)
-            async for msg in call:
-                assert msg.HasField("chunk")
-                break
-            call.cancel()
+            await cancel_after_first_chunk(stub)
         await wait_until(lambda: engine.disconnects == 1)
         await wait_until(lambda: not bridge.servicer.inflight)
 

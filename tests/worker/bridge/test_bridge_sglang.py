@@ -23,6 +23,7 @@ from tests.worker.bridge.fake_engine import FakeEngine
 from tests.worker.bridge.test_bridge_service import (
     BLOCK,
     CONN,
+    cancel_after_first_chunk,
     explain_when,
     matched,
     prompt,
@@ -191,15 +192,6 @@ async def test_a_cancelled_call_aborts_the_sglang_request_and_load_is_read():
             info = await stub.GetLoad(pb.GetLoadRequest())
             assert info.kv_capacity_tokens == 4096  # sglang:max_total_num_tokens
             assert info.load.num_free_kv_tokens == 2048  # sglang:token_usage 0.5
-            req = pb.GenerateRequest(
-                request_id="c1",
-                prompt_token_ids=pb.TokenIds(ids=prompt(3)),
-                sampling=pb.SamplingParams(max_new_tokens=500),
-            )
-            call = stub.Generate(req)
-            async for msg in call:
-                assert msg.HasField("chunk")
-                break
-            call.cancel()
+            await cancel_after_first_chunk(stub)
         await wait_until(lambda: engine.disconnects == 1)
         await wait_until(lambda: not bridge.servicer.inflight)

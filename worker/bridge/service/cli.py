@@ -188,8 +188,7 @@ async def _serve(config: BridgeConfig, metrics_port: int | None, stop: asyncio.E
             metrics.start()
         # Start-up objects (modules, the engine's model, sockets) live for the whole run:
         # out of the collector's generations, so a full collection does not rescan them
-        # (as `kvroute router` does; at tens of thousands of blocks a second full
-        # collections of the start-up heap held events back by ~100 ms).
+        # and hold events back (as `kvroute router` does; decision 0041).
         gc.freeze()
         print(f"listening on {config.host}:{port}", flush=True)
         if metrics is not None:
