@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fleetsim.replay.markdown import fmt_millis, fmt_seconds
+
 POLICY = "cache_aware"
 SAME_COST = ("approx_tree",)
 MIN_OF_POOLED = 0.95
@@ -45,20 +47,8 @@ LATENCY_TARGETS = (
 )
 
 
-def fmt_s(x: float | None) -> str:
-    """Seconds as BENCHMARKS.md writes them: ms under a second, else s."""
-    if x is None or not math.isfinite(x):
-        return "-"
-    return f"{x * 1000:.0f} ms" if x < 1 else f"{x:.2f} s"
-
-
-def fmt_ms(x: float | None) -> str:
-    """An inter-token latency in ms, one decimal."""
-    return "-" if x is None or not math.isfinite(x) else f"{x * 1000:.1f} ms"
-
-
 def _fmt(key: str, x: float | None) -> str:
-    return fmt_ms(x) if key.startswith("itl") else fmt_s(x)
+    return fmt_millis(x) if key.startswith("itl") else fmt_seconds(x)
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,13 +37,14 @@ COLUMNS = (
 )
 
 
-def _seconds(x: float | None) -> str:
+def fmt_seconds(x: float | None) -> str:
+    """Seconds as the tables write them: ms under a second, else s; "-" when unknown."""
     if x is None or not math.isfinite(x):
         return "-"
     return f"{x * 1000:.0f} ms" if x < 1 else f"{x:.2f} s"
 
 
-def _millis(x: float | None) -> str:
+def fmt_millis(x: float | None) -> str:
     """An inter-token latency in ms (one decimal); "-" when the report has none."""
     return "-" if x is None or not math.isfinite(x) else f"{x * 1000:.1f} ms"
 
@@ -100,7 +101,7 @@ def table(report: dict[str, Any]) -> str:
     lines.append("|---" + "|---:" * (len(COLUMNS) - 1) + "|")
     for p in policies:
         hit = p["hit_rate"]
-        ttft99 = _seconds(p.get("ttft_p99_s"))
+        ttft99 = fmt_seconds(p.get("ttft_p99_s"))
         if best is not None and p.get("ttft_p99_s") == best:
             ttft99 = f"**{ttft99}**"
         row = [
@@ -109,12 +110,12 @@ def table(report: dict[str, Any]) -> str:
             f"{hit / pooled:.1%}" if pooled else "-",
             _ratio(p.get("load_imbalance")),
             _ratio(p.get("busy_imbalance")),
-            _seconds(p.get("ttft_p50_s")),
+            fmt_seconds(p.get("ttft_p50_s")),
             ttft99,
-            _seconds(p.get("e2e_p50_s")),
-            _seconds(p.get("e2e_p99_s")),
-            _millis(p.get("itl_mean_s")),
-            _millis(p.get("itl_p99_s")),
+            fmt_seconds(p.get("e2e_p50_s")),
+            fmt_seconds(p.get("e2e_p99_s")),
+            fmt_millis(p.get("itl_mean_s")),
+            fmt_millis(p.get("itl_p99_s")),
             str(p.get("errors", 0)),
         ]
         lines.append("| " + " | ".join(row) + " |")
@@ -175,8 +176,8 @@ def routers_table(reports: Sequence[dict[str, Any]]) -> str:
                 str(count),
                 f"{hit:.1%}",
                 f"{hit / pooled:.1%}" if pooled else "-",
-                _seconds(p.get("ttft_p50_s")),
-                _seconds(ttft99),
+                fmt_seconds(p.get("ttft_p50_s")),
+                fmt_seconds(ttft99),
                 vs,
                 _ratio(p.get("load_imbalance")),
                 _ratio(p.get("busy_imbalance")),
