@@ -16,13 +16,11 @@ import grpc
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
 from router.cli.client import GenerateOptions
-from router.core.router_core import RouterConfig
-from tests.router.service.router_harness import WAIT_S, router_config, running_router
+from tests.router.service.router_harness import WAIT_S
 from tests.worker.bridge.test_bridge_service import (
-    BLOCK,
-    CONN,
     engine_and_bridge,
     prompt,
+    router_over,
     wait_until,
 )
 from tests.worker.relay_client import RelayClient
@@ -90,27 +88,20 @@ async def test_started_requests_come_back_with_the_engines_tokens_and_usage():
 
 
 async def test_a_router_starts_its_requests_on_the_bridges_relay_stream():
-    async with engine_and_bridge("b0") as (engine, bridge):
-        config = router_config(
-            [bridge.address],
-            connection=CONN,
-            core=RouterConfig(policy="cache_aware", block_size=BLOCK),
+    async with engine_and_bridge("b0") as (engine, bridge), router_over(bridge) as r:
+        (conn,) = r.server.pool.conns.values()
+        await r.wait_for(lambda: conn.relay.ready)
+        opts = [GenerateOptions(request_id=f"q{i}", max_new_tokens=3) for i in range(3)]
+        results = await asyncio.gather(
+            *(r.client.generate(prompt(10 + i), o) for i, o in enumerate(opts))
         )
-        async with running_router([], config) as r:
-            await r.wait_synced(1)
-            (conn,) = r.server.pool.conns.values()
-            await r.wait_for(lambda: conn.relay.ready)
-            opts = [GenerateOptions(request_id=f"q{i}", max_new_tokens=3) for i in range(3)]
-            results = await asyncio.gather(
-                *(r.client.generate(prompt(10 + i), o) for i, o in enumerate(opts))
-            )
-            for i, result in enumerate(results):
-                assert result.token_ids == tuple(prompt(10 + i)[-1] + k for k in (1, 2, 3))
-                assert result.worker_id == "b0" and result.prompt_tokens == 96
-            assert conn.relay.num_started == 3  # no Generate call of their own
-            (outbox,) = bridge.servicer.relays.outboxes
-            assert outbox.num_batches > 1 and engine.completions == 3
-            await nothing_left(bridge)
+        for i, result in enumerate(results):
+            assert result.token_ids == tuple(prompt(10 + i)[-1] + k for k in (1, 2, 3))
+            assert result.worker_id == "b0" and result.prompt_tokens == 96
+        assert conn.relay.num_started == 3  # no Generate call of their own
+        (outbox,) = bridge.servicer.relays.outboxes
+        assert outbox.num_batches > 1 and engine.completions == 3
+        await nothing_left(bridge)
 
 
 async def test_a_cancel_closes_the_engine_stream_and_nothing_of_it_follows_the_ack():

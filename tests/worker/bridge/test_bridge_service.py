@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import random
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 import pytest
@@ -108,34 +109,41 @@ def prompt(seed: int, n: int = 96) -> list[int]:
     return [(seed * 131 + i * 7) % 250 + 1 for i in range(n)]
 
 
+@contextlib.asynccontextmanager
+async def router_over(*bridges: BridgeServer, connection: Any = CONN) -> AsyncIterator[Any]:
+    """A cache-aware router (our block size) in front of ``bridges``, synced with them all."""
+    config = router_config(
+        [b.address for b in bridges],
+        connection=connection,
+        core=RouterConfig(policy="cache_aware", block_size=BLOCK),
+    )
+    async with running_router([], config) as r:
+        await r.wait_synced(len(bridges))
+        yield r
+
+
 async def test_events_reach_the_router_and_routing_prefers_the_holder():
     async with (
         engine_and_bridge("b0") as (e0, b0),
         engine_and_bridge("b1") as (e1, b1),
+        router_over(b0, b1) as r,
     ):
-        config = router_config(
-            [b0.address, b1.address],
-            connection=CONN,
-            core=RouterConfig(policy="cache_aware", block_size=BLOCK),
-        )
-        async with running_router([], config) as r:
-            await r.wait_synced(2)
-            p = prompt(1)
-            first = await r.client.generate(p, GenerateOptions(max_new_tokens=3))
-            assert first.finish_reason and first.completion_tokens == 3
-            assert first.token_ids == (p[-1] + 1, p[-1] + 2, p[-1] + 3)
-            holder = {"b0": (e0, b0), "b1": (e1, b1)}[first.worker_id]
-            # the engine published its 96-token prompt as 3 blocks of 32: 6 of ours
-            await wait_until(lambda: len(holder[1].translator.held_blocks()) == 6)
-            expl = await explain_when(r, [*p, 7, 8], lambda e: matched(e, first.worker_id) == 96)
-            assert expl.chosen_worker_id == first.worker_id
-            other = "b1" if first.worker_id == "b0" else "b0"
-            assert matched(expl, other) == 0
-            for _ in range(3):
-                again = await r.client.generate([*p, 9, 9, 9], GenerateOptions(max_new_tokens=2))
-                assert again.worker_id == first.worker_id
-                assert again.cached_prompt_tokens == 96  # the engine's own count, passed on
-            assert holder[0].completions == 4
+        p = prompt(1)
+        first = await r.client.generate(p, GenerateOptions(max_new_tokens=3))
+        assert first.finish_reason and first.completion_tokens == 3
+        assert first.token_ids == (p[-1] + 1, p[-1] + 2, p[-1] + 3)
+        holder = {"b0": (e0, b0), "b1": (e1, b1)}[first.worker_id]
+        # the engine published its 96-token prompt as 3 blocks of 32: 6 of ours
+        await wait_until(lambda: len(holder[1].translator.held_blocks()) == 6)
+        expl = await explain_when(r, [*p, 7, 8], lambda e: matched(e, first.worker_id) == 96)
+        assert expl.chosen_worker_id == first.worker_id
+        other = "b1" if first.worker_id == "b0" else "b0"
+        assert matched(expl, other) == 0
+        for _ in range(3):
+            again = await r.client.generate([*p, 9, 9, 9], GenerateOptions(max_new_tokens=2))
+            assert again.worker_id == first.worker_id
+            assert again.cached_prompt_tokens == 96  # the engine's own count, passed on
+        assert holder[0].completions == 4
 
 
 async def test_abort_closes_the_engine_stream_and_finishes_with_abort():
@@ -278,12 +286,6 @@ async def test_a_bridge_with_a_token_serves_only_routers_that_send_it():
         assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
         info = await stub.GetLoad(pb.GetLoadRequest(), metadata=(("authorization", "Bearer tok"),))
         assert info.worker_id == "b0"
-        config = router_config(
-            [bridge.address],
-            connection=dataclasses.replace(CONN, token="tok"),
-            core=RouterConfig(policy="cache_aware", block_size=BLOCK),
-        )
-        async with running_router([], config) as r:
-            await r.wait_synced(1)
+        async with router_over(bridge, connection=dataclasses.replace(CONN, token="tok")) as r:
             result = await r.client.generate(prompt(3), GenerateOptions(max_new_tokens=2))
             assert result.worker_id == "b0" and len(result.token_ids) == 2

@@ -17,16 +17,14 @@ from edge.frontdoor import BadRequest
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
 from router.cli.client import GenerateOptions
-from router.core.router_core import RouterConfig
-from tests.router.service.router_harness import router_config, running_router
 from tests.worker.bridge.fake_engine import FakeEngine
 from tests.worker.bridge.test_bridge_service import (
     BLOCK,
-    CONN,
     cancel_after_first_chunk,
     explain_when,
     matched,
     prompt,
+    router_over,
     wait_until,
 )
 from worker.bridge.service.cli import build_parser, config_from_args
@@ -163,25 +161,19 @@ async def test_router_through_sglang_bridges(incremental: bool):
     async with (
         sglang_and_bridge("s0", incremental=incremental) as (e0, b0),
         sglang_and_bridge("s1", incremental=incremental) as (e1, b1),
+        router_over(b0, b1) as r,
     ):
-        config = router_config(
-            [b0.address, b1.address],
-            connection=CONN,
-            core=RouterConfig(policy="cache_aware", block_size=BLOCK),
-        )
-        async with running_router([], config) as r:
-            await r.wait_synced(2)
-            p = prompt(11)
-            first = await r.client.generate(p, GenerateOptions(max_new_tokens=3))
-            assert first.token_ids == (p[-1] + 1, p[-1] + 2, p[-1] + 3)
-            assert first.cached_prompt_tokens == 0
-            holder = {"s0": (e0, b0), "s1": (e1, b1)}[first.worker_id]
-            assert holder[0].bodies[-1]["input_ids"] == p
-            await wait_until(lambda: len(holder[1].translator.held_blocks()) == 96 // BLOCK)
-            expl = await explain_when(r, [*p, 7], lambda e: matched(e, first.worker_id) == 96)
-            assert expl.chosen_worker_id == first.worker_id
-            again = await r.client.generate([*p, 9, 9], GenerateOptions(max_new_tokens=2))
-            assert again.worker_id == first.worker_id and again.cached_prompt_tokens == 96
+        p = prompt(11)
+        first = await r.client.generate(p, GenerateOptions(max_new_tokens=3))
+        assert first.token_ids == (p[-1] + 1, p[-1] + 2, p[-1] + 3)
+        assert first.cached_prompt_tokens == 0
+        holder = {"s0": (e0, b0), "s1": (e1, b1)}[first.worker_id]
+        assert holder[0].bodies[-1]["input_ids"] == p
+        await wait_until(lambda: len(holder[1].translator.held_blocks()) == 96 // BLOCK)
+        expl = await explain_when(r, [*p, 7], lambda e: matched(e, first.worker_id) == 96)
+        assert expl.chosen_worker_id == first.worker_id
+        again = await r.client.generate([*p, 9, 9], GenerateOptions(max_new_tokens=2))
+        assert again.worker_id == first.worker_id and again.cached_prompt_tokens == 96
 
 
 async def test_a_cancelled_call_aborts_the_sglang_request_and_load_is_read():
