@@ -16,7 +16,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "bridge": (
         "worker.bridge.service.cli",
         "main",
-        "serve a vLLM engine as a kvroute worker (its KV events, its completions API)",
+        "serve a vLLM or SGLang engine as a kvroute worker (its KV events, its HTTP API)",
     ),
     "router": ("router.cli.router", "main", "run the cache-aware router (gRPC)"),
     "model": ("worker.model_dir", "main", "write a small model directory for --model (init DIR)"),
