@@ -460,6 +460,10 @@ class EventTranslator:
         packed)."""
         width = self.config.block_size * TOKEN_DTYPE.itemsize
         self._counts.add("num_blocks_stored", len(new))
+        if len(new) == len(ours):  # all of them (``new`` is increasing): one run
+            if new:
+                out.append(BlockStored(tuple(ours), last, raw[: len(ours) * width], partition))
+            return
         i = 0
         while i < len(new):
             j = i
