@@ -27,6 +27,7 @@ from bench.bench_bridge_events import TOPIC, Engine
 from bench.procs import report
 from kvroute_proto import codec
 from worker.bridge.engine_wire import EngineBatch, decode_frames
+from worker.bridge.service.cli import enable_compiled_event_path
 from worker.bridge.translate import EventTranslator, TranslatorConfig
 
 
@@ -93,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="also write the result here")
     args = parser.parse_args(argv)
     frames = _frames(args)
+    enable_compiled_event_path()  # as kvroute bridge does at start
     stored = args.batches * args.chains_per_batch * args.blocks_per_chain
     gc.collect()
     gc.freeze()  # as kvroute bridge does after start-up

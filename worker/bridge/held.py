@@ -5,8 +5,8 @@ decides what to store and remove; this module only keeps the maps, fast.
 
     engine hash -> Chain (partition, last, tail, end, owned): what one held engine block
                    means for ours -- our hash at the last of our block boundaries at or
-                   before its end, the tokens after that boundary, its absolute end, and
-                   our blocks whose last token it holds
+                   before its end, the tokens after that boundary (packed, TOKEN_DTYPE
+                   bytes), its absolute end, and our blocks whose last token it holds
     our hash    -> Ours (parent, tokens, partition, index): one of our held blocks, as a
                    snapshot announces it
 
@@ -27,8 +27,8 @@ from kvroute_proto.events import TOKEN_DTYPE, Partition
 from kvroute_proto.hashing import BlockHash
 from worker.bridge.engine_wire import EngineHash
 
-# Chain = (partition id, last, tail, end, owned)
-Chain: TypeAlias = tuple[int, BlockHash | None, tuple[int, ...], int, tuple[BlockHash, ...]]
+# Chain = (partition id, last, tail (packed tokens), end, owned)
+Chain: TypeAlias = tuple[int, BlockHash | None, bytes, int, tuple[BlockHash, ...]]
 CHAIN_OWNED: Final = 4
 # Ours = (parent, tokens, partition id, index)
 Ours: TypeAlias = tuple[BlockHash | None, bytes, int, int]
@@ -94,7 +94,6 @@ class HeldBlocks:
         self,
         engine: tuple[EngineHash, ...],
         engine_block_size: int,
-        run: tuple[int, ...],
         tail_len: int,
         ours: list[BlockHash],
         last: BlockHash | None,
@@ -103,13 +102,13 @@ class HeldBlocks:
         start: int,
     ) -> tuple[list[int], int]:
         """Hold a stored run of engine blocks (``engine``, each ``engine_block_size``
-        tokens). ``run``: the tokens from the parent's last boundary of ours (its
-        ``tail_len`` tail tokens first) to the run's end, ``raw`` the same packed; ``ours``
-        our hashes of ``run``'s full blocks; ``last`` our hash before them, ``start`` the
-        absolute token position of the run's first engine token.
+        tokens). ``raw``: the tokens from the parent's last boundary of ours (its
+        ``tail_len`` tail tokens first) to the run's end, packed; ``ours`` our hashes of
+        its full blocks; ``last`` our hash before them, ``start`` the absolute token
+        position of the run's first engine token.
 
-        Engine block i ends at offset ``end = tail_len + (i + 1) * engine_block_size`` of
-        ``run`` and owns our blocks ``[n(i - 1), n(i))``, ``n(i) = end // block_size``.
+        Engine block i ends at token ``end = tail_len + (i + 1) * engine_block_size`` of
+        ``raw`` and owns our blocks ``[n(i - 1), n(i))``, ``n(i) = end // block_size``.
         Returns the positions in ``ours`` that became held, and how many engine blocks
         were already held (duplicates)."""
         pid = self.partition_id(partition)
@@ -120,20 +119,21 @@ class HeldBlocks:
             and len(set(ours)) == len(ours)
         ):
             return self._store_some_held(
-                engine, engine_block_size, run, tail_len, ours, last, pid, raw, start
+                engine, engine_block_size, tail_len, ours, last, pid, raw, start
             )
         bs, ebs, k, m = self.block_size, engine_block_size, len(engine), len(ours)
+        size = TOKEN_DTYPE.itemsize
         ends = range(tail_len + ebs, tail_len + (k + 1) * ebs, ebs)
         ns = [end // bs for end in ends]
         chains = zip(
             repeat(pid),
             [ours[n - 1] if n else last for n in ns],
-            map(tuple, map(run.__getitem__, map(slice, [n * bs for n in ns], ends))),
+            map(raw.__getitem__, map(slice, [n * bs * size for n in ns], [e * size for e in ends])),
             range(start + ebs, start + (k + 1) * ebs, ebs),
             map(tuple, map(ours.__getitem__, map(slice, chain((0,), ns), ns))),
         )
         self.chains.update(zip(engine, chains, strict=True))
-        width = bs * TOKEN_DTYPE.itemsize
+        width = bs * size
         first_index = (start - tail_len) // bs  # chain index of ours[0]
         blocks = zip(
             chain((last,), ours),  # one more than ours: zip stops at the tokens' end
@@ -151,7 +151,6 @@ class HeldBlocks:
         self,
         engine: tuple[EngineHash, ...],
         ebs: int,
-        run: tuple[int, ...],
         tail_len: int,
         ours: list[BlockHash],
         last: BlockHash | None,
@@ -160,8 +159,8 @@ class HeldBlocks:
         start: int,
     ) -> tuple[list[int], int]:
         """:meth:`store` block by block, when some of the run is held already."""
-        bs = self.block_size
-        width = bs * TOKEN_DTYPE.itemsize
+        bs, size = self.block_size, TOKEN_DTYPE.itemsize
+        width = bs * size
         first_index = (start - tail_len) // bs
         new: list[int] = []
         duplicates = 0
@@ -177,7 +176,7 @@ class HeldBlocks:
             self.chains[h] = (
                 pid,
                 ours[num_ours - 1] if num_ours else last,
-                run[num_ours * bs : end],
+                raw[num_ours * bs * size : end * size],
                 start - tail_len + end,
                 tuple(ours[done:num_ours]),
             )

@@ -17,9 +17,8 @@ def store_one(blocks: HeldBlocks, engine_hash: int, salt: str) -> int:
     partition = Partition(cache_salt=salt)
     tokens = np.arange(engine_hash, engine_hash + 16, dtype=TOKEN_DTYPE)
     (ours,) = block_hashes(tokens, 16, partition.seed).tolist()
-    run = tuple(int(t) for t in tokens)
     new, duplicates = blocks.store(
-        (engine_hash,), 16, run, 0, [ours], None, partition, tokens.tobytes(), 0
+        (engine_hash,), 16, 0, [ours], None, partition, tokens.tobytes(), 0
     )
     assert new == [0] and duplicates == 0
     return ours
