@@ -419,12 +419,12 @@ class EventTranslator:
             tail = b""
             start = 0
         else:
-            parent = self._held_blocks.chains.get(ev.parent_block_hash)
+            parent = self._held_blocks.chain(ev.parent_block_hash)
             if parent is None:
                 self._counts.add("dropped_unknown_parent", n)
                 return
             _, k = self._salt_and_nameable(ev)
-            pid, last, tail, start, _owned = parent
+            pid, last, tail, start = parent
             partition = self._held_blocks.partitions[pid]
         if not k:
             return

@@ -9,7 +9,7 @@ import numpy as np
 from kvroute_proto.events import TOKEN_DTYPE, Partition
 from kvroute_proto.hashing import block_hashes
 from worker.bridge import held
-from worker.bridge.held import OURS_PARTITION, HeldBlocks
+from worker.bridge.held import OURS_INDEX, OURS_PARTITION, HeldBlocks
 
 
 def store_one(blocks: HeldBlocks, engine_hash: int, salt: str) -> int:
@@ -35,9 +35,12 @@ def test_partitions_no_block_names_are_dropped_and_held_ones_keep_theirs(monkeyp
         assert len(gone) == 1 and unknown == 0
     assert len(blocks.partitions) <= 2 * 8 + 2
     for ours, salt in kept.items():
-        assert blocks.partitions[blocks.ours[ours][OURS_PARTITION]] == Partition(cache_salt=salt)
-    for chain in blocks.chains.values():
-        assert blocks.partitions[chain[0]].cache_salt.startswith("kept-")
+        assert blocks.partitions[blocks.our_block(ours)[OURS_PARTITION]] == Partition(
+            cache_salt=salt
+        )
+    for engine_hash in blocks.chains:
+        chain = blocks.chain(engine_hash)
+        assert chain is not None and blocks.partitions[chain[0]].cache_salt.startswith("kept-")
 
 
 def test_a_full_table_of_partitions_in_use_doubles(monkeypatch) -> None:
@@ -46,4 +49,21 @@ def test_a_full_table_of_partitions_in_use_doubles(monkeypatch) -> None:
     salts = {store_one(blocks, 1_000 * (i + 1), f"s{i}"): f"s{i}" for i in range(12)}
     assert len(blocks.partitions) == 12  # every one still names a held block
     for ours, salt in salts.items():
-        assert blocks.partitions[blocks.ours[ours][OURS_PARTITION]] == Partition(cache_salt=salt)
+        assert blocks.partitions[blocks.our_block(ours)[OURS_PARTITION]] == Partition(
+            cache_salt=salt
+        )
+
+
+def test_run_ids_go_round_past_those_still_held(monkeypatch) -> None:
+    """Codes stay below 2**63 however many runs were stored: ids start again at 1 and skip
+    the runs still held."""
+    monkeypatch.setattr(held, "MAX_RUN_ID", 4)
+    blocks = HeldBlocks(16)
+    kept = store_one(blocks, 10_000, "")  # run 1, held throughout
+    for i in range(10):
+        store_one(blocks, 20_000 + 100 * i, "")
+        gone, _ = blocks.remove((20_000 + 100 * i,))
+        assert len(gone) == 1
+    assert sorted(blocks.runs) == [1] and blocks.our_block(kept)[OURS_INDEX] == 0
+    assert blocks.chain(10_000) is not None
+    assert blocks.remove((10_000,)) == ([kept], 0) and not blocks.runs
