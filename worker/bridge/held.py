@@ -287,6 +287,8 @@ class HeldBlocks:
 
     def _release(self, codes: list[int]) -> None:
         """Map entries no longer name these codes' runs; a run goes with its last."""
+        if not codes:
+            return
         rids = np.array(codes, dtype=np.uint64) >> RUN_BITS
         cuts = [0, *(np.flatnonzero(rids[1:] != rids[:-1]) + 1).tolist(), len(codes)]
         for lo, hi in pairwise(cuts):  # a run's codes come together, mostly

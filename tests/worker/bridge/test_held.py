@@ -5,9 +5,12 @@ still held keep their partitions."""
 from __future__ import annotations
 
 import numpy as np
+from hypothesis import settings
+from hypothesis.stateful import run_state_machine_as_test
 
 from kvroute_proto.events import TOKEN_DTYPE, Partition
 from kvroute_proto.hashing import block_hashes
+from tests.worker.bridge.test_translate_stateful import TranslatorMachine
 from worker.bridge import held
 from worker.bridge.held import OURS_INDEX, OURS_PARTITION, HeldBlocks
 
@@ -67,3 +70,23 @@ def test_run_ids_go_round_past_those_still_held(monkeypatch) -> None:
     assert sorted(blocks.runs) == [1] and blocks.our_block(kept)[OURS_INDEX] == 0
     assert blocks.chain(10_000) is not None
     assert blocks.remove((10_000,)) == ([kept], 0) and not blocks.runs
+
+
+def test_the_translator_machine_with_every_removal_taken_as_an_array(monkeypatch) -> None:
+    """The state machine of test_translate_stateful, with removals of any length taken
+    the way long ones are (its evictions are short): the same announced blocks."""
+    monkeypatch.setattr(held, "MIN_REMOVED_AS_ARRAY", 1)
+    run_state_machine_as_test(
+        TranslatorMachine,
+        settings=settings(max_examples=150, stateful_step_count=40, deadline=None),
+    )
+
+
+def test_removing_only_blocks_not_held_as_an_array() -> None:
+    blocks = HeldBlocks(16)
+    store_one(blocks, 1_000, "")
+    assert blocks.remove(tuple(range(5_000, 5_000 + held.MIN_REMOVED_AS_ARRAY))) == (
+        [],
+        held.MIN_REMOVED_AS_ARRAY,
+    )
+    assert len(blocks.chains) == len(blocks.ours) == len(blocks.runs) == 1
