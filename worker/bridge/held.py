@@ -74,10 +74,12 @@ class Run:
         self.refs = 0
 
     def boundary(self, i: int) -> int:
-        """How many of our blocks end at or before engine block i's end (-1: none)."""
+        """How many of the run's blocks of ours end at or before engine block i's end
+        (``n(i)``; 0 for i = -1, the tail being shorter than a block)."""
         return (self.tail_len + (i + 1) * self.ebs) // self.block_size
 
     def owned(self, i: int) -> list[BlockHash]:
+        """Our blocks whose last token engine block i holds."""
         return self.ours[self.boundary(i - 1) : self.boundary(i)]
 
     def chain(self, i: int) -> Chain:
