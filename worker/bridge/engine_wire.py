@@ -37,11 +37,12 @@ recomputed: their seeds depend on the engine's version, hash function and PYTHON
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 import msgspec
+import numpy as np
 
 from kvroute_proto.events import AllCleared, BlockRemoved, BlockStored, KvEvent
 
@@ -56,7 +57,9 @@ __all__ = [
     "EngineReplayEnd",
     "EngineUnknown",
     "EngineWireError",
+    "PackedTokenIds",
     "decode_frames",
+    "enable_compiled",
     "encode_vllm_batch",
 ]
 
@@ -71,6 +74,46 @@ class EngineWireError(ValueError):
     """A frame that is not an engine's KV-event wire; the message says what was wrong."""
 
 
+class PackedTokenIds(Sequence[int]):
+    """A stored event's token ids as the compiled decode reads them: a uint32 array
+    (:attr:`array`, every id a valid token id), read as a sequence of ints. Equal to -- and
+    hashes as -- the tuple of the same ints, so decoded events compare equal whichever way
+    they were decoded."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array
+
+    def __len__(self) -> int:
+        return len(self.array)
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+    @overload
+    def __getitem__(self, i: slice) -> tuple[int, ...]: ...
+    def __getitem__(self, i: int | slice) -> int | tuple[int, ...]:
+        if isinstance(i, slice):
+            return tuple(self.array[i].tolist())
+        return int(self.array[i])
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.array.tolist())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, PackedTokenIds):
+            return bool(np.array_equal(self.array, other.array))
+        if isinstance(other, tuple):
+            return tuple(self.array.tolist()) == other
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self.array.tolist()))
+
+    def __repr__(self) -> str:
+        return f"PackedTokenIds({self.array.tolist()!r})"
+
+
 @dataclass(frozen=True, slots=True)
 class EngineBlockStored:
     """Consecutive blocks of one chain became cached, parent first (engine's vocabulary).
@@ -78,11 +121,12 @@ class EngineBlockStored:
     ``extra_keys``: one entry per block (None or a tuple), vLLM's untagged form: a LoRA
     name, ``(mm_identifier, offset)`` pairs, a cache salt (first block only), prompt
     embedding digests. ``cache_salt``: SGLang's field (vLLM puts the salt in extra_keys).
+    ``token_ids``: a tuple, or :class:`PackedTokenIds` from the compiled decode.
     """
 
     block_hashes: tuple[EngineHash, ...]
     parent_block_hash: EngineHash | None
-    token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...] | PackedTokenIds
     block_size: int
     lora_id: int | None = None
     medium: str | None = None
@@ -219,6 +263,8 @@ def decode_frames(frames: Sequence[bytes]) -> EngineBatch | EngineReplayEnd:
         return EngineReplayEnd(topic)
     if seq < 0:
         raise EngineWireError(f"seq {seq} is negative (only -1, the replay end, may be)")
+    if _token_ids is not None and (batch := _decode_typed(payload, seq, topic)) is not None:
+        return batch
     try:
         body = _decoder.decode(payload)
     except msgspec.DecodeError as exc:
@@ -299,7 +345,7 @@ def _stored(fields: dict[str, Any], where: str) -> EngineBlockStored:
     if extra is not None:
         if not isinstance(extra, list) or not all(e is None or isinstance(e, list) for e in extra):
             raise EngineWireError(f"{where}: extra_keys must be an array of arrays or nils")
-        extra = tuple(None if e is None else tuple(_frozen(k) for k in e) for e in extra)
+        extra = tuple(_frozen_entry(e) for e in extra)
     return EngineBlockStored(
         block_hashes=hashes,
         parent_block_hash=parent,
@@ -338,3 +384,101 @@ def _opt(fields: dict[str, Any], name: str, kind: type, where: str) -> Any:
 def _frozen(key: Any) -> Any:
     """An extra key, hashable (msgpack arrays decode as lists)."""
     return tuple(_frozen(k) for k in key) if isinstance(key, list) else key
+
+
+# ---- the compiled decode ------------------------------------------------------------------
+# The tagged-map generation (what current vLLM and SGLang publish) through typed structs,
+# each stored event's token ids read from their msgpack bytes into an array: no Python int
+# per token. Anything these structs do not take -- the array generation, an unknown event
+# type, a value of the wrong type, a token id that is not a valid one -- goes to the
+# generic decode above, which decides (and names what is wrong), so both give the same
+# values for every payload.
+
+
+class _Stored(msgspec.Struct, tag="BlockStored", tag_field="type"):
+    block_hashes: list[int | bytes]
+    token_ids: msgspec.Raw
+    block_size: int
+    parent_block_hash: int | bytes | None = None
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[list[Any] | None] | None = None
+    group_idx: int | None = None
+    cache_salt: str | None = None
+
+
+class _Removed(msgspec.Struct, tag="BlockRemoved", tag_field="type"):
+    block_hashes: list[int | bytes]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class _Cleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type"):
+    pass
+
+
+class _Batch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[_Stored | _Removed | _Cleared]
+    dp_rank: int | None = None
+
+
+_typed_decoder = msgspec.msgpack.Decoder(_Batch)
+_token_ids: Callable[[msgspec.Raw], np.ndarray | None] | None = None  # enable_compiled()
+
+
+def enable_compiled() -> bool:
+    """Decode the tagged-map generation with the compiled token scan
+    (:mod:`worker.bridge.engine_wire_nb`, numba) from now on in this process: the same
+    values, token ids as :class:`PackedTokenIds`. ``kvroute bridge`` calls it; False, and
+    nothing changes, where numba cannot be imported."""
+    global _token_ids
+    if _token_ids is None:
+        try:
+            from worker.bridge import engine_wire_nb
+        except ImportError:
+            return False
+        engine_wire_nb.warm_up()
+        _token_ids = engine_wire_nb.token_ids
+    return True
+
+
+def _decode_typed(payload: bytes, seq: int, topic: bytes) -> EngineBatch | None:
+    """The batch in ``payload`` through the typed structs, or None: the generic decode
+    then decides."""
+    assert _token_ids is not None
+    try:
+        body = _typed_decoder.decode(payload)
+    except msgspec.MsgspecError:
+        return None
+    events: list[EngineEvent] = []
+    for ev in body.events:
+        if type(ev) is _Stored:
+            tokens = _token_ids(ev.token_ids)
+            if tokens is None or ev.block_size <= 0:
+                return None
+            extra = ev.extra_keys
+            events.append(
+                EngineBlockStored(
+                    tuple(ev.block_hashes),
+                    ev.parent_block_hash,
+                    PackedTokenIds(tokens),
+                    ev.block_size,
+                    ev.lora_id,
+                    ev.medium,
+                    ev.lora_name,
+                    None if extra is None else tuple(_frozen_entry(e) for e in extra),
+                    ev.group_idx,
+                    ev.cache_salt,
+                )
+            )
+        elif type(ev) is _Removed:
+            events.append(EngineBlockRemoved(tuple(ev.block_hashes), ev.medium, ev.group_idx))
+        else:
+            events.append(EngineAllCleared())
+    return EngineBatch(seq, body.ts, tuple(events), body.dp_rank, topic)
+
+
+def _frozen_entry(entry: list[Any] | None) -> tuple[Any, ...] | None:
+    return None if entry is None else tuple(_frozen(k) for k in entry)

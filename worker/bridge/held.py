@@ -3,33 +3,38 @@
 Sans-I/O, like :mod:`worker.bridge.translate`, which owns one :class:`HeldBlocks` and
 decides what to store and remove; this module only keeps the maps, fast.
 
-    engine hash -> Chain (partition, last, tail, end, owned): what one held engine block
-                   means for ours -- our hash at the last of our block boundaries at or
-                   before its end, the tokens after that boundary, its absolute end, and
-                   our blocks whose last token it holds
-    our hash    -> Ours (parent, tokens, partition, index): one of our held blocks, as a
-                   snapshot announces it
+A stored run of engine blocks (one BlockStored event) is kept once, as a :class:`Run`: its
+partition, our hash before it, its tokens packed (the parent's tail first), its absolute
+start and our hashes of its full blocks. The two maps name a block by an int code, the
+run's id and the block's position in it (``run_id << RUN_BITS | position``)::
 
-Both values are plain tuples (``CHAIN_OWNED`` and ``OURS_*`` name the fields read by index),
-and a reference count above one lives in a side map (``chain_refs``, ``ours_refs``), absent
-for the common count of one: a run of new blocks is then entered with ``dict.update`` over
-``zip``s of its columns, and a removal taken, without Python code per block, which is what
-lets one bridge keep up with an engine announcing tens of thousands of blocks a second.
+    engine hash -> code of engine block i: what it means for ours (:meth:`chain`) -- our
+                   hash at the last of our block boundaries at or before its end, the
+                   tokens after that boundary, its absolute end -- and our blocks whose
+                   last token it holds (:meth:`Run.owned`)
+    our hash    -> code of our block j: its parent, tokens, partition and chain index
+                   (:meth:`our_block`), as a snapshot announces it
+
+Maps of ints to ints are no container the garbage collector tracks, so however many blocks
+are held, a collection never walks them (decision 0042); a run of new blocks is entered
+with ``dict.update`` over ``zip``s with a ``range``, with no Python code per block. A
+reference count above one lives in a side map (``chain_refs``, ``ours_refs``), absent for
+the common count of one.
 """
 
 from __future__ import annotations
 
-from itertools import chain, repeat
-from operator import itemgetter
+from itertools import pairwise, repeat
 from typing import Final, TypeAlias, TypeVar
+
+import numpy as np
 
 from kvroute_proto.events import TOKEN_DTYPE, Partition
 from kvroute_proto.hashing import BlockHash
 from worker.bridge.engine_wire import EngineHash
 
-# Chain = (partition id, last, tail, end, owned)
-Chain: TypeAlias = tuple[int, BlockHash | None, tuple[int, ...], int, tuple[BlockHash, ...]]
-CHAIN_OWNED: Final = 4
+# Chain = (partition id, last, tail (packed tokens), end)
+Chain: TypeAlias = tuple[int, BlockHash | None, bytes, int]
 # Ours = (parent, tokens, partition id, index)
 Ours: TypeAlias = tuple[BlockHash | None, bytes, int, int]
 OURS_PARENT: Final = 0
@@ -37,9 +42,58 @@ OURS_TOKENS: Final = 1
 OURS_PARTITION: Final = 2
 OURS_INDEX: Final = 3
 
-_owned_of = itemgetter(CHAIN_OWNED)
+RUN_BITS: Final = 32  # a run's blocks are numbered below 2**32
+MAX_RUN_ID = 2**31 - 1
+_POSITION: Final = (1 << RUN_BITS) - 1
+_SIZE: Final = TOKEN_DTYPE.itemsize
 MIN_PARTITIONS_COMPACTED = 4096
+MIN_REMOVED_AS_ARRAY = 16  # fewer engine blocks removed at once: a loop is cheaper
 K = TypeVar("K")
+
+
+class Run:
+    """One stored run: engine block i ends at token ``end = tail_len + (i + 1) * ebs`` of
+    ``raw`` and owns our blocks ``[n(i - 1), n(i))``, ``n(i) = end // block_size``;
+    ``refs``: the map entries that name it."""
+
+    __slots__ = ("block_size", "ebs", "last", "ours", "pid", "raw", "refs", "start", "tail_len")
+
+    def __init__(
+        self,
+        block_size: int,
+        ebs: int,
+        tail_len: int,
+        ours: list[BlockHash],
+        last: BlockHash | None,
+        pid: int,
+        raw: bytes,
+        start: int,
+    ) -> None:
+        self.block_size, self.ebs, self.tail_len = block_size, ebs, tail_len
+        self.ours, self.last, self.pid, self.raw, self.start = ours, last, pid, raw, start
+        self.refs = 0
+
+    def boundary(self, i: int) -> int:
+        """How many of the run's blocks of ours end at or before engine block i's end
+        (``n(i)``; 0 for i = -1, the tail being shorter than a block)."""
+        return (self.tail_len + (i + 1) * self.ebs) // self.block_size
+
+    def owned(self, i: int) -> list[BlockHash]:
+        """Our blocks whose last token engine block i holds."""
+        return self.ours[self.boundary(i - 1) : self.boundary(i)]
+
+    def chain(self, i: int) -> Chain:
+        end = self.tail_len + (i + 1) * self.ebs
+        n = end // self.block_size
+        last = self.ours[n - 1] if n else self.last
+        tail = self.raw[n * self.block_size * _SIZE : end * _SIZE]
+        return self.pid, last, tail, self.start + (i + 1) * self.ebs
+
+    def our_block(self, j: int) -> Ours:
+        width = self.block_size * _SIZE
+        first_index = (self.start - self.tail_len) // self.block_size
+        parent = self.ours[j - 1] if j else self.last
+        return parent, self.raw[j * width : (j + 1) * width], self.pid, first_index + j
 
 
 class HeldBlocks:
@@ -48,14 +102,14 @@ class HeldBlocks:
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self.chains: dict[EngineHash, Chain] = {}
-        self.ours: dict[BlockHash, Ours] = {}
+        self.chains: dict[EngineHash, int] = {}  # engine hash -> code of its run and place
+        self.ours: dict[BlockHash, int] = {}  # our hash -> code
+        self.runs: dict[int, Run] = {}
+        self._next_run = 1  # codes are never 0
         self.chain_refs: dict[EngineHash, int] = {}  # references beyond the first
         self.ours_refs: dict[BlockHash, int] = {}
-        # Partitions by id: the maps' tuples then hold only ints, bytes and tuples of them,
-        # which the garbage collector stops tracking; a Partition in each would make every
-        # full collection walk every held block (decision 0041). Ids no block uses any more
-        # are dropped when the table doubles (a salt per user would otherwise grow it).
+        # Partitions by id (a run holds its id); ids no run uses any more are dropped when
+        # the table doubles (a salt per user would otherwise grow it).
         self.partitions: list[Partition] = []
         self._partition_ids: dict[Partition, int] = {}
         self._compact_at = MIN_PARTITIONS_COMPACTED
@@ -70,31 +124,48 @@ class HeldBlocks:
         return pid
 
     def _compact_partitions(self) -> None:
-        """Renumber the partitions some held block still names; the others go."""
-        used = {c[0] for c in self.chains.values()} | {
-            o[OURS_PARTITION] for o in self.ours.values()
-        }
-        new_id = {old: new for new, old in enumerate(sorted(used))}
-        self.partitions = [self.partitions[old] for old in sorted(used)]
+        """Renumber the partitions some held run still names; the others go."""
+        used = sorted({run.pid for run in self.runs.values()})
+        new_id = {old: new for new, old in enumerate(used)}
+        self.partitions = [self.partitions[old] for old in used]
         self._partition_ids = {p: i for i, p in enumerate(self.partitions)}
-        self.chains = {h: (new_id[c[0]], c[1], c[2], c[3], c[4]) for h, c in self.chains.items()}
-        self.ours = {h: (o[0], o[1], new_id[o[OURS_PARTITION]], o[3]) for h, o in self.ours.items()}
+        for run in self.runs.values():
+            run.pid = new_id[run.pid]
         self._compact_at = max(MIN_PARTITIONS_COMPACTED, 2 * len(self.partitions))
 
     def clear(self) -> None:
         """Forget everything."""
         self.chains.clear()
         self.ours.clear()
+        self.runs.clear()
         self.chain_refs.clear()
         self.ours_refs.clear()
         self.partitions.clear()
         self._partition_ids.clear()
 
+    # ---- views ----------------------------------------------------------------------------
+
+    def chain(self, engine_hash: EngineHash) -> Chain | None:
+        """What a held engine block means for ours, or None when it is not held."""
+        code = self.chains.get(engine_hash)
+        if code is None:
+            return None
+        return self.runs[code >> RUN_BITS].chain(code & _POSITION)
+
+    def our_block(self, h: BlockHash) -> Ours:
+        code = self.ours[h]
+        return self.runs[code >> RUN_BITS].our_block(code & _POSITION)
+
+    def snapshot(self) -> list[tuple[BlockHash, Ours]]:
+        """Our held blocks, parents first."""
+        return sorted(((h, self.our_block(h)) for h in self.ours), key=_index_of)
+
+    # ---- changes --------------------------------------------------------------------------
+
     def store(
         self,
         engine: tuple[EngineHash, ...],
         engine_block_size: int,
-        run: tuple[int, ...],
         tail_len: int,
         ours: list[BlockHash],
         last: BlockHash | None,
@@ -103,128 +174,139 @@ class HeldBlocks:
         start: int,
     ) -> tuple[list[int], int]:
         """Hold a stored run of engine blocks (``engine``, each ``engine_block_size``
-        tokens). ``run``: the tokens from the parent's last boundary of ours (its
-        ``tail_len`` tail tokens first) to the run's end, ``raw`` the same packed; ``ours``
-        our hashes of ``run``'s full blocks; ``last`` our hash before them, ``start`` the
-        absolute token position of the run's first engine token.
-
-        Engine block i ends at offset ``end = tail_len + (i + 1) * engine_block_size`` of
-        ``run`` and owns our blocks ``[n(i - 1), n(i))``, ``n(i) = end // block_size``.
-        Returns the positions in ``ours`` that became held, and how many engine blocks
-        were already held (duplicates)."""
-        pid = self.partition_id(partition)
+        tokens). ``raw``: the tokens from the parent's last boundary of ours (its
+        ``tail_len`` tail tokens first) to the run's end, packed; ``ours`` our hashes of
+        its full blocks; ``last`` our hash before them, ``start`` the absolute token
+        position of the run's first engine token. Returns the positions in ``ours`` that
+        became held, and how many engine blocks were already held (duplicates)."""
+        run = Run(
+            self.block_size,
+            engine_block_size,
+            tail_len,
+            ours,
+            last,
+            self.partition_id(partition),
+            raw,
+            start,
+        )
+        rid = self._new_run_id()
+        base = rid << RUN_BITS
         if not (
             self.chains.keys().isdisjoint(engine)
             and self.ours.keys().isdisjoint(ours)
             and len(set(engine)) == len(engine)
             and len(set(ours)) == len(ours)
         ):
-            return self._store_some_held(
-                engine, engine_block_size, run, tail_len, ours, last, pid, raw, start
-            )
-        bs, ebs, k, m = self.block_size, engine_block_size, len(engine), len(ours)
-        ends = range(tail_len + ebs, tail_len + (k + 1) * ebs, ebs)
-        ns = [end // bs for end in ends]
-        chains = zip(
-            repeat(pid),
-            [ours[n - 1] if n else last for n in ns],
-            map(tuple, map(run.__getitem__, map(slice, [n * bs for n in ns], ends))),
-            range(start + ebs, start + (k + 1) * ebs, ebs),
-            map(tuple, map(ours.__getitem__, map(slice, chain((0,), ns), ns))),
-        )
-        self.chains.update(zip(engine, chains, strict=True))
-        width = bs * TOKEN_DTYPE.itemsize
-        first_index = (start - tail_len) // bs  # chain index of ours[0]
-        blocks = zip(
-            chain((last,), ours),  # one more than ours: zip stops at the tokens' end
-            map(
-                raw.__getitem__,
-                map(slice, range(0, m * width, width), range(width, m * width + 1, width)),
-            ),
-            repeat(pid),
-            range(first_index, first_index + m),
-        )
-        self.ours.update(zip(ours, blocks, strict=True))
-        return list(range(m)), 0
+            new, duplicates = self._store_some_held(engine, run, base)
+        else:
+            k, m = len(engine), len(ours)
+            self.chains.update(zip(engine, range(base, base + k), strict=True))
+            self.ours.update(zip(ours, range(base, base + m), strict=True))
+            run.refs = k + m
+            new, duplicates = list(range(m)), 0
+        if run.refs:
+            self.runs[rid] = run
+        return new, duplicates
+
+    def _new_run_id(self) -> int:
+        """The next id no held run has, from 1 to MAX_RUN_ID and round again: codes stay
+        below 2**63 however long the bridge runs."""
+        rid = self._next_run
+        while rid in self.runs:  # a run stored one round ago still held
+            rid = rid % MAX_RUN_ID + 1
+        self._next_run = rid % MAX_RUN_ID + 1
+        return rid
 
     def _store_some_held(
-        self,
-        engine: tuple[EngineHash, ...],
-        ebs: int,
-        run: tuple[int, ...],
-        tail_len: int,
-        ours: list[BlockHash],
-        last: BlockHash | None,
-        pid: int,
-        raw: bytes,
-        start: int,
+        self, engine: tuple[EngineHash, ...], run: Run, base: int
     ) -> tuple[list[int], int]:
         """:meth:`store` block by block, when some of the run is held already."""
-        bs = self.block_size
-        width = bs * TOKEN_DTYPE.itemsize
-        first_index = (start - tail_len) // bs
         new: list[int] = []
         duplicates = 0
-        done = 0  # our blocks assigned to an engine block so far
         for i, h in enumerate(engine):
-            end = tail_len + (i + 1) * ebs
-            num_ours = end // bs
             if h in self.chains:
                 self.chain_refs[h] = self.chain_refs.get(h, 0) + 1
                 duplicates += 1
-                done = num_ours
                 continue
-            self.chains[h] = (
-                pid,
-                ours[num_ours - 1] if num_ours else last,
-                run[num_ours * bs : end],
-                start - tail_len + end,
-                tuple(ours[done:num_ours]),
-            )
-            for j in range(done, num_ours):
-                o = ours[j]
+            self.chains[h] = base | i
+            run.refs += 1
+            for j in range(run.boundary(i - 1), run.boundary(i)):
+                o = run.ours[j]
                 if o in self.ours:
                     self.ours_refs[o] = self.ours_refs.get(o, 0) + 1
                     continue
-                parent = ours[j - 1] if j else last
-                self.ours[o] = (
-                    parent,
-                    raw[j * width : (j + 1) * width],
-                    pid,
-                    first_index + j,
-                )
+                self.ours[o] = base | j
+                run.refs += 1
                 new.append(j)
-            done = num_ours
         return new, duplicates
 
     def remove(self, engine: tuple[EngineHash, ...]) -> tuple[list[BlockHash], int]:
         """Drop one reference to each engine block; our blocks whose last reference went
         are returned (in order), with how many engine hashes were not held."""
         chains, ours = self.chains, self.ours
-        if not self.chain_refs and not self.ours_refs:  # every count is one: no loop body
-            popped = list(map(chains.pop, engine, repeat(None)))
-            unknown = popped.count(None)
-            gone = list(chain.from_iterable(map(_owned_of, filter(None, popped))))
-            for o in gone:
-                del ours[o]
-            return gone, unknown
+        chain_refs, ours_refs = self.chain_refs, self.ours_refs
+        if len(engine) >= MIN_REMOVED_AS_ARRAY and not chain_refs and not ours_refs:
+            codes = list(map(chains.pop, engine, repeat(None)))  # every count is one
+            held = list(filter(None, codes))
+            gone = self._owned_by(np.array(held, dtype=np.uint64)) if held else []
+            self._release(held)
+            self._release(list(map(ours.pop, gone)))
+            return gone, len(codes) - len(held)
         gone = []
         unknown = 0
         for h in engine:
-            if h not in chains:
+            code = chains.get(h)
+            if code is None:
                 unknown += 1
                 continue
-            if _drop_ref(self.chain_refs, h):
+            if chain_refs and _drop_ref(chain_refs, h):
                 continue
-            for o in chains.pop(h)[CHAIN_OWNED]:
-                if not _drop_ref(self.ours_refs, o):
-                    del ours[o]
-                    gone.append(o)
+            del chains[h]
+            for o in self.runs[code >> RUN_BITS].owned(code & _POSITION):
+                if ours_refs and _drop_ref(ours_refs, o):
+                    continue
+                self._unref(ours.pop(o))
+                gone.append(o)
+            self._unref(code)
         return gone, unknown
 
-    def snapshot(self) -> list[tuple[BlockHash, Ours]]:
-        """Our held blocks, parents first."""
-        return sorted(self.ours.items(), key=_index_of)
+    def _owned_by(self, codes: np.ndarray) -> list[BlockHash]:
+        """Our blocks that the engine blocks ``codes`` own, in order: a run's at a time."""
+        rids = codes >> RUN_BITS
+        positions = (codes & _POSITION).astype(np.int64)
+        cuts = [0, *(np.flatnonzero(rids[1:] != rids[:-1]) + 1).tolist(), len(codes)]
+        gone: list[BlockHash] = []
+        for lo, hi in pairwise(cuts):
+            run = self.runs[int(rids[lo])]
+            at = positions[lo:hi] * run.ebs + run.tail_len
+            first = at // run.block_size
+            counts = (at + run.ebs) // run.block_size - first
+            if not (counts == 1).all():  # our blocks [first, first + count) of each
+                first = np.repeat(first - (np.cumsum(counts) - counts), counts)
+                first += np.arange(len(first))
+            gone += map(run.ours.__getitem__, first.tolist())
+        return gone
+
+    def _release(self, codes: list[int]) -> None:
+        """Map entries no longer name these codes' runs; a run goes with its last."""
+        if not codes:
+            return
+        rids = np.array(codes, dtype=np.uint64) >> RUN_BITS
+        cuts = [0, *(np.flatnonzero(rids[1:] != rids[:-1]) + 1).tolist(), len(codes)]
+        for lo, hi in pairwise(cuts):  # a run's codes come together, mostly
+            rid = int(rids[lo])
+            run = self.runs[rid]
+            run.refs -= hi - lo
+            if not run.refs:
+                del self.runs[rid]
+
+    def _unref(self, code: int) -> None:
+        """A map entry no longer names ``code``'s run; the run goes with the last."""
+        rid = code >> RUN_BITS
+        run = self.runs[rid]
+        run.refs -= 1
+        if not run.refs:
+            del self.runs[rid]
 
 
 def _index_of(item: tuple[BlockHash, Ours]) -> int:

@@ -93,6 +93,7 @@ from worker.bridge.engine_wire import (
     EngineBlockStored,
     EngineHash,
     EngineUnknown,
+    PackedTokenIds,
 )
 from worker.bridge.held import OURS_PARENT, OURS_PARTITION, OURS_TOKENS, HeldBlocks
 
@@ -415,33 +416,31 @@ class EventTranslator:
             salt, k = self._salt_and_nameable(ev)
             partition = Partition(cache_salt=salt or "")
             last: BlockHash | None = None
-            tail: tuple[int, ...] = ()
+            tail = b""
             start = 0
         else:
-            parent = self._held_blocks.chains.get(ev.parent_block_hash)
+            parent = self._held_blocks.chain(ev.parent_block_hash)
             if parent is None:
                 self._counts.add("dropped_unknown_parent", n)
                 return
             _, k = self._salt_and_nameable(ev)
-            pid, last, tail, start, _owned = parent
+            pid, last, tail, start = parent
             partition = self._held_blocks.partitions[pid]
         if not k:
             return
-        tokens = ev.token_ids[: k * ebs]
-        run = tail + tokens
-        try:
-            wide = np.array(run, dtype=np.int64)
-        except OverflowError:  # an id past int64
-            wide = None
-        if wide is None or wide.min() < 0 or wide.max() > MAX_TOKEN_ID:
+        tokens = _packed(ev.token_ids, k * ebs)
+        if tokens is None:
             self._counts.add("dropped_malformed", k)
             return
-        packed = wide.astype(TOKEN_DTYPE)
-        raw = packed.tobytes()  # our block j's tokens: B * 4 bytes from raw[j * B * 4]
+        # the parent's tail, then the run's tokens: our block j's are B * 4 bytes from
+        # raw[j * B * 4]
+        raw = tail + tokens
+        packed = np.frombuffer(raw, dtype=TOKEN_DTYPE)
         seed = partition.seed if last is None else unfmix64(last)
         ours: list[BlockHash] = block_hashes(packed, bs, seed, validate=False).tolist()
+        tail_len = len(tail) // TOKEN_DTYPE.itemsize
         new, duplicates = self._held_blocks.store(
-            ev.block_hashes[:k], ebs, run, len(tail), ours, last, partition, raw, start
+            ev.block_hashes[:k], ebs, tail_len, ours, last, partition, raw, start
         )
         if duplicates:
             self._counts.add("num_engine_duplicate_stores", duplicates)
@@ -460,6 +459,10 @@ class EventTranslator:
         packed)."""
         width = self.config.block_size * TOKEN_DTYPE.itemsize
         self._counts.add("num_blocks_stored", len(new))
+        if len(new) == len(ours):  # all of them (``new`` is increasing): one run
+            if new:
+                out.append(BlockStored(tuple(ours), last, raw[: len(ours) * width], partition))
+            return
         i = 0
         while i < len(new):
             j = i
@@ -482,3 +485,16 @@ class EventTranslator:
         if gone:
             self._counts.add("num_blocks_removed", len(gone))
             out.append(BlockRemoved(tuple(gone)))
+
+
+def _packed(token_ids: tuple[int, ...] | PackedTokenIds, n: int) -> bytes | None:
+    """The first ``n`` token ids as TOKEN_DTYPE bytes; None when one is not a token id."""
+    if isinstance(token_ids, PackedTokenIds):  # checked as they were decoded
+        return token_ids.array[:n].astype(TOKEN_DTYPE, copy=False).tobytes()
+    try:
+        wide = np.array(token_ids[:n], dtype=np.int64)
+    except OverflowError:  # an id past int64
+        return None
+    if len(wide) and (wide.min() < 0 or wide.max() > MAX_TOKEN_ID):
+        return None
+    return wide.astype(TOKEN_DTYPE).tobytes()

@@ -17,7 +17,9 @@ import sys
 from edge.cli_help import RawDescriptionHelpFormatter, port_number
 from edge.runtime import configure_logging, run_event_loop, stop_signals
 from edge.security_cli import HASH_KEY_ENV, ROUTER_TOKEN_ENV
+from kvroute_proto import hashing
 from kvroute_proto.hashing import set_hash_key
+from worker.bridge import engine_wire
 from worker.bridge.service.events import EventSourceConfig
 from worker.bridge.service.server import ENGINES, BridgeConfig, BridgeServer
 
@@ -170,6 +172,13 @@ def config_from_args(args: argparse.Namespace) -> BridgeConfig:
     )
 
 
+def enable_compiled_event_path() -> None:
+    """Engine events decoded and hashed by compiled loops (numba), not a Python int per
+    token: the event path's cost per block (decision 0042)."""
+    engine_wire.enable_compiled()
+    hashing.enable_compiled()
+
+
 async def serve(config: BridgeConfig, metrics_port: int | None = None) -> None:
     """Run one bridge until SIGINT/SIGTERM."""
     with stop_signals() as stop:
@@ -177,6 +186,7 @@ async def serve(config: BridgeConfig, metrics_port: int | None = None) -> None:
 
 
 async def _serve(config: BridgeConfig, metrics_port: int | None, stop: asyncio.Event) -> None:
+    enable_compiled_event_path()
     server = BridgeServer(config)
     metrics = None
     try:
