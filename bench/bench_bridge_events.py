@@ -16,6 +16,10 @@ kvroute block hash (computed from its tokens, as the bridge computes it).
 Reported: the event latency p50 / p99 / max (publish -> the subscriber holds the decoded
 batch), the rate achieved, chains lost (sent but never seen), the bridge's CPU seconds
 (from /proc) and its warnings. Everything runs on 127.0.0.1 and is bounded in time.
+
+``--bridge-cpu N`` gives the bridge core N of its own (the publisher, the subscriber and the
+stand-in's HTTP routes on the other cores), as a bridge started beside its engine has: with
+everything on the same cores, the tail measures the scheduler's sharing, not the bridge.
 """
 
 from __future__ import annotations
@@ -225,6 +229,9 @@ async def _recv(conn: Connection, timeout_s: float = 120.0) -> Any:
 
 async def run(args: argparse.Namespace, logs: Path) -> dict[str, object]:
     codec.enable_compiled_decode()  # as the router decodes (False without numba)
+    cores = os.sched_getaffinity(0)
+    if args.bridge_cpu is not None:  # the rest (and every child but the bridge) elsewhere
+        os.sched_setaffinity(0, cores - {args.bridge_cpu})
     runner, url = await _engine_http()
     conn, child_conn = multiprocessing.get_context("spawn").Pipe()
     publisher = multiprocessing.get_context("spawn").Process(
@@ -235,6 +242,8 @@ async def run(args: argparse.Namespace, logs: Path) -> dict[str, object]:
     bridge = None
     try:
         port = await _recv(conn)
+        if args.bridge_cpu is not None:  # the bridge inherits this thread's mask at fork
+            os.sched_setaffinity(0, {args.bridge_cpu})
         bridge, address = start_kvroute(
             [
                 "bridge",
@@ -249,6 +258,8 @@ async def run(args: argparse.Namespace, logs: Path) -> dict[str, object]:
             ],
             logs / "bridge.log",
         )
+        if args.bridge_cpu is not None:
+            os.sched_setaffinity(0, cores - {args.bridge_cpu})
         arrived: dict[int, float] = {}
         stop = asyncio.Event()
         sub = asyncio.create_task(subscribe(address, arrived, stop))
@@ -267,6 +278,7 @@ async def run(args: argparse.Namespace, logs: Path) -> dict[str, object]:
         await sub
         conn.send("bye")
     finally:
+        os.sched_setaffinity(0, cores)
         if bridge is not None:
             bridge.terminate()
             bridge.wait(10)
@@ -291,6 +303,7 @@ async def run(args: argparse.Namespace, logs: Path) -> dict[str, object]:
         "latency_max_ms": round(max(seen) * 1e3, 2) if seen else None,
         "bridge_cpu_s": round(cpu, 2),
         "cpu_count": os.cpu_count(),
+        "bridge_cpu": args.bridge_cpu,
         "bridge_warnings": warnings[:5],  # why chains were lost, if they were
     }
 
@@ -307,7 +320,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup-s", type=float, default=1.0)
     parser.add_argument("--drain-s", type=float, default=1.0)
     parser.add_argument("--json", help="also write the result here")
+    parser.add_argument(
+        "--bridge-cpu", type=int, help="pin the bridge to this core, everything else off it"
+    )
     args = parser.parse_args(argv)
+    if args.bridge_cpu is not None and args.bridge_cpu not in os.sched_getaffinity(0):
+        parser.error(f"--bridge-cpu {args.bridge_cpu}: not a core this process may use")
+    if args.bridge_cpu is not None and len(os.sched_getaffinity(0)) < 2:
+        parser.error("--bridge-cpu needs two cores or more")
     with tempfile.TemporaryDirectory(prefix="bench_bridge_events_") as tmp:
         result = asyncio.run(run(args, Path(tmp)))
     report(result, args.json)
