@@ -49,7 +49,7 @@ RELAY_METHOD = "/kvroute.v1.Worker/Relay"
 # to twice this.
 MAX_START_BYTES = 1 << 20
 # The longest a relay stream waits for the readers its last batch woke (Pace): a client
-# that stops reading holds the worker's other requests back at most this long, once.
+# that reads slowly or stops holds the worker's other requests back at most this long, once.
 PACE_BOUND_S = 0.005
 _EMPTY = grpc.aio.Metadata()
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
@@ -72,8 +72,8 @@ class Pace:
     """The readers a relay stream waits for before it reads the worker's next batch: those
     its last batch woke from idle, until they are done with what they took (decision 0043).
     While they write, the worker's steps merge in its outbox instead of in more messages
-    here; a reader not done within ``PACE_BOUND_S`` (a client that does not read) is
-    waited for no longer."""
+    here. A reader not done within ``PACE_BOUND_S`` (its client reads slowly, or not at
+    all) is not waited for again: it costs the other requests that wait once."""
 
     __slots__ = ("_done", "owed")
 
@@ -101,7 +101,9 @@ class Pace:
         finally:
             timer.cancel()
             self._done = None
-            self.owed.clear()  # those left are not waited for again unless idle again
+            for slow in self.owed:  # its client reads slowly: never waited for again
+                slow.unpace()
+            self.owed.clear()
 
 
 def _resolve(future: asyncio.Future[None]) -> None:
@@ -131,6 +133,10 @@ class Inbox:
         """Its reader is done with what it took, or gone."""
         if self._pace is not None:
             self._pace.settle(self)
+
+    def unpace(self) -> None:
+        """The relay no longer waits for this reader."""
+        self._pace = None
 
     async def take(self) -> list[Item]:
         """Everything pushed since the last take, waiting for at least one item (its

@@ -1,7 +1,7 @@
 """The relay stream's pace (decision 0043): the next batch is read once the requests the last
 one woke from idle have passed their messages on; a request still writing when its messages
 arrive is not waited for (they merge), and one that never comes back is waited for at most
-``PACE_BOUND_S``, once."""
+``PACE_BOUND_S``, once (never again for that request)."""
 
 from __future__ import annotations
 
@@ -69,6 +69,12 @@ async def test_a_reader_that_never_comes_back_is_waited_for_once(monkeypatch):
     assert not pace.owed
     stuck.push(chunk("s", 2))  # not idle: merges, not owed again
     assert not pace.owed
+    again = await idle_reader(stuck)  # its write done at last, idle again
+    assert [m.chunk.token_ids[0] for m in await again] == [2]
+    waiting = await idle_reader(stuck)
+    stuck.push(chunk("s", 3))  # woken from idle, but a slow reader once: not owed
+    assert not pace.owed
+    await waiting
 
 
 async def test_the_mux_reads_on_once_its_requests_passed_their_messages_on():
