@@ -18,12 +18,14 @@ with the status Generate would have ended with, its deadline is timed here (and 
 worker), and cancelling it sends a cancel, which aborts the request on the worker. A cancel
 is fenced: until the worker acknowledges it, whatever comes under that request id is
 dropped, so an id started again at once never receives the cancelled request's tokens. A
-request's chunks that arrived together are merged into one message (the router was behind).
-When the relay stream breaks, every request on it fails with UNAVAILABLE (retried when
-nothing was relayed yet). A worker that does not offer ``Relay`` (an engine bridge, an older
-worker) answers UNIMPLEMENTED, and one of decision 0033 (no ``accepts_starts``) is left:
-both get a Generate call per request, as before; so does a request too large to share the
-stream (``MAX_START_BYTES``).
+request's chunks that arrived together are merged into one message (the router was behind),
+and the stream's next batch is read once the requests the last one woke have passed theirs
+on (``Pace``, decision 0043): while the router's writes lag, the worker's steps merge in its
+outbox instead of becoming more messages here. When the relay stream breaks, every request
+on it fails with UNAVAILABLE (retried when nothing was relayed yet). A worker that does not
+offer ``Relay`` (an engine bridge, an older worker) answers UNIMPLEMENTED, and one of
+decision 0033 (no ``accepts_starts``) is left: both get a Generate call per request, as
+before; so does a request too large to share the stream (``MAX_START_BYTES``).
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ RELAY_METHOD = "/kvroute.v1.Worker/Relay"
 # the worker's receive limit, grpc's 4 MiB by default); several starts share one message up
 # to twice this.
 MAX_START_BYTES = 1 << 20
+# The longest a relay stream waits for the readers its last batch woke (Pace): a client
+# that reads slowly or stops holds the worker's other requests back at most this long, once.
+PACE_BOUND_S = 0.005
 _EMPTY = grpc.aio.Metadata()
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
@@ -63,23 +68,80 @@ ENDED = _Ended()
 Item: TypeAlias = pb.GenerateResponse | grpc.aio.AioRpcError | _Ended
 
 
+class Pace:
+    """The readers a relay stream waits for before it reads the worker's next batch: those
+    its last batch woke from idle, until they are done with what they took (decision 0043).
+    While they write, the worker's steps merge in its outbox instead of in more messages
+    here. A reader not done within ``PACE_BOUND_S`` (its client reads slowly, or not at
+    all) is not waited for again: it costs the other requests that wait once."""
+
+    __slots__ = ("_done", "owed")
+
+    def __init__(self) -> None:
+        self.owed: set[Inbox] = set()
+        self._done: asyncio.Future[None] | None = None
+
+    def settle(self, inbox: Inbox) -> None:
+        owed = self.owed
+        if inbox in owed:
+            owed.discard(inbox)
+            done = self._done
+            if not owed and done is not None and not done.done():
+                done.set_result(None)
+
+    async def drain(self) -> None:
+        """Until every owed reader settled, at most ``PACE_BOUND_S``."""
+        if not self.owed:
+            return
+        loop = asyncio.get_running_loop()
+        done = self._done = loop.create_future()
+        timer = loop.call_later(PACE_BOUND_S, _resolve, done)
+        try:
+            await done
+        finally:
+            timer.cancel()
+            self._done = None
+            for slow in self.owed:  # its client reads slowly: never waited for again
+                slow.unpace()
+            self.owed.clear()
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
 class Inbox:
     """What arrived for one request and was not taken yet; one waiter at a time."""
 
-    __slots__ = ("_waiter", "items")
+    __slots__ = ("_pace", "_waiter", "items")
 
-    def __init__(self) -> None:
+    def __init__(self, pace: Pace | None = None) -> None:
         self.items: list[Item] = []
         self._waiter: asyncio.Future[None] | None = None
+        self._pace = pace
 
     def push(self, item: Item) -> None:
         self.items.append(item)
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+            if self._pace is not None:  # an idle reader woken: the relay waits for it
+                self._pace.owed.add(self)
+
+    def settle(self) -> None:
+        """Its reader is done with what it took, or gone."""
+        if self._pace is not None:
+            self._pace.settle(self)
+
+    def unpace(self) -> None:
+        """The relay no longer waits for this reader."""
+        self._pace = None
 
     async def take(self) -> list[Item]:
-        """Everything pushed since the last take, waiting for at least one item."""
+        """Everything pushed since the last take, waiting for at least one item (its
+        reader is done with the last take's: settled)."""
+        self.settle()
         if not self.items:
             self._waiter = asyncio.get_running_loop().create_future()
             try:
@@ -98,7 +160,7 @@ class RelayCall:
     def __init__(self, mux: RelayMux, request_id: str, timeout_s: float) -> None:
         self._mux = mux
         self._request_id = request_id
-        self.inbox = Inbox()
+        self.inbox = Inbox(mux.pace)
         self._done = False  # the worker is done with it (or told to be): nothing to cancel
         self._timer = asyncio.get_running_loop().call_later(timeout_s, self._expire)
 
@@ -112,12 +174,14 @@ class RelayCall:
 
     def _end(self) -> None:
         """The worker ended it (its Finished, its end, or the stream broke)."""
+        self.inbox.settle()
         self._done = True
         self._timer.cancel()
         self._mux.detach(self._request_id, self.inbox)
 
     def cancel(self) -> bool:
         """Stop relaying: unless the worker ended it already, the worker aborts it."""
+        self.inbox.settle()
         self._timer.cancel()
         if self._done:
             return False
@@ -183,6 +247,7 @@ class RelayMux:
         self._out: list[pb.RelayRequest] = []  # not yet written: starts and cancels
         self._out_bytes = 0  # the starts in its last message
         self._wake = asyncio.Event()
+        self.pace = Pace()
         self.stream_id = ""
         self.ready = False
         self.num_batches = 0  # of the current stream, the first one included
@@ -277,6 +342,8 @@ class RelayMux:
                 await self._on_ready()
             while (batch := await call.read()) is not grpc.aio.EOF:
                 self._take(batch)
+                # the next batch once the requests this one woke have passed theirs on
+                await self.pace.drain()
         finally:
             self.ready = False
             if writer is not None:
@@ -332,6 +399,7 @@ class RelayMux:
         inboxes, self._inboxes = self._inboxes, {}
         self._out = []
         self._fenced.clear()
+        self.pace.owed.clear()
         error = relay_error(grpc.StatusCode.UNAVAILABLE, details)
         for inbox in inboxes.values():
             inbox.push(error)
