@@ -10,7 +10,8 @@ translate (:meth:`worker.bridge.translate.EventTranslator.feed`), and encode our
 the bridge sends them (``KvStreamMessage`` bytes). Reported: microseconds per stored block
 for each stage (best of ``--repeats``), the whole loop with the garbage collector on as the
 bridge runs it (``gc.freeze()`` after start-up, as ``kvroute bridge`` does), the
-collector's share of that and its longest pause. Times are the
+collector's share of that and its longest pause, and the longest engine step's batch
+(``longest_frame_ms``: a dict of the held maps rebuilding its table shows there). Times are the
 process's CPU time, so that other jobs on the host do not count.
 """
 
@@ -56,9 +57,10 @@ def _stages(frames: list[list[bytes]]) -> tuple[float, float, float]:
     return t1 - t0, t2 - t1, t3 - t2
 
 
-def _whole(frames: list[list[bytes]]) -> tuple[float, float, float]:
+def _whole(frames: list[list[bytes]]) -> tuple[float, float, float, float]:
     """CPU seconds for the three stages frame by frame with the collector on, the
-    collector's share of them and its longest pause."""
+    collector's share of them, its longest pause and the longest frame (an engine step's
+    batch, the collector's pauses in it included)."""
     pauses: list[float] = []
     began = [0.0]
 
@@ -72,16 +74,19 @@ def _whole(frames: list[list[bytes]]) -> tuple[float, float, float]:
     gc.callbacks.append(timed)
     gc.enable()
     t0 = time.process_time()
+    longest = 0.0
     for f in frames:
+        began_frame = time.process_time()
         b = decode_frames(f)
         assert isinstance(b, EngineBatch)
         translator.feed(b)
         for batch in translator.take_batches():
             codec.stream_message_to_pb(batch).SerializeToString()
+        longest = max(longest, time.process_time() - began_frame)
     elapsed = time.process_time() - t0
     gc.disable()
     gc.callbacks.remove(timed)
-    return elapsed, sum(pauses), max(pauses, default=0.0)
+    return elapsed, sum(pauses), max(pauses, default=0.0), longest
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         "whole_gc_on_us_per_block": round(whole[0] * us, 3),
         "gc_us_per_block": round(whole[1] * us, 3),
         "gc_longest_pause_ms": round(whole[2] * 1e3, 2),
+        "longest_frame_ms": round(whole[3] * 1e3, 2),
     }
     report(result, args.json)
     return 0
