@@ -33,7 +33,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
 
 async def test_worker_sigkill_mid_stream_under_load() -> None:
-    deadline_s = 8.0
+    # Roomy enough that a starved box (other jobs on the cores) does not turn the router's
+    # deadline-aware admission into refusals: the test is about the kill, not the load.
+    deadline_s = 20.0
     with procs() as p:
         workers = [start_worker(p, f"w{i}", speedup=1.0) for i in range(3)]
         async with no_stray_tasks():
