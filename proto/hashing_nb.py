@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import numba
 import numpy as np
 
 from kvroute_proto.hash_constants import _A, _F1, _F2, _MASK, _TOKEN_MUL, _TOKEN_XOR
+from kvroute_proto.jit import jit
 
 _UA = np.uint64(_A)
 _UXOR = np.uint64(_TOKEN_XOR)
@@ -24,14 +24,7 @@ _UF2 = np.uint64(_F2)
 _U33 = np.uint64(33)
 
 
-def _jit(fn: Any) -> Any:
-    try:
-        return numba.njit(cache=True, nogil=True)(fn)
-    except RuntimeError:  # no writable cache locator: compile in each process
-        return numba.njit(nogil=True)(fn)
-
-
-@_jit
+@jit
 def _chain(tokens: Any, block_size: int, num_blocks: int, seed: Any, out: Any) -> None:
     """The chain s <- s * A + (token ^ XOR) * MUL, hashed (fmix64) at each block's end, in
     two passes (the same values mod 2**64): each block's own polynomial first,

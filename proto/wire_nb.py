@@ -32,8 +32,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import numba
 import numpy as np
+
+from kvroute_proto.jit import jit
 
 __all__ = ["HEADER", "NUM_EVENTS", "PER_EVENT", "PLAIN", "scan_batch", "warm_up"]
 
@@ -49,14 +50,7 @@ _VARINT = 0
 _U32_LIMIT = np.uint64(1 << 32)
 
 
-def _jit(fn: Any) -> Any:
-    try:
-        return numba.njit(cache=True, nogil=True)(fn)
-    except RuntimeError:  # no writable place for numba's cache: compile per process
-        return numba.njit(nogil=True)(fn)
-
-
-@_jit
+@jit
 def _varint(buf: Any, pos: int, end: int) -> tuple[Any, int]:
     """The varint at ``pos`` and the position after it; position -1 when it is truncated
     or does not fit 64 bits."""
@@ -76,7 +70,7 @@ def _varint(buf: Any, pos: int, end: int) -> tuple[Any, int]:
     return np.uint64(0), -1
 
 
-@_jit
+@jit
 def _span(buf: Any, pos: int, end: int) -> tuple[int, int]:
     """A length-delimited field's (start, end) after its tag; (-1, -1) when it overruns."""
     n, pos = _varint(buf, pos, end)
@@ -85,7 +79,7 @@ def _span(buf: Any, pos: int, end: int) -> tuple[int, int]:
     return pos, pos + int(n)
 
 
-@_jit
+@jit
 def _partition(buf: Any, pos: int, end: int, out: Any, base: int) -> int:
     seen = 0
     while pos < end:
@@ -105,7 +99,7 @@ def _partition(buf: Any, pos: int, end: int, out: Any, base: int) -> int:
     return 0
 
 
-@_jit
+@jit
 def _stored(buf: Any, pos: int, end: int, out: Any, base: int) -> int:
     seen = 0
     while pos < end:
@@ -145,7 +139,7 @@ def _stored(buf: Any, pos: int, end: int, out: Any, base: int) -> int:
     return 0
 
 
-@_jit
+@jit
 def _event(buf: Any, pos: int, end: int, out: Any, base: int) -> int:
     for k in range(PER_EVENT):
         out[base + k] = 0
@@ -184,7 +178,7 @@ def _event(buf: Any, pos: int, end: int, out: Any, base: int) -> int:
     return 0
 
 
-@_jit
+@jit
 def _load(buf: Any, pos: int, end: int, out: Any) -> int:
     seen = 0
     while pos < end:
@@ -202,7 +196,7 @@ def _load(buf: Any, pos: int, end: int, out: Any) -> int:
     return 0
 
 
-@_jit
+@jit
 def _scan(buf: Any, out: Any) -> int:
     """Scan the wire bytes ``buf`` of a KvStreamMessage that holds an EventBatch into
     ``out``'s layout; returns the number of events, IRREGULAR, or NO_ROOM."""
@@ -256,7 +250,7 @@ def _scan(buf: Any, out: Any) -> int:
     return n
 
 
-@_jit
+@jit
 def scan_batch(buf: Any) -> Any:
     """The layout of the EventBatch in the wire bytes ``buf`` (a KvStreamMessage; see the
     module's layout), its event count at [NUM_EVENTS], and every event's block hashes

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from router.core.jit import jit as _jit
+from kvroute_proto.jit import jit as _jit
 
 __all__ = ["RANKED_MAX", "affinity_into"]
 

@@ -40,7 +40,7 @@ arrays and their growth) and this module (the index on them).
 
 The kernels are compiled on first use of the module in a process (``warm_up``, called by
 the constructor) and cached on disk (numba ``cache=True``, next to their files, in
-NUMBA_CACHE_DIR or in the user's cache directory: router.core.jit), so no route pays the
+NUMBA_CACHE_DIR or in the user's cache directory: kvroute_proto.jit), so no route pays the
 JIT; where no writable cache place exists, they are compiled at every start.
 
 Why: a dict lookup of a 64-bit int key costs two or three dependent cache misses at a

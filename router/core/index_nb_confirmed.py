@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvroute_proto.jit import jit
 from router.core.index_nb_table import (
     _AHEAD,
     _M_LIVE,
@@ -33,7 +34,6 @@ from router.core.index_nb_table import (
     _prefetch,
     _unkey,
 )
-from router.core.jit import jit
 
 
 @jit

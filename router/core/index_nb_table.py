@@ -15,7 +15,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from router.core.jit import jit
+from kvroute_proto.jit import jit
 
 U64Array: TypeAlias = npt.NDArray[np.uint64]  # a table, its keys, scratch bitset rows
 I64Array: TypeAlias = npt.NDArray[np.int64]  # counters: _meta, per-slot counts, answers

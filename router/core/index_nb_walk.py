@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvroute_proto.jit import jit, jit_gil, jit_inline
 from router.core.index_capi import _dict_put, _list_u64, _take_error
 from router.core.index_nb_table import (
     _AHEAD,
@@ -29,7 +30,6 @@ from router.core.index_nb_table import (
     _popcount,
     _prefetch,
 )
-from router.core.jit import jit, jit_gil, jit_inline
 
 _SAME = 1 << 42  # _walk's answer: the result is the confirmed walk's
 _COUNT = (1 << 21) - 1  # _walk's answer: the confirmed count in bits 0-20, the other's in 21-41

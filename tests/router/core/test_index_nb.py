@@ -297,7 +297,7 @@ def test_kernels_compile_without_a_writable_cache() -> None:
         "import numba.core.caching as c\n"
         "c.CacheImpl._locator_classes = []\n"  # as if no locator found a writable place
         "import router.core.index_nb as m\n"
-        "import router.core.jit as j\n"
+        "import kvroute_proto.jit as j\n"
         "assert not j.CACHED\n"
         "index = m.NumbaPrefixIndex()\n"
         "from kvroute_proto.events import BlockStored\n"

@@ -1,4 +1,4 @@
-"""How the router's numba kernels are compiled: ``jit`` (cached on disk, without the GIL),
+"""How kvroute's numba kernels are compiled: ``jit`` (cached on disk, without the GIL),
 ``jit_gil`` (cached, keeping the GIL: a kernel that touches Python objects) and
 ``jit_inline`` (a body inlined into each kernel that calls it).
 
