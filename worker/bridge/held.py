@@ -191,7 +191,7 @@ class HeldBlocks:
             self.block_size,
             engine_block_size,
             tail_len,
-            np.asarray(ours, dtype=np.uint64),
+            np.ascontiguousarray(ours, dtype=np.uint64),
             last,
             self.partition_id(partition),
             raw,
