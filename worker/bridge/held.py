@@ -15,16 +15,18 @@ run's id and the block's position in it (``run_id << RUN_BITS | position``)::
     our hash    -> code of our block j: its parent, tokens, partition and chain index
                    (:meth:`our_block`), as a snapshot announces it
 
-Maps of ints to ints are no container the garbage collector tracks, so however many blocks
-are held, a collection never walks them (decision 0042); a run of new blocks is entered
-with ``dict.update`` over ``zip``s with a ``range``, with no Python code per block. A
-reference count above one lives in a side map (``chain_refs``, ``ours_refs``), absent for
-the common count of one.
+Both maps are :class:`~worker.bridge.hash_table.HashCodes`: compiled open-addressing
+tables of the 64-bit hashes (decision 0046), which steady churn never rebuilds, holding no
+Python object per block, so a collection never walks them (decision 0042). A run of new
+blocks goes in, and a removed run comes out, with one call per map (arrays in, arrays out),
+with no Python code per block. A reference count above one lives in a side map
+(``chain_refs``, ``ours_refs``), absent for the common count of one.
 """
 
 from __future__ import annotations
 
-from itertools import pairwise, repeat
+from collections.abc import Sequence
+from itertools import pairwise
 from typing import Final, TypeAlias, TypeVar
 
 import numpy as np
@@ -32,6 +34,7 @@ import numpy as np
 from kvroute_proto.events import TOKEN_DTYPE, Partition
 from kvroute_proto.hashing import BlockHash
 from worker.bridge.engine_wire import EngineHash
+from worker.bridge.hash_table import HashCodes
 
 # Chain = (partition id, last, tail (packed tokens), end)
 Chain: TypeAlias = tuple[int, BlockHash | None, bytes, int]
@@ -47,14 +50,15 @@ MAX_RUN_ID = 2**31 - 1
 _POSITION: Final = (1 << RUN_BITS) - 1
 _SIZE: Final = TOKEN_DTYPE.itemsize
 MIN_PARTITIONS_COMPACTED = 4096
-MIN_REMOVED_AS_ARRAY = 16  # fewer engine blocks removed at once: a loop is cheaper
+MIN_REMOVED_AS_ARRAY = 16  # fewer blocks of ours gone at once: a loop finds them cheaper
 K = TypeVar("K")
 
 
 class Run:
     """One stored run: engine block i ends at token ``end = tail_len + (i + 1) * ebs`` of
     ``raw`` and owns our blocks ``[n(i - 1), n(i))``, ``n(i) = end // block_size``;
-    ``refs``: the map entries that name it."""
+    ``ours``: our hashes of its full blocks (uint64); ``refs``: the map entries that name
+    it."""
 
     __slots__ = ("block_size", "ebs", "last", "ours", "pid", "raw", "refs", "start", "tail_len")
 
@@ -63,7 +67,7 @@ class Run:
         block_size: int,
         ebs: int,
         tail_len: int,
-        ours: list[BlockHash],
+        ours: np.ndarray,
         last: BlockHash | None,
         pid: int,
         raw: bytes,
@@ -80,19 +84,20 @@ class Run:
 
     def owned(self, i: int) -> list[BlockHash]:
         """Our blocks whose last token engine block i holds."""
-        return self.ours[self.boundary(i - 1) : self.boundary(i)]
+        held: list[BlockHash] = self.ours[self.boundary(i - 1) : self.boundary(i)].tolist()
+        return held
 
     def chain(self, i: int) -> Chain:
         end = self.tail_len + (i + 1) * self.ebs
         n = end // self.block_size
-        last = self.ours[n - 1] if n else self.last
+        last = int(self.ours[n - 1]) if n else self.last
         tail = self.raw[n * self.block_size * _SIZE : end * _SIZE]
         return self.pid, last, tail, self.start + (i + 1) * self.ebs
 
     def our_block(self, j: int) -> Ours:
         width = self.block_size * _SIZE
         first_index = (self.start - self.tail_len) // self.block_size
-        parent = self.ours[j - 1] if j else self.last
+        parent = int(self.ours[j - 1]) if j else self.last
         return parent, self.raw[j * width : (j + 1) * width], self.pid, first_index + j
 
 
@@ -102,8 +107,8 @@ class HeldBlocks:
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self.chains: dict[EngineHash, int] = {}  # engine hash -> code of its run and place
-        self.ours: dict[BlockHash, int] = {}  # our hash -> code
+        self.chains: HashCodes[EngineHash] = HashCodes()  # engine hash -> code of its run and place
+        self.ours: HashCodes[BlockHash] = HashCodes()  # our hash -> code
         self.runs: dict[int, Run] = {}
         self._next_run = 1  # codes are never 0
         self.chain_refs: dict[EngineHash, int] = {}  # references beyond the first
@@ -157,8 +162,11 @@ class HeldBlocks:
         return self.runs[code >> RUN_BITS].our_block(code & _POSITION)
 
     def snapshot(self) -> list[tuple[BlockHash, Ours]]:
-        """Our held blocks, parents first."""
-        return sorted(((h, self.our_block(h)) for h in self.ours), key=_index_of)
+        """Our held blocks, parents first (by index; at one index, as they were stored)."""
+        runs = self.runs
+        by_code = sorted(self.ours.items(), key=_code_of)
+        held = [(h, runs[c >> RUN_BITS].our_block(c & _POSITION)) for h, c in by_code]
+        return sorted(held, key=_index_of)  # type: ignore[misc]
 
     # ---- changes --------------------------------------------------------------------------
 
@@ -167,7 +175,7 @@ class HeldBlocks:
         engine: tuple[EngineHash, ...],
         engine_block_size: int,
         tail_len: int,
-        ours: list[BlockHash],
+        ours: Sequence[BlockHash] | np.ndarray,
         last: BlockHash | None,
         partition: Partition,
         raw: bytes,
@@ -183,7 +191,7 @@ class HeldBlocks:
             self.block_size,
             engine_block_size,
             tail_len,
-            ours,
+            np.ascontiguousarray(ours, dtype=np.uint64),
             last,
             self.partition_id(partition),
             raw,
@@ -191,19 +199,17 @@ class HeldBlocks:
         )
         rid = self._new_run_id()
         base = rid << RUN_BITS
-        if not (
-            self.chains.keys().isdisjoint(engine)
-            and self.ours.keys().isdisjoint(ours)
-            and len(set(engine)) == len(engine)
-            and len(set(ours)) == len(ours)
-        ):
-            new, duplicates = self._store_some_held(engine, run, base)
+        # all new, and no two equal (the common case): a call per map
+        if self.chains.put_run(engine, base):
+            if self.ours.put_run(run.ours, base):
+                m = len(run.ours)
+                run.refs = len(engine) + m
+                new, duplicates = list(range(m)), 0
+            else:
+                self.chains.pop_run(engine)
+                new, duplicates = self._store_some_held(engine, run, base)
         else:
-            k, m = len(engine), len(ours)
-            self.chains.update(zip(engine, range(base, base + k), strict=True))
-            self.ours.update(zip(ours, range(base, base + m), strict=True))
-            run.refs = k + m
-            new, duplicates = list(range(m)), 0
+            new, duplicates = self._store_some_held(engine, run, base)
         if run.refs:
             self.runs[rid] = run
         return new, duplicates
@@ -223,19 +229,18 @@ class HeldBlocks:
         """:meth:`store` block by block, when some of the run is held already."""
         new: list[int] = []
         duplicates = 0
+        ours: list[BlockHash] = run.ours.tolist()
         for i, h in enumerate(engine):
-            if h in self.chains:
+            if not self.chains.put(h, base | i):
                 self.chain_refs[h] = self.chain_refs.get(h, 0) + 1
                 duplicates += 1
                 continue
-            self.chains[h] = base | i
             run.refs += 1
             for j in range(run.boundary(i - 1), run.boundary(i)):
-                o = run.ours[j]
-                if o in self.ours:
+                o = ours[j]
+                if not self.ours.put(o, base | j):
                     self.ours_refs[o] = self.ours_refs.get(o, 0) + 1
                     continue
-                self.ours[o] = base | j
                 run.refs += 1
                 new.append(j)
         return new, duplicates
@@ -245,14 +250,16 @@ class HeldBlocks:
         are returned (in order), with how many engine hashes were not held."""
         chains, ours = self.chains, self.ours
         chain_refs, ours_refs = self.chain_refs, self.ours_refs
-        if len(engine) >= MIN_REMOVED_AS_ARRAY and not chain_refs and not ours_refs:
-            codes = list(map(chains.pop, engine, repeat(None)))  # every count is one
-            held = list(filter(None, codes))
-            gone = self._owned_by(np.array(held, dtype=np.uint64)) if held else []
+        if not chain_refs and not ours_refs:  # every count is one: a call per map
+            codes = chains.pop_run(engine)
+            held = codes[codes != 0]
+            if not len(held):
+                return [], len(codes)
+            gone = self._owned_by(held)
             self._release(held)
-            self._release(list(map(ours.pop, gone)))
-            return gone, len(codes) - len(held)
-        gone = []
+            self._release(ours.pop_run(gone))
+            return gone.tolist(), len(codes) - len(held)
+        gone_list: list[BlockHash] = []
         unknown = 0
         for h in engine:
             code = chains.get(h)
@@ -261,21 +268,28 @@ class HeldBlocks:
                 continue
             if chain_refs and _drop_ref(chain_refs, h):
                 continue
-            del chains[h]
+            chains.pop(h)
             for o in self.runs[code >> RUN_BITS].owned(code & _POSITION):
                 if ours_refs and _drop_ref(ours_refs, o):
                     continue
-                self._unref(ours.pop(o))
-                gone.append(o)
+                ours_code = ours.pop(o)
+                assert ours_code is not None
+                self._unref(ours_code)
+                gone_list.append(o)
             self._unref(code)
-        return gone, unknown
+        return gone_list, unknown
 
-    def _owned_by(self, codes: np.ndarray) -> list[BlockHash]:
-        """Our blocks that the engine blocks ``codes`` own, in order: a run's at a time."""
+    def _owned_by(self, codes: np.ndarray) -> np.ndarray:
+        """Our blocks (uint64) that the engine blocks ``codes`` own, in order."""
+        if len(codes) < MIN_REMOVED_AS_ARRAY:  # a few: a loop is cheaper than numpy's calls
+            gone: list[BlockHash] = []
+            for code in codes.tolist():
+                gone += self.runs[code >> RUN_BITS].owned(code & _POSITION)
+            return np.array(gone, dtype=np.uint64)
         rids = codes >> RUN_BITS
         positions = (codes & _POSITION).astype(np.int64)
         cuts = [0, *(np.flatnonzero(rids[1:] != rids[:-1]) + 1).tolist(), len(codes)]
-        gone: list[BlockHash] = []
+        parts: list[np.ndarray] = []  # a run's at a time
         for lo, hi in pairwise(cuts):
             run = self.runs[int(rids[lo])]
             at = positions[lo:hi] * run.ebs + run.tail_len
@@ -284,14 +298,15 @@ class HeldBlocks:
             if not (counts == 1).all():  # our blocks [first, first + count) of each
                 first = np.repeat(first - (np.cumsum(counts) - counts), counts)
                 first += np.arange(len(first))
-            gone += map(run.ours.__getitem__, first.tolist())
-        return gone
+            parts.append(run.ours[first])
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
-    def _release(self, codes: list[int]) -> None:
-        """Map entries no longer name these codes' runs; a run goes with its last."""
-        if not codes:
+    def _release(self, codes: np.ndarray) -> None:
+        """Map entries no longer name these codes' runs (uint64, none 0); a run goes with
+        its last."""
+        if not len(codes):
             return
-        rids = np.array(codes, dtype=np.uint64) >> RUN_BITS
+        rids = codes >> RUN_BITS
         cuts = [0, *(np.flatnonzero(rids[1:] != rids[:-1]) + 1).tolist(), len(codes)]
         for lo, hi in pairwise(cuts):  # a run's codes come together, mostly
             rid = int(rids[lo])
@@ -311,6 +326,10 @@ class HeldBlocks:
 
 def _index_of(item: tuple[BlockHash, Ours]) -> int:
     return item[1][OURS_INDEX]
+
+
+def _code_of(item: tuple[object, int]) -> int:
+    return item[1]
 
 
 def _drop_ref(extra: dict[K, int], key: K) -> bool:

@@ -437,10 +437,11 @@ class EventTranslator:
         raw = tail + tokens
         packed = np.frombuffer(raw, dtype=TOKEN_DTYPE)
         seed = partition.seed if last is None else unfmix64(last)
-        ours: list[BlockHash] = block_hashes(packed, bs, seed, validate=False).tolist()
+        hashes = block_hashes(packed, bs, seed, validate=False)
+        ours: list[BlockHash] = hashes.tolist()
         tail_len = len(tail) // TOKEN_DTYPE.itemsize
         new, duplicates = self._held_blocks.store(
-            ev.block_hashes[:k], ebs, tail_len, ours, last, partition, raw, start
+            ev.block_hashes[:k], ebs, tail_len, hashes, last, partition, raw, start
         )
         if duplicates:
             self._counts.add("num_engine_duplicate_stores", duplicates)

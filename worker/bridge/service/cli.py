@@ -19,7 +19,7 @@ from edge.runtime import configure_logging, run_event_loop, stop_signals
 from edge.security_cli import HASH_KEY_ENV, ROUTER_TOKEN_ENV
 from kvroute_proto import hashing
 from kvroute_proto.hashing import set_hash_key
-from worker.bridge import engine_wire
+from worker.bridge import engine_wire, hash_table
 from worker.bridge.service.events import EventSourceConfig
 from worker.bridge.service.server import ENGINES, BridgeConfig, BridgeServer
 
@@ -174,9 +174,11 @@ def config_from_args(args: argparse.Namespace) -> BridgeConfig:
 
 def enable_compiled_event_path() -> None:
     """Engine events decoded and hashed by compiled loops (numba), not a Python int per
-    token: the event path's cost per block (decision 0042)."""
+    token: the event path's cost per block (decision 0042); the held maps' table compiled
+    (or loaded) now rather than in the first event (decision 0046)."""
     engine_wire.enable_compiled()
     hashing.enable_compiled()
+    hash_table.warm_up()
 
 
 async def serve(config: BridgeConfig, metrics_port: int | None = None) -> None:
