@@ -10,18 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import numba
 import numpy as np
 
-
-def _jit(fn: Any) -> Any:
-    try:
-        return numba.njit(cache=True, nogil=True)(fn)
-    except RuntimeError:  # no writable cache locator: compile in each process
-        return numba.njit(nogil=True)(fn)
+from kvroute_proto.jit import jit
 
 
-@_jit
+@jit
 def _scan(buf: Any, out: Any) -> Any:
     """Write the msgpack array of unsigned ints (at most 32 bits) in ``buf`` to ``out``
     (of ``len(buf)``, which no array of n ids is shorter than); its length, or -1 when

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import numba
 import numpy as np
+
+from kvroute_proto.jit import jit
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _U63 = np.uint64(63)
@@ -27,19 +28,12 @@ _U1 = np.uint64(1)
 _FLAG = np.uint64(1 << 63)
 
 
-def _jit(fn: Any) -> Any:
-    try:
-        return numba.njit(cache=True, nogil=True)(fn)
-    except RuntimeError:  # no writable cache locator: compile in each process
-        return numba.njit(nogil=True)(fn)
-
-
-@_jit
+@jit
 def _home(key: Any, shift: Any) -> Any:
     return np.int64((key * _GOLDEN) >> np.uint64(shift))
 
 
-@_jit
+@jit
 def _find(keys: Any, vals: Any, key: Any, flag: Any, shift: Any, mask: Any) -> Any:
     """The slot holding ``key`` (with sign bit ``flag``), or -1."""
     i = _home(key, shift)
@@ -52,7 +46,7 @@ def _find(keys: Any, vals: Any, key: Any, flag: Any, shift: Any, mask: Any) -> A
         i = (i + 1) & mask
 
 
-@_jit
+@jit
 def _delete_at(keys: Any, vals: Any, i: Any, shift: Any, mask: Any) -> None:
     """Empty slot ``i``, moving back the entries after it whose probe run crosses it."""
     j = i
@@ -70,7 +64,7 @@ def _delete_at(keys: Any, vals: Any, i: Any, shift: Any, mask: Any) -> None:
     vals[i] = 0
 
 
-@_jit
+@jit
 def _put(keys: Any, vals: Any, key: Any, val: Any, shift: Any, mask: Any) -> Any:
     """Enter ``key`` with ``val`` (its sign bit included); False, and nothing changed, when
     it is held already."""
@@ -87,7 +81,7 @@ def _put(keys: Any, vals: Any, key: Any, val: Any, shift: Any, mask: Any) -> Any
         i = (i + 1) & mask
 
 
-@_jit
+@jit
 def put_run(keys: Any, vals: Any, run: Any, signed: Any, base: Any, shift: Any, mask: Any) -> Any:
     """Enter ``run[i]`` with code ``base + i`` for every i, when none is held and no two are
     equal (True); otherwise enter none (False). ``signed``: ``run`` holds int64 values (a
@@ -106,7 +100,7 @@ def put_run(keys: Any, vals: Any, run: Any, signed: Any, base: Any, shift: Any, 
     return True
 
 
-@_jit
+@jit
 def pop_run(keys: Any, vals: Any, run: Any, signed: Any, shift: Any, mask: Any, out: Any) -> Any:
     """Remove the keys of ``run``; ``out[i]`` the code ``run[i]`` had, or 0 when it was not
     held (nor earlier in ``run``). Returns how many were held."""
@@ -124,13 +118,13 @@ def pop_run(keys: Any, vals: Any, run: Any, signed: Any, shift: Any, mask: Any, 
     return held
 
 
-@_jit
+@jit
 def get_one(keys: Any, vals: Any, key: Any, flag: Any, shift: Any, mask: Any) -> Any:
     i = _find(keys, vals, key, flag, shift, mask)
     return np.uint64(0) if i < 0 else vals[i] & ~_FLAG
 
 
-@_jit
+@jit
 def pop_one(keys: Any, vals: Any, key: Any, flag: Any, shift: Any, mask: Any) -> Any:
     i = _find(keys, vals, key, flag, shift, mask)
     if i < 0:
@@ -140,12 +134,12 @@ def pop_one(keys: Any, vals: Any, key: Any, flag: Any, shift: Any, mask: Any) ->
     return code
 
 
-@_jit
+@jit
 def put_one(keys: Any, vals: Any, key: Any, val: Any, shift: Any, mask: Any) -> Any:
     return _put(keys, vals, key, val, shift, mask)
 
 
-@_jit
+@jit
 def rehash(keys: Any, vals: Any, new_keys: Any, new_vals: Any, shift: Any, mask: Any) -> None:
     """Enter every entry of the old table into the new (empty, larger) one."""
     for i in range(len(vals)):
