@@ -22,6 +22,9 @@ in the window, and tokens per streamed message (how much the stream coalesced). 
 runs in this process, on the same cores: absolute rates are the box's, the per-CPU-second
 figure is the front's own.
 
+``--rounds K`` runs the floor and every front K times in turn on the same workers (each row
+says its round): adjacent windows for a front and its floor.
+
 Bench-only placements (decision 0047), for figures the shared cores would otherwise hide:
 
 ``--router-cpu-budget B``
@@ -519,10 +522,21 @@ def stop(proc: subprocess.Popen) -> None:
 async def run_fronts(
     args: argparse.Namespace, fleet: Fleet, logs: Path, budget: CpuBudget | None
 ) -> list[dict]:
-    load = Load(args.concurrency, args.prompt_tokens, args.max_tokens, args.warmup_s, args.seconds)
-    rows = []
     for url in fleet.http_urls:
         await wait_ready(url)
+    rows = []
+    for rnd in range(1, args.rounds + 1):
+        for row in await one_round(args, fleet, logs, budget):
+            rows.append({**row, "round": rnd} if args.rounds > 1 else row)
+    return rows
+
+
+async def one_round(
+    args: argparse.Namespace, fleet: Fleet, logs: Path, budget: CpuBudget | None
+) -> list[dict]:
+    """The floor, then each front in turn."""
+    load = Load(args.concurrency, args.prompt_tokens, args.max_tokens, args.warmup_s, args.seconds)
+    rows = []
     # the floor: the same streams split evenly over the workers' own HTTP APIs
     label = "direct: the workers' HTTP APIs"
     pids = [p.pid for p in fleet.procs]
@@ -552,8 +566,11 @@ async def run_fronts(
 
 
 def processes_ratio(rows: list[dict]) -> float | None:
-    """``--processes 2``'s HTTP tokens/s over one process's, when both were measured."""
-    by = {r["front"]: r["output_tokens_per_s"] for r in rows}
+    """``--processes 2``'s HTTP tokens/s over one process's (summed over the rounds), when
+    both were measured."""
+    by: dict[str, int] = {}
+    for r in rows:
+        by[r["front"]] = by.get(r["front"], 0) + r["output_tokens_per_s"]
     one = by.get("kvroute router, HTTP/SSE")
     two = by.get("kvroute router --processes 2, HTTP/SSE")
     return round(two / one, 3) if one and two else None
@@ -595,6 +612,12 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         default=[1],
         help="kvroute router --processes values to measure, one router each (default: 1)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="the floor and every front this many times in turn, on the same workers",
     )
     parser.add_argument("--no-peer", dest="peer", action="store_false", help="skip sglang-router")
     parser.add_argument(
@@ -649,6 +672,7 @@ def main(argv: list[str] | None = None) -> int:
             "max_tokens": args.max_tokens,
             "sim_speedup": args.sim_speedup,
             "seconds": args.seconds,
+            "rounds": args.rounds,
             "cpu_count": os.cpu_count(),
             "placement": placement,
             "rows": rows,
