@@ -22,6 +22,10 @@ in the window, and tokens per streamed message (how much the stream coalesced). 
 runs in this process, on the same cores: absolute rates are the box's, the per-CPU-second
 figure is the front's own.
 
+``--split-window`` adds, per door of the one-process router, a window with half the streams
+through the router and half direct to the workers at once: the router's TTFT against the
+direct path's under the same load on the box (``ttft_p50_over_direct_ms``).
+
 ``--rounds K`` runs the floor and every front K times in turn on the same workers (each row
 says its round): adjacent windows for a front and its floor.
 
@@ -53,6 +57,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -446,6 +451,39 @@ async def measure(
     return row
 
 
+async def measure_split(name: str, pid: int, load: Load, client, direct) -> dict[str, object]:
+    """``load`` through the front (``client``) and ``load`` direct to the workers in one
+    window: the front's row with the direct half's TTFT beside it (``--split-window``)."""
+    t0 = time.perf_counter() + load.warmup_s
+    front, floor = Tally(t0=t0, t1=t0 + load.seconds), Tally(t0=t0, t1=t0 + load.seconds)
+    tasks = [asyncio.ensure_future(client(front)), asyncio.ensure_future(direct(floor))]
+    await asyncio.sleep(max(0.0, t0 - time.perf_counter()))
+    cpu0 = cpu_seconds(pid)
+    await asyncio.sleep(max(0.0, front.t1 - time.perf_counter()))
+    cpu = cpu_seconds(pid) - cpu0
+    await asyncio.gather(*tasks)
+    p50, direct_p50 = percentile(front.ttfts, 0.5) * 1e3, percentile(floor.ttfts, 0.5) * 1e3
+    row: dict[str, object] = {
+        "front": name,
+        "streams_each": load.concurrency,
+        "output_tokens_per_s": round(front.tokens / load.seconds),
+        "direct_output_tokens_per_s": round(floor.tokens / load.seconds),
+        "front_cpu_s": round(cpu, 2),
+        "tokens_per_front_cpu_s": round(front.tokens / cpu) if cpu else None,
+        "ttft_p50_ms": round(p50, 2),
+        "direct_ttft_p50_ms": round(direct_p50, 2),
+        "ttft_p50_over_direct_ms": round(p50 - direct_p50, 2),
+        "ttft_p99_ms": round(percentile(front.ttfts, 0.99) * 1e3, 2),
+        "direct_ttft_p99_ms": round(percentile(floor.ttfts, 0.99) * 1e3, 2),
+        "tokens_per_message": round(front.tokens / max(1, front.messages), 2),
+        "requests_started": len(front.ttfts),
+        "direct_requests_started": len(floor.ttfts),
+        "errors": front.errors + floor.errors,
+    }
+    print(row, file=sys.stderr, flush=True)
+    return row
+
+
 # ---- the run -------------------------------------------------------------------------------
 
 
@@ -552,6 +590,15 @@ async def one_round(
             if processes == 1 and not budget:
                 client = _grpc(address, load)
                 rows.append(await measure(f"{label}, gRPC", proc.pid, load, client, None, pids))
+            if processes == 1 and not budget and args.split_window:
+                half = dataclasses.replace(load, concurrency=max(1, load.concurrency // 2))
+                direct = _http(fleet.http_urls, half)
+                for door, client in (
+                    ("HTTP/SSE", _http(url, half)),
+                    ("gRPC", _grpc(address, half)),
+                ):
+                    name = f"{label}, {door}, half the streams beside half direct"
+                    rows.append(await measure_split(name, proc.pid, half, client, direct))
         finally:
             stop(proc)
     if args.peer and not budget and peer_python(SGLANG_ROUTER).exists():
@@ -618,6 +665,12 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=1,
         help="the floor and every front this many times in turn, on the same workers",
+    )
+    parser.add_argument(
+        "--split-window",
+        action="store_true",
+        help="bench only: also each kvroute door with half the streams through it and half "
+        "direct to the workers in one window (TTFT against the floor in the same window)",
     )
     parser.add_argument("--no-peer", dest="peer", action="store_false", help="skip sglang-router")
     parser.add_argument(
