@@ -21,12 +21,43 @@ children, from /proc), tokens per front CPU-second, TTFT p50 and p99 of the requ
 in the window, and tokens per streamed message (how much the stream coalesced). The client
 runs in this process, on the same cores: absolute rates are the box's, the per-CPU-second
 figure is the front's own.
+
+``--split-window`` adds, per door of the one-process router, a window with half the streams
+through the router and half direct to the workers at once: the router's TTFT against the
+direct path's under the same load on the box (``ttft_p50_over_direct_ms``).
+
+``--rounds K`` runs the floor and every front K times in turn on the same workers (each row
+says its round): adjacent windows for a front and its floor.
+
+Bench-only placements (decision 0047), for figures the shared cores would otherwise hide:
+
+``--router-cpu-budget B``
+    Each router process gets a fixed CPU budget of ``B`` cores, and that budget is the limit:
+    a cgroup of its own per router process (cgroup v1 ``cpu``: ``cpu.cfs_quota_us`` = B x
+    ``cpu.cfs_period_us``, the kernel's default 100 ms period; cgroup v2: ``cpu.max``). Those
+    groups and a ``load`` group without a cap (this process, the client, and the workers it
+    starts) share a parent with ``SHARES_FACTOR`` x the default weight, so the box's other
+    jobs take neither the budget nor the load's cores away. So ``--processes 1`` runs on B
+    cores and ``--processes 2`` on 2 x B, each process on B of its own; the ``--processes``
+    supervisor (it only forwards its children's output) shares the first process's group. No
+    core is pinned: the kernel places each process on either core. Only the HTTP front is
+    measured (one gRPC channel is one connection: one process would serve it all) and no
+    peer. Each row adds the budget, each router process's CPU in the window, the share of
+    its group's periods that were throttled (the budget was the limit when most were), and
+    the client's and the workers' CPU. Needs root and a writable ``cpu`` controller.
+
+``--pin-front CPU``
+    The front on core ``CPU`` alone, this process (the client) and the workers on every
+    other core (``sched_setaffinity``, inherited by their threads), for every row, the floor
+    included: the router as on a host of its own, for its TTFT over the floor.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -38,6 +69,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import aiohttp
@@ -110,6 +142,15 @@ def cpu_seconds(pid: int) -> float:
     return total
 
 
+def own_cpu_seconds(pid: int) -> float:
+    """utime + stime of ``pid`` alone (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
 def _prompt(rng: random.Random, n: int) -> str:
     return "".join(rng.choices(string.ascii_letters, k=n))
 
@@ -119,6 +160,124 @@ def percentile(values: list[float], q: float) -> float:
         return float("nan")
     s = sorted(values)
     return s[min(len(s) - 1, int(q * len(s)))]
+
+
+# ---- placements (bench only) ---------------------------------------------------------------
+
+CGROUP_V1_CPU = Path("/sys/fs/cgroup/cpu")
+CGROUP_V2 = Path("/sys/fs/cgroup")
+BUDGET_PERIOD_US = 100_000
+SHARES_FACTOR = 8
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every live process below it."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return out
+
+
+def children_of(pid: int) -> list[int]:
+    out: list[int] = []
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            out += [int(c) for c in (task / "children").read_text().split()]
+    except (FileNotFoundError, ProcessLookupError):
+        pass
+    return sorted(out)
+
+
+class CpuBudget:
+    """The cgroups of ``--router-cpu-budget`` (see the module's docstring): under one parent
+    with ``SHARES_FACTOR`` x the default weight, ``groups`` router groups each capped at
+    ``cores`` cores and a ``load`` group (the client and the workers) without a cap; created
+    on entry, removed on exit (their processes back in the root group)."""
+
+    def __init__(self, cores: float, groups: int) -> None:
+        if CGROUP_V1_CPU.joinpath("cpu.cfs_quota_us").exists():
+            self.v2, base = False, CGROUP_V1_CPU
+        elif "cpu" in CGROUP_V2.joinpath("cgroup.controllers").read_text().split():
+            self.v2, base = True, CGROUP_V2
+        else:
+            raise RuntimeError("no writable cgroup cpu controller (v1 or v2)")
+        self.cores = cores
+        self.parent = base / f"kvroute-bench-{os.getpid()}"
+        self.groups = [self.parent / f"router-{i}" for i in range(groups)]
+        self.load = self.parent / "load"
+
+    def __enter__(self) -> CpuBudget:
+        self.parent.mkdir()
+        if self.v2:
+            (self.parent / "cgroup.subtree_control").write_text("+cpu")
+            (self.parent / "cpu.weight").write_text(str(100 * SHARES_FACTOR))
+        else:
+            (self.parent / "cpu.shares").write_text(str(1024 * SHARES_FACTOR))
+        quota = round(self.cores * BUDGET_PERIOD_US)
+        self.load.mkdir()
+        for group in self.groups:
+            group.mkdir()
+            if self.v2:
+                (group / "cpu.max").write_text(f"{quota} {BUDGET_PERIOD_US}")
+            else:
+                (group / "cpu.cfs_period_us").write_text(str(BUDGET_PERIOD_US))
+                (group / "cpu.cfs_quota_us").write_text(str(quota))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        root = self.parent.parent / "cgroup.procs"
+        for group in [*self.groups, self.load, self.parent]:
+            for _ in range(50):  # bounded: the routers are stopped before this
+                for pid in (group / "cgroup.procs").read_text().split():
+                    with contextlib.suppress(OSError):
+                        root.write_text(pid)
+                try:
+                    group.rmdir()
+                    break
+                except OSError:
+                    time.sleep(0.1)
+
+    def add_load(self, pids: list[int]) -> None:
+        """``pids`` (and what runs below them) into the uncapped ``load`` group."""
+        for pid in pids:
+            for p in descendants(pid):
+                with contextlib.suppress(OSError):
+                    (self.load / "cgroup.procs").write_text(str(p))
+
+    def place(self, router_pid: int) -> list[list[int]]:
+        """The router's processes into the groups: with ``--processes`` the supervisor's
+        children one per group (the supervisor with the first), else the router in the
+        first; the pids placed per group."""
+        kids = children_of(router_pid)
+        placed: list[list[int]] = [[] for _ in self.groups[: max(1, len(kids))]]
+        if not kids:
+            placed[0] = descendants(router_pid)
+        else:
+            if len(kids) > len(self.groups):
+                raise RuntimeError(f"{len(kids)} router processes, {len(self.groups)} groups")
+            placed[0].append(router_pid)
+            for i, kid in enumerate(kids):
+                placed[i] += descendants(kid)
+        for group, pids in zip(self.groups, placed, strict=False):
+            for pid in pids:
+                (group / "cgroup.procs").write_text(str(pid))
+        return placed
+
+    def throttled(self, groups: int) -> list[tuple[int, int]]:
+        """(periods, throttled periods) so far in each of the first ``groups`` groups."""
+        out = []
+        for group in self.groups[:groups]:
+            stat = dict(
+                line.split() for line in (group / "cpu.stat").read_text().splitlines() if line
+            )
+            out.append((int(stat["nr_periods"]), int(stat["nr_throttled"])))
+        return out
 
 
 # ---- clients -------------------------------------------------------------------------------
@@ -225,7 +384,28 @@ async def wait_ready(url: str, timeout_s: float = 60.0) -> None:
 # ---- fronts --------------------------------------------------------------------------------
 
 
-async def measure(name: str, pid: int | None, load: Load, client) -> dict[str, object]:
+@dataclass(slots=True)
+class Placed:
+    """A front's processes in their budget groups (``--router-cpu-budget``)."""
+
+    budget: CpuBudget
+    pids: list[list[int]]
+
+    def cpu(self) -> list[float]:
+        return [sum(own_cpu_seconds(p) for p in pids) for pids in self.pids]
+
+    def throttled(self) -> list[tuple[int, int]]:
+        return self.budget.throttled(len(self.pids))
+
+
+async def measure(
+    name: str,
+    pid: int | None,
+    load: Load,
+    client,
+    placed: Placed | None = None,
+    workers: list[int] | None = None,
+) -> dict[str, object]:
     """One front's row: run ``client(tally)`` (a closed loop until the window ends) and read
     the front's CPU (``pid`` and its children) at the window's edges."""
     tally = Tally()
@@ -234,8 +414,14 @@ async def measure(name: str, pid: int | None, load: Load, client) -> dict[str, o
     task = asyncio.ensure_future(client(tally))
     await asyncio.sleep(max(0.0, tally.t0 - time.perf_counter()))
     cpu0 = cpu_seconds(pid) if pid else 0.0
+    others0 = (time.process_time(), sum(cpu_seconds(w) for w in workers or []))
+    groups0 = placed.cpu() if placed else []
+    throttled0 = placed.throttled() if placed else []
     await asyncio.sleep(max(0.0, tally.t1 - time.perf_counter()))
     cpu = (cpu_seconds(pid) - cpu0) if pid else 0.0
+    others = (time.process_time() - others0[0], sum(map(cpu_seconds, workers or [])) - others0[1])
+    groups = [b - a for a, b in zip(groups0, placed.cpu(), strict=True)] if placed else []
+    throttled = placed.throttled() if placed else []
     await task
     window = tally.t1 - tally.t0
     row: dict[str, object] = {
@@ -249,6 +435,50 @@ async def measure(name: str, pid: int | None, load: Load, client) -> dict[str, o
         "tokens_per_message": round(tally.tokens / max(1, tally.messages), 2),
         "requests_started": len(tally.ttfts),
         "errors": tally.errors,
+        "client_cpu_s": round(others[0], 2),
+    }
+    if workers:
+        row["workers_cpu_s"] = round(others[1], 2)
+    if placed:
+        row["budget_cores_per_process"] = placed.budget.cores
+        row["cpu_s_per_process"] = [round(c, 2) for c in groups]
+        row["budget_used"] = [round(c / (placed.budget.cores * window), 3) for c in groups]
+        row["periods_throttled"] = [
+            round((t1 - t0) / max(1, p1 - p0), 3)
+            for (p0, t0), (p1, t1) in zip(throttled0, throttled, strict=True)
+        ]
+    print(row, file=sys.stderr, flush=True)
+    return row
+
+
+async def measure_split(name: str, pid: int, load: Load, client, direct) -> dict[str, object]:
+    """``load`` through the front (``client``) and ``load`` direct to the workers in one
+    window: the front's row with the direct half's TTFT beside it (``--split-window``)."""
+    t0 = time.perf_counter() + load.warmup_s
+    front, floor = Tally(t0=t0, t1=t0 + load.seconds), Tally(t0=t0, t1=t0 + load.seconds)
+    tasks = [asyncio.ensure_future(client(front)), asyncio.ensure_future(direct(floor))]
+    await asyncio.sleep(max(0.0, t0 - time.perf_counter()))
+    cpu0 = cpu_seconds(pid)
+    await asyncio.sleep(max(0.0, front.t1 - time.perf_counter()))
+    cpu = cpu_seconds(pid) - cpu0
+    await asyncio.gather(*tasks)
+    p50, direct_p50 = percentile(front.ttfts, 0.5) * 1e3, percentile(floor.ttfts, 0.5) * 1e3
+    row: dict[str, object] = {
+        "front": name,
+        "streams_each": load.concurrency,
+        "output_tokens_per_s": round(front.tokens / load.seconds),
+        "direct_output_tokens_per_s": round(floor.tokens / load.seconds),
+        "front_cpu_s": round(cpu, 2),
+        "tokens_per_front_cpu_s": round(front.tokens / cpu) if cpu else None,
+        "ttft_p50_ms": round(p50, 2),
+        "direct_ttft_p50_ms": round(direct_p50, 2),
+        "ttft_p50_over_direct_ms": round(p50 - direct_p50, 2),
+        "ttft_p99_ms": round(percentile(front.ttfts, 0.99) * 1e3, 2),
+        "direct_ttft_p99_ms": round(percentile(floor.ttfts, 0.99) * 1e3, 2),
+        "tokens_per_message": round(front.tokens / max(1, front.messages), 2),
+        "requests_started": len(front.ttfts),
+        "direct_requests_started": len(floor.ttfts),
+        "errors": front.errors + floor.errors,
     }
     print(row, file=sys.stderr, flush=True)
     return row
@@ -290,10 +520,10 @@ def start_workers(num: int, speedup: float, logs: Path) -> Fleet:
     return fleet
 
 
-def start_router(fleet: Fleet, policy: str, processes: int, logs: Path):
+def start_router(fleet: Fleet, options: argparse.Namespace, processes: int, logs: Path):
     """``kvroute router`` in front of the fleet: the process, its gRPC address, HTTP URL."""
     http_port = free_port()
-    args = ["router", "--port", "0", "--http-port", str(http_port), "--policy", policy]
+    args = ["router", "--port", "0", "--http-port", str(http_port), "--policy", options.policy]
     if processes > 1:
         args += ["--processes", str(processes)]
     for address in fleet.grpc_addresses:
@@ -327,34 +557,83 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-async def run_fronts(args: argparse.Namespace, fleet: Fleet, logs: Path) -> list[dict]:
-    load = Load(args.concurrency, args.prompt_tokens, args.max_tokens, args.warmup_s, args.seconds)
-    rows = []
+async def run_fronts(
+    args: argparse.Namespace, fleet: Fleet, logs: Path, budget: CpuBudget | None
+) -> list[dict]:
     for url in fleet.http_urls:
         await wait_ready(url)
+    rows = []
+    for rnd in range(1, args.rounds + 1):
+        for row in await one_round(args, fleet, logs, budget):
+            rows.append({**row, "round": rnd} if args.rounds > 1 else row)
+    return rows
+
+
+async def one_round(
+    args: argparse.Namespace, fleet: Fleet, logs: Path, budget: CpuBudget | None
+) -> list[dict]:
+    """The floor, then each front in turn."""
+    load = Load(args.concurrency, args.prompt_tokens, args.max_tokens, args.warmup_s, args.seconds)
+    rows = []
     # the floor: the same streams split evenly over the workers' own HTTP APIs
     label = "direct: the workers' HTTP APIs"
-    rows.append(await measure(label, None, load, _http(fleet.http_urls, load)))
+    pids = [p.pid for p in fleet.procs]
+    rows.append(await measure(label, None, load, _http(fleet.http_urls, load), workers=pids))
     for processes in args.processes:
-        proc, address, url = start_router(fleet, args.policy, processes, logs)
+        proc, address, url = start_front(args, partial(start_router, fleet, args, processes, logs))
         try:
+            placed = Placed(budget, budget.place(proc.pid)) if budget else None
             await wait_ready(url)
             label = f"kvroute router{f' --processes {processes}' if processes > 1 else ''}"
-            rows.append(await measure(f"{label}, HTTP/SSE", proc.pid, load, _http(url, load)))
-            if processes == 1:
+            client = _http(url, load)
+            rows.append(await measure(f"{label}, HTTP/SSE", proc.pid, load, client, placed, pids))
+            if processes == 1 and not budget:
                 client = _grpc(address, load)
-                rows.append(await measure(f"{label}, gRPC", proc.pid, load, client))
+                rows.append(await measure(f"{label}, gRPC", proc.pid, load, client, None, pids))
+            if processes == 1 and not budget and args.split_window:
+                half = dataclasses.replace(load, concurrency=max(1, load.concurrency // 2))
+                direct = _http(fleet.http_urls, half)
+                for door, client in (
+                    ("HTTP/SSE", _http(url, half)),
+                    ("gRPC", _grpc(address, half)),
+                ):
+                    name = f"{label}, {door}, half the streams beside half direct"
+                    rows.append(await measure_split(name, proc.pid, half, client, direct))
         finally:
             stop(proc)
-    if args.peer and peer_python(SGLANG_ROUTER).exists():
-        proc, url = start_sglang(fleet, logs)
+    if args.peer and not budget and peer_python(SGLANG_ROUTER).exists():
+        proc, url = start_front(args, partial(start_sglang, fleet, logs))
         try:
             await wait_ready(url)
             label = "sglang-router 0.3.2 round robin, HTTP/SSE"
-            rows.append(await measure(label, proc.pid, load, _http(url, load)))
+            rows.append(await measure(label, proc.pid, load, _http(url, load), workers=pids))
         finally:
             stop(proc)
     return rows
+
+
+def processes_ratio(rows: list[dict]) -> float | None:
+    """``--processes 2``'s HTTP tokens/s over one process's (summed over the rounds), when
+    both were measured."""
+    by: dict[str, int] = {}
+    for r in rows:
+        by[r["front"]] = by.get(r["front"], 0) + r["output_tokens_per_s"]
+    one = by.get("kvroute router, HTTP/SSE")
+    two = by.get("kvroute router --processes 2, HTTP/SSE")
+    return round(two / one, 3) if one and two else None
+
+
+def start_front(args: argparse.Namespace, start):
+    """``start()`` with ``--pin-front``'s core as this thread's mask, so the front (and the
+    threads it starts) inherits it; the client's mask is restored after."""
+    if args.pin_front is None:
+        return start()
+    ours = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {args.pin_front})
+    try:
+        return start()
+    finally:
+        os.sched_setaffinity(0, ours)
 
 
 def _http(url: str | list[str], load: Load):
@@ -381,14 +660,60 @@ def main(argv: list[str] | None = None) -> int:
         default=[1],
         help="kvroute router --processes values to measure, one router each (default: 1)",
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="the floor and every front this many times in turn, on the same workers",
+    )
+    parser.add_argument(
+        "--split-window",
+        action="store_true",
+        help="bench only: also each kvroute door with half the streams through it and half "
+        "direct to the workers in one window (TTFT against the floor in the same window)",
+    )
     parser.add_argument("--no-peer", dest="peer", action="store_false", help="skip sglang-router")
+    parser.add_argument(
+        "--router-cpu-budget",
+        type=float,
+        metavar="CORES",
+        help="bench only: each router process capped at CORES cores in a cgroup of its own, "
+        "HTTP rows only, no peer (see the module's docstring)",
+    )
+    parser.add_argument(
+        "--pin-front",
+        type=int,
+        metavar="CPU",
+        help="bench only: the front alone on core CPU, the client and workers on the others",
+    )
     parser.add_argument("--json", help="also write the result here")
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="bench_dataplane_") as tmp:
+    placement: dict[str, object] = {"cores": sorted(os.sched_getaffinity(0))}
+    if args.pin_front is not None:
+        others = os.sched_getaffinity(0) - {args.pin_front}
+        if args.pin_front not in os.sched_getaffinity(0) or not others:
+            parser.error(f"--pin-front {args.pin_front}: needs that core and another")
+        os.sched_setaffinity(0, others)  # the client, and the workers it starts
+        placement.update(front_cores=[args.pin_front], client_and_worker_cores=sorted(others))
+    if args.router_cpu_budget is not None:
+        placement.update(
+            router_cpu_budget_per_process=args.router_cpu_budget,
+            budget="a cgroup per router process, quota = budget x a 100 ms period; client and "
+            "workers in an uncapped group beside them; their parent "
+            f"{SHARES_FACTOR}x the default weight; no core pinned unless front_cores says so",
+        )
+    with (
+        tempfile.TemporaryDirectory(prefix="bench_dataplane_") as tmp,
+        contextlib.ExitStack() as st,
+    ):
         logs = Path(tmp)
+        budget = None
+        if args.router_cpu_budget is not None:
+            budget = st.enter_context(CpuBudget(args.router_cpu_budget, max(args.processes)))
+            budget.add_load([os.getpid()])  # the client; the workers inherit it
         fleet = start_workers(2, args.sim_speedup, logs)
         try:
-            rows = asyncio.run(run_fronts(args, fleet, logs))
+            rows = asyncio.run(run_fronts(args, fleet, logs, budget))
         finally:
             for proc in fleet.procs:
                 stop(proc)
@@ -400,8 +725,11 @@ def main(argv: list[str] | None = None) -> int:
             "max_tokens": args.max_tokens,
             "sim_speedup": args.sim_speedup,
             "seconds": args.seconds,
+            "rounds": args.rounds,
             "cpu_count": os.cpu_count(),
+            "placement": placement,
             "rows": rows,
+            "processes_2_over_1_tokens_per_s": processes_ratio(rows),
         },
         args.json,
     )

@@ -133,3 +133,81 @@ def test_the_direct_floor_splits_the_streams_over_the_workers() -> None:
 
     counts = asyncio.run(scenario())
     assert min(counts) > 0 and max(counts) <= 2 * min(counts) + 2
+
+
+def test_the_processes_ratio_sums_the_rounds() -> None:
+    from bench.bench_dataplane import processes_ratio
+
+    one, two = "kvroute router, HTTP/SSE", "kvroute router --processes 2, HTTP/SSE"
+    rows = [
+        {"front": "direct: the workers' HTTP APIs", "output_tokens_per_s": 50},
+        {"front": one, "output_tokens_per_s": 10},
+        {"front": two, "output_tokens_per_s": 15},
+        {"front": one, "output_tokens_per_s": 30},
+        {"front": two, "output_tokens_per_s": 65},
+    ]
+    assert processes_ratio(rows) == 2.0
+    assert processes_ratio(rows[:2]) is None
+
+
+@pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_pin_front_starts_the_front_on_its_core_and_keeps_the_clients() -> None:
+    import argparse
+    import os
+
+    from bench.bench_dataplane import start_front
+
+    ours = os.sched_getaffinity(0)
+    core = max(ours)
+
+    def start() -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+
+    proc = start_front(argparse.Namespace(pin_front=core), start)
+    try:
+        assert os.sched_getaffinity(proc.pid) == {core}
+        assert os.sched_getaffinity(0) == ours
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _cgroup_writable() -> bool:
+    import os
+
+    from bench.bench_dataplane import CGROUP_V1_CPU, CGROUP_V2
+
+    if os.geteuid() != 0:
+        return False
+    if CGROUP_V1_CPU.joinpath("cpu.cfs_quota_us").exists():
+        return os.access(CGROUP_V1_CPU, os.W_OK)
+    controllers = CGROUP_V2 / "cgroup.controllers"
+    return controllers.exists() and "cpu" in controllers.read_text().split()
+
+
+@pytest.mark.skipif(
+    not _cgroup_writable(), reason="needs root and a writable cgroup cpu controller"
+)
+def test_the_cpu_budget_caps_each_router_process_and_goes_away() -> None:
+    from bench.bench_dataplane import CpuBudget, own_cpu_seconds
+
+    spin = "import time\nt = time.monotonic()\nwhile time.monotonic() - t < 30: pass\n"
+    proc = subprocess.Popen([sys.executable, "-c", spin])
+    try:
+        with CpuBudget(0.2, 2) as budget:
+            placed = budget.place(proc.pid)
+            assert placed == [[proc.pid]]
+            assert str(proc.pid) in (budget.groups[0] / "cgroup.procs").read_text().split()
+            cpu0, t0 = own_cpu_seconds(proc.pid), time.monotonic()
+            time.sleep(1.0)
+            used = (own_cpu_seconds(proc.pid) - cpu0) / (time.monotonic() - t0)
+            assert used < 0.4  # capped near 0.2 cores (ticks of 10 ms)
+            ((periods, throttled),) = budget.throttled(1)
+            assert periods > 0 and throttled > 0
+            proc.kill()
+            proc.wait()
+        assert not budget.parent.exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
