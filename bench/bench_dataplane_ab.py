@@ -28,13 +28,13 @@ from bench.bench_dataplane import (
     Tally,
     _grpc,
     _http,
-    cpu_seconds,
     free_port,
     percentile,
     start_workers,
     stop,
     wait_ready,
 )
+from bench.cpu_budget import cpu_seconds
 from bench.procs import ROOT, report, start_kvroute
 
 

@@ -3,13 +3,15 @@ TTFT only for requests started in it, and the CPU of a process with its children
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
 
 import pytest
 
-from bench.bench_dataplane import Tally, cpu_seconds, percentile
+from bench.bench_dataplane import Tally, percentile
+from bench.cpu_budget import cpu_seconds
 
 
 def test_tokens_are_spread_over_the_stream_and_cut_at_the_window() -> None:
@@ -150,10 +152,9 @@ def test_the_processes_ratio_sums_the_rounds() -> None:
     assert processes_ratio(rows[:2]) is None
 
 
-@pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2, reason="needs two cores")
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
 def test_pin_front_starts_the_front_on_its_core_and_keeps_the_clients() -> None:
     import argparse
-    import os
 
     from bench.bench_dataplane import start_front
 
@@ -175,7 +176,7 @@ def test_pin_front_starts_the_front_on_its_core_and_keeps_the_clients() -> None:
 def _cgroup_writable() -> bool:
     import os
 
-    from bench.bench_dataplane import CGROUP_V1_CPU, CGROUP_V2
+    from bench.cpu_budget import CGROUP_V1_CPU, CGROUP_V2
 
     if os.geteuid() != 0:
         return False
@@ -189,7 +190,7 @@ def _cgroup_writable() -> bool:
     not _cgroup_writable(), reason="needs root and a writable cgroup cpu controller"
 )
 def test_the_cpu_budget_caps_each_router_process_and_goes_away() -> None:
-    from bench.bench_dataplane import CpuBudget, own_cpu_seconds
+    from bench.cpu_budget import CpuBudget, own_cpu_seconds
 
     spin = "import time\nt = time.monotonic()\nwhile time.monotonic() - t < 30: pass\n"
     proc = subprocess.Popen([sys.executable, "-c", spin])
