@@ -20,7 +20,7 @@ from tests.worker.bridge.recorded import (
 from worker.bridge.engine_wire import EngineBatch, EngineBlockStored
 from worker.bridge.translate import EventTranslator, ReplayFrom, TranslatorConfig
 
-VLLM = ["0.32.0", "0.23.0"]
+VLLM = ["0.34.0", "0.32.0", "0.23.0"]  # tagged maps (0.34, 0.32); positional arrays (0.23)
 SGLANG = ["0.5.23", "0.5.18"]  # tagged maps; positional arrays, the salt in a metadata map
 
 
@@ -87,8 +87,9 @@ def test_vllm_32_token_blocks_are_two_of_ours(version: str) -> None:
     assert first.dropped_block_size == 0 and first.num_blocks == len(seen.blocks)
 
 
-def test_vllm_what_we_cannot_name_is_dropped_and_counted() -> None:
-    tr, _ = run_live("vllm-0.32.0_drops", expected_vllm)
+@pytest.mark.parametrize("version", ["0.34.0", "0.32.0"])
+def test_vllm_what_we_cannot_name_is_dropped_and_counted(version: str) -> None:
+    tr, _ = run_live(f"vllm-{version}_drops", expected_vllm)
     st = tr.stats()
     assert (st.dropped_lora, st.dropped_multimodal, st.dropped_medium) == (2, 2, 2)
     assert st.num_removed_unknown == 4  # the LoRA and embedding blocks' evictions
@@ -244,13 +245,14 @@ def test_a_replay_that_makes_progress_is_asked_again() -> None:
     assert (st.num_gaps, st.num_batches_lost, st.num_batches_applied) == (2, 0, 4)
 
 
-def test_vllm_bytes_hashes() -> None:
+@pytest.mark.parametrize("version", ["0.34.0", "0.32.0"])
+def test_vllm_bytes_hashes(version: str) -> None:
     """VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0: 32-byte engine hashes, the same blocks of ours."""
-    doc = load("vllm-0.32.0_b16-bytes")
+    doc = load(f"vllm-{version}_b16-bytes")
     first = batches(doc)[0].events[0]
     assert isinstance(first, EngineBlockStored)
     assert all(isinstance(h, bytes) and len(h) == 32 for h in first.block_hashes)
-    tr, _ = run_live("vllm-0.32.0_b16-bytes", expected_vllm)
+    tr, _ = run_live(f"vllm-{version}_b16-bytes", expected_vllm)
     assert tr.stats().num_engine_duplicate_stores == 2
 
 
