@@ -42,6 +42,7 @@ import numpy as np
 import zmq
 from aiohttp import web
 
+from bench.cpu_budget import own_cpu_seconds
 from bench.procs import report, start_kvroute
 from kvroute_proto import codec
 from kvroute_proto import kvroute_pb2 as pb
@@ -51,13 +52,7 @@ from kvroute_proto.hashing import block_hashes
 BLOCK = 16
 TOPIC = b"kv@bench@tiny"
 TICK_S = 0.01
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 _encode = msgspec.msgpack.Encoder().encode
-
-
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -270,9 +265,9 @@ async def run(args: argparse.Namespace, logs: Path) -> dict[str, object]:
             raise RuntimeError(f"no event came through; bridge log: {logs / 'bridge.log'}")
         conn.send("go")
         await _recv(conn)  # measuring
-        cpu0 = _cpu_seconds(bridge.pid)
+        cpu0 = own_cpu_seconds(bridge.pid)
         sent_at, stored = await _recv(conn)
-        cpu = _cpu_seconds(bridge.pid) - cpu0
+        cpu = own_cpu_seconds(bridge.pid) - cpu0
         await asyncio.sleep(args.drain_s)  # what is still on its way
         stop.set()
         await sub

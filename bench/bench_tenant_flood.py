@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import subprocess
 import tempfile
@@ -29,17 +28,13 @@ from pathlib import Path
 import grpc
 
 from bench.bpe import english_like_text, write_bpe_model_dir
+from bench.cpu_budget import own_cpu_seconds
 from bench.procs import report, start_kvroute
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
 
 DEADLINE_S = 10.0
 B_PROMPT = "Summarise the weather report for tomorrow in one line, please."
-
-
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _request(prompt: str, max_new_tokens: int) -> pb.GenerateRequest:
@@ -88,15 +83,15 @@ async def _tenant_a(address: str, prompt: str, stop: asyncio.Event, codes: Count
 
 
 async def _phases(address: str, pid: int, seconds: float, prompt: str) -> dict[str, object]:
-    cpu0 = _cpu_s(pid)
+    cpu0 = own_cpu_seconds(pid)
     alone = await _tenant_b(address, seconds)
-    cpu1 = _cpu_s(pid)
+    cpu1 = own_cpu_seconds(pid)
     stop, codes = asyncio.Event(), Counter[str]()
     flood = [asyncio.create_task(_tenant_a(address, prompt, stop, codes)) for _ in range(4)]
     await asyncio.sleep(0.5)  # the flood under way
-    cpu2 = _cpu_s(pid)
+    cpu2 = own_cpu_seconds(pid)
     during = await _tenant_b(address, seconds)
-    cpu3 = _cpu_s(pid)
+    cpu3 = own_cpu_seconds(pid)
     stop.set()
     await asyncio.gather(*flood)
 

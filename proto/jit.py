@@ -4,8 +4,8 @@
 
 numba caches a compiled kernel next to its source file, in NUMBA_CACHE_DIR or in the user's
 cache directory, whichever it finds writable; where none is (a read-only install run by a
-user without a home: set NUMBA_CACHE_DIR), the kernels are compiled at each process's first
-index instead, and :data:`CACHED` turns False.
+user without a home: set NUMBA_CACHE_DIR), the kernels are compiled in each process at its
+first use instead, and :data:`CACHED` turns False.
 """
 
 from __future__ import annotations
