@@ -96,7 +96,7 @@ async def test_text_prompts_match_the_workers_events(model_dir):
             assert by_id[holder].matched_tokens >= shared
             # the router's own prediction is stride-granular (or lapsed): never more
             assert by_id[holder].predicted_matched_tokens <= shared
-            assert expl.chosen_worker_id == holder
+            assert expl.chosen_worker_id == holder, expl  # the costs, if it ever differs
 
             second = await client.generate(SECOND, OPTS)
             assert second.worker_id == holder
