@@ -34,7 +34,7 @@ import logging
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto.events import EventBatch, LoadReport, Snapshot
@@ -83,14 +83,22 @@ class RunnerConfig:
             )
 
 
+Sink: TypeAlias = Callable[[RequestOutput | BaseException], None]
+
+
 class RequestStream:
-    """The outputs of one request in engine order; the last one has a finish_reason."""
+    """The outputs of one request in engine order; the last one has a finish_reason.
+
+    A reader either awaits ``get`` or hands the stream a sink (``divert``) that is called
+    with each output as the engine loop dispatches it: no task wakes per step for it.
+    """
 
     def __init__(self, request: EngineRequest) -> None:
         self.request = request
         self.num_generated = 0
         self._items: deque[RequestOutput | BaseException] = deque()
         self._ready = asyncio.Event()
+        self._sink: Sink | None = None
 
     @property
     def request_id(self) -> str:
@@ -103,8 +111,19 @@ class RequestStream:
     def put(self, item: RequestOutput | BaseException) -> None:
         if isinstance(item, RequestOutput):
             self.num_generated += len(item.new_token_ids)
+        if self._sink is not None:
+            self._sink(item)
+            return
         self._items.append(item)
         self._ready.set()
+
+    def divert(self, sink: Sink) -> None:
+        """Call ``sink`` with every output from now on, those not yet read first, instead
+        of keeping them for ``get``. ``sink`` runs inside the engine loop's dispatch: it
+        must not raise."""
+        self._sink = sink
+        while self._items:
+            sink(self._items.popleft())
 
     async def get(self) -> RequestOutput:
         """Everything produced since the last call, merged into one output (a reader that

@@ -6,7 +6,9 @@ protocol: it refuses by raising a :class:`~edge.frontdoor.ServiceError` (BadRequ
 for an invalid request, Overloaded when the waiting queue is full, Unavailable while shutting
 down or when the engine loop stopped). Closing the iterator before the Finished (a cancelled
 gRPC call, an HTTP client that went away) releases the request: the engine aborts it and
-frees its KV slots.
+frees its KV slots. ``WorkerGeneration.generate_into`` is the same path for a request
+started on a relay stream: its messages are made as the engine loop dispatches each step's
+outputs and handed to the stream's outbox, so its task does not wake per step.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
+from typing import Any
 
 from opentelemetry import propagate, trace
 from opentelemetry.trace import Span, Status, StatusCode
@@ -122,65 +125,24 @@ class WorkerGeneration:
         span = tracer.start_span("kvroute.worker.Generate", context=parent)
         try:
             started = time.perf_counter()
-            tracing = span.is_recording()
-            phases = spans.Phases(time.time_ns()) if tracing else None
             stream = await self._admit(request, span)
-            rid = stream.request_id
-            texts = OutputText(self.tokenizer, request.sampling.stop) if self.tokenizer else None
-            finished = False
-            observer = self.observer
-            last_sent: float | None = None  # when the last tokens came (TTFT, inter-token)
-            outcome = "error"
+            out_of = _Outputs(self, request, stream, span, started)
             try:
-                while not finished:  # every stream ends with a finish_reason or an error
+                while not out_of.finished:  # every stream ends with a finish_reason or an error
                     try:
                         out = await stream.get()
                     except EngineStoppedError as exc:
                         raise Unavailable(str(exc)) from None
-                    finished = out.finish_reason is not None
-                    if phases is not None:
-                        if out.queue_wait_s is not None:
-                            phases.queue_wait_s = out.queue_wait_s
-                        if out.new_token_ids and phases.first_token_ns is None:
-                            phases.first_token_ns = time.time_ns()
-                    ids, logprobs = out.new_token_ids, out.logprobs
-                    if ids:  # the metrics see tokens as generated, however they are sent
-                        now = time.perf_counter()
-                        if last_sent is None:
-                            observer.on_first_token(now - started)
-                        else:
-                            observer.on_tokens(len(ids), now - last_sent)
-                        last_sent = now
-                    text = ""
-                    if texts is not None:
-                        text = texts.push(ids, finished)
-                        if texts.stopped:  # the text ends before a stop string
-                            end = out if finished else await self._finish_on_stop(stream)
-                            out = dataclasses.replace(
-                                out, finish_reason=FinishReason.STOP, usage=end.usage
-                            )
-                            finished = True
-                        ids, logprobs = texts.take_ids(ids, logprobs, bool(text) or finished)
-                    if ids or text:
-                        yield convert.chunk_to_pb(rid, ids, text, logprobs, self._decode)
-                    if out.finish_reason is not None:
-                        outcome = out.finish_reason.value
-                        _record_finish(span, out)
-                        if phases is not None:
-                            spans.record_phases(span, phases, out, time.time_ns())
-                        log.debug("request %s finished: %s", rid, out.finish_reason.value)
-                        yield convert.finished_to_pb(
-                            rid, out.finish_reason, out.usage, self.info.worker_id
-                        )
+                    messages = out_of.take(out)
+                    if out_of.stop_wanted:  # a stop string: end it on the engine now
+                        await self._stop(stream, out_of)
+                    for message in messages:
+                        yield message
             except (asyncio.CancelledError, GeneratorExit):
-                if not finished:
-                    outcome = "cancelled"
+                out_of.cancelled()
                 raise
             finally:
-                if not finished:  # cancelled, deadline passed, or the client went away
-                    log.info("request %s stopped before finishing; aborting it", rid)
-                    self.runner.release(stream)
-                observer.on_end(outcome, time.perf_counter() - started)
+                out_of.close()
         except Exception as exc:  # what start_as_current_span would record
             span.record_exception(exc)
             span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
@@ -188,16 +150,77 @@ class WorkerGeneration:
         finally:
             span.end()
 
-    async def _finish_on_stop(self, stream: RequestStream) -> RequestOutput:
-        """A stop string was found: finish the request on the engine now (its slots freed)
-        and skip what it generated meanwhile; its last output, with the usage."""
+    async def generate_into(
+        self,
+        request: pb.GenerateRequest,
+        call: CallInfo,
+        put: Callable[[pb.GenerateResponse], None],
+    ) -> None:
+        """What ``generate`` yields, handed to ``put`` instead, as the engine loop dispatches
+        each output: a request started on a relay stream costs no task wake-up per engine
+        step, and its tokens reach the outbox in the step's own dispatch (decision 0049).
+        Returns once its Finished was put; raises what ``generate`` raises, and what ``put``
+        raised (the rest of the request is then released)."""
+        if self.draining:
+            raise Unavailable(SHUTTING_DOWN)
+        self._num_generating += 1
+        self._none_generating.clear()
+        parent = propagate.extract(dict(call.metadata))
+        span = tracer.start_span("kvroute.worker.Generate", context=parent)
+        try:
+            started = time.perf_counter()
+            stream = await self._admit(request, span)
+            out_of = _Outputs(self, request, stream, span, started)
+            woken = asyncio.Event()
+            failure: list[BaseException] = []
+
+            def sink(item: RequestOutput | BaseException) -> None:
+                if failure or out_of.finished:
+                    return
+                try:
+                    if isinstance(item, BaseException):
+                        raise item
+                    for message in out_of.take(item):
+                        put(message)
+                except EngineStoppedError as exc:
+                    failure.append(Unavailable(str(exc)))
+                except BaseException as exc:  # the outbox closed, or a bug: the task raises it
+                    failure.append(exc)
+                if failure or out_of.finished or out_of.stop_wanted:
+                    woken.set()
+
+            try:
+                stream.divert(sink)
+                while not (out_of.finished or failure):
+                    await woken.wait()
+                    woken.clear()
+                    if out_of.stop_wanted and not (out_of.finished or failure):
+                        await self._stop(stream, out_of)
+                if failure:
+                    raise failure[0]
+            except asyncio.CancelledError:
+                out_of.cancelled()
+                raise
+            finally:
+                out_of.close()
+        except Exception as exc:
+            span.record_exception(exc)
+            span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+            raise
+        finally:
+            span.end()
+            self._num_generating -= 1
+            if self._num_generating == 0:
+                self._none_generating.set()
+
+    async def _stop(self, stream: RequestStream, out_of: _Outputs) -> None:
+        """A stop string was found: finish the request on the engine now (its slots freed);
+        what it generated meanwhile is skipped and its last output ends it (``_Outputs``)."""
+        out_of.stop_wanted = False
         try:
             await self.runner.stop_request(stream.request_id)
-            while (out := await stream.get()).finish_reason is None:
-                pass
         except EngineStoppedError as exc:
             raise Unavailable(str(exc)) from None
-        return out
 
     async def _admit(self, request: pb.GenerateRequest, span: Span) -> RequestStream:
         """Decode and submit a request, or raise the matching ServiceError."""
@@ -228,6 +251,110 @@ class WorkerGeneration:
             raise Unavailable(str(exc)) from None
         log.debug("request %s admitted (%d prompt tokens)", req.request_id, stream.num_prompt)
         return stream
+
+
+class _Outputs:
+    """One request's engine outputs made into its messages (chunks, then the Finished),
+    with its metrics and span: the steps shared by ``generate`` and ``generate_into``.
+
+    ``take`` never waits. When the text reaches a stop string before the engine finished,
+    it sets ``stop_wanted`` (the caller asks the engine to stop the request), holds that
+    output, skips the ones after it and ends with the engine's last output's usage.
+    """
+
+    def __init__(
+        self,
+        owner: WorkerGeneration,
+        request: pb.GenerateRequest,
+        stream: RequestStream,
+        span: Span,
+        started: float,
+    ) -> None:
+        self._owner = owner
+        self._stream = stream
+        self._span = span
+        self._started = started
+        self._rid = stream.request_id
+        tokenizer = owner.tokenizer
+        self._texts = OutputText(tokenizer, request.sampling.stop) if tokenizer else None
+        self._phases = spans.Phases(time.time_ns()) if span.is_recording() else None
+        self._last_sent: float | None = None  # when the last tokens came (TTFT, inter-token)
+        self._stopped: tuple[RequestOutput, str, tuple[int, ...], Any] | None = None
+        self.finished = False
+        self.stop_wanted = False
+        self._outcome = "error"
+
+    def take(self, out: RequestOutput) -> list[pb.GenerateResponse]:
+        """The messages ``out`` makes (none while held for a stop string)."""
+        if self._stopped is not None:  # stopping: only the end counts
+            if out.finish_reason is None:
+                return []
+            held, text, ids, logprobs = self._stopped
+            end = dataclasses.replace(held, finish_reason=FinishReason.STOP, usage=out.usage)
+            return self._messages(end, text, ids, logprobs)
+        finished = out.finish_reason is not None
+        phases = self._phases
+        if phases is not None:
+            if out.queue_wait_s is not None:
+                phases.queue_wait_s = out.queue_wait_s
+            if out.new_token_ids and phases.first_token_ns is None:
+                phases.first_token_ns = time.time_ns()
+        ids, logprobs = out.new_token_ids, out.logprobs
+        observer = self._owner.observer
+        if ids:  # the metrics see tokens as generated, however they are sent
+            now = time.perf_counter()
+            if self._last_sent is None:
+                observer.on_first_token(now - self._started)
+            else:
+                observer.on_tokens(len(ids), now - self._last_sent)
+            self._last_sent = now
+        text = ""
+        texts = self._texts
+        if texts is not None:
+            text = texts.push(ids, finished)
+            if texts.stopped:  # the text ends before a stop string
+                ids, logprobs = texts.take_ids(ids, logprobs, True)
+                if not finished:
+                    self._stopped = (out, text, ids, logprobs)
+                    self.stop_wanted = True
+                    return []
+                out = dataclasses.replace(out, finish_reason=FinishReason.STOP)
+            else:
+                ids, logprobs = texts.take_ids(ids, logprobs, bool(text) or finished)
+        return self._messages(out, text, ids, logprobs)
+
+    def _messages(
+        self, out: RequestOutput, text: str, ids: tuple[int, ...], logprobs: Any
+    ) -> list[pb.GenerateResponse]:
+        messages = []
+        rid = self._rid
+        if ids or text:
+            messages.append(convert.chunk_to_pb(rid, ids, text, logprobs, self._owner._decode))
+        if out.finish_reason is not None:
+            self.finished = True
+            self._outcome = out.finish_reason.value
+            _record_finish(self._span, out)
+            if self._phases is not None:
+                spans.record_phases(self._span, self._phases, out, time.time_ns())
+            log.debug("request %s finished: %s", rid, out.finish_reason.value)
+            messages.append(
+                convert.finished_to_pb(
+                    rid, out.finish_reason, out.usage, self._owner.info.worker_id
+                )
+            )
+        return messages
+
+    def cancelled(self) -> None:
+        if not self.finished:
+            self._outcome = "cancelled"
+
+    def close(self) -> None:
+        """The request's end, however it came: released on the engine when unfinished
+        (cancelled, deadline passed, the client went away, an error)."""
+        if not self.finished:
+            log.info("request %s stopped before finishing; aborting it", self._rid)
+            self._owner.runner.release(self._stream)
+        self._owner.observer.on_end(self._outcome, time.perf_counter() - self._started)
 
 
 class OutputText:

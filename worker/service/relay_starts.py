@@ -2,11 +2,14 @@
 
 The router sends ``RelayRequest`` messages on the worker's relay stream: each may cancel
 requests and start others (cancels first). A start runs the same handler as a Generate call
-(the worker's ``WorkerServicer.Generate``) with a :class:`StartedContext`, the part of a
-servicer context that handler uses: the start's metadata, its deadline, and ``abort``. Its
-messages go into the stream's outbox (worker/service/relay.py), so they travel in the same
-batches as every other request's; where Generate would have ended with a status other than
-OK after a Finished, the outbox gets a ``RelayEnd`` with that status instead:
+(an engine bridge's ``Generate``) with a :class:`StartedContext`, the part of a servicer
+context that handler uses: the start's metadata, its deadline, and ``abort``; or, given one,
+a handler that puts the messages itself as the engine makes them (the worker's
+``WorkerServicer.generate_into``: the request's task then wakes at its end only, not at
+every engine step; decision 0049). Its messages go into the stream's outbox
+(worker/service/relay.py), so they travel in the same batches as every other request's;
+where Generate would have ended with a status other than OK after a Finished, the outbox
+gets a ``RelayEnd`` with that status instead:
 
     router                                   worker
     RelayRequest{starts, cancels} ---------> RelayStarts.take: a task per start
@@ -23,7 +26,7 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, NoReturn
 
 import grpc
@@ -69,14 +72,27 @@ class StartedContext:
 
 
 Handler = Callable[[pb.GenerateRequest, Any], AsyncIterator[pb.GenerateResponse]]
+# A handler that hands each message to a callable as it is made, and returns once the
+# request's Finished was handed over (the worker's: WorkerServicer.generate_into)
+IntoHandler = Callable[
+    [pb.GenerateRequest, Any, Callable[[pb.GenerateResponse], None]], Awaitable[None]
+]
 
 
 class RelayStarts:
-    """The requests started on one relay stream, each a task putting into ``outbox``."""
+    """The requests started on one relay stream, each a task putting into ``outbox``.
 
-    def __init__(self, outbox: RelayOutbox, handler: Handler) -> None:
+    With ``into``, a start runs that handler, which puts the request's messages into the
+    outbox itself as the engine makes them (its task waits for the end only); without
+    it, the task iterates ``handler``'s messages and puts each.
+    """
+
+    def __init__(
+        self, outbox: RelayOutbox, handler: Handler, into: IntoHandler | None = None
+    ) -> None:
         self._outbox = outbox
         self._handler = handler
+        self._into = into
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
     @property
@@ -123,13 +139,17 @@ class RelayStarts:
         try:
             finished = False
             async with asyncio.timeout(start.timeout_s or None):
-                handler = self._handler(request, context)
-                async with contextlib.aclosing(handler) as responses:  # type: ignore[type-var]
-                    async for response in responses:
-                        outbox.put(response)
-                        if response.HasField("finished"):
-                            finished = True
-                            break
+                if self._into is not None:
+                    await self._into(request, context, outbox.put)
+                    finished = True
+                else:
+                    handler = self._handler(request, context)
+                    async with contextlib.aclosing(handler) as responses:  # type: ignore[type-var]
+                        async for response in responses:
+                            outbox.put(response)
+                            if response.HasField("finished"):
+                                finished = True
+                                break
             if not finished:  # what Generate's OK without a Finished was
                 self._end(rid, grpc.StatusCode.OK, "")
         except StartAborted as exc:
@@ -157,6 +177,7 @@ async def serve_relay(
     requests: AsyncIterator[pb.RelayRequest],
     context: grpc.aio.ServicerContext,
     handler: Handler,
+    into: IntoHandler | None = None,
 ) -> AsyncIterator[pb.RelayBatch]:
     """The Worker service's Relay: open the stream the first message names, take starts and
     cancels from the rest, and send the outbox's batches until the router ends the call.
@@ -170,7 +191,7 @@ async def serve_relay(
     except ValueError as exc:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
     log.info("relay stream %s opened by %s", first.stream_id, context.peer() or "?")
-    starts = RelayStarts(outbox, handler)
+    starts = RelayStarts(outbox, handler, into)
     starts.take(first)
     reader = asyncio.create_task(starts.follow(requests), name=f"relay-{first.stream_id}")
     reader.add_done_callback(lambda task: _reader_ended(task, registry, outbox))

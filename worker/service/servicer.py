@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
@@ -86,12 +86,29 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         except RelayClosedError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
 
+    async def generate_into(
+        self,
+        request: pb.GenerateRequest,
+        context: StartedContext,
+        put: Callable[[pb.GenerateResponse], None],
+    ) -> None:
+        """A request started on a relay stream: Generate's messages handed to ``put`` (the
+        stream's outbox) as the engine makes them, with no wake-up of the request's task per
+        engine step (worker/service/relay_starts.py, decision 0049)."""
+        call = CallInfo(tuple(context.invocation_metadata() or ()), context.time_remaining())
+        try:
+            await self.generation.generate_into(request, call, put)
+        except ServiceError as exc:
+            await context.abort(grpc.StatusCode[exc.grpc_code], exc.message)
+
     async def Relay(
         self, request_iterator: AsyncIterator[pb.RelayRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.RelayBatch]:
         """One stream for the messages of every request started on it or attached to it
         (see worker/service/relay.py, relay_starts.py); its end aborts them."""
-        async for batch in serve_relay(self.relays, request_iterator, context, self.Generate):
+        async for batch in serve_relay(
+            self.relays, request_iterator, context, self.Generate, self.generate_into
+        ):
             yield batch
 
     async def Abort(

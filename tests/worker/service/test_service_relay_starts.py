@@ -13,7 +13,7 @@ from svc_harness import WorkerSetup, running_worker, token_request
 from kvroute_proto import kvroute_pb2 as pb
 from tests.worker.relay_client import RelayClient
 from worker.engine.sim_executor import SimCostModel
-from worker.service.engine_runner import RunnerConfig
+from worker.service.engine_runner import RequestStream, RunnerConfig
 
 WAIT_S = 10.0
 
@@ -143,3 +143,25 @@ async def test_a_draining_worker_ends_new_starts_unavailable():
         assert end.code == grpc.StatusCode.UNAVAILABLE.value[0]
         assert "shutting down" in end.details
         relay.call.cancel()
+
+
+async def test_started_requests_are_made_in_the_engine_dispatch_not_read_by_their_task(
+    monkeypatch,
+) -> None:
+    """A started request's outputs reach the outbox through the stream's sink (decision
+    0049): its task never reads the stream, whatever the number of steps."""
+
+    async def no_reading(self) -> None:
+        raise AssertionError("a started request's task read its stream")
+
+    monkeypatch.setattr(RequestStream, "get", no_reading)
+    async with running_worker(WorkerSetup()) as w:
+        relay = RelayClient(w.stub, WAIT_S)
+        await relay.open()
+        await relay.call.write(pb.RelayRequest(starts=[start("r1", 30), start("r2", 1)]))
+        await relay.read_until(lambda: relay.finished("r1") and relay.finished("r2"))
+        tokens = [t for r in relay.responses("r1") for t in r.chunk.token_ids]
+        assert len(tokens) == relay.finished("r1").usage.completion_tokens == 30
+        assert relay.ends("r1") == relay.ends("r2") == []
+        relay.call.cancel()
+        await w.assert_no_leak()

@@ -40,3 +40,16 @@ async def test_outputs_before_a_failure_come_first() -> None:
     assert await stream.get() == RequestOutput("r", (7,))
     with pytest.raises(EngineStoppedError, match="gone"):
         await stream.get()
+
+
+def test_a_diverted_stream_hands_the_unread_outputs_then_each_new_one_to_its_sink() -> None:
+    stream = make()
+    stream.put(RequestOutput("r", (7,)))
+    got: list[object] = []
+    stream.divert(got.append)
+    assert got == [RequestOutput("r", (7,))]  # what was not read yet, first
+    stream.put(RequestOutput("r", (8,)))
+    failure = EngineStoppedError("gone")
+    stream.put(failure)
+    assert got == [RequestOutput("r", (7,)), RequestOutput("r", (8,)), failure]
+    assert stream.num_generated == 2

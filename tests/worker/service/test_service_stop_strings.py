@@ -1,6 +1,6 @@
 """Stop strings on the BPE model: matched on the decoded text across token boundaries and
-inside merged tokens, streamed and not, the text ending before the stop, the request
-finished on the worker (no slot left)."""
+inside merged tokens, streamed and not, on a call of its own and started on a relay stream,
+the text ending before the stop, the request finished on the worker (no slot left)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from test_service_http import post, sse_events
 from bench.bpe import write_bpe_model_dir
 from edge.tokenizer import load_tokenizer
 from kvroute_proto import kvroute_pb2 as pb
+from tests.worker.relay_client import RelayClient
 from worker.service.generation import OutputText
 
 PROMPT = "The customer asked about the refund policy for the second order."
@@ -92,4 +93,32 @@ async def test_stop_strings_across_tokens_end_the_text_and_free_the_slot(model_d
         )
         assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1]) == ""
         assert events[-2]["choices"][0]["finish_reason"] == "stop"
+        await w.assert_no_leak()
+
+
+async def test_a_stop_string_ends_a_request_started_on_a_relay_stream(model_dir) -> None:
+    """The same stop on a relay start (its messages made in the engine's dispatch): the
+    text before the stop, a Finished saying stop, the request finished on the worker."""
+    setup = WorkerSetup(executor_kind="torch", model_dir=model_dir)
+    async with running_worker(setup) as w:
+        req = pb.GenerateRequest(request_id="free", prompt_text=PROMPT)
+        req.sampling.max_new_tokens = 60
+        req.sampling.ignore_eos = True
+        msgs = await w.generate(req)
+        free = "".join(m.chunk.text for m in msgs if m.HasField("chunk"))
+        stop = free[len(free) // 2 : len(free) // 2 + 2]
+        relay = RelayClient(w.stub, 30.0)
+        await relay.open()
+        started = pb.GenerateRequest(request_id="stopped", prompt_text=PROMPT)
+        started.sampling.CopyFrom(req.sampling)
+        started.sampling.stop.append(stop)
+        await relay.call.write(pb.RelayRequest(starts=[pb.RelayStart(request=started)]))
+        await relay.read_until(lambda: relay.finished("stopped"))
+        text = "".join(r.chunk.text for r in relay.responses("stopped"))
+        assert text == free[: free.index(stop)]
+        finished = relay.finished("stopped")
+        assert finished.reason == pb.FINISH_REASON_STOP
+        assert finished.usage.completion_tokens < 60  # stopped on the worker
+        assert relay.ends("stopped") == []
+        relay.call.cancel()
         await w.assert_no_leak()
