@@ -24,7 +24,9 @@ figure is the front's own.
 
 ``--split-window`` adds, per door of the one-process router, a window with half the streams
 through the router and half direct to the workers at once: the router's TTFT against the
-direct path's under the same load on the box (``ttft_p50_over_direct_ms``).
+direct path's under the same load on the box (``ttft_p50_over_direct_ms``). The direct half
+uses the door's own client stack: the workers' HTTP APIs beside the HTTP door, their gRPC
+``Worker.Generate`` beside the gRPC door (decision 0049).
 
 ``--rounds K`` runs the floor and every front K times in turn on the same workers (each row
 says its round): adjacent windows for a front and its floor.
@@ -68,9 +70,11 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import grpc
@@ -190,16 +194,23 @@ async def run_http(url: str | list[str], load: Load, tally: Tally, seed: int) ->
         await asyncio.gather(*(loop(urls[i % len(urls)]) for i in range(load.concurrency)))
 
 
-async def run_grpc(address: str, load: Load, tally: Tally, seed: int) -> None:
-    """Closed-loop streamed Router.Generate calls against ``address`` until the end of
-    ``tally``'s window."""
+async def run_grpc(address: str | list[str], load: Load, tally: Tally, seed: int) -> None:
+    """Closed-loop streamed Generate calls until the end of ``tally``'s window: the router's
+    (``Router.Generate``) at ``address``, or, given a list, the workers' own
+    (``Worker.Generate``), the streams split evenly over them."""
     rng = random.Random(seed)
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = pb_grpc.RouterStub(channel)
+    addresses = [address] if isinstance(address, str) else address
+    channels = [grpc.aio.insecure_channel(a) for a in addresses]
+    try:
+        if isinstance(address, str):
+            stubs: list[Any] = [pb_grpc.RouterStub(channels[0])]
+        else:
+            stubs = [pb_grpc.WorkerStub(c) for c in channels]
 
-        async def loop() -> None:
+        async def loop(stub: Any) -> None:
             while time.perf_counter() < tally.t1:
                 request = pb.GenerateRequest(
+                    request_id=uuid.uuid4().hex,
                     prompt_text=_prompt(rng, load.prompt_tokens),
                     sampling=pb.SamplingParams(max_new_tokens=load.max_tokens, ignore_eos=True),
                 )
@@ -217,7 +228,10 @@ async def run_grpc(address: str, load: Load, tally: Tally, seed: int) -> None:
                     continue
                 tally.add_request(started, first, time.perf_counter(), tokens, messages)
 
-        await asyncio.gather(*(loop() for _ in range(load.concurrency)))
+        await asyncio.gather(*(loop(stubs[i % len(stubs)]) for i in range(load.concurrency)))
+    finally:
+        for channel in channels:
+            await channel.close()
 
 
 async def wait_ready(url: str, timeout_s: float = 60.0) -> None:
@@ -448,10 +462,9 @@ async def one_round(
                 rows.append(await measure(f"{label}, gRPC", proc.pid, load, client, None, pids))
             if processes == 1 and not budget and args.split_window:
                 half = dataclasses.replace(load, concurrency=max(1, load.concurrency // 2))
-                direct = _http(fleet.http_urls, half)
-                for door, client in (
-                    ("HTTP/SSE", _http(url, half)),
-                    ("gRPC", _grpc(address, half)),
+                for door, client, direct in (
+                    ("HTTP/SSE", _http(url, half), _http(fleet.http_urls, half)),
+                    ("gRPC", _grpc(address, half), _grpc(fleet.grpc_addresses, half)),
                 ):
                     name = f"{label}, {door}, half the streams beside half direct"
                     rows.append(await measure_split(name, proc.pid, half, client, direct))
@@ -496,7 +509,7 @@ def _http(url: str | list[str], load: Load):
     return lambda tally: run_http(url, load, tally, seed=1)
 
 
-def _grpc(address: str, load: Load):
+def _grpc(address: str | list[str], load: Load):
     return lambda tally: run_grpc(address, load, tally, seed=1)
 
 
