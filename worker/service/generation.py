@@ -20,7 +20,7 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from typing import Any
 
 from opentelemetry import propagate, trace
@@ -100,33 +100,9 @@ class WorkerGeneration:
         self, request: pb.GenerateRequest, call: CallInfo
     ) -> AsyncGenerator[pb.GenerateResponse, None]:
         """The request's chunks, then its Finished; raises ServiceError to refuse."""
-        if self.draining:
-            raise Unavailable(SHUTTING_DOWN)
-        self._num_generating += 1
-        self._none_generating.clear()
-        try:
-            async with contextlib.aclosing(self._generate(request, call)) as responses:
-                async for response in responses:
-                    yield response
-        finally:
-            self._num_generating -= 1
-            if self._num_generating == 0:
-                self._none_generating.set()
-
-    async def _generate(
-        self, request: pb.GenerateRequest, call: CallInfo
-    ) -> AsyncGenerator[pb.GenerateResponse, None]:
-        # Continue the caller's trace when it sent a W3C traceparent (the router does, when
-        # it is instrumented); otherwise this is a root span. No exporter is configured by
-        # default, so spans cost little. The span is not made "current": a context attached
-        # across the yields of this generator is detached in another context when the call is
-        # cancelled mid-yield, which OpenTelemetry logs as "Failed to detach context".
-        parent = propagate.extract(dict(call.metadata))
-        span = tracer.start_span("kvroute.worker.Generate", context=parent)
-        try:
-            started = time.perf_counter()
-            stream = await self._admit(request, span)
-            out_of = _Outputs(self, request, stream, span, started)
+        with self._generating(), _request_span(call) as span:
+            out_of = await self._start(request, span)
+            stream = out_of.stream
             try:
                 while not out_of.finished:  # every stream ends with a finish_reason or an error
                     try:
@@ -143,12 +119,6 @@ class WorkerGeneration:
                 raise
             finally:
                 out_of.close()
-        except Exception as exc:  # what start_as_current_span would record
-            span.record_exception(exc)
-            span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
-            raise
-        finally:
-            span.end()
 
     async def generate_into(
         self,
@@ -161,16 +131,9 @@ class WorkerGeneration:
         step, and its tokens reach the outbox in the step's own dispatch (decision 0049).
         Returns once its Finished was put; raises what ``generate`` raises, and what ``put``
         raised (the rest of the request is then released)."""
-        if self.draining:
-            raise Unavailable(SHUTTING_DOWN)
-        self._num_generating += 1
-        self._none_generating.clear()
-        parent = propagate.extract(dict(call.metadata))
-        span = tracer.start_span("kvroute.worker.Generate", context=parent)
-        try:
-            started = time.perf_counter()
-            stream = await self._admit(request, span)
-            out_of = _Outputs(self, request, stream, span, started)
+        with self._generating(), _request_span(call) as span:
+            out_of = await self._start(request, span)
+            stream = out_of.stream
             woken = asyncio.Event()
             failure: list[BaseException] = []
 
@@ -203,15 +166,27 @@ class WorkerGeneration:
                 raise
             finally:
                 out_of.close()
-        except Exception as exc:
-            span.record_exception(exc)
-            span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
-            raise
+
+    @contextlib.contextmanager
+    def _generating(self) -> Iterator[None]:
+        """Count a request in ``num_generating`` (drain waits for it); refused while
+        draining."""
+        if self.draining:
+            raise Unavailable(SHUTTING_DOWN)
+        self._num_generating += 1
+        self._none_generating.clear()
+        try:
+            yield
         finally:
-            span.end()
             self._num_generating -= 1
             if self._num_generating == 0:
                 self._none_generating.set()
+
+    async def _start(self, request: pb.GenerateRequest, span: Span) -> _Outputs:
+        """Admit ``request``: what makes its messages from its engine outputs."""
+        started = time.perf_counter()
+        stream = await self._admit(request, span)
+        return _Outputs(self, request, stream, span, started)
 
     async def _stop(self, stream: RequestStream, out_of: _Outputs) -> None:
         """A stop string was found: finish the request on the engine now (its slots freed);
@@ -253,6 +228,25 @@ class WorkerGeneration:
         return stream
 
 
+@contextlib.contextmanager
+def _request_span(call: CallInfo) -> Iterator[Span]:
+    """The request's span. It continues the caller's trace when it sent a W3C traceparent
+    (the router does, when it is instrumented); otherwise it is a root span. No exporter is
+    configured by default, so spans cost little. The span is not made "current": a context
+    attached across the yields of a generator is detached in another context when the call
+    is cancelled mid-yield, which OpenTelemetry logs as "Failed to detach context"."""
+    parent = propagate.extract(dict(call.metadata))
+    span = tracer.start_span("kvroute.worker.Generate", context=parent)
+    try:
+        yield span
+    except Exception as exc:  # what start_as_current_span would record
+        span.record_exception(exc)
+        span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+        raise
+    finally:
+        span.end()
+
+
 class _Outputs:
     """One request's engine outputs made into its messages (chunks, then the Finished),
     with its metrics and span: the steps shared by ``generate`` and ``generate_into``.
@@ -271,7 +265,7 @@ class _Outputs:
         started: float,
     ) -> None:
         self._owner = owner
-        self._stream = stream
+        self.stream = stream
         self._span = span
         self._started = started
         self._rid = stream.request_id
@@ -353,7 +347,7 @@ class _Outputs:
         (cancelled, deadline passed, the client went away, an error)."""
         if not self.finished:
             log.info("request %s stopped before finishing; aborting it", self._rid)
-            self._owner.runner.release(self._stream)
+            self._owner.runner.release(self.stream)
         self._owner.observer.on_end(self._outcome, time.perf_counter() - self._started)
 
 
