@@ -2,18 +2,18 @@
 
 ::
 
-    bench/peers/install_peers.sh sglang          # once, for the sglang-router row (optional)
+    bench/peers/install_peers.sh sglang vllm     # once, for the peer routers' rows (optional)
     python -m bench.bench_dataplane --seconds 12 --json out/dataplane.json
 
 Two ``kvroute worker --executor sim --sim-speedup 1000`` processes (the step cost is near
 zero, so the front is the limit), then, one front after another on the same workers: the
 load split evenly over the workers' own HTTP APIs (the floor the fronts are compared with);
 ``kvroute router`` over HTTP / SSE; the same router over gRPC (``Router.Generate``);
-``kvroute router --processes 2`` over HTTP; sglang-router 0.3.2 round robin when
-``.peers/sglang`` exists (``--no-peer`` leaves it out). The load: ``--concurrency`` (64)
-closed-loop streams, each a fresh ``--prompt-tokens`` (128) character text prompt (one token
-per byte: the sim workers' byte tokenizer) asking for ``--max-tokens`` (256) tokens with
-``ignore_eos``.
+``kvroute router --processes 2`` over HTTP; sglang-router 0.3.2 and vllm-router 0.1.17,
+each round robin, when ``.peers/sglang`` / ``.peers/vllm`` exist (``--no-peer`` leaves them
+out). The load: ``--concurrency`` (64) closed-loop streams, each a fresh ``--prompt-tokens``
+(128) character text prompt (one token per byte: the sim workers' byte tokenizer) asking for
+``--max-tokens`` (256) tokens with ``ignore_eos``.
 
 Per front: output tokens/s received by the client over the measured window (after a warm-up),
 the front's CPU seconds in that window (utime + stime of the front's process and its
@@ -81,7 +81,13 @@ import grpc
 
 from bench.cpu_budget import SHARES_FACTOR, CpuBudget, cpu_seconds, own_cpu_seconds
 from bench.procs import ROOT, report, start_kvroute
-from fleetsim.replay.front import SGLANG_ROUTER, FrontSpec, peer_command, peer_python
+from fleetsim.replay.front import (
+    SGLANG_ROUTER,
+    VLLM_ROUTER,
+    FrontSpec,
+    peer_command,
+    peer_python,
+)
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
 
@@ -402,15 +408,23 @@ def start_router(fleet: Fleet, options: argparse.Namespace, processes: int, logs
     return proc, address, f"http://127.0.0.1:{http_port}"
 
 
-def start_sglang(fleet: Fleet, logs: Path) -> tuple[subprocess.Popen, str]:
+# The peer routers measured, each round robin (no routing work: the relay's cost alone),
+# with the label of its row; each only when its virtualenv exists (install_peers.sh).
+PEERS = (
+    (SGLANG_ROUTER, "sglang-router 0.3.2 round robin, HTTP/SSE"),
+    (VLLM_ROUTER, "vllm-router 0.1.17 round robin, HTTP/SSE"),
+)
+
+
+def start_peer(kind: str, fleet: Fleet, logs: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     argv = peer_command(
-        FrontSpec(SGLANG_ROUTER, "round_robin"),
+        FrontSpec(kind, "round_robin"),
         port=port,
         metrics_port=free_port(),
         worker_urls=fleet.http_urls,
     )
-    with open(logs / "sglang-router.log", "w") as err:
+    with open(logs / f"{kind}.log", "w") as err:
         proc = subprocess.Popen(
             argv, stdout=err, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT
         )
@@ -470,11 +484,12 @@ async def one_round(
                     rows.append(await measure_split(name, proc.pid, half, client, direct))
         finally:
             stop(proc)
-    if args.peer and not budget and peer_python(SGLANG_ROUTER).exists():
-        proc, url = start_front(args, partial(start_sglang, fleet, logs))
+    for kind, label in PEERS:
+        if not args.peer or budget or not peer_python(kind).exists():
+            continue
+        proc, url = start_front(args, partial(start_peer, kind, fleet, logs))
         try:
             await wait_ready(url)
-            label = "sglang-router 0.3.2 round robin, HTTP/SSE"
             rows.append(await measure(label, proc.pid, load, _http(url, load), workers=pids))
         finally:
             stop(proc)
@@ -541,7 +556,9 @@ def main(argv: list[str] | None = None) -> int:
         help="bench only: also each kvroute door with half the streams through it and half "
         "direct to the workers in one window (TTFT against the floor in the same window)",
     )
-    parser.add_argument("--no-peer", dest="peer", action="store_false", help="skip sglang-router")
+    parser.add_argument(
+        "--no-peer", dest="peer", action="store_false", help="skip the peer routers"
+    )
     parser.add_argument(
         "--router-cpu-budget",
         type=float,
