@@ -10,10 +10,12 @@ import grpc
 import pytest
 from svc_harness import WorkerSetup, running_worker, token_request
 
+from edge.frontdoor import CallInfo
 from kvroute_proto import kvroute_pb2 as pb
 from tests.worker.relay_client import RelayClient
 from worker.engine.sim_executor import SimCostModel
 from worker.service.engine_runner import RequestStream, RunnerConfig
+from worker.service.relay import RelayClosedError
 
 WAIT_S = 10.0
 
@@ -165,3 +167,22 @@ async def test_started_requests_are_made_in_the_engine_dispatch_not_read_by_thei
         assert relay.ends("r1") == relay.ends("r2") == []
         relay.call.cancel()
         await w.assert_no_leak()
+
+
+async def test_a_put_that_fails_ends_the_request_and_frees_its_slots() -> None:
+    """``generate_into``: when handing a message over fails (the outbox closed under it),
+    the request's task raises that error and the engine releases the request."""
+    async with running_worker(WorkerSetup()) as w:
+        got: list[pb.GenerateResponse] = []
+
+        def put(message: pb.GenerateResponse) -> None:
+            if len(got) == 3:
+                raise RelayClosedError("relay stream 's1' has ended")
+            got.append(message)
+
+        request = token_request(list(range(1, 17)), request_id="r1", max_new_tokens=400)
+        with pytest.raises(RelayClosedError):
+            await w.server.generation.generate_into(request, CallInfo((), None), put)
+        assert len(got) == 3 and not any(m.HasField("finished") for m in got)
+        await w.assert_no_leak()
+        assert w.server.generation.num_generating == 0
