@@ -79,6 +79,29 @@ IntoHandler = Callable[
 ]
 
 
+class _Started:
+    """One started request: its task, and whether what it makes still goes to the outbox.
+    A cancel closes it at once: with ``into`` the engine's dispatch puts the request's
+    messages itself, and may do so before the task sees its cancellation; those are dropped
+    (the cancel's acknowledgement must be the last the router hears of that id)."""
+
+    __slots__ = ("open", "outbox", "task")
+
+    def __init__(self, outbox: RelayOutbox) -> None:
+        self.outbox = outbox
+        self.open = True
+        self.task: asyncio.Task[None] | None = None
+
+    def put(self, response: pb.GenerateResponse) -> None:
+        if self.open:
+            self.outbox.put(response)
+
+    def cancel(self) -> None:
+        self.open = False
+        if self.task is not None:
+            self.task.cancel()
+
+
 class RelayStarts:
     """The requests started on one relay stream, each a task putting into ``outbox``.
 
@@ -93,7 +116,7 @@ class RelayStarts:
         self._outbox = outbox
         self._handler = handler
         self._into = into
-        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._tasks: dict[str, _Started] = {}
 
     @property
     def num_running(self) -> int:
@@ -106,9 +129,9 @@ class RelayStarts:
 
     def take(self, message: pb.RelayRequest) -> None:
         for request_id in message.cancels:
-            task = self._tasks.pop(request_id, None)
-            if task is not None:
-                task.cancel()
+            started = self._tasks.pop(request_id, None)
+            if started is not None:
+                started.cancel()
             self._outbox.cancelled(request_id)
         for start in message.starts:
             self._start(start)
@@ -123,14 +146,14 @@ class RelayStarts:
             details = f"timeout_s must be a finite number >= 0 (0: none), got {timeout_s}"
             self._end(rid, grpc.StatusCode.INVALID_ARGUMENT, details)
         else:
-            task = asyncio.create_task(self._run(start), name=f"relay-start-{rid}")
-            self._tasks[rid] = task
+            started = self._tasks[rid] = _Started(self._outbox)
+            started.task = asyncio.create_task(self._run(start, started), name=f"relay-start-{rid}")
 
     def _end(self, rid: str, code: grpc.StatusCode, details: str) -> None:
         with contextlib.suppress(RelayClosedError):  # the stream ended: nobody to tell
             self._outbox.end(rid, code.value[0], details)
 
-    async def _run(self, start: pb.RelayStart) -> None:
+    async def _run(self, start: pb.RelayStart, started: _Started) -> None:
         request = start.request
         rid = request.request_id
         metadata = tuple((m.key, m.value) for m in start.metadata if m.key != RELAY_METADATA_KEY)
@@ -140,7 +163,7 @@ class RelayStarts:
             finished = False
             async with asyncio.timeout(start.timeout_s or None):
                 if self._into is not None:
-                    await self._into(request, context, outbox.put)
+                    await self._into(request, context, started.put)
                     finished = True
                 else:
                     handler = self._handler(request, context)
@@ -162,14 +185,14 @@ class RelayStarts:
             log.exception("request %s started on relay stream %s failed", rid, outbox.stream_id)
             self._end(rid, grpc.StatusCode.INTERNAL, "internal error on the worker")
         finally:
-            if self._tasks.get(rid) is asyncio.current_task():
+            if self._tasks.get(rid) is started:
                 del self._tasks[rid]
 
     def close(self) -> None:
         """The stream ended: cancel every request on it (the engine aborts them)."""
         tasks, self._tasks = self._tasks, {}
-        for task in tasks.values():
-            task.cancel()
+        for started in tasks.values():
+            started.cancel()
 
 
 async def serve_relay(

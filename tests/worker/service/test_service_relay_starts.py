@@ -4,6 +4,7 @@ fenced), and the stream's end aborting its requests."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import grpc
@@ -15,7 +16,8 @@ from kvroute_proto import kvroute_pb2 as pb
 from tests.worker.relay_client import RelayClient
 from worker.engine.sim_executor import SimCostModel
 from worker.service.engine_runner import RequestStream, RunnerConfig
-from worker.service.relay import RelayClosedError
+from worker.service.relay import RelayClosedError, RelayOutbox
+from worker.service.relay_starts import RelayStarts
 
 WAIT_S = 10.0
 
@@ -186,3 +188,34 @@ async def test_a_put_that_fails_ends_the_request_and_frees_its_slots() -> None:
         assert len(got) == 3 and not any(m.HasField("finished") for m in got)
         await w.assert_no_leak()
         assert w.server.generation.num_generating == 0
+
+
+async def test_what_the_dispatch_puts_after_a_cancel_is_dropped() -> None:
+    """With a handler that puts messages itself (the engine's dispatch does, decision 0049),
+    a cancel closes the request's way to the outbox at once: a message made before its task
+    sees the cancellation never follows the cancel's acknowledgement."""
+    outbox = RelayOutbox("s1")
+    puts: list = []
+
+    async def into(request, context, put) -> None:
+        puts.append(put)
+        await asyncio.Event().wait()  # until cancelled
+
+    async def no_handler(request, context):  # the iterator path, unused here
+        raise AssertionError("not called")
+        yield
+
+    starts = RelayStarts(outbox, no_handler, into)
+    starts.take(pb.RelayRequest(starts=[start("r1", 8)]))
+    await asyncio.sleep(0)  # the start's task runs up to its wait
+    (put,) = puts
+    chunk = pb.GenerateResponse(request_id="r1", chunk=pb.TokenChunk(token_ids=[7]))
+    put(chunk)
+    assert [r.request_id for r in outbox.take().responses] == ["r1"]
+    starts.take(pb.RelayRequest(cancels=["r1"]))
+    put(chunk)  # the engine dispatched once more before the task was cancelled
+    batch = outbox.take()
+    assert list(batch.cancelled) == ["r1"] and not batch.responses
+    await asyncio.sleep(0)
+    assert starts.num_running == 0
+    starts.close()
