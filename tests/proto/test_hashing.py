@@ -149,10 +149,11 @@ def test_block_tables_cached_before_a_growth_are_rebuilt():
 def test_the_compiled_chain_gives_the_numpy_forms_hashes(tokens, block_size, seed, dtype):
     """kvroute_proto.hashing_nb (what the router enables) against the numpy closed form and
     the scalar chain, for both token dtypes callers pass."""
-    from kvroute_proto import hashing_nb
+    from kvroute_proto import hashing, hashing_nb
 
     arr = np.asarray(tokens, dtype=dtype)
-    expected = block_hashes(np.asarray(tokens, dtype=np.uint32), block_size, seed)
+    ids = np.asarray(tokens, dtype=np.uint32)
+    expected = hashing._closed_form(ids, block_size, len(tokens) // block_size, seed)
     got = hashing_nb.chain_hashes(arr, block_size, seed)
     assert got.dtype == np.uint64 and got.tolist() == expected.tolist()
     if len(tokens) >= block_size:
@@ -160,7 +161,7 @@ def test_the_compiled_chain_gives_the_numpy_forms_hashes(tokens, block_size, see
         assert int(got[0]) == first
 
 
-def test_enable_compiled_switches_long_unkeyed_prompts_only(monkeypatch):
+def test_enable_compiled_switches_every_unkeyed_prompt(monkeypatch):
     from kvroute_proto import hashing
 
     tokens = np.arange(4096, dtype=np.uint32)
@@ -173,5 +174,6 @@ def test_enable_compiled_switches_long_unkeyed_prompts_only(monkeypatch):
     monkeypatch.setattr(hashing, "_COMPILED", lambda *a: calls.append(a) or compiled(*a))
     assert hashing.block_hashes(tokens, 16, 7).tolist() == before
     assert len(calls) == 1
-    hashing.block_hashes(tokens[:64], 16, 7)  # short: the numpy form
-    assert len(calls) == 1
+    short = hashing._closed_form(tokens, 16, 4, 7).tolist()
+    assert hashing.block_hashes(tokens[:64], 16, 7).tolist() == short  # short ones too
+    assert len(calls) == 2
