@@ -528,14 +528,19 @@ def _grpc(address: str | list[str], load: Load):
     return lambda tally: run_grpc(address, load, tally, seed=1)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seconds", type=float, default=12.0, help="measured window per front")
+def add_load_args(parser: argparse.ArgumentParser, seconds: float, window: str) -> None:
+    """The closed-loop load's options (``Load``) and the sim workers' speed-up."""
+    parser.add_argument("--seconds", type=float, default=seconds, help=window)
     parser.add_argument("--warmup-s", type=float, default=2.0)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--sim-speedup", type=float, default=1000.0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_load_args(parser, 12.0, "measured window per front")
     parser.add_argument("--policy", default="cache_aware", help="the kvroute router's policy")
     parser.add_argument(
         "--processes",

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import grpc
 
-from bench.bench_dataplane import percentile, stop
+from bench.bench_dataplane import add_load_args, percentile, stop
 from bench.cpu_budget import cpu_seconds
 from bench.procs import report, start_kvroute
 from kvroute_proto import kvroute_pb2 as pb
@@ -127,12 +127,7 @@ def run_round(args: argparse.Namespace, logs: Path) -> dict[str, object]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seconds", type=float, default=10.0, help="measured window")
-    parser.add_argument("--warmup-s", type=float, default=2.0)
-    parser.add_argument("--concurrency", type=int, default=64)
-    parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--sim-speedup", type=float, default=1000.0)
+    add_load_args(parser, 10.0, "measured window")
     parser.add_argument("--rounds", type=int, default=1, help="start the worker this many times")
     parser.add_argument("--pin", type=int, metavar="CPU", help="the worker alone on core CPU")
     parser.add_argument("--json", help="also write the result here")

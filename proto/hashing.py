@@ -268,8 +268,8 @@ _COMPILED: Callable[[np.ndarray, int, int], np.ndarray] | None = None  # enable_
 
 def enable_compiled() -> bool:
     """Hash unkeyed prompts with the compiled chain (``kvroute_proto.hashing_nb``, numba)
-    from now on in this process: the same hashes, faster at every length (a 128-token
-    prompt ~1 us against the numpy form's ~12 us of fixed costs). The router
+    from now on in this process: the same hashes, faster at every length (short prompts
+    most: the numpy form's cost is mostly fixed per call). The router
     calls it (its index compiles numba kernels anyway); False, and nothing changes, where
     numba cannot be imported."""
     global _COMPILED
