@@ -45,15 +45,6 @@ Why each term (the numbers: ``CostWeights``, ``PolicyConfig`` and the decision r
   and its KV, so a worker piled with running conversations slows every one of them; the
   term estimates what the request adds to its own and the running requests' time
   (decision 0031).
-- **misses spread, continuations kept home** (decision 0052): a request whose best match is
-  at most ``MISS_SHARE`` of its prompt (a miss) adds, while every candidate has prefill
-  queued, the uncached prefill the router has sent each worker beyond the least-sent one's
-  (a sum that decays by e over every ``MISS_WINDOW_TOKENS`` uncached tokens routed), so
-  misses fill the workers that got the least new work instead of following the queues'
-  jitter. A continuation (best match above that share) stays on a best-matching worker
-  unless the fewest requests running there exceed the fleet's fewest by more than
-  ``KEEP_HOME_GAP`` of it: misses spread that way lengthen the holders' queues, and moving
-  a conversation for that costs a second copy of its history and its hits.
 - **affinity**: router replicas that cannot see each other's picks share an order of
   preference among the workers lacking the request's next block (rendezvous hashing of that
   block and the worker id: ``router.core.affinity_nb``), so they start a new prefix on the
@@ -74,7 +65,7 @@ from random import Random
 
 import numpy as np
 
-from router.core.policy import Policy, argmin_random
+from router.core.policy import Policy
 from router.core.policy_config import PolicyConfig
 from router.core.views import ROWS, CandidateSet, Matched, Pick, RouteQuery, Views
 
@@ -83,12 +74,6 @@ __all__ = ["ApproxTree", "CacheAware", "affinity_terms"]
 _queued = attrgetter("queued_prefill_tokens")
 _FEW_MATCHED = 16  # up to this many matched workers, their prefill terms are set one by one
 _affinity_into: Callable[..., bool] | None = None
-
-MISS_SHARE = 0.3  # a request matching at most this share of its prompt anywhere is a miss
-MISS_WINDOW_TOKENS = 1_000_000  # the sent-prefill sum decays by e per this many routed
-KEEP_HOME_GAP = 0.15  # a continuation moves when its holders' fewest running exceed the
-# fleet's fewest by more than this share of it (decision 0052)
-_ELSEWHERE = 1e30  # the cost added to the workers a continuation is kept from
 
 
 def affinity_terms(
@@ -143,108 +128,6 @@ class CacheAware(Policy):
             self._per_saturated,
         )
         self._finite = all(map(math.isfinite, factors))
-        # per slot: the uncached prefill sent there, decayed (module docstring), and the id
-        # hash of the worker it was counted for (a slot reused by a new worker starts at 0)
-        self._sent = np.zeros(0)
-        self._owner = np.zeros(0, dtype=np.uint64)
-
-    def __copy__(self) -> CacheAware:
-        """A copy whose picks do not move this policy's sent-prefill sums (explain's)."""
-        other = object.__new__(type(self))
-        other.__dict__.update(self.__dict__)
-        other._sent = self._sent.copy()
-        other._owner = self._owner.copy()
-        return other
-
-    def _sent_to(self, slots: slice | np.ndarray | list[int], ids: np.ndarray) -> np.ndarray:
-        """The sent-prefill sums of ``slots`` (workers ``ids``), grown and reset for new
-        owners as needed."""
-        need = slots.stop if isinstance(slots, slice) else int(np.max(slots)) + 1
-        if need > len(self._sent):
-            sent = np.zeros(need)
-            sent[: len(self._sent)] = self._sent
-            owner = np.zeros(need, dtype=np.uint64)
-            owner[: len(self._owner)] = self._owner
-            self._sent, self._owner = sent, owner
-        new = self._owner[slots] != ids
-        if new.any():
-            self._sent[slots] = np.where(new, 0.0, self._sent[slots])
-            self._owner[slots] = ids
-        return self._sent[slots]
-
-    def _spread(
-        self,
-        query: RouteQuery,
-        total: np.ndarray,
-        slots: slice | np.ndarray | list[int],
-        ids: np.ndarray,
-        floor: float,
-        best: int,
-    ) -> None:
-        """Add the miss balance (module docstring) to ``total`` when the request is a miss
-        (``best``: the candidates' best match in blocks) and every candidate has prefill
-        queued (``floor`` > 0)."""
-        if floor > 0 and best * query.block_size <= MISS_SHARE * query.prompt_tokens:
-            sent = self._sent_to(slots, ids)
-            total += sent - sent.min()
-
-    def _kept_home(
-        self,
-        query: RouteQuery,
-        n: int,
-        running: np.ndarray,
-        position: dict[int, int],
-        matched: Matched,
-        best: int,
-    ) -> np.ndarray | None:
-        """The candidates a continuation is kept on (module docstring), as a mask; None
-        when every candidate may take it."""
-        if best * query.block_size <= MISS_SHARE * query.prompt_tokens:
-            return None
-        holders = np.zeros(n, dtype=bool)
-        for s, d in matched.items():
-            if d == best:
-                i = position.get(s)
-                if i is not None:
-                    holders[i] = True
-        if holders.all():
-            return None
-        fewest = running.min()
-        if running[holders].min() - fewest > KEEP_HOME_GAP * fewest:
-            return None
-        return holders
-
-    @staticmethod
-    def _best(matched: Matched, position: dict[int, int]) -> int:
-        """The candidates' best match, in blocks."""
-        best = 0
-        for s, d in matched.items():
-            if d > best and s in position:
-                best = d
-        return best
-
-    def _account(self, query: RouteQuery, slot: int, worker_id_hash: int, depth: int) -> None:
-        """Count the pick's uncached prefill on its worker; every sum decays by it."""
-        uncached = query.prompt_tokens - min(depth * query.block_size, query.prompt_tokens)
-        if slot >= len(self._sent) or self._owner[slot] != worker_id_hash:
-            self._sent_to([slot], np.array([worker_id_hash], dtype=np.uint64))
-        if uncached:
-            self._sent *= math.exp(-uncached / MISS_WINDOW_TOKENS)
-            self._sent[slot] += uncached
-
-    def select(self, query: RouteQuery, candidates: Views, matched: Matched, rng: Random) -> Pick:
-        if type(self).costs is not CacheAware.costs:  # a subclass's own cost, as it is
-            i, cost = super().select(query, candidates, matched, rng)
-        else:
-            total, home = self._costs(query, candidates, matched)
-            costs = total.tolist()
-            if home is not None:
-                total[~home] += _ELSEWHERE
-            i = argmin_random(total.tolist(), rng)
-            cost = costs[i]
-        v = candidates[i]
-        self._account(query, v.slot, v.id_hash, matched.get(v.slot, 0))
-        return i, cost
 
     def miss_factor(self, candidates: Views) -> float:
         """The backlog factor (module docstring) over ``candidates`` now: 1 while one of
@@ -265,12 +148,6 @@ class CacheAware(Policy):
         return factor
 
     def costs(self, query: RouteQuery, candidates: Views, matched: Matched) -> list[float]:
-        return self._costs(query, candidates, matched)[0].tolist()
-
-    def _costs(
-        self, query: RouteQuery, candidates: Views, matched: Matched
-    ) -> tuple[np.ndarray, np.ndarray | None]:
-        """Every candidate's cost, and the keep-home mask (:meth:`_kept_home`)."""
         fields = np.array(
             [
                 [c.queued_prefill_tokens for c in candidates],
@@ -282,16 +159,12 @@ class CacheAware(Policy):
             ],
             dtype=np.float64,
         ).reshape(ROWS, len(candidates))
-        ids = np.array([c.id_hash for c in candidates], dtype=np.uint64)
+        ids = None
+        if self.config.affinity_tokens:
+            ids = np.array([c.id_hash for c in candidates], dtype=np.uint64)
         position = {c.slot: i for i, c in enumerate(candidates)}
-        best = self._best(matched, position)
         with np.errstate(invalid="ignore", over="ignore"):  # inf weights: NaN as in Python
-            affinity_ids = ids if self.config.affinity_tokens else None
-            total = self._total(query, fields, None, affinity_ids, position, matched)
-            slots = [c.slot for c in candidates]
-            self._spread(query, total, slots, ids, float(fields[0].min()), best)
-        home = self._kept_home(query, len(total), fields[1], position, matched, best)
-        return total, home
+            return self._total(query, fields, None, ids, position, matched).tolist()
 
     def _total(
         self,
@@ -371,25 +244,16 @@ class CacheAware(Policy):
         load = fields[3] if table.weights is w or table.weights == w else None
         ids = table.ids[columns] if self.config.affinity_tokens else None
         total = self._total(query, fields, load, ids, candidates.position, matched)
-        position = candidates.position
-        best = self._best(matched, position)
-        self._spread(query, total, columns, table.ids[columns], float(fields[0].min()), best)
-        home = self._kept_home(query, len(total), fields[1], position, matched, best)
-        pick = total
-        if home is not None:
-            pick = total.copy()
-            pick[~home] += _ELSEWHERE
-        i = int(pick.argmin())  # the first minimum, as select()'s list.index finds it
-        best_cost = pick.item(i)
-        if best_cost != best_cost:  # NaN (inf * 0 after an overflow): select()'s own order
+        i = int(total.argmin())  # the first minimum, as select()'s list.index finds it
+        best = total.item(i)
+        if best != best:  # NaN (inf * 0 after an overflow): select()'s own order
             return self.select(query, candidates.views, matched, rng)
-        ties = pick == best_cost
+        ties = total == best
         n = int(np.count_nonzero(ties))
         if n > 1:
             i = int(np.flatnonzero(ties)[rng.randrange(n)])
-        v = candidates.views[i]
-        self._account(query, v.slot, v.id_hash, matched.get(v.slot, 0))
-        return i, total.item(i)
+            best = total.item(i)
+        return i, best
 
 
 class ApproxTree(CacheAware):

@@ -49,9 +49,9 @@ def explanation(
     miss_factor = 0.0
     if candidates:
         policy = copy.copy(policy)
-        costs = policy.costs(query, candidates, matched)  # before the pick moves its state
         i, _ = policy.select(query, candidates, matched, random.Random(req.request_id))
         chosen = candidates[i].worker_id
+        costs = policy.costs(query, candidates, matched)
         miss_factor = policy.miss_factor(candidates)
     cost_of = dict(zip((v.worker_id for v in candidates), costs or (), strict=False))
     block_size, prompt_tokens = query.block_size, query.prompt_tokens

@@ -15,10 +15,7 @@ def test_decision_records_the_best_match_it_passed_over() -> None:
     core, _ = make_core(2, weights=CostWeights(1.0, 0.25, 16.0, 10.0))
     prompt = tokens(8 * B)
     give(core, "w0", stored(prompt))
-    holder = core.worker_view("w0")
-    holder.recent_prefill = 1e6
-    holder.num_active = 1  # it runs more than w1: not kept home (decision 0052)
-    holder.refresh()
+    core.worker_view("w0").recent_prefill = 1e6
     d = core.route(RouteRequest("r1", prompt))
     assert d.worker_id == "w1"
     assert d.matched_tokens == 0

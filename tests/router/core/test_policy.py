@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import math
 import random
 from collections import Counter
 
 import pytest
 
 from kvroute_proto.events import LoadReport
-from router.core.cost import MISS_WINDOW_TOKENS
 from router.core.policy import (
     CostWeights,
     PolicyConfig,
@@ -98,9 +96,6 @@ def queued_views(*queued: int) -> list[WorkerView]:
     ws = views(len(queued))
     for w, tokens in zip(ws, queued, strict=True):
         w.inflight_prefill_tokens = tokens
-        # a request per 8,000 queued tokens: a busier holder is not kept home (decision
-        # 0052), so the cost decides
-        w.num_active = -(-tokens // 8000)
         w.refresh()
     return ws
 
@@ -122,7 +117,7 @@ def test_backlog_factor_weighs_a_miss_more_only_when_every_worker_is_queued() ->
     # the least loaded worker has 10k queued: at backlog 10k a miss counts double
     assert pick(10_000) == ([7500 + 2 * 4000, 2500 + 2 * 8000], 0)
     assert pick(0) == ([7500 + 4000, 2500 + 8000], 1)  # off: the idler worker wins
-    ws[1].inflight_prefill_tokens = ws[1].num_active = 0  # one worker is idle: factor 1
+    ws[1].inflight_prefill_tokens = 0  # one worker is idle: no backlog, factor 1
     ws[1].refresh()
     assert pick(10_000) == ([7500 + 4000, 8000], 1)
 
@@ -157,7 +152,7 @@ def test_saturated_fleet_counts_a_miss_steeply_past_the_saturated_floor() -> Non
         7500 + 4 * 4000,
         3500 + 4 * 8000,
     ]
-    ws[1].inflight_prefill_tokens = ws[1].num_active = 0  # one idle: the fleet is not saturated
+    ws[1].inflight_prefill_tokens = 0  # one worker is idle: the fleet is not saturated
     ws[1].refresh()
     assert pick(saturated_tokens=10_000, saturated_scale_tokens=2_000) == ([7500 + 4000, 8000], 1)
 
@@ -192,7 +187,6 @@ def test_queued_term_grows_past_its_knee_and_a_burst_leaves_the_holder_sooner() 
         "cache_aware", PolicyConfig(weights=CostWeights(1.0, 0.25, 0.0, 0.0, queued_knee=2.0))
     )
     ws[0].inflight_prefill_tokens = 6000  # a burst's requests queued on the holder
-    ws[0].num_active = 3  # busier than the cold worker: not kept home (decision 0052)
     ws[0].refresh()
     assert linear.costs(q, ws, held) == [0.25 * 6000 + 8, 3000]
     assert kneed.costs(q, ws, held) == [0.25 * 6000 * 2 + 8, 3000]
@@ -212,8 +206,6 @@ def test_recent_prefill_term_is_exact_and_scaled() -> None:
     ws = views(3)
     ws[1].recent_prefill = 1000.0  # stored values are in the core's scaled units
     ws[2].recent_prefill = 4000.0
-    ws[2].num_active = 1  # busier than the others: not kept home (decision 0052)
-    ws[2].refresh()
     policy = make_policy("cache_aware", PolicyConfig(weights=CostWeights(1.0, 0.0, 0.0, 0.5)))
     q = RouteQuery("r", 320, B, list(range(20)), recent_scale=0.25)
     assert policy.costs(q, ws, {}) == [320.0, 320.0 + 0.5 * 0.25 * 1000, 320.0 + 0.5 * 0.25 * 4000]
@@ -322,67 +314,8 @@ def test_queued_prefill_spreads_a_hot_prefix_in_a_burst() -> None:
         i, _ = policy.select(query(2000), ws, matched, rng)
         w = ws[i]
         w.inflight_prefill_tokens += 2000 - matched.get(w.slot, 0) * B
-        w.num_active += 1
         w.refresh()
         matched[w.slot] = 120  # after routing, that worker will hold the prefix too
         chosen.append(i)
     assert len(set(chosen)) > 1
     assert chosen[:24] == [0] * 24  # the holder takes requests while its queue is short
-
-
-def test_misses_go_to_the_worker_sent_the_least_prefill_while_every_worker_is_queued() -> None:
-    """The miss balance (decision 0052): what the router sent each worker, decayed."""
-    policy = make_policy("cache_aware", PolicyConfig(weights=LINEAR_QUEUED, backlog_tokens=0))
-    ws = queued_views(1000, 1000, 1000)
-    rng = random.Random(0)
-    policy.select(query(4000), [ws[0]], {}, rng)  # 4,000 uncached tokens sent to w0
-    policy.select(query(2000), [ws[1]], {}, rng)  # then 2,000 to w1: w0's sum decays
-    base = 250.0 + 3000
-    sent0 = 4000 * math.exp(-2000 / MISS_WINDOW_TOKENS)
-    assert policy.costs(query(3000), ws, {}) == [base + sent0, base + 2000, base]
-    assert policy.select(query(3000), ws, {}, rng) == (2, base)
-    # the pick was counted on w2; a cached request's uncached part counts too
-    assert policy.select(query(3000), [ws[2]], {2: 150}, rng)[0] == 0
-    sums = policy.costs(query(3000), ws, {})
-    assert sums.index(min(sums)) == 1
-    # one worker idle: the fleet is not backlogged, the cost alone decides (a tie here)
-    ws[1].inflight_prefill_tokens = 0
-    ws[1].refresh()
-    assert policy.costs(query(3000), ws, {}) == [3250.0, 3000.0, 3250.0]
-    ws[1].inflight_prefill_tokens = 1000
-    ws[1].refresh()
-    # a continuation (more than 30% of its prompt cached) is not balanced
-    assert policy.costs(query(3000), ws, {0: 100}) == [250.0 + 1400, base, base]
-    # a new worker in w0's slot starts with nothing sent
-    ws[0] = WorkerView("w0-new", 0, inflight_prefill_tokens=1000)
-    ws[0].refresh()
-    assert policy.costs(query(3000), ws, {})[0] == base
-
-
-def test_a_continuation_stays_home_unless_its_holders_run_clearly_more() -> None:
-    """The keep-home rule (decision 0052): moved only past a 15% gap in running requests."""
-    policy = make_policy("cache_aware", PolicyConfig(weights=LINEAR_QUEUED, backlog_tokens=0))
-    ws = views(3)
-    held = {0: 50}  # 800 of the 1,000 tokens cached on w0
-    ws[0].inflight_prefill_tokens = 20_000  # its queue makes the holder dearer
-    for w, running in zip(ws, (23, 20, 21), strict=True):
-        w.num_active = running
-        w.refresh()
-    costs = policy.costs(query(1000), ws, held)
-    assert costs == [0.25 * 20_000 + 200, 1000.0, 1000.0]  # the costs as they are
-    # 23 running against the fewest's 20: a gap of 3, within 15% of 20; kept home
-    assert policy.select(query(1000), ws, held, random.Random(0)) == (0, costs[0])
-    ws[0].num_active = 24  # a gap of 4: the cost decides
-    ws[0].refresh()
-    assert policy.select(query(1000), ws, held, random.Random(0))[0] in (1, 2)
-    # the worker's report counts too (other routers' requests): 30 running there
-    ws[0].num_active = 20
-    ws[0].load = LoadReport(num_running=30, num_waiting=0)
-    ws[0].refresh()
-    assert policy.select(query(1000), ws, held, random.Random(0))[0] in (1, 2)
-    # a miss (at most 30% cached) is never kept
-    ws[0].load = None
-    ws[0].refresh()
-    assert policy.select(query(1000), ws, {0: 18}, random.Random(0))[0] in (1, 2)
-    # every candidate holds the best match: nothing to keep
-    assert policy.select(query(1000), ws[1:], {1: 50, 2: 50}, random.Random(0))[0] in (0, 1)
