@@ -3,6 +3,7 @@
     python -m bench.replay_targets runs OUT.json [MORE.json ...] [--label-from-name]
     python -m bench.replay_targets pair BEFORE.json AFTER.json [--policy P ...]
     python -m bench.replay_targets routers ONE.json MANY.json [ONE.json MANY.json ...]
+    python -m bench.replay_targets frontier OUT.json [MORE.json ...]
 
 ``runs``: one row per report for ``cache_aware`` against the best *other* policy on each
 figure (``approx_tree`` left out: it is the same cost fed only its own routing history),
@@ -19,6 +20,12 @@ cells (a charge on or off, cache flushes on or off).
 pair of reports: the hit rate's difference in points and the latency figures' ratios, then
 how many pairs are within issue 13's bounds (2 points of hit rate, 10% of TTFT p99) and
 each figure's range.
+
+``frontier``: where the hit-rate and e2e targets pull apart, every policy of a report as a
+point (share of the pooled reference, e2e p99), the points no other beats on both (the
+frontier, best hit rate first), and where cache_aware sits: on it, or behind which policy;
+and whether it is the fastest of the other policies at >= 95% of pooled, approx_tree aside
+(then every faster policy keeps fewer hits: the two targets conflict).
 """
 
 from __future__ import annotations
@@ -247,6 +254,79 @@ def routers_summary(rows: Sequence[dict[str, float]]) -> str:
     return ", ".join(parts) + (f", {errors} errors" if errors else "")
 
 
+@dataclass(frozen=True, slots=True)
+class Point:
+    policy: str
+    of_pooled: float
+    e2e_p99_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class FrontierRow:
+    """One report's frontier (hit rate of pooled, e2e p99) and cache_aware's place."""
+
+    name: str
+    frontier: tuple[Point, ...]  # best hit rate first
+    ours: Point
+    beaten_by: Point | None  # the frontier point with the best hit rate among those beating ours
+    fastest_at_target: bool  # the lowest e2e p99 at >= 95% of pooled (approx_tree aside)
+
+
+def _beats(a: Point, b: Point) -> bool:
+    """``a`` is at least as good as ``b`` on both, better on one."""
+    return (
+        a.of_pooled >= b.of_pooled
+        and a.e2e_p99_s <= b.e2e_p99_s
+        and (a.of_pooled > b.of_pooled or a.e2e_p99_s < b.e2e_p99_s)
+    )
+
+
+def frontier_row(report: dict[str, Any], name: str) -> FrontierRow:
+    """The frontier of every policy in ``report`` (approx_tree, the same cost, among them)."""
+    points = [
+        Point(p["policy"], _of_pooled(report, p), float(p["e2e_p99_s"]))
+        for p in report.get("policies", [])
+    ]
+    by_name = {pt.policy: pt for pt in points}
+    if POLICY not in by_name:
+        raise ValueError(f"{name}: no {POLICY} in the report")
+    ours = by_name[POLICY]
+    front = sorted(
+        (p for p in points if not any(_beats(q, p) for q in points)),
+        key=lambda p: (-p.of_pooled, p.e2e_p99_s),
+    )
+    beating = [p for p in front if _beats(p, ours)]
+    at_target = [p for p in points if p.of_pooled >= MIN_OF_POOLED and p.policy not in SAME_COST]
+    fastest = bool(at_target) and ours.e2e_p99_s <= min(p.e2e_p99_s for p in at_target)
+    return FrontierRow(name, tuple(front), ours, beating[0] if beating else None, fastest)
+
+
+def _point(p: Point) -> str:
+    return f"{p.policy} {p.of_pooled:.1%} / {fmt_seconds(p.e2e_p99_s)}"
+
+
+def frontier_table(rows: Sequence[FrontierRow]) -> str:
+    lines = [
+        "| run | frontier (of pooled / e2e p99, best hit rate first) | cache_aware |",
+        "| --- | --- | --- |",
+    ]
+    for r in rows:
+        where = "on it" if r.beaten_by is None else f"behind {_point(r.beaten_by)}"
+        if r.fastest_at_target:
+            where += "; the fastest at >= 95% of pooled"
+        front = ", ".join(_point(p) for p in r.frontier)
+        lines.append(f"| {r.name} | {front} | {_point(r.ours)}: {where} |")
+    on = sum(r.beaten_by is None for r in rows)
+    fastest = sum(r.fastest_at_target for r in rows)
+    n = len(rows)
+    lines.append("")
+    lines.append(
+        f"cache_aware on the frontier in {on}/{n} runs; "
+        f"the fastest policy at >= 95% of pooled in {fastest}/{n}"
+    )
+    return "\n".join(lines)
+
+
 def _load(path: str) -> dict[str, Any]:
     return json.loads(Path(path).read_text())
 
@@ -264,11 +344,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     pair.add_argument("--policy", action="append", default=[])
     routers = sub.add_parser("routers", help="several routers against one, cache_aware")
     routers.add_argument("pairs", nargs="+", metavar="ONE.json MANY.json")
+    frontier = sub.add_parser("frontier", help="hit rate vs e2e p99: the frontier, per run")
+    frontier.add_argument("reports", nargs="+", metavar="REPORT.json")
     args = parser.parse_args(argv)
     try:
         if args.command == "runs":
             verdicts = [verdict(_load(f), Path(f).stem) for f in args.reports]
             print(runs_table(verdicts) + "\n\n" + summary(verdicts))
+        elif args.command == "frontier":
+            rows = [frontier_row(_load(f), Path(f).stem) for f in args.reports]
+            print(frontier_table(rows))
         elif args.command == "pair":
             print(pair_table(_load(args.before), _load(args.after), args.policy))
         else:

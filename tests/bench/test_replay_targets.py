@@ -7,6 +7,8 @@ import json
 import pytest
 
 from bench.replay_targets import (
+    frontier_row,
+    frontier_table,
     main,
     pair_table,
     routers_row,
@@ -107,3 +109,39 @@ def test_cli_prints_the_rows_and_the_count(tmp_path, capsys):
     assert "missed: TTFT p99 (conflict)" in out
     assert "all targets on 0/1" in out
     assert main(["runs", str(tmp_path / "missing.json")]) == 2
+
+
+def test_the_frontier_and_where_cache_aware_sits_on_it():
+    report = _report(
+        _policy("cache_aware", 0.49, 0.3, 2.0, 5.0, 0.01),  # 98% of pooled
+        _policy("sglang", 0.50, 0.3, 2.0, 9.0, 0.01),  # 100%, slower: on the frontier
+        _policy("dynamo", 0.44, 0.3, 2.0, 4.0, 0.01),  # 88%, faster: on it, a conflict
+        _policy("round_robin", 0.40, 0.3, 2.0, 4.5, 0.01),  # behind dynamo on both
+        _policy("approx_tree", 0.49, 0.3, 2.0, 5.0, 0.01),  # equal to ours: beats nobody
+    )
+    row = frontier_row(report, "run")
+    assert [p.policy for p in row.frontier] == ["sglang", "cache_aware", "approx_tree", "dynamo"]
+    assert row.beaten_by is None and row.fastest_at_target
+    # a policy at the target and faster: cache_aware is behind it, and not the fastest
+    report["policies"].append(_policy("aibrix", 0.495, 0.3, 2.0, 4.8, 0.01))
+    row = frontier_row(report, "run")
+    assert row.beaten_by is not None and row.beaten_by.policy == "aibrix"
+    assert not row.fastest_at_target
+    table = frontier_table([row])
+    assert "behind aibrix 99.0% / 4.80 s" in table
+    assert (
+        "cache_aware on the frontier in 0/1 runs; the fastest policy at >= 95% of pooled in 0/1"
+        in table
+    )
+
+
+def test_frontier_cli(tmp_path, capsys):
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(_report(_policy("cache_aware", 0.49, 0.3, 2.0, 5.0, 0.01))))
+    assert main(["frontier", str(path)]) == 0
+    assert (
+        "| run | cache_aware 98.0% / 5.00 s | cache_aware 98.0% / 5.00 s: on it; the fastest"
+        in capsys.readouterr().out
+    )
+    (tmp_path / "bad.json").write_text(json.dumps({"policies": []}))
+    assert main(["frontier", str(tmp_path / "bad.json")]) == 2
