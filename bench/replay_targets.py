@@ -352,8 +352,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             verdicts = [verdict(_load(f), Path(f).stem) for f in args.reports]
             print(runs_table(verdicts) + "\n\n" + summary(verdicts))
         elif args.command == "frontier":
-            rows = [frontier_row(_load(f), Path(f).stem) for f in args.reports]
-            print(frontier_table(rows))
+            print(frontier_table([frontier_row(_load(f), Path(f).stem) for f in args.reports]))
         elif args.command == "pair":
             print(pair_table(_load(args.before), _load(args.after), args.policy))
         else:
