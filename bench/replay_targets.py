@@ -256,6 +256,8 @@ def routers_summary(rows: Sequence[dict[str, float]]) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Point:
+    """A policy in one report: its share of the pooled reference's hit rate, its e2e p99."""
+
     policy: str
     of_pooled: float
     e2e_p99_s: float
