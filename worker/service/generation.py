@@ -73,7 +73,7 @@ class WorkerGeneration:
     def model_name(self) -> str:
         return self._model_name
 
-    def _decode(self, ids: list[int]) -> str:
+    def token_text(self, ids: list[int]) -> str:
         """One token's text, for logprobs ("" without a tokenizer)."""
         return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
 
@@ -323,7 +323,7 @@ class _Outputs:
         messages = []
         rid = self._rid
         if ids or text:
-            messages.append(convert.chunk_to_pb(rid, ids, text, logprobs, self._owner._decode))
+            messages.append(convert.chunk_to_pb(rid, ids, text, logprobs, self._owner.token_text))
         if out.finish_reason is not None:
             self.finished = True
             self._outcome = out.finish_reason.value
