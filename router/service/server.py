@@ -29,6 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from edge.auth import AuthInterceptor, auth_middleware
 from edge.grpc_services import HEALTH_SERVICE_NAME, HealthServicer, enable_reflection
+from edge.h2_server import H2GrpcServer
 from edge.http_front import HttpFront, HttpFrontConfig, build_app
 from edge.malformed import MalformedRequestInterceptor
 from edge.registry import (
@@ -38,7 +39,7 @@ from edge.registry import (
     WorkerRecord,
     redacted_url,
 )
-from edge.tls import RedisAuth, ServerTls, add_port
+from edge.tls import RedisAuth, ServerTls
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
 from router.core.pools import PoolsConfig, RouterPools
@@ -126,19 +127,6 @@ def check_address(address: str) -> str:
     return address
 
 
-def server_options(config: ConnectionConfig, reuse_port: bool = False) -> list[tuple[str, int]]:
-    """Accept client keepalive pings at the rate our own channels send them. No
-    SO_REUSEPORT (grpc's default is on) unless ``reuse_port`` (a `--processes` sibling): a
-    second router on a taken port must fail, not silently take half of the first one's
-    clients."""
-    return [
-        ("grpc.so_reuseport", int(reuse_port)),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", int(config.keepalive_time_s * 500)),
-        ("grpc.http2.max_ping_strikes", 0),
-    ]
-
-
 class RouterServer:
     """One router replica."""
 
@@ -185,7 +173,7 @@ class RouterServer:
         self.health = HealthServicer()  # with List
         self.watcher: RedisMembershipWatcher | None = None
         self.replica_sync: ReplicaSync | None = None
-        self._server: grpc.aio.Server | None = None
+        self._server: H2GrpcServer | None = None
         self.port: int | None = None
         self.http: HttpFront | None = None  # over the same Frontend as the gRPC servicer
         self._stopping = False
@@ -207,14 +195,12 @@ class RouterServer:
         interceptors: list[grpc.aio.ServerInterceptor] = [MalformedRequestInterceptor()]
         if keys is not None:
             interceptors.append(AuthInterceptor(keys.authenticate))
-        server = grpc.aio.server(
-            options=server_options(self.config.connection, self.config.reuse_port),
-            interceptors=interceptors,
-        )
+        server = H2GrpcServer(interceptors=interceptors, reuse_port=self.config.reuse_port)
         pb_grpc.add_RouterServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         enable_reflection((ROUTER_SERVICE_NAME, HEALTH_SERVICE_NAME), server)  # v1 and v1alpha
-        port = add_port(server, f"{self.config.host}:{self.config.port}", self.config.tls)
+        tls = self.config.tls.ssl_context() if self.config.tls is not None else None
+        port = server.add_port(f"{self.config.host}:{self.config.port}", tls)
         grpc_started = False
         try:
             for address in self.config.workers:
