@@ -494,9 +494,11 @@ class _Connection(asyncio.Protocol):
         self._streams[stream_id] = stream
         if self._server.stopping:
             stream.finish(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+            self.done(stream)
             return
         if bad_timeout:
             stream.finish(grpc.StatusCode.INVALID_ARGUMENT, "malformed grpc-timeout header")
+            self.done(stream)
             return
         details = _Details(path.decode("ascii", "replace"), tuple(metadata))
         stream.task = loop.create_task(self._server.run_call(stream, details))

@@ -418,3 +418,20 @@ async def test_no_header_reaches_a_debug_log(served: Any, caplog: pytest.LogCapt
         assert await call == b"x"
     assert caplog.records  # grpc's and asyncio's debug lines were captured
     assert not [r for r in caplog.records if secret in r.getMessage()]
+
+
+async def test_a_malformed_timeout_is_invalid_argument(served: Any) -> None:
+    _, server, _ = served
+    address = f"127.0.0.1:{server._sockets[0][0].getsockname()[1]}"
+    headers = [
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":authority", address),
+        (":path", f"/{SERVICE}/Unary"),
+        ("content-type", "application/grpc"),
+        ("grpc-timeout", "soon"),
+    ]
+    answer = await _raw_h2(address, headers)
+    assert answer[b":status"] == b"200"
+    assert answer[b"grpc-status"] == str(grpc.StatusCode.INVALID_ARGUMENT.value[0]).encode()
+    assert b"grpc-timeout" in answer[b"grpc-message"]
