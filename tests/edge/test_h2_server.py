@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import itertools
 import logging
 import socket
+import urllib.parse
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,6 +22,8 @@ import h2.config
 import h2.connection
 import h2.events
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from edge import h2_server
 from edge.h2_server import H2GrpcServer
@@ -435,3 +439,57 @@ async def test_a_malformed_timeout_is_invalid_argument(served: Any) -> None:
     assert answer[b":status"] == b"200"
     assert answer[b"grpc-status"] == str(grpc.StatusCode.INVALID_ARGUMENT.value[0]).encode()
     assert b"grpc-timeout" in answer[b"grpc-message"]
+
+
+class _FakeConn:
+    """What a stream asks of its connection when it receives (the pending count)."""
+
+    pending = 0
+    peer = "ipv4:127.0.0.1:1"
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    messages=st.lists(st.binary(max_size=300), max_size=8),
+    cuts=st.lists(st.integers(min_value=0, max_value=3000), max_size=12),
+)
+def test_request_framing_survives_any_chunking(messages: list[bytes], cuts: list[int]) -> None:
+    """Length-prefixed messages cut into DATA chunks anywhere come out whole and in order,
+    and the connection's pending count is what was received and not taken."""
+    wire = b"".join(b"\x00" + len(m).to_bytes(4, "big") + m for m in messages)
+    bounds = sorted({0, len(wire), *(c for c in cuts if c < len(wire))})
+    conn = _FakeConn()
+    stream = h2_server._Stream(conn, 1, None)  # type: ignore[arg-type]
+    for lo, hi in itertools.pairwise(bounds):
+        assert stream.receive(wire[lo:hi], limit=1 << 20) is None
+        stream.count()
+        assert conn.pending == len(stream._buffer) + sum(map(len, stream._messages))
+    assert list(stream._messages) == messages
+    assert conn.pending == sum(map(len, messages))
+    stream.release()
+    assert conn.pending == 0
+
+
+@given(st.integers(min_value=0, max_value=2000), st.integers(min_value=2001, max_value=1 << 24))
+def test_a_message_over_the_limit_is_refused_from_its_prefix(limit: int, size: int) -> None:
+    stream = h2_server._Stream(_FakeConn(), 1, None)  # type: ignore[arg-type]
+    refusal = stream.receive(b"\x00" + size.to_bytes(4, "big") + b"x", limit=limit)
+    assert refusal == f"Received message larger than max ({size} vs. {limit})"
+
+
+@given(st.text(max_size=200))
+@example("50%2F of it, 100% sure")  # a '%' left as is would decode as '/'
+def test_status_text_percent_encoding_round_trips(text: str) -> None:
+    encoded = h2_server._percent_encode(text)
+    assert all(0x20 <= b <= 0x7E for b in encoded)  # a valid header value
+    assert urllib.parse.unquote(encoded.decode("ascii"), errors="replace") == text.encode(
+        "utf-8", "replace"
+    ).decode("utf-8", "replace")
+
+
+@given(st.integers(min_value=0, max_value=99_999_999), st.sampled_from("HMSmun"))
+def test_grpc_timeout_values(value: int, unit: str) -> None:
+    scale = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}[unit]
+    assert h2_server._parse_timeout(f"{value}{unit}".encode()) == value * scale
+    assert h2_server._parse_timeout(f"{value}x".encode()) is None
+    assert h2_server._parse_timeout(b"123456789S") is None  # more than 8 digits
