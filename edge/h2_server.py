@@ -563,19 +563,20 @@ class _Connection(asyncio.Protocol):
             self._transport.write(data)
 
     async def wait_window(self) -> None:
-        if self.closed:
-            raise _Gone
-        waiter = asyncio.get_running_loop().create_future()
-        self._window_waiters.append(waiter)
-        await waiter
+        """Until the client opens its flow-control window (or the connection goes)."""
+        await self._wait(self._window_waiters)
         if self.closed:
             raise _Gone
 
     async def drained(self) -> None:
+        """Until the socket's buffer drained below its mark (or the connection goes)."""
+        await self._wait(self._drain_waiters)
+
+    async def _wait(self, waiters: list[asyncio.Future[None]]) -> None:
         if self.closed:
             raise _Gone
         waiter = asyncio.get_running_loop().create_future()
-        self._drain_waiters.append(waiter)
+        waiters.append(waiter)
         await waiter
 
     def _wake_windows(self) -> None:

@@ -201,7 +201,6 @@ class RouterServer:
         enable_reflection((ROUTER_SERVICE_NAME, HEALTH_SERVICE_NAME), server)  # v1 and v1alpha
         tls = self.config.tls.ssl_context() if self.config.tls is not None else None
         port = server.add_port(f"{self.config.host}:{self.config.port}", tls)
-        grpc_started = False
         try:
             for address in self.config.workers:
                 self.pool.add(address, static=True)
@@ -225,11 +224,9 @@ class RouterServer:
                 )
                 await self.replica_sync.start()
             await server.start()
-            grpc_started = True
             await self._start_http()
         except BaseException:  # a bad Redis URL, a failed bind: leave no task or channel behind
-            if grpc_started:  # the HTTP bind failed
-                await server.stop(None)
+            await server.stop(None)  # the port was bound, whether or not it served yet
             if self.replica_sync is not None:
                 await self.replica_sync.close()
                 self.replica_sync = None
