@@ -243,7 +243,7 @@ async def test_deadline_cancels_the_method(served: Any) -> None:
 async def test_time_remaining_is_the_clients_deadline(served: Any) -> None:
     _, _, channel = served
     remaining = float(await _unary(channel)(b"remaining", timeout=30))
-    assert 25 < remaining <= 30
+    assert 25 < remaining <= 31  # the client rounds its grpc-timeout header up
     assert await _unary(channel)(b"remaining") == b"None"
 
 
