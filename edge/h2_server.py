@@ -1,12 +1,11 @@
 """The router's client-facing gRPC server: HTTP/2 framed on the event loop with ``h2``.
 
 grpc.aio sends each message of a streamed answer as a batch of its own whose completion
-crosses two threads (grpc's event engine, its completion-queue poller, then the event loop):
-at 64 streams that was about twice the HTTP/SSE front's CPU per message, and its accept path
-behind a busy loop added tens of ms to the first token (decision 0043). Here a message is a
-DATA frame written from the handler's own turn of the loop: ``h2`` keeps the protocol's
-state (streams, flow control, HPACK, settings, pings), and the frames every stream wrote in
-one turn leave in one socket write (decision 0054).
+crosses two threads (grpc's event engine, its completion-queue poller, then the event loop),
+and accepts a call over several loop turns (decision 0043). Here a message is a DATA frame
+written from the handler's own turn of the loop: ``h2`` keeps the protocol's state (streams,
+flow control, HPACK, settings, pings), and the frames every stream wrote in one turn leave in
+one socket write (decision 0054).
 
 It serves what grpc's generated code registers (``add_generic_rpc_handlers`` and
 ``add_registered_method_handlers``, so ``add_RouterServicer_to_server``, the health and the
@@ -35,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import errno
 import functools
 import inspect
 import logging
@@ -53,6 +51,8 @@ import h2.events
 import h2.exceptions
 import h2.settings
 from hyperframe.frame import GoAwayFrame
+
+from edge.tls import bind_error_reason
 
 __all__ = ["H2GrpcServer"]
 
@@ -535,14 +535,13 @@ class _Connection(asyncio.Protocol):
             self.h2.send_headers(stream_id, ((b":status", status),), end_stream=True)
 
     def forget(self, stream: _Stream) -> None:
-        """The call is over: its task (if still running) is cancelled."""
-        stream.release()
-        if self._streams.get(stream.id) is stream:
-            del self._streams[stream.id]
+        """The call is over before its method: its task (if still running) is cancelled."""
+        self.done(stream)
         if stream.task is not None and not stream.task.done():
             stream.task.cancel()
 
     def done(self, stream: _Stream) -> None:
+        """The call is over: what it received is let go, its id forgotten."""
         stream.release()
         if self._streams.get(stream.id) is stream:
             del self._streams[stream.id]
@@ -717,10 +716,7 @@ class H2GrpcServer:
             bound.append(sock)
         if not bound:
             assert first_error is not None
-            reason = first_error.strerror or str(first_error)
-            if first_error.errno == errno.EADDRINUSE:
-                reason += " (is another kvroute or server listening there?)"
-            raise OSError(f"could not bind {address}: {reason}")
+            raise OSError(f"could not bind {address}: {bind_error_reason(first_error)}")
         self._sockets.extend((sock, tls) for sock in bound)
         return port
 

@@ -219,11 +219,16 @@ def _bind_failure(address: str) -> str:
         with socket.socket(family, kind, proto) as probe:
             probe.bind(sockaddr)
     except (OSError, ValueError) as exc:
-        reason = getattr(exc, "strerror", None) or str(exc)
-        if getattr(exc, "errno", None) == errno.EADDRINUSE:
-            return f"{reason} (is another kvroute or server listening there?)"
-        return reason
+        return bind_error_reason(exc)
     return "grpc refused the address"
+
+
+def bind_error_reason(exc: OSError | ValueError) -> str:
+    """Why a bind failed, in one line; a taken port asks whether another server holds it."""
+    reason = getattr(exc, "strerror", None) or str(exc)
+    if getattr(exc, "errno", None) == errno.EADDRINUSE:
+        return f"{reason} (is another kvroute or server listening there?)"
+    return reason
 
 
 def channel(
