@@ -114,6 +114,11 @@ def encode_stream_message(item: EventBatch | Snapshot) -> bytes:
     return stream_message_to_pb(item).SerializeToString()
 
 
+def run_to_pb(messages: Sequence[pb.KvStreamMessage]) -> pb.KvStreamMessage:
+    """Consecutive batch messages as one ``EventBatchRun`` message (decision 0056)."""
+    return pb.KvStreamMessage(run=pb.EventBatchRun(batches=[m.batch for m in messages]))
+
+
 # ---- decoding --------------------------------------------------------------------------
 
 
@@ -266,6 +271,8 @@ def stream_message_from_pb(msg: pb.KvStreamMessage) -> EventBatch | Snapshot:
         return batch_from_pb(msg.batch)
     if kind == "snapshot":
         return snapshot_from_pb(msg.snapshot)
+    if kind == "run":
+        raise ContractError("KvStreamMessage is an EventBatchRun: split it (stream_parts) first")
     raise ContractError("KvStreamMessage has neither batch nor snapshot set")
 
 
@@ -508,6 +515,61 @@ def decode_stream_message(data: bytes) -> EventBatch | Snapshot:
         if batch is not None:
             return batch
     return decode_with_protobuf(data)
+
+
+# KvStreamMessage.run, and EventBatchRun.batches / KvStreamMessage.batch: a field number and
+# wire type 2 (length-delimited) in one tag byte
+_RUN_TAG = 3 << 3 | 2
+_BATCH_TAG = 1 << 3 | 2
+
+
+def _varint(data: bytes, i: int, end: int) -> tuple[int, int] | None:
+    value = shift = 0
+    while i < end and shift < 64:
+        byte = data[i]
+        i += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, i
+        shift += 7
+    return None
+
+
+def stream_parts(data: bytes) -> list[bytes]:
+    """The stream messages ``data`` carries, in order: ``[data]``, or for an
+    ``EventBatchRun`` (decision 0056) one ``KvStreamMessage{batch}``'s bytes per batch, cut
+    from it without decoding (the run's bytes are exactly those, back to back). Each part
+    then decodes as any stream message (:func:`decode_stream_lazy`). A run in a layout this
+    cut does not expect is split by protobuf; one that does not parse is a ContractError."""
+    if not data or data[0] != _RUN_TAG:
+        return [data]
+    end = len(data)
+    head = _varint(data, 1, end)
+    if head is None or head[0] + head[1] != end:
+        return _parts_with_protobuf(data)
+    i = head[1]
+    parts = []
+    while i < end:
+        if data[i] != _BATCH_TAG:
+            return _parts_with_protobuf(data)
+        item = _varint(data, i + 1, end)
+        if item is None or item[0] + item[1] > end:
+            return _parts_with_protobuf(data)
+        stop = item[0] + item[1]
+        parts.append(data[i:stop])
+        i = stop
+    return parts
+
+
+def _parts_with_protobuf(data: bytes) -> list[bytes]:
+    msg = pb.KvStreamMessage()
+    try:
+        msg.ParseFromString(data)
+    except Exception as exc:  # protobuf raises DecodeError, a private subclass
+        raise ContractError(f"KvStreamMessage does not parse: {exc}") from None
+    if msg.WhichOneof("kind") != "run":
+        return [data]
+    return [pb.KvStreamMessage(batch=b).SerializeToString() for b in msg.run.batches]
 
 
 def decode_with_protobuf(data: bytes) -> EventBatch | Snapshot:

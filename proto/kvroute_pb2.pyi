@@ -251,23 +251,33 @@ class Snapshot(_message.Message):
     blocks: _containers.RepeatedCompositeFieldContainer[BlockStored]
     def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., block_size: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockStored, _Mapping]]] = ...) -> None: ...
 
+class EventBatchRun(_message.Message):
+    __slots__ = ("batches",)
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    batches: _containers.RepeatedCompositeFieldContainer[EventBatch]
+    def __init__(self, batches: _Optional[_Iterable[_Union[EventBatch, _Mapping]]] = ...) -> None: ...
+
 class KvStreamMessage(_message.Message):
-    __slots__ = ("batch", "snapshot")
+    __slots__ = ("batch", "snapshot", "run")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
     batch: EventBatch
     snapshot: Snapshot
-    def __init__(self, batch: _Optional[_Union[EventBatch, _Mapping]] = ..., snapshot: _Optional[_Union[Snapshot, _Mapping]] = ...) -> None: ...
+    run: EventBatchRun
+    def __init__(self, batch: _Optional[_Union[EventBatch, _Mapping]] = ..., snapshot: _Optional[_Union[Snapshot, _Mapping]] = ..., run: _Optional[_Union[EventBatchRun, _Mapping]] = ...) -> None: ...
 
 class SubscribeRequest(_message.Message):
-    __slots__ = ("epoch", "after_seq", "subscriber_id")
+    __slots__ = ("epoch", "after_seq", "subscriber_id", "accepts_runs")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
     SUBSCRIBER_ID_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTS_RUNS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     after_seq: int
     subscriber_id: str
-    def __init__(self, epoch: _Optional[int] = ..., after_seq: _Optional[int] = ..., subscriber_id: _Optional[str] = ...) -> None: ...
+    accepts_runs: bool
+    def __init__(self, epoch: _Optional[int] = ..., after_seq: _Optional[int] = ..., subscriber_id: _Optional[str] = ..., accepts_runs: _Optional[bool] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ()

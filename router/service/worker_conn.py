@@ -58,8 +58,11 @@ MAX_SNAPSHOT_BYTES = 1 << 30
 # its BDP probe, which is off there). A router that falls behind then holds the worker's
 # writes, and the worker sends everything its engine made meanwhile in one message: tokens
 # coalesce exactly when the router is the limit, and cost it per message, not per token
-# (decision 0030). The event stream keeps grpc's defaults on the control channel: a worker's
-# events must never wait on the router's relays (its subscriber queue would overflow).
+# (decision 0030). The event stream has the same window on the control channel (its own
+# connection: a worker's events never wait on the router's relays): what the worker
+# publishes while the router has not read the last message goes out as one run (decision
+# 0056). A message larger than the window (a snapshot) still flows: grpc opens the window
+# for the whole of a message being read.
 STREAM_WINDOW_BYTES = 1024
 
 # The Worker service's event stream (kvroute.proto), called with raw response bytes
@@ -102,13 +105,12 @@ class ConnectionConfig:
         if self.purge_after_s < 0:
             raise ValueError(f"purge_after_s must be >= 0, got {self.purge_after_s}")
 
-    def channel_options(self, *, relay: bool = False) -> list[tuple[str, int]]:
-        """The worker channels' options; ``relay``: the Generate channel's (a small stream
-        window, see ``STREAM_WINDOW_BYTES``)."""
+    def channel_options(self) -> list[tuple[str, int]]:
+        """The worker channels' options (a small stream window, see ``STREAM_WINDOW_BYTES``)."""
         max_backoff_ms = int(self.backoff.max_s * 1000)
-        window = [("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES), ("grpc.http2.bdp_probe", 0)]
         return [
-            *(window if relay else ()),
+            ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES),
+            ("grpc.http2.bdp_probe", 0),
             ("grpc.keepalive_time_ms", int(self.keepalive_time_s * 1000)),
             ("grpc.keepalive_timeout_ms", int(self.keepalive_timeout_s * 1000)),
             # without it grpc-core (1.85) waits for a ping ack far longer than the keepalive
@@ -190,7 +192,7 @@ class WorkerConnection:
         self.relay_channel = make_channel(
             address,
             config.tls,
-            options=config.channel_options(relay=True),
+            options=config.channel_options(),
             interceptors=bearer_interceptors(config.token) if config.token else None,
         )
         self.relay_stub = pb_grpc.WorkerStub(self.relay_channel)
@@ -323,26 +325,33 @@ class WorkerConnection:
         """One subscription; True when the core asked to resubscribe, False when it ended."""
         epoch, after_seq = self._core.expected_subscription(worker_id)
         req = pb.SubscribeRequest(
-            epoch=epoch, after_seq=after_seq, subscriber_id=self.config.subscriber_id
+            epoch=epoch,
+            after_seq=after_seq,
+            subscriber_id=self.config.subscriber_id,
+            accepts_runs=True,
         )
         call = self._subscribe(req)
         self._call = call
         try:
             async for data in call:
-                decoded = codec.decode_stream_lazy(data)  # a plain batch's events unbuilt
-                if decoded.worker_id != worker_id:
-                    raise ContractError(
-                        f"stream message worker_id={decoded.worker_id!r} but the worker at "
-                        f"{self.address} is {worker_id!r}"
-                    )
-                self.num_messages += 1
-                actions = self._core.on_stream_message(worker_id, decoded)
+                # a run (decision 0056): the batches that queued on the worker while this
+                # stream's window was full, each applied as if it had come alone
+                for part in codec.stream_parts(data):
+                    decoded = codec.decode_stream_lazy(part)  # a plain batch's events unbuilt
+                    if decoded.worker_id != worker_id:
+                        raise ContractError(
+                            f"stream message worker_id={decoded.worker_id!r} but the worker "
+                            f"at {self.address} is {worker_id!r}"
+                        )
+                    self.num_messages += 1
+                    actions = self._core.on_stream_message(worker_id, decoded)
+                    for action in actions:
+                        match action:
+                            case Resubscribe(reason=reason):
+                                log.info("worker %s: resubscribing (%s)", worker_id, reason)
+                                await self._notify()
+                                return True
                 await self._notify()
-                for action in actions:
-                    match action:
-                        case Resubscribe(reason=reason):
-                            log.info("worker %s: resubscribing (%s)", worker_id, reason)
-                            return True
             return False
         finally:
             call.cancel()

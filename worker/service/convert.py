@@ -269,3 +269,8 @@ def worker_info_to_pb(info: WorkerInfo) -> pb.WorkerInfo:
 def stream_message_to_pb(item: EventBatch | Snapshot) -> pb.KvStreamMessage:
     """One KV stream message (encoded once, shared by every subscriber)."""
     return codec.stream_message_to_pb(item)
+
+
+def run_to_pb(messages: list[pb.KvStreamMessage]) -> pb.KvStreamMessage:
+    """Consecutive batch messages of one subscriber as one message (decision 0056)."""
+    return codec.run_to_pb(messages)

@@ -152,6 +152,10 @@ class RequestStream:
         )
 
 
+# The most batches one EventBatchRun carries (decision 0056)
+RUN_MAX_BATCHES = 256
+
+
 class Subscription:
     """One KV event subscriber: its first messages, then a bounded queue of live ones."""
 
@@ -187,6 +191,20 @@ class Subscription:
         while (msg := await self.get()) is not None:
             yield msg
 
+    async def runs(self, limit: int) -> AsyncIterator[list[pb.KvStreamMessage]]:
+        """As :meth:`messages`, but each item is every batch queued when the stream asks for
+        the next (at most ``limit``, in order): while the subscriber's last message is
+        unread they queue here, and go out as one run (decision 0056). A snapshot is alone."""
+        for run in _runs(self.initial, limit):
+            yield run
+        while (msg := await self.get()) is not None:
+            run = [msg]
+            queue = self._queue
+            if msg.HasField("batch"):
+                while queue and len(run) < limit and queue[0].HasField("batch"):
+                    run.append(queue.popleft())
+            yield run
+
     async def get(self) -> pb.KvStreamMessage | None:
         """The next live message; None once closed; raises SubscriberOverflowError."""
         while True:  # each turn either returns or waits for a push/close
@@ -201,6 +219,22 @@ class Subscription:
                 return None
             self._wake.clear()
             await self._wake.wait()
+
+
+def _runs(messages: list[pb.KvStreamMessage], limit: int) -> list[list[pb.KvStreamMessage]]:
+    """``messages`` with consecutive batches grouped, at most ``limit`` a group."""
+    runs: list[list[pb.KvStreamMessage]] = []
+    for msg in messages:
+        if (
+            msg.HasField("batch")
+            and runs
+            and len(runs[-1]) < limit
+            and runs[-1][0].HasField("batch")
+        ):
+            runs[-1].append(msg)
+        else:
+            runs.append([msg])
+    return runs
 
 
 class EngineRunner:

@@ -23,6 +23,7 @@ from worker.engine.tokenizer import Tokenizer
 from worker.service import convert
 from worker.service.convert import WorkerInfo
 from worker.service.engine_runner import (
+    RUN_MAX_BATCHES,
     EngineRunner,
     EngineStoppedError,
     SubscriberOverflowError,
@@ -132,6 +133,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         * Every batch has the next seq. Engine steps publish batches of events only (load
           unset); every ``load_interval_s`` a batch with the load report (and whatever
           events were pending) takes its own seq.
+        * A subscriber that sets ``accepts_runs`` gets the batches that queued while its
+          last message was unread (its stream's flow-control window full) as one
+          ``EventBatchRun`` of up to ``RUN_MAX_BATCHES`` (decision 0056).
         * A subscriber that falls more than ``subscriber_queue_size`` batches behind is
           dropped with RESOURCE_EXHAUSTED; what it received is a gap-free prefix, so it
           resubscribes with its last seq (replay, or a snapshot if that is gone).
@@ -151,8 +155,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             first,
         )
         try:
-            async for msg in sub.messages():
-                yield msg
+            if request.accepts_runs:  # what queued meanwhile as one message (decision 0056)
+                async for run in sub.runs(RUN_MAX_BATCHES):
+                    yield run[0] if len(run) == 1 else convert.run_to_pb(run)
+            else:
+                async for msg in sub.messages():
+                    yield msg
         except SubscriberOverflowError as exc:
             log.warning("dropping slow subscriber %s: %s", who, exc)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))

@@ -1,7 +1,8 @@
 """WorkerConnection's event stream arrives as wire bytes (no gRPC deserializer) and is decoded
 by ``codec.decode_stream_message``: batches the compiled scan reads, messages it declines
-(a snapshot, an unknown field: protobuf decodes them), bytes that do not parse and a foreign
-worker_id -- each against a worker that sends exactly the bytes the test gives it."""
+(a snapshot, an unknown field: protobuf decodes them), runs of batches (decision 0056),
+bytes that do not parse and a foreign worker_id -- each against a worker that sends exactly
+the bytes the test gives it."""
 
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ class RawWorker:
     def __init__(self, messages: list[bytes]) -> None:
         self.messages = messages
         self.subscriptions = 0
+        self.requests: list[pb.SubscribeRequest] = []
 
     async def get_load(self, request: pb.GetLoadRequest, context: object) -> pb.WorkerInfo:
         return pb.WorkerInfo(
@@ -65,6 +67,7 @@ class RawWorker:
         self, request: pb.SubscribeRequest, context: object
     ) -> AsyncIterator[bytes]:
         self.subscriptions += 1
+        self.requests.append(request)
         for data in self.messages:
             yield data
         await asyncio.Event().wait()
@@ -189,3 +192,37 @@ async def test_a_foreign_worker_id_ends_the_stream() -> None:
     async with serving(worker) as address, connected(address, "numba") as (conn, _core):
         await until(lambda: conn.num_failures >= 1)
         assert "worker_id='w9'" in conn.last_error and conn.num_messages == 0
+
+
+@pytest.mark.parametrize("backend", ["numba", "dict"])
+async def test_a_run_is_applied_batch_by_batch(backend: str) -> None:
+    a, a_tokens = chain(1, 6)
+    snap = Snapshot(WID, 1, 1, BS, (BlockStored(a[:2], None, a_tokens[: 2 * BS]),))
+    batches = [
+        EventBatch(WID, 1, 2, BS, (BlockStored(a[2:4], a[1], a_tokens[2 * BS : 4 * BS]),)),
+        EventBatch(WID, 1, 3, BS, (BlockStored(a[4:], a[3], a_tokens[4 * BS :]),)),
+        EventBatch(WID, 1, 4, BS, (BlockRemoved(a[5:]),)),
+    ]
+    run = codec.run_to_pb([codec.stream_message_to_pb(b) for b in batches])
+    worker = RawWorker([codec.encode_stream_message(snap), run.SerializeToString()])
+    async with serving(worker) as address, connected(address, backend) as (conn, core):
+        await until(lambda: conn.num_messages == 4)  # the snapshot and three batches
+        assert core.worker_blocks(WID) == set(a[:5])
+        assert core.stream_position(WID) == (1, 4)
+        assert conn.num_failures == 0 and conn.num_resubscribes == 0
+        assert worker.requests[0].accepts_runs
+
+
+async def test_a_gap_inside_a_run_resubscribes_after_the_last_batch_applied() -> None:
+    a, a_tokens = chain(1, 4)
+    snap = Snapshot(WID, 1, 1, BS, (BlockStored(a[:2], None, a_tokens[: 2 * BS]),))
+    first = EventBatch(WID, 1, 2, BS, (BlockStored(a[2:], a[1], a_tokens[2 * BS :]),))
+    gap = EventBatch(WID, 1, 4, BS, (BlockRemoved(a[3:]),))  # seq 3 never came
+    run = codec.run_to_pb([codec.stream_message_to_pb(b) for b in (first, gap)])
+    worker = RawWorker([codec.encode_stream_message(snap), run.SerializeToString()])
+    async with serving(worker) as address, connected(address, "numba") as (conn, core):
+        await until(lambda: len(worker.requests) >= 2)
+        again = worker.requests[1]
+        assert (again.epoch, again.after_seq) == (1, 2)  # from the last batch it applied
+        assert conn.num_resubscribes >= 1
+        assert core.worker_blocks(WID) >= set(a[:4])

@@ -16,6 +16,7 @@ import pytest
 from edge.tokenizer import ByteTokenizer
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
+from kvroute_proto.events import LoadReport
 from router.cli.client import GenerateOptions
 from router.core.router_core import RouterConfig
 from tests.router.service.router_harness import FAST_CONN, WAIT_S, router_config, running_router
@@ -289,3 +290,29 @@ async def test_a_bridge_with_a_token_serves_only_routers_that_send_it():
         async with router_over(bridge, connection=dataclasses.replace(CONN, token="tok")) as r:
             result = await r.client.generate(prompt(3), GenerateOptions(max_new_tokens=2))
             assert result.worker_id == "b0" and len(result.token_ids) == 2
+
+
+@pytest.mark.parametrize("runs", [True, False])
+async def test_a_router_that_reads_late_gets_the_queued_batches_as_runs(runs: bool):
+    # decision 0056: the bridge serves runs as the worker does, and only to who asks
+    async with (
+        engine_and_bridge("b0") as (_engine, bridge),
+        grpc.aio.insecure_channel(bridge.address) as channel,
+    ):
+        call = pb_grpc.WorkerStub(channel).SubscribeKvEvents(
+            pb.SubscribeRequest(subscriber_id="r", accepts_runs=runs)
+        )
+        first = await call.read()
+        assert first.WhichOneof("kind") == "snapshot"
+        seq = first.snapshot.seq
+        for _ in range(300):  # in one turn of the loop: all queued before the stream writes
+            bridge.hub.publish_load(LoadReport(1, 0, 0, 100, 0, 100))
+        kinds, seqs = [], []
+        while len(seqs) < 300:
+            msg = await asyncio.wait_for(call.read(), WAIT_S)
+            kinds.append(msg.WhichOneof("kind"))
+            batches = msg.run.batches if kinds[-1] == "run" else [msg.batch]
+            seqs += [b.seq for b in batches]  # the bridge's own load timer's too
+        assert seqs == list(range(seq + 1, seq + 1 + len(seqs)))  # in order, none missing
+        assert ("run" in kinds) is runs and (len(kinds) < 10) is runs
+        call.cancel()
