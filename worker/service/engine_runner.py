@@ -191,6 +191,16 @@ class Subscription:
         while (msg := await self.get()) is not None:
             yield msg
 
+    async def stream(self, runs: bool) -> AsyncIterator[pb.KvStreamMessage]:
+        """What a SubscribeKvEvents call sends: a message a batch, or with ``runs`` (the
+        subscriber's ``accepts_runs``) what queued meanwhile as one EventBatchRun."""
+        if not runs:
+            async for msg in self.messages():
+                yield msg
+            return
+        async for run in self.runs(RUN_MAX_BATCHES):
+            yield run[0] if len(run) == 1 else convert.run_to_pb(run)
+
     async def runs(self, limit: int) -> AsyncIterator[list[pb.KvStreamMessage]]:
         """As :meth:`messages`, but each item is every batch queued when the stream asks for
         the next (at most ``limit``, in order): while the subscriber's last message is

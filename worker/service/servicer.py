@@ -23,7 +23,6 @@ from worker.engine.tokenizer import Tokenizer
 from worker.service import convert
 from worker.service.convert import WorkerInfo
 from worker.service.engine_runner import (
-    RUN_MAX_BATCHES,
     EngineRunner,
     EngineStoppedError,
     SubscriberOverflowError,
@@ -155,12 +154,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             first,
         )
         try:
-            if request.accepts_runs:  # what queued meanwhile as one message (decision 0056)
-                async for run in sub.runs(RUN_MAX_BATCHES):
-                    yield run[0] if len(run) == 1 else convert.run_to_pb(run)
-            else:
-                async for msg in sub.messages():
-                    yield msg
+            async for msg in sub.stream(request.accepts_runs):  # runs: decision 0056
+                yield msg
         except SubscriberOverflowError as exc:
             log.warning("dropping slow subscriber %s: %s", who, exc)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))

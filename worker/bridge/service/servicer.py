@@ -27,7 +27,6 @@ import grpc
 
 from edge.frontdoor import BadRequest, ServiceError, Unavailable
 from edge.limits import RequestLimits
-from kvroute_proto import codec
 from kvroute_proto import kvroute_pb2 as pb
 from kvroute_proto import kvroute_pb2_grpc as pb_grpc
 from worker.bridge.service.engine_http import EngineHttp, completion_body, events, parse_event
@@ -35,7 +34,7 @@ from worker.bridge.service.engine_sglang import SglangStream, generate_body
 from worker.bridge.service.engine_state import EngineState
 from worker.bridge.service.engine_stream import EngineResponse
 from worker.bridge.service.events import EventHub
-from worker.service.engine_runner import RUN_MAX_BATCHES, SubscriberOverflowError
+from worker.service.engine_runner import SubscriberOverflowError
 from worker.service.relay import RelayClosedError, RelayRegistry, own_stream_or_relay
 from worker.service.relay_starts import StartedContext, serve_relay
 
@@ -205,12 +204,8 @@ class BridgeServicer(pb_grpc.WorkerServicer):
             "subscriber %s joined at epoch=%d after_seq=%d", who, request.epoch, request.after_seq
         )
         try:
-            if request.accepts_runs:  # what queued meanwhile as one message (decision 0056)
-                async for run in sub.runs(RUN_MAX_BATCHES):
-                    yield run[0] if len(run) == 1 else codec.run_to_pb(run)
-            else:
-                async for msg in sub.messages():
-                    yield msg
+            async for msg in sub.stream(request.accepts_runs):  # runs: decision 0056
+                yield msg
         except SubscriberOverflowError as exc:
             log.warning("dropping slow subscriber %s: %s", who, exc)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
