@@ -59,6 +59,7 @@ class ConnectionStats:
     num_resubscribes: int
     num_purges: int
     state: str = "healthy"  # WorkerConnection.state
+    num_runs: int = 0  # event stream messages that carried a run (decision 0056)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +107,7 @@ def take_snapshot(server: RouterServer) -> RouterSnapshot:
             c.num_resubscribes,
             c.num_purges,
             c.state,
+            c.num_runs,
         )
         for c in server.pool.conns.values()
     )
@@ -342,12 +344,20 @@ class RouterStateCollector(Collector):
             "Times an unreachable worker's index entries were dropped",
             conn_labels,
         )
+        runs = _counter(
+            "kvroute_router_event_runs",
+            "Event stream messages that carried several batches: what the worker queued while "
+            "the router had not read its last message (the router reads behind the stream)",
+            conn_labels,
+        )
         for conn in snap.connections:
             conn_key = [conn.worker_id or NO_WORKER, conn.address]
             connects.add_metric(conn_key, conn.num_connects)
             failures.add_metric(conn_key, conn.num_failures)
             purges.add_metric(conn_key, conn.num_purges)
-        yield from (batches, epochs, snapshots, resyncs, lag, last_seq, connects, failures, purges)
+            runs.add_metric(conn_key, conn.num_runs)
+        yield from (batches, epochs, snapshots, resyncs, lag, last_seq)
+        yield from (connects, failures, purges, runs)
 
     def _frontend(self, snap: RouterSnapshot) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         inflight = _gauge(

@@ -220,6 +220,7 @@ class WorkerConnection:
         self.num_connects = 0
         self.num_failures = 0
         self.num_messages = 0
+        self.num_runs = 0  # messages that carried a run of batches: read behind the worker
         self.num_resubscribes = 0
         self.num_purges = 0
         self.last_error = ""
@@ -336,7 +337,10 @@ class WorkerConnection:
             async for data in call:
                 # a run (decision 0056): the batches that queued on the worker while this
                 # stream's window was full, each applied as if it had come alone
-                for part in codec.stream_parts(data):
+                parts = codec.stream_parts(data)
+                if len(parts) > 1:
+                    self.num_runs += 1
+                for part in parts:
                     decoded = codec.decode_stream_lazy(part)  # a plain batch's events unbuilt
                     if decoded.worker_id != worker_id:
                         raise ContractError(

@@ -98,6 +98,9 @@ async def test_requests_decisions_and_forgone_cache(fleet) -> None:
         assert after.get("kvroute_router_event_lag_seconds", worker=w) >= 0
         assert after.get("kvroute_router_worker_inflight_requests", worker=w) == 0
     assert after.get("kvroute_router_inflight_requests") == 0
+    # a series a worker connection (it counts only while the router reads behind a stream)
+    runs = [ls for n, ls in after.samples if n == "kvroute_router_event_runs_total"]
+    assert {dict(ls)["worker"] for ls in runs} == {"w0", "w1"}
     assert after.get("kvroute_router_workers", state="healthy") == 2
 
 

@@ -210,6 +210,7 @@ async def test_a_run_is_applied_batch_by_batch(backend: str) -> None:
         assert core.worker_blocks(WID) == set(a[:5])
         assert core.stream_position(WID) == (1, 4)
         assert conn.num_failures == 0 and conn.num_resubscribes == 0
+        assert conn.num_runs == 1  # the snapshot came alone
         assert worker.requests[0].accepts_runs
 
 
