@@ -562,11 +562,7 @@ def stream_parts(data: bytes) -> list[bytes]:
 
 
 def _parts_with_protobuf(data: bytes) -> list[bytes]:
-    msg = pb.KvStreamMessage()
-    try:
-        msg.ParseFromString(data)
-    except Exception as exc:  # protobuf raises DecodeError, a private subclass
-        raise ContractError(f"KvStreamMessage does not parse: {exc}") from None
+    msg = _parse(data)
     if msg.WhichOneof("kind") != "run":
         return [data]
     return [pb.KvStreamMessage(batch=b).SerializeToString() for b in msg.run.batches]
@@ -575,9 +571,13 @@ def _parts_with_protobuf(data: bytes) -> list[bytes]:
 def decode_with_protobuf(data: bytes) -> EventBatch | Snapshot:
     """Parse and validate wire bytes of a stream message with the protobuf runtime (the
     reference decode; the compiled scan hands it whatever it declines)."""
+    return stream_message_from_pb(_parse(data))
+
+
+def _parse(data: bytes) -> pb.KvStreamMessage:
     msg = pb.KvStreamMessage()
     try:
         msg.ParseFromString(data)
     except Exception as exc:  # protobuf raises DecodeError, a private subclass
         raise ContractError(f"KvStreamMessage does not parse: {exc}") from None
-    return stream_message_from_pb(msg)
+    return msg

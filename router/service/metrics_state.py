@@ -58,8 +58,8 @@ class ConnectionStats:
     num_messages: int
     num_resubscribes: int
     num_purges: int
+    num_runs: int  # event stream messages that carried a run (decision 0056)
     state: str = "healthy"  # WorkerConnection.state
-    num_runs: int = 0  # event stream messages that carried a run (decision 0056)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,8 +106,8 @@ def take_snapshot(server: RouterServer) -> RouterSnapshot:
             c.num_messages,
             c.num_resubscribes,
             c.num_purges,
-            c.state,
             c.num_runs,
+            c.state,
         )
         for c in server.pool.conns.values()
     )

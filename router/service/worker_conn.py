@@ -335,31 +335,36 @@ class WorkerConnection:
         self._call = call
         try:
             async for data in call:
-                # a run (decision 0056): the batches that queued on the worker while this
-                # stream's window was full, each applied as if it had come alone
-                parts = codec.stream_parts(data)
-                if len(parts) > 1:
-                    self.num_runs += 1
-                for part in parts:
-                    decoded = codec.decode_stream_lazy(part)  # a plain batch's events unbuilt
-                    if decoded.worker_id != worker_id:
-                        raise ContractError(
-                            f"stream message worker_id={decoded.worker_id!r} but the worker "
-                            f"at {self.address} is {worker_id!r}"
-                        )
-                    self.num_messages += 1
-                    actions = self._core.on_stream_message(worker_id, decoded)
-                    for action in actions:
-                        match action:
-                            case Resubscribe(reason=reason):
-                                log.info("worker %s: resubscribing (%s)", worker_id, reason)
-                                await self._notify()
-                                return True
+                reason = self._apply(worker_id, data)
                 await self._notify()
+                if reason is not None:
+                    log.info("worker %s: resubscribing (%s)", worker_id, reason)
+                    return True
             return False
         finally:
             call.cancel()
             self._call = None
+
+    def _apply(self, worker_id: str, data: bytes) -> str | None:
+        """Apply one stream message (each batch of a run in turn: what queued on the worker
+        while this stream's window was full, decision 0056); why the core asks to
+        resubscribe, when it does (the rest of the message is dropped: it comes again)."""
+        parts = codec.stream_parts(data)
+        if len(parts) > 1:
+            self.num_runs += 1
+        for part in parts:
+            decoded = codec.decode_stream_lazy(part)  # a plain batch's events unbuilt
+            if decoded.worker_id != worker_id:
+                raise ContractError(
+                    f"stream message worker_id={decoded.worker_id!r} but the worker at "
+                    f"{self.address} is {worker_id!r}"
+                )
+            self.num_messages += 1
+            for action in self._core.on_stream_message(worker_id, decoded):
+                match action:
+                    case Resubscribe(reason=reason):
+                        return reason
+        return None
 
     @property
     def state(self) -> str:

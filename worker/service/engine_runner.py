@@ -205,15 +205,11 @@ class Subscription:
         """As :meth:`messages`, but each item is every batch queued when the stream asks for
         the next (at most ``limit``, in order): while the subscriber's last message is
         unread they queue here, and go out as one run (decision 0056). A snapshot is alone."""
-        for run in _runs(self.initial, limit):
-            yield run
+        initial = deque(self.initial)
+        while initial:
+            yield _take_run(initial.popleft(), initial, limit)
         while (msg := await self.get()) is not None:
-            run = [msg]
-            queue = self._queue
-            if msg.HasField("batch"):
-                while queue and len(run) < limit and queue[0].HasField("batch"):
-                    run.append(queue.popleft())
-            yield run
+            yield _take_run(msg, self._queue, limit)
 
     async def get(self) -> pb.KvStreamMessage | None:
         """The next live message; None once closed; raises SubscriberOverflowError."""
@@ -231,20 +227,16 @@ class Subscription:
             await self._wake.wait()
 
 
-def _runs(messages: list[pb.KvStreamMessage], limit: int) -> list[list[pb.KvStreamMessage]]:
-    """``messages`` with consecutive batches grouped, at most ``limit`` a group."""
-    runs: list[list[pb.KvStreamMessage]] = []
-    for msg in messages:
-        if (
-            msg.HasField("batch")
-            and runs
-            and len(runs[-1]) < limit
-            and runs[-1][0].HasField("batch")
-        ):
-            runs[-1].append(msg)
-        else:
-            runs.append([msg])
-    return runs
+def _take_run(
+    first: pb.KvStreamMessage, queue: deque[pb.KvStreamMessage], limit: int
+) -> list[pb.KvStreamMessage]:
+    """``first`` and, when it is a batch, the batches that follow it in ``queue`` (taken
+    from it), at most ``limit`` in all."""
+    run = [first]
+    if first.HasField("batch"):
+        while queue and len(run) < limit and queue[0].HasField("batch"):
+            run.append(queue.popleft())
+    return run
 
 
 class EngineRunner:
